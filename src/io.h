@@ -1,0 +1,126 @@
+/*
+ * io.h — file formats: safetensors (read bf16/fp16/fp32, write fp32/bf16,
+ * sharded with an index), token shards (llm.c-compatible) and reference-loss
+ * shards. Model config.json lives in config.c (API in centrifuge.h).
+ *
+ * Every reader validates everything it reads and fails with one line naming
+ * the file and the problem (cf_fail), never crashing on a bad file.
+ */
+#ifndef CF_IO_H
+#define CF_IO_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* ------------------------------------------------------------ safetensors */
+
+typedef enum { CF_DT_F32 = 0, CF_DT_F16, CF_DT_BF16 } cf_dtype;
+const char *cf_dtype_name(cf_dtype d);      /* "F32", "F16", "BF16" */
+size_t cf_dtype_size(cf_dtype d);
+
+#define CF_ST_MAX_DIMS 8
+#define CF_ST_MAX_NAME 256
+
+typedef struct {
+    char name[CF_ST_MAX_NAME];
+    cf_dtype dtype;
+    int ndim;
+    int64_t shape[CF_ST_MAX_DIMS];
+    uint64_t begin, end;   /* byte offsets within the file's data section */
+    int file;              /* index into cf_st_archive.files              */
+} cf_st_tensor;
+
+typedef struct {
+    int ntensors;
+    cf_st_tensor *tensors;
+    int nfiles;
+    char **files;              /* paths of the .safetensors files          */
+    uint64_t *data_offset;     /* per file: 8 + header length              */
+} cf_st_archive;
+
+/* Opens a model directory (model.safetensors, or model.safetensors.index.json
+ * with its shards) or a single .safetensors file, reading only headers.
+ * Validates: header length within the file, JSON well-formed, dtypes
+ * known, shapes non-negative, offsets within the data section, sizes equal
+ * numel * dtype size, no overlapping tensors, no duplicate names. */
+int cf_st_open(cf_st_archive *a, const char *path);
+void cf_st_close(cf_st_archive *a);
+/* Index of the tensor with this name, or -1. */
+int cf_st_find(const cf_st_archive *a, const char *name);
+/* Reads tensor i converted to fp32; numel must match the tensor's. */
+int cf_st_read_f32(const cf_st_archive *a, int i, float *out, size_t numel);
+
+typedef struct {
+    const char *name;
+    const float *data;      /* fp32 host data */
+    int ndim;
+    int64_t shape[CF_ST_MAX_DIMS];
+} cf_st_item;
+
+/* Writes one .safetensors file (dtype CF_DT_F32 or CF_DT_BF16, round to
+ * nearest even), atomically. metadata {"format":"pt"} is included. */
+int cf_st_write(const char *path, const cf_st_item *items, int n, cf_dtype dtype);
+/* Writes into dir: model.safetensors if everything fits in max_shard_bytes
+ * (or max_shard_bytes == 0), else model-0000k-of-0000N.safetensors plus
+ * model.safetensors.index.json (HF layout). Atomic per file; the index is
+ * written last. Removes a stale single/sharded layout of the other kind. */
+int cf_st_write_dir(const char *dir, const cf_st_item *items, int n, cf_dtype dtype,
+                    size_t max_shard_bytes);
+
+/* bf16/fp16 <-> fp32 conversions (round to nearest even on the way down). */
+float cf_bf16_to_f32(uint16_t h);
+uint16_t cf_f32_to_bf16(float f);
+float cf_f16_to_f32(uint16_t h);
+
+/* ----------------------------------------------------------- token shards */
+
+/* Header: 256 int32 little-endian. [0] magic, [1] version, [2] token count.
+ * Tokens follow: version 1 = uint16 (llm.c), version 2 = uint32. */
+#define CF_TOKENS_MAGIC 20240520
+#define CF_TOKENS_V_U16 1
+#define CF_TOKENS_V_U32 2
+
+typedef struct {
+    char *path;
+    int64_t n;          /* token count */
+    int width;          /* 2 or 4 bytes */
+    void *data;         /* n tokens (mmap or heap) */
+    size_t map_len;     /* total mapping length (0 if heap) */
+    void *map;          /* mmap base */
+    uint32_t max_id;    /* largest token id in the shard */
+    uint64_t hash;      /* FNV-1a of the token payload as stored */
+} cf_tokens;
+
+/* Opens and validates a token shard. If vocab_size > 0, any id >= vocab_size
+ * fails (naming the first offending position). */
+int cf_tokens_open(cf_tokens *t, const char *path, int vocab_size);
+void cf_tokens_close(cf_tokens *t);
+static inline uint32_t cf_tokens_get(const cf_tokens *t, int64_t i) {
+    return t->width == 2 ? ((const uint16_t *)t->data)[i] : ((const uint32_t *)t->data)[i];
+}
+/* Writes a shard; width 0 picks uint16 when every id fits, else uint32. Atomic. */
+int cf_tokens_write(const char *path, const uint32_t *tokens, int64_t n, int width);
+
+/* --------------------------------------------------- reference-loss shards */
+
+/* Header: 256 int32. [0] magic, [1] version 1, [2] count (== token count),
+ * [3],[4] low/high 32 bits of the token shard's hash. Then count float32:
+ * ref[i] is the reference loss of predicting token i (ref[0] = 0). */
+#define CF_REFLOSS_MAGIC 20251121
+#define CF_REFLOSS_VERSION 1
+
+typedef struct {
+    char *path;
+    int64_t n;
+    float *loss;        /* heap copy, n floats */
+    uint64_t token_hash;
+} cf_refloss;
+
+/* Opens and validates a ref-loss shard; if tokens != NULL it must belong to
+ * that token shard (same count and hash), else a clear error naming both
+ * files. Non-finite or negative losses fail. */
+int cf_refloss_open(cf_refloss *r, const char *path, const cf_tokens *tokens);
+void cf_refloss_close(cf_refloss *r);
+int cf_refloss_write(const char *path, const float *loss, int64_t n, uint64_t token_hash);
+
+#endif /* CF_IO_H */

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Installs the Debian packages Centrifuge builds against, if missing.
+# Usage: tools/install_deps.sh [--with-fuzz]
+set -euo pipefail
+need=()
+[ -f /usr/include/cjson/cJSON.h ] || need+=(libcjson-dev)
+{ [ -f /usr/include/x86_64-linux-gnu/cblas.h ] || [ -f /usr/include/cblas.h ] || \
+  [ -f /usr/include/openblas/cblas.h ] || [ -f /usr/include/aarch64-linux-gnu/cblas.h ]; } || need+=(libopenblas-dev)
+command -v gcc >/dev/null || need+=(gcc)
+command -v make >/dev/null || need+=(make)
+if [ "${1:-}" = "--with-fuzz" ]; then
+  command -v clang >/dev/null || need+=(clang)
+  dpkg -s libclang-rt-14-dev >/dev/null 2>&1 || need+=(libclang-rt-14-dev)
+fi
+[ ${#need[@]} -eq 0 ] && exit 0
+echo "install_deps: installing ${need[*]}" >&2
+SUDO=""
+[ "$(id -u)" -eq 0 ] || SUDO="sudo"
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq
+$SUDO apt-get install -y -qq "${need[@]}" >/dev/null
