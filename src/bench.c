@@ -1,0 +1,181 @@
+/*
+ * bench.c — `centrifuge bench`: per-stage timings of a training step in each
+ * mode (forward, filter operator, backward, optimizer, step), as a table and
+ * as JSON lines, with sweeps over --keep and --seq.
+ *
+ * Method (docs/BENCHMARKS.md): all modes in one process on the same weights
+ * and data; `--warmup` untimed steps, then the median of `--steps` timed
+ * steps per stage. Selection is random by default (the speed of the
+ * backward does not depend on which tokens are kept, only how many).
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli.h"
+#include "commands.h"
+#include "common.h"
+#include "model_internal.h"
+#include "train.h"
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static double median(double *v, int n) {
+    qsort(v, (size_t)n, sizeof *v, cmp_double);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+/* Splits "a,b,c" into up to cap items (in place). */
+static int split_list(char *s, char **items, int cap) {
+    int n = 0;
+    for (char *tok = strtok(s, ","); tok && n < cap; tok = strtok(NULL, ",")) items[n++] = tok;
+    return n;
+}
+
+typedef struct { double fwd, filter, bwd, opt, step; } stage_times;
+
+/* Runs warmup + steps training steps in `mode`; medians into *out. */
+static int bench_mode(cf_model *m, cf_mode mode, int B, int S, float keep, cf_select_kind sel,
+                      int warmup, int steps, uint64_t seed, stage_times *out, int *kept_out) {
+    int T = B * S, V = cf_model_config(m)->vocab_size;
+    int32_t *tokens = cf_malloc((size_t)B * (S + 1) * sizeof(int32_t));
+    float *losses = cf_malloc((size_t)T * sizeof(float));
+    uint8_t *keepmask = cf_malloc((size_t)T);
+    double *v = cf_malloc(5 * (size_t)steps * sizeof(double));
+    if (!tokens || !losses || !keepmask || !v) { free(tokens); free(losses); free(keepmask); free(v); return -1; }
+    cf_rng rng;
+    cf_rng_seed(&rng, seed);
+    for (int i = 0; i < B * (S + 1); i++) tokens[i] = (int32_t)cf_rng_below(&rng, (uint32_t)V);
+    /* lr 0: the weights stay the same across modes, only the time counts */
+    cf_adamw_params hp = {0.0f, 0.9f, 0.95f, 1e-8f, 0.0f, 1.0f};
+    int rc = 0, kept = T;
+    for (int it = 0; it < warmup + steps && rc == 0; it++) {
+        double t0 = cf_now();
+        if (cf_forward(m, tokens, B, S, losses) != 0) { rc = -1; break; }
+        double filter = 0;
+        if (mode != CF_MODE_REGULAR) {
+            kept = cf_select(losses, NULL, B, S, keep, sel, 0, seed + (uint64_t)it, keepmask);
+            if (kept < 0) { rc = -1; break; }
+            if (mode == CF_MODE_CENTRIFUGE || mode == CF_MODE_STRAWMAN) {
+                if (cf_filter_backward(m, keepmask) != 0) { rc = -1; break; }
+                cf_timings t;
+                cf_model_timings(m, &t);
+                filter = t.filter;
+            }
+        }
+        if (cf_backward(m, mode, mode == CF_MODE_REGULAR ? NULL : keepmask, 1.0f, NULL) != 0) { rc = -1; break; }
+        float norm;
+        cf_step(m, &hp, &norm);
+        double step = cf_now() - t0;
+        cf_timings t;
+        cf_model_timings(m, &t);
+        if (it >= warmup) {
+            int k = it - warmup;
+            v[k] = t.forward; v[steps + k] = filter; v[2 * steps + k] = t.backward;
+            v[3 * steps + k] = t.optimizer; v[4 * steps + k] = step;
+        }
+    }
+    if (rc == 0) {
+        out->fwd = median(v, steps);
+        out->filter = median(v + steps, steps);
+        out->bwd = median(v + 2 * steps, steps);
+        out->opt = median(v + 3 * steps, steps);
+        out->step = median(v + 4 * steps, steps);
+        *kept_out = kept;
+    }
+    free(tokens); free(losses); free(keepmask); free(v);
+    return rc;
+}
+
+int cmd_bench(int argc, char **argv) {
+    const char *config = "cpu-20m", *model_dir = NULL, *device = "cpu", *modes_s = "regular,loss-only,centrifuge";
+    const char *keeps_s = "0.5", *seqs_s = "512", *json = NULL, *select_s = "random";
+    long batch = 1, steps = 10, warmup = 2, seed = 1;
+    cf_opt opts[] = {
+        {"--config", CF_OPT_STR, &config, 0, 0, "built-in name or config.json (default cpu-20m)", 0},
+        {"--model", CF_OPT_STR, &model_dir, 0, 0, "or a model directory", 0},
+        {"--device", CF_OPT_STR, &device, 0, 0, "cpu or cuda", 0},
+        {"--modes", CF_OPT_STR, &modes_s, 0, 0, "comma list (default regular,loss-only,centrifuge)", 0},
+        {"--keep", CF_OPT_STR, &keeps_s, 0, 0, "comma list of keep fractions (default 0.5)", 0},
+        {"--seq", CF_OPT_STR, &seqs_s, 0, 0, "comma list of sequence lengths (default 512)", 0},
+        {"--batch", CF_OPT_INT, &batch, 1, 65536, "micro-batch (default 1)", 0},
+        {"--steps", CF_OPT_INT, &steps, 1, 100000, "timed steps per point (default 10)", 0},
+        {"--warmup", CF_OPT_INT, &warmup, 0, 100000, "untimed steps first (default 2)", 0},
+        {"--select", CF_OPT_STR, &select_s, 0, 0, "random (default) or self", 0},
+        {"--json", CF_OPT_STR, &json, 0, 0, "write JSON lines here", 0},
+        {"--seed", CF_OPT_INT, &seed, 0, 1L << 62, "seed", 0},
+    };
+    int nopts = (int)(sizeof opts / sizeof *opts);
+    int pr = cf_cli_parse("bench", "[--config NAME] [--seq 512,1024] [--keep 0.5,0.4] [options]\n\n"
+                          "Per-stage step timings per mode (median of --steps after --warmup).",
+                          opts, nopts, argc, argv);
+    if (pr == 1) return 0;
+    if (pr < 0) return cf_cli_error("bench", 2);
+    if (opts[1].seen) config = NULL;
+
+    char mbuf[256], kbuf[256], sbuf[256];
+    char *mitems[8], *kitems[16], *sitems[16];
+    snprintf(mbuf, sizeof mbuf, "%s", modes_s);
+    snprintf(kbuf, sizeof kbuf, "%s", keeps_s);
+    snprintf(sbuf, sizeof sbuf, "%s", seqs_s);
+    int nm = split_list(mbuf, mitems, 8), nk = split_list(kbuf, kitems, 16), ns = split_list(sbuf, sitems, 16);
+    cf_mode modes[8];
+    double keeps[16];
+    long seqs[16];
+    cf_select_kind sel;
+    if (cf_select_parse(select_s, &sel) != 0 || sel == CF_SELECT_REF) {
+        if (sel == CF_SELECT_REF) cf_fail("--select: bench supports random or self");
+        return cf_cli_error("bench", 2);
+    }
+    for (int i = 0; i < nm; i++) if (cf_mode_parse(mitems[i], &modes[i]) != 0) return cf_cli_error("bench", 2);
+    for (int i = 0; i < nk; i++) if (cf_parse_float(kitems[i], 1e-6, 1.0, "--keep", &keeps[i]) != 0) return cf_cli_error("bench", 2);
+    for (int i = 0; i < ns; i++) if (cf_parse_int(sitems[i], 1, 1 << 20, "--seq", &seqs[i]) != 0) return cf_cli_error("bench", 2);
+    if (nm == 0 || nk == 0 || ns == 0) { cf_fail("empty --modes, --keep or --seq list"); return cf_cli_error("bench", 2); }
+
+    cf_model *m = cf_open_model(config, model_dir, device, (uint64_t)seed);
+    if (!m) return cf_cli_error("bench", 1);
+    FILE *jf = NULL;
+    if (json && !(jf = fopen(json, "w"))) { cf_fail("%s: cannot create", json); cf_model_free(m); return cf_cli_error("bench", 1); }
+    const cf_config *c = cf_model_config(m);
+    printf("bench: %s, %.1fM params, device %s, batch %ld, median of %ld steps after %ld warm-up\n",
+           config ? config : model_dir, cf_model_num_params(m) / 1e6, device, batch, steps, warmup);
+    printf("%6s %5s %-11s %8s %9s %9s %9s %9s %9s %8s %8s\n", "seq", "keep", "mode", "kept", "fwd ms",
+           "filter ms", "bwd ms", "opt ms", "step ms", "bwd/reg", "step/reg");
+    int rc = 0;
+    for (int si = 0; si < ns && rc == 0; si++) {
+        for (int ki = 0; ki < nk && rc == 0; ki++) {
+            stage_times reg = {0};
+            for (int mi = 0; mi < nm && rc == 0; mi++) {
+                stage_times st;
+                int kept;
+                if (bench_mode(m, modes[mi], (int)batch, (int)seqs[si], (float)keeps[ki], sel, (int)warmup,
+                               (int)steps, (uint64_t)seed, &st, &kept) != 0) { rc = 1; break; }
+                if (modes[mi] == CF_MODE_REGULAR) reg = st;
+                double T = (double)batch * seqs[si];
+                printf("%6ld %5.2f %-11s %8d %9.2f %9.3f %9.2f %9.2f %9.2f", seqs[si], keeps[ki],
+                       cf_mode_name(modes[mi]), kept, st.fwd * 1e3, st.filter * 1e3, st.bwd * 1e3,
+                       st.opt * 1e3, st.step * 1e3);
+                if (reg.step > 0) printf(" %8.3f %8.3f\n", st.bwd / reg.bwd, st.step / reg.step);
+                else printf(" %8s %8s\n", "-", "-");
+                fflush(stdout);
+                if (jf) {
+                    fprintf(jf, "{\"model\":\"%s\",\"params\":%zu,\"device\":\"%s\",\"batch\":%ld,\"seq\":%ld,"
+                                "\"keep\":%.4f,\"mode\":\"%s\",\"kept\":%d,\"forward_s\":%.6f,\"filter_s\":%.6f,"
+                                "\"backward_s\":%.6f,\"optimizer_s\":%.6f,\"step_s\":%.6f,\"tokens_per_s\":%.1f,"
+                                "\"s_per_1M_tokens\":%.4f,\"layers\":%d,\"steps\":%ld}\n",
+                            config ? config : model_dir, cf_model_num_params(m), device, batch, seqs[si],
+                            keeps[ki], cf_mode_name(modes[mi]), kept, st.fwd, st.filter, st.bwd, st.opt,
+                            st.step, T / st.step, st.step / T * 1e6, c->num_hidden_layers, steps);
+                    fflush(jf);
+                }
+            }
+        }
+    }
+    if (jf) fclose(jf);
+    cf_model_free(m);
+    return rc ? cf_cli_error("bench", 1) : 0;
+}

@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# cli_errors.sh — bad input at the command line (DESIGN §5): every case must
+# exit non-zero with exactly one line on stderr that says "error:" and names
+# the problem, and must leave no output file behind.
+# Usage: tests/cli_errors.sh ./centrifuge
+set -u
+BIN=$(realpath "${1:-./centrifuge}")
+T=$(mktemp -d /tmp/cf_cli_XXXXXX)
+trap 'rm -rf "$T"' EXIT
+fails=0; n=0
+
+# expect_error NAME PATTERN -- ARGS...: non-zero exit, one stderr line matching PATTERN
+expect_error() {
+  local name=$1 pat=$2; shift 3
+  n=$((n+1))
+  "$BIN" "$@" >"$T/out" 2>"$T/err"; local rc=$?
+  local lines; lines=$(wc -l <"$T/err")
+  if [ $rc -eq 0 ] || [ "$lines" -ne 1 ] || ! grep -q "error: .*$pat" "$T/err"; then
+    echo "  FAIL $name (rc=$rc, $lines stderr lines):"; sed 's/^/      /' "$T/err" | head -5
+    fails=$((fails+1))
+  else
+    echo "  ok   $name: $(cat "$T/err")"
+  fi
+}
+
+# valid inputs to corrupt
+"$BIN" gen-data --source clean --tokens 20000 --seed 3 --out "$T/good.bin" >/dev/null || { echo "gen-data failed"; exit 1; }
+"$BIN" train --config tiny --data "$T/good.bin" --steps 1 --batch 2 --seq 32 --out "$T/ckpt" --quiet || { echo "train failed"; exit 1; }
+MODEL="$T/ckpt/step_00000001"
+
+# token shards
+printf 'not a shard at all' >"$T/badmagic.bin"
+head -c 600 "$T/good.bin" >"$T/truncated.bin"
+python_free_poke() { # poke FILE OFFSET BYTE(octal): overwrite one byte in place
+  printf "\\$3" | dd of="$1" bs=1 seek="$2" conv=notrunc status=none
+}
+cp "$T/good.bin" "$T/bigid.bin"; python_free_poke "$T/bigid.bin" 1100 377; python_free_poke "$T/bigid.bin" 1101 377
+cp "$T/good.bin" "$T/badversion.bin"; python_free_poke "$T/badversion.bin" 4 011
+
+# a config.json with an unknown model_type
+mkdir -p "$T/badtype"; sed 's/"model_type": *"llama"/"model_type": "gpt2"/' "$MODEL/config.json" >"$T/badtype/config.json"
+cp "$MODEL/model.safetensors" "$T/badtype/"
+# a truncated safetensors
+mkdir -p "$T/trunc"; cp "$MODEL/config.json" "$T/trunc/"; head -c 5000 "$MODEL/model.safetensors" >"$T/trunc/model.safetensors"
+# header length beyond the file
+mkdir -p "$T/hdr"; cp "$MODEL/config.json" "$T/hdr/"; cp "$MODEL/model.safetensors" "$T/hdr/"
+python_free_poke "$T/hdr/model.safetensors" 5 177
+
+# a ref-loss shard of another token shard
+"$BIN" gen-data --source clean --tokens 20000 --seed 4 --out "$T/other.bin" >/dev/null
+"$BIN" score --model "$MODEL" --data "$T/other.bin" --out "$T/other.ref.bin" --seq 64 >/dev/null 2>&1
+
+echo "== flags"
+expect_error "unknown command" "unknown command" -- frobnicate
+expect_error "unknown flag" "unknown option '--frob'" -- train --frob 1
+expect_error "keep zero" "keep" -- train --keep 0 --steps 1
+expect_error "keep above one" "keep" -- train --keep 1.5 --steps 1
+expect_error "keep not a number" "keep" -- train --keep half
+expect_error "batch zero" "batch" -- train --batch 0
+expect_error "seq not an integer" "seq" -- train --seq 12x
+expect_error "missing value" "needs a value" -- train --steps
+expect_error "flag twice" "twice" -- train --steps 1 --steps 2
+expect_error "unknown mode" "unknown mode 'fast'" -- train --mode fast
+expect_error "unknown select" "unknown selection" -- train --select best
+expect_error "keep and drop-rate" "not both" -- train --keep 0.5 --drop-rate 0.5
+expect_error "select ref without ref" "needs --ref" -- train --mode centrifuge --select ref
+expect_error "resume without out" "needs --out" -- train --resume
+expect_error "unknown config name" "tiny" -- train --config no-such-model --steps 1
+expect_error "unknown device" "unknown device" -- train --device tpu
+expect_error "eval without data" "required" -- eval --model "$MODEL"
+expect_error "score without out" "required" -- score --model "$MODEL" --data "$T/good.bin"
+expect_error "gen-data zero tokens" "tokens" -- gen-data --source clean --tokens 0 --out "$T/x.bin"
+expect_error "gen-data bad source" "source" -- gen-data --source dirty --tokens 10 --out "$T/x.bin"
+expect_error "bench bad keep list" "keep" -- bench --keep 0.5,2 --steps 1
+
+echo "== files"
+expect_error "missing data file" "missing.bin" -- train --data "$T/missing.bin" --steps 1
+expect_error "token shard bad magic" "badmagic.bin" -- train --data "$T/badmagic.bin" --steps 1
+expect_error "token shard truncated" "truncated.bin" -- train --data "$T/truncated.bin" --steps 1
+expect_error "token shard bad version" "badversion.bin" -- train --data "$T/badversion.bin" --steps 1
+expect_error "token id beyond vocab" "bigid.bin" -- train --data "$T/bigid.bin" --steps 1
+expect_error "ref shard of another shard" "does not belong" -- train --data "$T/good.bin" --ref "$T/other.ref.bin" --mode centrifuge --steps 1
+expect_error "config unknown model_type" "gpt2" -- eval --model "$T/badtype" --data "$T/good.bin"
+expect_error "safetensors truncated" "model.safetensors" -- eval --model "$T/trunc" --data "$T/good.bin"
+expect_error "safetensors header beyond file" "model.safetensors" -- eval --model "$T/hdr" --data "$T/good.bin"
+expect_error "model dir missing" "config.json" -- eval --model "$T/nowhere" --data "$T/good.bin"
+
+echo "== no partial output"
+n=$((n+1))
+"$BIN" train --data "$T/bigid.bin" --steps 1 --out "$T/never" >/dev/null 2>&1
+if [ -e "$T/never" ]; then echo "  FAIL failed run created its --out directory"; fails=$((fails+1)); else echo "  ok   failed run leaves no --out directory"; fi
+n=$((n+1))
+"$BIN" gen-data --source noisy --tokens 0 --out "$T/none.bin" >/dev/null 2>&1
+if [ -e "$T/none.bin" ]; then echo "  FAIL gen-data error left a file"; fails=$((fails+1)); else echo "  ok   gen-data error leaves no file"; fi
+n=$((n+1))
+if ls "$T"/*.tmp.* >/dev/null 2>&1 || ls "$T"/ckpt/*/*.tmp.* >/dev/null 2>&1; then echo "  FAIL temp files left behind"; fails=$((fails+1)); else echo "  ok   no temp files left behind"; fi
+
+echo "$n cases, $fails failed"
+[ $fails -eq 0 ]

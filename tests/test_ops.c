@@ -1,0 +1,1142 @@
+/*
+ * test_ops.c — the CPU backend's ops against tiny double-precision
+ * reference implementations written here from the math in backend.h and
+ * DESIGN §1-2.
+ *
+ * Method: forwards are compared with the double reference; backwards are
+ * compared with central finite differences of the double reference (eps
+ * 1e-5 in double, so the FD error is ~1e-9) of a random projection loss
+ * L = sum(out * R). The only error left is the backend's fp32 arithmetic,
+ * so the tolerances are tight: max|a - ref| / max|ref| < 1e-4 unless noted.
+ *
+ * The CPU backend's memory is host memory, so host arrays are passed to the
+ * ops directly.
+ */
+#include <omp.h>
+#include <stdint.h>
+
+#include "backend.h"
+#include "common.h"
+#include "test.h"
+
+/* Lets the allocation-failure test see NULL instead of an ASan abort. */
+const char *__asan_default_options(void);
+const char *__asan_default_options(void) { return "allocator_may_return_null=1"; }
+
+static cf_backend *be;
+
+#define GRAD_TOL 1e-4 /* fp32 analytic vs double FD, relative to max |ref| */
+#define FWD_TOL 1e-5  /* fp32 forward vs double reference                  */
+
+/* ---------------------------------------------------------------- helpers */
+
+static float *fnew(size_t n) {
+    float *p = calloc(n ? n : 1, sizeof(float));
+    if (!p) abort();
+    return p;
+}
+
+static double *dnew(size_t n) {
+    double *p = calloc(n ? n : 1, sizeof(double));
+    if (!p) abort();
+    return p;
+}
+
+static void fill_normal(float *x, size_t n, cf_rng *r, float sd) {
+    for (size_t i = 0; i < n; i++) x[i] = sd * cf_rng_normal(r);
+}
+
+static double *to_double(const float *f, size_t n) {
+    double *d = dnew(n);
+    for (size_t i = 0; i < n; i++) d[i] = f[i];
+    return d;
+}
+
+/* max |a - b| / max |b| */
+static double rel_err_d(const float *a, const double *b, size_t n) {
+    double num = 0, den = 1e-30;
+    for (size_t i = 0; i < n; i++) {
+        if (isnan(a[i]) || isnan(b[i])) return INFINITY;
+        num = fmax(num, fabs(a[i] - b[i]));
+        den = fmax(den, fabs(b[i]));
+    }
+    return num / den;
+}
+
+static double max_abs(const float *a, size_t n) {
+    double m = 0;
+    for (size_t i = 0; i < n; i++) m = fmax(m, fabs(a[i]));
+    return m;
+}
+
+/* Central differences of f with respect to every element of x. */
+typedef double (*loss_fn)(void *ctx);
+static void fd_grad(double *grad, double *x, size_t n, loss_fn f, void *ctx) {
+    const double eps = 1e-5;
+    for (size_t i = 0; i < n; i++) {
+        double save = x[i];
+        x[i] = save + eps;
+        double lp = f(ctx);
+        x[i] = save - eps;
+        double lm = f(ctx);
+        x[i] = save;
+        grad[i] = (lp - lm) / (2 * eps);
+    }
+}
+
+static double dot_d(const double *a, const double *b, size_t n) {
+    double s = 0;
+    for (size_t i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* ----------------------------------------------------------------- memory */
+
+TEST(memory_alloc_is_aligned_and_transfers_roundtrip) {
+    float *a = be->alloc(be, 100 * sizeof(float));
+    float *c = be->alloc(be, 100 * sizeof(float));
+    void *z = be->alloc(be, 0);
+    CHECK(a && c && z);
+    CHECK(((uintptr_t)a & 63) == 0 && ((uintptr_t)c & 63) == 0);
+    CHECK(be->act_size == sizeof(float));
+    float h[100], back[100];
+    for (int i = 0; i < 100; i++) h[i] = (float)i - 50.5f;
+    be->upload(be, a, h, sizeof h);
+    be->copy(be, c, a, sizeof h);
+    be->download(be, back, c, sizeof h);
+    CHECK(memcmp(h, back, sizeof h) == 0);
+    be->memzero(be, c, 10 * sizeof(float));
+    be->download(be, back, c, sizeof h);
+    CHECK(back[0] == 0 && back[9] == 0 && back[10] == h[10]);
+    be->act_from_f32(be, c, h, 100);
+    be->act_to_f32(be, back, c, 100);
+    CHECK(memcmp(h, back, sizeof h) == 0);
+    /* weights_from_master copies when the pointers differ, no-op when equal */
+    be->memzero(be, c, sizeof h);
+    be->weights_from_master(be, c, a, 100);
+    CHECK(memcmp(c, h, sizeof h) == 0);
+    be->weights_from_master(be, a, a, 100);
+    CHECK(memcmp(a, h, sizeof h) == 0);
+    be->synchronize(be);
+    be->free(be, a);
+    be->free(be, c);
+    be->free(be, z);
+}
+
+TEST(memory_alloc_failure_returns_null_with_error) {
+    cf_fail("%s", "");
+    void *p = be->alloc(be, SIZE_MAX / 2);
+    CHECK(p == NULL);
+    CHECK(strstr(cf_last_error(), "out of memory") != NULL);
+}
+
+/* ----------------------------------------------------------------- matmul */
+
+typedef struct { int T, K, N; double *inp, *w, *bias, *R; } mm_ctx;
+
+static double mm_loss(void *c_) {
+    mm_ctx *c = c_;
+    double L = 0;
+    for (int t = 0; t < c->T; t++)
+        for (int n = 0; n < c->N; n++) {
+            double y = dot_d(c->inp + (size_t)t * c->K, c->w + (size_t)n * c->K, c->K);
+            if (c->bias) y += c->bias[n];
+            L += c->R[(size_t)t * c->N + n] * y;
+        }
+    return L;
+}
+
+TEST(matmul_fwd_matches_double_reference_with_and_without_bias) {
+    cf_rng r;
+    cf_rng_seed(&r, 101);
+    const int T = 5, K = 7, N = 6;
+    float *inp = fnew(T * K), *w = fnew(N * K), *bias = fnew(N), *out = fnew(T * N);
+    fill_normal(inp, T * K, &r, 1);
+    fill_normal(w, N * K, &r, 1);
+    fill_normal(bias, N, &r, 1);
+    for (int with_bias = 0; with_bias < 2; with_bias++) {
+        for (int i = 0; i < T * N; i++) out[i] = 1234.0f; /* must be overwritten */
+        be->matmul_fwd(be, out, inp, w, with_bias ? bias : NULL, T, K, N);
+        double err = 0;
+        for (int t = 0; t < T; t++)
+            for (int n = 0; n < N; n++) {
+                double y = with_bias ? bias[n] : 0;
+                for (int k = 0; k < K; k++) y += (double)inp[t * K + k] * w[n * K + k];
+                err = fmax(err, fabs(out[t * N + n] - y));
+            }
+        CHECK_MSG(err < FWD_TOL, "bias=%d max err %g", with_bias, err);
+    }
+    free(inp); free(w); free(bias); free(out);
+}
+
+TEST(matmul_bwd_matches_finite_differences_and_accumulates_dw_dbias) {
+    cf_rng r;
+    cf_rng_seed(&r, 102);
+    const int T = 5, K = 7, N = 6;
+    float *inp = fnew(T * K), *w = fnew(N * K), *bias = fnew(N), *R = fnew(T * N);
+    float *dinp = fnew(T * K), *dw = fnew(N * K), *dw0 = fnew(N * K), *db = fnew(N), *db0 = fnew(N);
+    fill_normal(inp, T * K, &r, 1);
+    fill_normal(w, N * K, &r, 1);
+    fill_normal(bias, N, &r, 1);
+    fill_normal(R, T * N, &r, 1);
+    fill_normal(dw0, N * K, &r, 0.5f);
+    fill_normal(db0, N, &r, 0.5f);
+    memcpy(dw, dw0, N * K * sizeof(float));
+    memcpy(db, db0, N * sizeof(float));
+    for (int i = 0; i < T * K; i++) dinp[i] = 777.0f; /* overwritten when accumulate = 0 */
+    be->matmul_bwd(be, dinp, dw, db, R, inp, w, T, K, N, 0);
+    for (int i = 0; i < N * K; i++) dw[i] -= dw0[i];
+    for (int i = 0; i < N; i++) db[i] -= db0[i];
+
+    mm_ctx c = {T, K, N, to_double(inp, T * K), to_double(w, N * K), to_double(bias, N),
+                to_double(R, T * N)};
+    double *g_inp = dnew(T * K), *g_w = dnew(N * K), *g_b = dnew(N);
+    fd_grad(g_inp, c.inp, T * K, mm_loss, &c);
+    fd_grad(g_w, c.w, N * K, mm_loss, &c);
+    fd_grad(g_b, c.bias, N, mm_loss, &c);
+    CHECK_MSG(rel_err_d(dinp, g_inp, T * K) < GRAD_TOL, "dinp %g", rel_err_d(dinp, g_inp, T * K));
+    CHECK_MSG(rel_err_d(dw, g_w, N * K) < GRAD_TOL, "dw %g", rel_err_d(dw, g_w, N * K));
+    CHECK_MSG(rel_err_d(db, g_b, N) < GRAD_TOL, "dbias %g", rel_err_d(db, g_b, N));
+    free(inp); free(w); free(bias); free(R); free(dinp); free(dw); free(dw0); free(db); free(db0);
+    free(c.inp); free(c.w); free(c.bias); free(c.R); free(g_inp); free(g_w); free(g_b);
+}
+
+TEST(matmul_bwd_accumulate_adds_to_dinp_and_null_dinp_dbias_are_skipped) {
+    cf_rng r;
+    cf_rng_seed(&r, 103);
+    const int T = 9, K = 4, N = 11;
+    float *inp = fnew(T * K), *w = fnew(N * K), *dout = fnew(T * N);
+    float *d1 = fnew(T * K), *d2 = fnew(T * K), *base = fnew(T * K);
+    float *dwa = fnew(N * K), *dwb = fnew(N * K);
+    fill_normal(inp, T * K, &r, 1);
+    fill_normal(w, N * K, &r, 1);
+    fill_normal(dout, T * N, &r, 1);
+    fill_normal(base, T * K, &r, 1);
+    be->matmul_bwd(be, d1, dwa, NULL, dout, inp, w, T, K, N, 0);
+    memcpy(d2, base, T * K * sizeof(float));
+    be->matmul_bwd(be, d2, dwb, NULL, dout, inp, w, T, K, N, 1);
+    double err = 0;
+    for (int i = 0; i < T * K; i++) err = fmax(err, fabs(d2[i] - (base[i] + d1[i])));
+    CHECK_MSG(err < 1e-5, "accumulate err %g", err);
+    CHECK(memcmp(dwa, dwb, N * K * sizeof(float)) == 0);
+    /* dinp NULL: only dw is produced, and it matches */
+    memset(dwb, 0, N * K * sizeof(float));
+    be->matmul_bwd(be, NULL, dwb, NULL, dout, inp, w, T, K, N, 0);
+    CHECK(memcmp(dwa, dwb, N * K * sizeof(float)) == 0);
+    free(inp); free(w); free(dout); free(d1); free(d2); free(base); free(dwa); free(dwb);
+}
+
+/* ---------------------------------------------------------------- rmsnorm */
+
+typedef struct { int T, C; double eps; double *x, *w, *R; } rms_ctx;
+
+static double rms_loss(void *c_) {
+    rms_ctx *c = c_;
+    double L = 0;
+    for (int t = 0; t < c->T; t++) {
+        const double *x = c->x + (size_t)t * c->C;
+        double rstd = 1.0 / sqrt(dot_d(x, x, c->C) / c->C + c->eps);
+        for (int i = 0; i < c->C; i++) L += c->R[(size_t)t * c->C + i] * x[i] * rstd * c->w[i];
+    }
+    return L;
+}
+
+TEST(rmsnorm_fwd_matches_double_reference_and_saves_rstd) {
+    cf_rng r;
+    cf_rng_seed(&r, 201);
+    const int T = 6, C = 100;
+    const float eps = 1e-5f;
+    float *x = fnew(T * C), *w = fnew(C), *out = fnew(T * C), *rstd = fnew(T);
+    fill_normal(x, T * C, &r, 2);
+    fill_normal(w, C, &r, 1);
+    be->rmsnorm_fwd(be, out, rstd, x, w, T, C, eps);
+    for (int t = 0; t < T; t++) {
+        double ss = 0;
+        for (int i = 0; i < C; i++) ss += (double)x[t * C + i] * x[t * C + i];
+        double rs = 1.0 / sqrt(ss / C + (double)eps);
+        CHECK_CLOSE(rstd[t], rs, FWD_TOL);
+        for (int i = 0; i < C; i++) CHECK_CLOSE(out[t * C + i], x[t * C + i] * rs * w[i], FWD_TOL);
+    }
+    free(x); free(w); free(out); free(rstd);
+}
+
+TEST(rmsnorm_bwd_matches_finite_differences_and_accumulates) {
+    cf_rng r;
+    cf_rng_seed(&r, 202);
+    const int T = 6, C = 100; /* C crosses the 64-column block of dw */
+    const float eps = 1e-5f;
+    float *x = fnew(T * C), *w = fnew(C), *out = fnew(T * C), *rstd = fnew(T), *R = fnew(T * C);
+    float *dx = fnew(T * C), *dx2 = fnew(T * C), *dw = fnew(C), *dw0 = fnew(C);
+    fill_normal(x, T * C, &r, 2);
+    fill_normal(w, C, &r, 1);
+    fill_normal(R, T * C, &r, 1);
+    fill_normal(dw0, C, &r, 1);
+    memcpy(dw, dw0, C * sizeof(float));
+    be->rmsnorm_fwd(be, out, rstd, x, w, T, C, eps);
+    for (int i = 0; i < T * C; i++) dx[i] = 99.0f;
+    be->rmsnorm_bwd(be, dx, dw, R, x, w, rstd, T, C, 0);
+    for (int i = 0; i < C; i++) dw[i] -= dw0[i];
+
+    rms_ctx c = {T, C, eps, to_double(x, T * C), to_double(w, C), to_double(R, T * C)};
+    double *gx = dnew(T * C), *gw = dnew(C);
+    fd_grad(gx, c.x, T * C, rms_loss, &c);
+    fd_grad(gw, c.w, C, rms_loss, &c);
+    CHECK_MSG(rel_err_d(dx, gx, T * C) < GRAD_TOL, "dx %g", rel_err_d(dx, gx, T * C));
+    CHECK_MSG(rel_err_d(dw, gw, C) < GRAD_TOL, "dw %g", rel_err_d(dw, gw, C));
+
+    /* accumulate: dx2 = 1 + dx */
+    for (int i = 0; i < T * C; i++) dx2[i] = 1.0f;
+    be->rmsnorm_bwd(be, dx2, dw, R, x, w, rstd, T, C, 1);
+    double err = 0;
+    for (int i = 0; i < T * C; i++) err = fmax(err, fabs(dx2[i] - (1.0 + dx[i])));
+    CHECK_MSG(err < 1e-5, "accumulate err %g", err);
+    free(x); free(w); free(out); free(rstd); free(R); free(dx); free(dx2); free(dw); free(dw0);
+    free(c.x); free(c.w); free(c.R); free(gx); free(gw);
+}
+
+/* ------------------------------------------------------------------- rope */
+
+/* HF rotate-half with the angle formed in fp32 (pos * inv_freq), as HF does. */
+static void rope_ref(double *y, const double *x, const int *pos, const float *inv_freq, int T,
+                     int nh, int D) {
+    const int half = D / 2;
+    for (int t = 0; t < T; t++)
+        for (int h = 0; h < nh; h++) {
+            const double *xr = x + ((size_t)t * nh + h) * D;
+            double *yr = y + ((size_t)t * nh + h) * D;
+            for (int i = 0; i < half; i++) {
+                double th = (double)((float)pos[t] * inv_freq[i]);
+                yr[i] = xr[i] * cos(th) - xr[i + half] * sin(th);
+                yr[i + half] = xr[i + half] * cos(th) + xr[i] * sin(th);
+            }
+        }
+}
+
+typedef struct { int T, nh, D; const int *pos; const float *inv_freq; double *x, *R, *y; } rope_ctx;
+
+static double rope_loss(void *c_) {
+    rope_ctx *c = c_;
+    size_t n = (size_t)c->T * c->nh * c->D;
+    rope_ref(c->y, c->x, c->pos, c->inv_freq, c->T, c->nh, c->D);
+    return dot_d(c->y, c->R, n);
+}
+
+enum { ROPE_T = 5, ROPE_NH = 3, ROPE_D = 8 };
+static const int rope_pos[ROPE_T] = {0, 1, 7, 100, 2047};
+
+static void rope_freqs(float *inv_freq, int D) {
+    for (int i = 0; i < D / 2; i++) inv_freq[i] = (float)pow(10000.0, -2.0 * i / D);
+}
+
+TEST(rope_fwd_matches_hf_rotate_half_reference) {
+    cf_rng r;
+    cf_rng_seed(&r, 301);
+    const int n = ROPE_T * ROPE_NH * ROPE_D;
+    float inv_freq[ROPE_D / 2], x[ROPE_T * ROPE_NH * ROPE_D];
+    rope_freqs(inv_freq, ROPE_D);
+    fill_normal(x, n, &r, 1);
+    double *xd = to_double(x, n), *yd = dnew(n);
+    rope_ref(yd, xd, rope_pos, inv_freq, ROPE_T, ROPE_NH, ROPE_D);
+    be->rope_fwd(be, x, rope_pos, inv_freq, ROPE_T, ROPE_NH, ROPE_D);
+    CHECK_MSG(rel_err_d(x, yd, n) < FWD_TOL, "rope fwd %g", rel_err_d(x, yd, n));
+    /* position 0 is the identity */
+    for (int i = 0; i < ROPE_NH * ROPE_D; i++) CHECK(x[i] == (float)xd[i]);
+    free(xd); free(yd);
+}
+
+TEST(rope_bwd_inverts_rope_fwd) {
+    cf_rng r;
+    cf_rng_seed(&r, 302);
+    const int n = ROPE_T * ROPE_NH * ROPE_D;
+    float inv_freq[ROPE_D / 2], x[ROPE_T * ROPE_NH * ROPE_D], x0[ROPE_T * ROPE_NH * ROPE_D];
+    rope_freqs(inv_freq, ROPE_D);
+    fill_normal(x0, n, &r, 1);
+    memcpy(x, x0, sizeof x);
+    be->rope_fwd(be, x, rope_pos, inv_freq, ROPE_T, ROPE_NH, ROPE_D);
+    CHECK(rel_err(x, x0, n) > 1e-2); /* it did rotate */
+    be->rope_bwd(be, x, rope_pos, inv_freq, ROPE_T, ROPE_NH, ROPE_D);
+    CHECK_MSG(rel_err(x, x0, n) < 1e-6, "bwd(fwd(x)) vs x %g", rel_err(x, x0, n));
+}
+
+TEST(rope_bwd_matches_finite_differences) {
+    cf_rng r;
+    cf_rng_seed(&r, 303);
+    const int n = ROPE_T * ROPE_NH * ROPE_D;
+    float inv_freq[ROPE_D / 2], x[ROPE_T * ROPE_NH * ROPE_D], R[ROPE_T * ROPE_NH * ROPE_D];
+    rope_freqs(inv_freq, ROPE_D);
+    fill_normal(x, n, &r, 1);
+    fill_normal(R, n, &r, 1);
+    rope_ctx c = {ROPE_T, ROPE_NH, ROPE_D, rope_pos, inv_freq, to_double(x, n), to_double(R, n),
+                  dnew(n)};
+    double *g = dnew(n);
+    fd_grad(g, c.x, n, rope_loss, &c);
+    be->rope_bwd(be, R, rope_pos, inv_freq, ROPE_T, ROPE_NH, ROPE_D); /* dx = rope^T R */
+    CHECK_MSG(rel_err_d(R, g, n) < GRAD_TOL, "rope dx %g", rel_err_d(R, g, n));
+    free(c.x); free(c.R); free(c.y); free(g);
+}
+
+/* ----------------------------------------------------------------- swiglu */
+
+typedef struct { int n; double *g, *u, *R; } swi_ctx;
+
+static double silu_d(double g) { return g / (1 + exp(-g)); }
+
+static double swi_loss(void *c_) {
+    swi_ctx *c = c_;
+    double L = 0;
+    for (int i = 0; i < c->n; i++) L += c->R[i] * silu_d(c->g[i]) * c->u[i];
+    return L;
+}
+
+TEST(swiglu_fwd_and_bwd_match_reference_and_finite_differences) {
+    cf_rng r;
+    cf_rng_seed(&r, 401);
+    enum { n = 64 };
+    float g[n], u[n], h[n], R[n], dg[n], du[n];
+    fill_normal(g, n, &r, 3);
+    g[0] = -90.0f; /* exp(-g) overflows: h must be -0, not NaN */
+    g[1] = 90.0f;
+    fill_normal(u, n, &r, 1);
+    fill_normal(R, n, &r, 1);
+    be->swiglu_fwd(be, h, g, u, n);
+    for (int i = 0; i < n; i++) CHECK_CLOSE(h[i], silu_d(g[i]) * u[i], FWD_TOL);
+    be->swiglu_bwd(be, dg, du, R, g, u, n);
+    swi_ctx c = {n, to_double(g, n), to_double(u, n), to_double(R, n)};
+    double gg[n], gu[n];
+    fd_grad(gg, c.g, n, swi_loss, &c);
+    fd_grad(gu, c.u, n, swi_loss, &c);
+    CHECK_MSG(rel_err_d(dg, gg, n) < GRAD_TOL, "dgate %g", rel_err_d(dg, gg, n));
+    CHECK_MSG(rel_err_d(du, gu, n) < GRAD_TOL, "dup %g", rel_err_d(du, gu, n));
+    free(c.g); free(c.u); free(c.R);
+}
+
+TEST(add_works_out_of_place_and_in_place) {
+    float a[5] = {1, 2, 3, 4, 5}, c[5] = {10, 20, 30, 40, 50}, o[5];
+    be->add(be, o, a, c, 5);
+    for (int i = 0; i < 5; i++) CHECK(o[i] == a[i] + c[i]);
+    be->add(be, a, a, c, 5);
+    for (int i = 0; i < 5; i++) CHECK(a[i] == o[i]);
+}
+
+/* -------------------------------------------------------------- embedding */
+
+enum { EMB_V = 10, EMB_C = 70, EMB_T = 12 }; /* C crosses the 64-column block */
+static const int emb_tokens[EMB_T] = {3, 1, 3, 3, 7, 0, 1, 3, 9, 7, 3, 2};
+
+TEST(embedding_fwd_copies_token_rows) {
+    cf_rng r;
+    cf_rng_seed(&r, 501);
+    float *wte = fnew(EMB_V * EMB_C), *out = fnew(EMB_T * EMB_C);
+    fill_normal(wte, EMB_V * EMB_C, &r, 1);
+    be->embedding_fwd(be, out, emb_tokens, wte, EMB_T, EMB_C);
+    for (int t = 0; t < EMB_T; t++)
+        CHECK(memcmp(out + t * EMB_C, wte + emb_tokens[t] * EMB_C, EMB_C * sizeof(float)) == 0);
+    free(wte); free(out);
+}
+
+TEST(embedding_bwd_sums_repeated_tokens_in_row_order_bitwise) {
+    cf_rng r;
+    cf_rng_seed(&r, 502);
+    float *dwte = fnew(EMB_V * EMB_C), *expect = fnew(EMB_V * EMB_C), *dout = fnew(EMB_T * EMB_C);
+    fill_normal(dwte, EMB_V * EMB_C, &r, 1);
+    fill_normal(dout, EMB_T * EMB_C, &r, 1);
+    memcpy(expect, dwte, EMB_V * EMB_C * sizeof(float));
+    double *exact = to_double(dwte, EMB_V * EMB_C);
+    for (int t = 0; t < EMB_T; t++)          /* serial fp32, row order */
+        for (int c = 0; c < EMB_C; c++) {
+            expect[emb_tokens[t] * EMB_C + c] += dout[t * EMB_C + c];
+            exact[emb_tokens[t] * EMB_C + c] += dout[t * EMB_C + c];
+        }
+    be->embedding_bwd(be, dwte, dout, emb_tokens, EMB_T, EMB_C);
+    CHECK(memcmp(dwte, expect, EMB_V * EMB_C * sizeof(float)) == 0);
+    CHECK(rel_err_d(dwte, exact, EMB_V * EMB_C) < 1e-6);
+    free(dwte); free(expect); free(dout); free(exact);
+}
+
+/* ---------------------------------------------------------- LM head + loss */
+
+enum { LM_T = 400, LM_C = 8, LM_V = 50 }; /* > 256 rows: several chunks */
+
+static double lm_row_loss(const double *x, const double *W, int tg, int C, int V) {
+    double z[256], m = -INFINITY, sum = 0;
+    for (int j = 0; j < V; j++) {
+        z[j] = dot_d(x, W + (size_t)j * C, C);
+        m = fmax(m, z[j]);
+    }
+    for (int j = 0; j < V; j++) sum += exp(z[j] - m);
+    return m + log(sum) - z[tg];
+}
+
+typedef struct { int T, C, V; const int *tg; double *x, *W, *dloss; } lm_ctx;
+
+static double lm_loss(void *c_) {
+    lm_ctx *c = c_;
+    double L = 0;
+    for (int t = 0; t < c->T; t++)
+        if (c->dloss[t] != 0)
+            L += c->dloss[t] * lm_row_loss(c->x + (size_t)t * c->C, c->W, c->tg[t], c->C, c->V);
+    return L;
+}
+
+static void lm_inputs(cf_rng *r, float *x, float *W, int *tg, float xs) {
+    fill_normal(x, LM_T * LM_C, r, xs);
+    fill_normal(W, LM_V * LM_C, r, 0.7f);
+    for (int t = 0; t < LM_T; t++) tg[t] = (int)cf_rng_below(r, LM_V);
+}
+
+TEST(lmhead_loss_fwd_matches_full_softmax_reference_across_chunks) {
+    cf_rng r;
+    cf_rng_seed(&r, 601);
+    float *x = fnew(LM_T * LM_C), *W = fnew(LM_V * LM_C), *loss = fnew(LM_T);
+    int tg[LM_T];
+    lm_inputs(&r, x, W, tg, 1);
+    be->lmhead_loss_fwd(be, loss, x, W, tg, LM_T, LM_C, LM_V);
+    double *xd = to_double(x, LM_T * LM_C), *Wd = to_double(W, LM_V * LM_C);
+    double err = 0;
+    for (int t = 0; t < LM_T; t++)
+        err = fmax(err, fabs(loss[t] - lm_row_loss(xd + t * LM_C, Wd, tg[t], LM_C, LM_V)));
+    CHECK_MSG(err < FWD_TOL * 4, "max loss err %g", err);
+    free(x); free(W); free(loss); free(xd); free(Wd);
+}
+
+TEST(lmhead_loss_fwd_and_bwd_are_stable_for_large_logits) {
+    cf_rng r;
+    cf_rng_seed(&r, 602);
+    float *x = fnew(LM_T * LM_C), *W = fnew(LM_V * LM_C), *loss = fnew(LM_T);
+    float *dl = fnew(LM_T), *dx = fnew(LM_T * LM_C), *dW = fnew(LM_V * LM_C);
+    int tg[LM_T];
+    lm_inputs(&r, x, W, tg, 60); /* logits of several hundred */
+    be->lmhead_loss_fwd(be, loss, x, W, tg, LM_T, LM_C, LM_V);
+    double *xd = to_double(x, LM_T * LM_C), *Wd = to_double(W, LM_V * LM_C);
+    int finite = 1;
+    /* fp32 logits carry an absolute error ~ |z| * 2^-24 * sqrt(C), which the
+     * loss inherits: compare relative to the row's largest logit. */
+    double worst = 0, zmax = 0;
+    for (int t = 0; t < LM_T; t++) {
+        finite &= isfinite(loss[t]) && loss[t] >= 0;
+        double zm = 0;
+        for (int j = 0; j < LM_V; j++) zm = fmax(zm, fabs(dot_d(xd + t * LM_C, Wd + j * LM_C, LM_C)));
+        double e = fabs(loss[t] - lm_row_loss(xd + t * LM_C, Wd, tg[t], LM_C, LM_V)) / zm;
+        worst = fmax(worst, e);
+        zmax = fmax(zmax, zm);
+        dl[t] = 1.0f;
+    }
+    CHECK(finite);
+    CHECK(zmax > 200); /* the logits are large indeed */
+    CHECK_MSG(worst < 1e-6, "loss error / max|logit| = %g", worst);
+    be->lmhead_loss_bwd(be, dx, dW, x, W, tg, dl, LM_T, LM_C, LM_V);
+    finite = 1;
+    for (int i = 0; i < LM_T * LM_C; i++) finite &= isfinite(dx[i]);
+    for (int i = 0; i < LM_V * LM_C; i++) finite &= isfinite(dW[i]);
+    CHECK(finite);
+    free(x); free(W); free(loss); free(dl); free(dx); free(dW); free(xd); free(Wd);
+}
+
+TEST(lmhead_loss_bwd_matches_finite_differences) {
+    cf_rng r;
+    cf_rng_seed(&r, 603);
+    float *x = fnew(LM_T * LM_C), *W = fnew(LM_V * LM_C), *dl = fnew(LM_T);
+    float *dx = fnew(LM_T * LM_C), *dW = fnew(LM_V * LM_C), *dW0 = fnew(LM_V * LM_C);
+    int tg[LM_T];
+    lm_inputs(&r, x, W, tg, 1);
+    int nonzero = 0;
+    for (int t = 0; t < LM_T; t++) {
+        dl[t] = cf_rng_uniform(&r) < 0.25f ? 0.0f : cf_rng_normal(&r);
+        nonzero += dl[t] != 0;
+    }
+    CHECK(nonzero > 256); /* the gathered nonzero rows span two chunks */
+    fill_normal(dW0, LM_V * LM_C, &r, 1);
+    memcpy(dW, dW0, LM_V * LM_C * sizeof(float));
+    be->lmhead_loss_bwd(be, dx, dW, x, W, tg, dl, LM_T, LM_C, LM_V);
+    for (int i = 0; i < LM_V * LM_C; i++) dW[i] -= dW0[i];
+
+    lm_ctx c = {LM_T, LM_C, LM_V, tg, to_double(x, LM_T * LM_C), to_double(W, LM_V * LM_C),
+                to_double(dl, LM_T)};
+    double *gW = dnew(LM_V * LM_C), *gx = dnew(LM_T * LM_C);
+    fd_grad(gW, c.W, LM_V * LM_C, lm_loss, &c);
+    /* dx by per-row differences (row t's loss depends on x_t only) */
+    const double eps = 1e-5;
+    for (int t = 0; t < LM_T; t++)
+        for (int i = 0; i < LM_C; i++) {
+            double *xi = c.x + t * LM_C + i, save = *xi;
+            *xi = save + eps;
+            double lp = lm_row_loss(c.x + t * LM_C, c.W, tg[t], LM_C, LM_V);
+            *xi = save - eps;
+            double lm = lm_row_loss(c.x + t * LM_C, c.W, tg[t], LM_C, LM_V);
+            *xi = save;
+            gx[t * LM_C + i] = c.dloss[t] * (lp - lm) / (2 * eps);
+        }
+    CHECK_MSG(rel_err_d(dx, gx, LM_T * LM_C) < GRAD_TOL, "dx %g", rel_err_d(dx, gx, LM_T * LM_C));
+    CHECK_MSG(rel_err_d(dW, gW, LM_V * LM_C) < GRAD_TOL, "dwlm %g", rel_err_d(dW, gW, LM_V * LM_C));
+    free(x); free(W); free(dl); free(dx); free(dW); free(dW0); free(c.x); free(c.W); free(c.dloss);
+    free(gW); free(gx);
+}
+
+TEST(lmhead_loss_bwd_zero_dloss_rows_give_zero_dx_and_no_dwlm) {
+    cf_rng r;
+    cf_rng_seed(&r, 604);
+    float *x = fnew(LM_T * LM_C), *W = fnew(LM_V * LM_C), *dl = fnew(LM_T);
+    float *dx = fnew(LM_T * LM_C), *dW = fnew(LM_V * LM_C), *dW0 = fnew(LM_V * LM_C);
+    int tg[LM_T];
+    lm_inputs(&r, x, W, tg, 1);
+    fill_normal(dW0, LM_V * LM_C, &r, 1);
+    /* all zero: dx is overwritten with zeros, dwlm untouched */
+    memcpy(dW, dW0, LM_V * LM_C * sizeof(float));
+    for (int i = 0; i < LM_T * LM_C; i++) dx[i] = 5.0f;
+    be->lmhead_loss_bwd(be, dx, dW, x, W, tg, dl, LM_T, LM_C, LM_V);
+    CHECK(max_abs(dx, LM_T * LM_C) == 0.0);
+    CHECK(memcmp(dW, dW0, LM_V * LM_C * sizeof(float)) == 0);
+    /* some zero: exactly those dx rows are zero, the others are not */
+    for (int t = 0; t < LM_T; t++) dl[t] = (t % 3 == 1) ? 0.0f : 1.0f / LM_T;
+    for (int i = 0; i < LM_T * LM_C; i++) dx[i] = 5.0f;
+    be->lmhead_loss_bwd(be, dx, dW, x, W, tg, dl, LM_T, LM_C, LM_V);
+    int ok = 1;
+    for (int t = 0; t < LM_T; t++) {
+        double m = max_abs(dx + t * LM_C, LM_C);
+        ok &= (t % 3 == 1) ? m == 0.0 : m > 0.0;
+    }
+    CHECK(ok);
+    free(x); free(W); free(dl); free(dx); free(dW); free(dW0);
+}
+
+/* -------------------------------------------------------------- attention */
+
+/* Naive attention in double over n rows that attend among themselves: row j
+ * is visible to row i iff seq[j] == seq[i], pos[j] <= pos[i] and
+ * doc[j] == doc[i]. Builds the full n x n score matrix. */
+static void attn_ref(double *out, double *lse, const double *q, const double *k, const double *v,
+                     int n, const int *seq, const int *pos, const int *doc, int H, int Hkv, int D,
+                     double scale) {
+    double *sc = dnew((size_t)n * n);
+    const int group = H / Hkv;
+    for (int h = 0; h < H; h++) {
+        const int g = h / group;
+        for (int i = 0; i < n; i++)
+            for (int j = 0; j < n; j++) {
+                int vis = seq[j] == seq[i] && pos[j] <= pos[i] && doc[j] == doc[i];
+                sc[(size_t)i * n + j] =
+                    vis ? scale * dot_d(q + ((size_t)i * H + h) * D, k + ((size_t)j * Hkv + g) * D, D)
+                        : -INFINITY;
+            }
+        for (int i = 0; i < n; i++) {
+            double *s = sc + (size_t)i * n, m = -INFINITY, sum = 0;
+            for (int j = 0; j < n; j++) m = fmax(m, s[j]);
+            for (int j = 0; j < n; j++) sum += exp(s[j] - m);
+            lse[(size_t)i * H + h] = m + log(sum);
+            double *o = out + ((size_t)i * H + h) * D;
+            for (int d = 0; d < D; d++) o[d] = 0;
+            for (int j = 0; j < n; j++) {
+                double p = exp(s[j] - lse[(size_t)i * H + h]);
+                for (int d = 0; d < D; d++) o[d] += p * v[((size_t)j * Hkv + g) * D + d];
+            }
+        }
+    }
+    free(sc);
+}
+
+/* L = sum over rows i with in_loss[i] (all if NULL) of R_i . out_i */
+typedef struct {
+    int n, H, Hkv, D;
+    double scale;
+    const int *seq, *pos, *doc;
+    const unsigned char *in_loss;
+    double *q, *k, *v, *R, *out, *lse;
+} attn_ctx;
+
+static double attn_loss(void *c_) {
+    attn_ctx *c = c_;
+    attn_ref(c->out, c->lse, c->q, c->k, c->v, c->n, c->seq, c->pos, c->doc, c->H, c->Hkv, c->D,
+             c->scale);
+    double L = 0;
+    const size_t w = (size_t)c->H * c->D;
+    for (int i = 0; i < c->n; i++)
+        if (!c->in_loss || c->in_loss[i]) L += dot_d(c->R + i * w, c->out + i * w, w);
+    return L;
+}
+
+/* The standard test problem: B=2, S=7, H=4, Hkv=2, D=8. */
+enum { AB = 2, AS = 7, AH = 4, AHKV = 2, AD = 8, AT = AB * AS };
+static const int attn_docs[AT] = {0, 0, 0, 1, 1, 1, 1, 2, 2, 3, 3, 3, 4, 4};
+
+typedef struct { int n; int rows[AT]; int seq_start[AB + 1]; } kept_set;
+/* different counts per sequence, a single kept token, an empty sequence */
+static const kept_set kept_sets[] = {
+    {5, {1, 3, 4, 6, 12}, {0, 4, 5}},
+    {6, {0, 7, 9, 10, 12, 13}, {0, 1, 6}},
+    {3, {2, 5, 6}, {0, 3, 3}},
+};
+enum { N_KEPT_SETS = sizeof kept_sets / sizeof kept_sets[0] };
+
+typedef struct {
+    cf_attn_shape s;
+    int T, n;             /* all rows, kept rows                         */
+    float *q, *k, *v, *R; /* full [T, ...]; R is dL/dout                 */
+    float *out, *lse;     /* backend forward                             */
+    /* compacted to the kept rows */
+    cf_rows kept;
+    int seq_c[AT], pos_c[AT], doc_c[AT];
+    float *qc, *outc, *lsec, *Rc;
+    float *dq, *dk, *dv;  /* backward outputs (sized for T rows)         */
+    int seq[AT], pos[AT], doc[AT];
+} attn_prob;
+
+static void attn_prob_init(attn_prob *p, uint64_t seed, int use_doc, const kept_set *ks) {
+    memset(p, 0, sizeof *p);
+    cf_rng r;
+    cf_rng_seed(&r, seed);
+    p->s = (cf_attn_shape){AB, AS, AH, AHKV, AD, 1.0f / sqrtf((float)AD), use_doc ? attn_docs : NULL};
+    p->T = AT;
+    const size_t nq = (size_t)AT * AH * AD, nkv = (size_t)AT * AHKV * AD;
+    p->q = fnew(nq); p->k = fnew(nkv); p->v = fnew(nkv); p->R = fnew(nq);
+    p->out = fnew(nq); p->lse = fnew(AT * AH);
+    fill_normal(p->q, nq, &r, 1.5f);
+    fill_normal(p->k, nkv, &r, 1);
+    fill_normal(p->v, nkv, &r, 1);
+    fill_normal(p->R, nq, &r, 1);
+    for (int i = 0; i < AT; i++) {
+        p->seq[i] = i / AS;
+        p->pos[i] = i % AS;
+        p->doc[i] = use_doc ? attn_docs[i] : p->seq[i];
+    }
+    be->attention_fwd(be, p->out, p->lse, p->q, p->k, p->v, &p->s);
+    p->dq = fnew(nq); p->dk = fnew(nkv); p->dv = fnew(nkv);
+    p->qc = fnew(nq); p->outc = fnew(nq); p->lsec = fnew(AT * AH); p->Rc = fnew(nq);
+    if (ks) {
+        p->n = ks->n;
+        p->kept = (cf_rows){ks->n, ks->rows, ks->seq_start, ks->rows, ks->seq_start};
+        const size_t w = (size_t)AH * AD;
+        be->gather_rows(be, p->qc, p->q, ks->rows, ks->n, w * sizeof(float));
+        be->gather_rows(be, p->outc, p->out, ks->rows, ks->n, w * sizeof(float));
+        be->gather_rows(be, p->Rc, p->R, ks->rows, ks->n, w * sizeof(float));
+        be->gather_rows(be, p->lsec, p->lse, ks->rows, ks->n, AH * sizeof(float));
+        for (int a = 0; a < ks->n; a++) {
+            int row = ks->rows[a];
+            p->seq_c[a] = p->seq[row];
+            p->pos_c[a] = p->pos[row];
+            p->doc_c[a] = p->doc[row];
+        }
+    }
+}
+
+static void attn_prob_free(attn_prob *p) {
+    free(p->q); free(p->k); free(p->v); free(p->R); free(p->out); free(p->lse);
+    free(p->dq); free(p->dk); free(p->dv); free(p->qc); free(p->outc); free(p->lsec); free(p->Rc);
+}
+
+static void attn_bwd(attn_prob *p, cf_attn_bwd_mode mode) {
+    if (mode == CF_ATTN_BWD_FULL)
+        be->attention_bwd(be, p->dq, p->dk, p->dv, p->R, p->q, p->k, p->v, p->out, p->lse, &p->s,
+                          NULL, mode);
+    else
+        be->attention_bwd(be, p->dq, p->dk, p->dv, p->Rc, p->qc, p->k, p->v, p->outc, p->lsec,
+                          &p->s, &p->kept, mode);
+}
+
+/* d[a, :] = s[rows[a], :] */
+static double *gather_d(const double *s, const int *rows, int n, size_t w) {
+    double *d = dnew((size_t)n * w);
+    for (int a = 0; a < n; a++) memcpy(d + a * w, s + (size_t)rows[a] * w, w * sizeof(double));
+    return d;
+}
+
+TEST(attention_fwd_matches_naive_reference_causal_gqa_with_and_without_doc_ids) {
+    for (int use_doc = 0; use_doc < 2; use_doc++) {
+        attn_prob p;
+        attn_prob_init(&p, 701 + use_doc, use_doc, NULL);
+        const size_t nq = (size_t)AT * AH * AD, nkv = (size_t)AT * AHKV * AD;
+        double *qd = to_double(p.q, nq), *kd = to_double(p.k, nkv), *vd = to_double(p.v, nkv);
+        double *od = dnew(nq), *ld = dnew(AT * AH);
+        attn_ref(od, ld, qd, kd, vd, AT, p.seq, p.pos, p.doc, AH, AHKV, AD, p.s.scale);
+        CHECK_MSG(rel_err_d(p.out, od, nq) < FWD_TOL, "doc=%d out %g", use_doc, rel_err_d(p.out, od, nq));
+        double lerr = 0;
+        for (int i = 0; i < AT * AH; i++) lerr = fmax(lerr, fabs(p.lse[i] - ld[i]));
+        CHECK_MSG(lerr < FWD_TOL, "doc=%d lse %g", use_doc, lerr);
+        /* row 0 (and, with docs, the first row of each doc) sees only itself */
+        CHECK(rel_err(p.out, p.v, AD) < 1e-6);
+        free(qd); free(kd); free(vd); free(od); free(ld);
+        attn_prob_free(&p);
+    }
+}
+
+TEST(attention_full_bwd_matches_finite_differences_with_and_without_doc_ids) {
+    for (int use_doc = 0; use_doc < 2; use_doc++) {
+        attn_prob p;
+        attn_prob_init(&p, 711 + use_doc, use_doc, NULL);
+        attn_bwd(&p, CF_ATTN_BWD_FULL);
+        const size_t nq = (size_t)AT * AH * AD, nkv = (size_t)AT * AHKV * AD;
+        attn_ctx c = {AT, AH, AHKV, AD, p.s.scale, p.seq, p.pos, p.doc, NULL,
+                      to_double(p.q, nq), to_double(p.k, nkv), to_double(p.v, nkv),
+                      to_double(p.R, nq), dnew(nq), dnew(AT * AH)};
+        double *gq = dnew(nq), *gk = dnew(nkv), *gv = dnew(nkv);
+        fd_grad(gq, c.q, nq, attn_loss, &c);
+        fd_grad(gk, c.k, nkv, attn_loss, &c);
+        fd_grad(gv, c.v, nkv, attn_loss, &c);
+        CHECK_MSG(rel_err_d(p.dq, gq, nq) < GRAD_TOL, "doc=%d dq %g", use_doc, rel_err_d(p.dq, gq, nq));
+        CHECK_MSG(rel_err_d(p.dk, gk, nkv) < GRAD_TOL, "doc=%d dk %g", use_doc, rel_err_d(p.dk, gk, nkv));
+        CHECK_MSG(rel_err_d(p.dv, gv, nkv) < GRAD_TOL, "doc=%d dv %g", use_doc, rel_err_d(p.dv, gv, nkv));
+        free(c.q); free(c.k); free(c.v); free(c.R); free(c.out); free(c.lse);
+        free(gq); free(gk); free(gv);
+        attn_prob_free(&p);
+    }
+}
+
+/* The centrifuge reference, straight from the definition: the loss is
+ * sum over kept rows i of R_i . out_i of the full (dense, naive) attention;
+ * differentiate it w.r.t. q of kept rows and k, v of kept rows only (the
+ * filtered K/V rows are held constant). which: 0 = dq, 1 = dk and dv. */
+static void check_centrifuge_vs_definition(int which) {
+    for (int use_doc = 0; use_doc < 2; use_doc++)
+        for (int ks = 0; ks < N_KEPT_SETS; ks++) {
+            const kept_set *K = &kept_sets[ks];
+            attn_prob p;
+            attn_prob_init(&p, 721 + 10 * use_doc + ks, use_doc, K);
+            attn_bwd(&p, CF_ATTN_BWD_CENTRIFUGE);
+            const size_t wq = (size_t)AH * AD, wkv = (size_t)AHKV * AD;
+            const size_t nq = AT * wq, nkv = AT * wkv;
+            unsigned char in_loss[AT] = {0};
+            for (int a = 0; a < K->n; a++) in_loss[K->rows[a]] = 1;
+            attn_ctx c = {AT, AH, AHKV, AD, p.s.scale, p.seq, p.pos, p.doc, in_loss,
+                          to_double(p.q, nq), to_double(p.k, nkv), to_double(p.v, nkv),
+                          to_double(p.R, nq), dnew(nq), dnew(AT * AH)};
+            double *gq = dnew(nq), *gk = dnew(nkv), *gv = dnew(nkv);
+            if (which == 0) {
+                fd_grad(gq, c.q, nq, attn_loss, &c);
+                double *rq = gather_d(gq, K->rows, K->n, wq);
+                double e = rel_err_d(p.dq, rq, K->n * wq);
+                CHECK_MSG(e < GRAD_TOL, "doc=%d set=%d dq %g", use_doc, ks, e);
+                free(rq);
+            } else {
+                fd_grad(gk, c.k, nkv, attn_loss, &c);
+                fd_grad(gv, c.v, nkv, attn_loss, &c);
+                double *rk = gather_d(gk, K->rows, K->n, wkv), *rv = gather_d(gv, K->rows, K->n, wkv);
+                double ek = rel_err_d(p.dk, rk, K->n * wkv), ev = rel_err_d(p.dv, rv, K->n * wkv);
+                CHECK_MSG(ek < GRAD_TOL, "doc=%d set=%d dk %g", use_doc, ks, ek);
+                CHECK_MSG(ev < GRAD_TOL, "doc=%d set=%d dv %g", use_doc, ks, ev);
+                free(rk); free(rv);
+            }
+            free(c.q); free(c.k); free(c.v); free(c.R); free(c.out); free(c.lse);
+            free(gq); free(gk); free(gv);
+            attn_prob_free(&p);
+        }
+}
+
+TEST(attention_centrifuge_dq_is_exact_over_all_keys) { check_centrifuge_vs_definition(0); }
+
+TEST(attention_centrifuge_dk_dv_of_kept_keys_come_from_kept_queries_only) {
+    check_centrifuge_vs_definition(1);
+}
+
+/* Loss-only (full backward with dout zero on filtered rows) and centrifuge
+ * agree on every kept row: filtered queries contribute nothing to either. */
+static void check_centrifuge_vs_masked_full(attn_prob *p) {
+    const size_t wq = (size_t)AH * AD, wkv = (size_t)AHKV * AD;
+    const int n = p->kept.n;
+    float *cq = fnew(n * wq), *ck = fnew(n * wkv), *cv = fnew(n * wkv);
+    attn_bwd(p, CF_ATTN_BWD_CENTRIFUGE);
+    memcpy(cq, p->dq, n * wq * sizeof(float));
+    memcpy(ck, p->dk, n * wkv * sizeof(float));
+    memcpy(cv, p->dv, n * wkv * sizeof(float));
+    /* full backward with dout masked to the kept rows */
+    float *Rfull = p->R;
+    float *Rm = fnew(AT * wq);
+    for (int a = 0; a < n; a++)
+        memcpy(Rm + p->kept.host_rows[a] * wq, Rfull + p->kept.host_rows[a] * wq, wq * sizeof(float));
+    p->R = Rm;
+    attn_bwd(p, CF_ATTN_BWD_FULL);
+    p->R = Rfull;
+    double eq = 0, ek = 0, ev = 0;
+    double *fq = dnew(n * wq), *fk = dnew(n * wkv), *fv = dnew(n * wkv);
+    for (int a = 0; a < n; a++) {
+        int row = p->kept.host_rows[a];
+        for (size_t i = 0; i < wq; i++) fq[a * wq + i] = p->dq[row * wq + i];
+        for (size_t i = 0; i < wkv; i++) fk[a * wkv + i] = p->dk[row * wkv + i];
+        for (size_t i = 0; i < wkv; i++) fv[a * wkv + i] = p->dv[row * wkv + i];
+    }
+    eq = rel_err_d(cq, fq, n * wq);
+    ek = rel_err_d(ck, fk, n * wkv);
+    ev = rel_err_d(cv, fv, n * wkv);
+    CHECK_MSG(eq < 1e-5 && ek < 1e-5 && ev < 1e-5, "dq %g dk %g dv %g", eq, ek, ev);
+    free(cq); free(ck); free(cv); free(Rm); free(fq); free(fk); free(fv);
+}
+
+TEST(attention_centrifuge_equals_full_backward_with_dout_masked_on_kept_rows) {
+    for (int use_doc = 0; use_doc < 2; use_doc++)
+        for (int ks = 0; ks < N_KEPT_SETS; ks++) {
+            attn_prob p;
+            attn_prob_init(&p, 741 + 10 * use_doc + ks, use_doc, &kept_sets[ks]);
+            check_centrifuge_vs_masked_full(&p);
+            attn_prob_free(&p);
+        }
+}
+
+TEST(attention_centrifuge_with_all_rows_kept_equals_full) {
+    kept_set all = {AT, {0}, {0, AS, AT}};
+    for (int i = 0; i < AT; i++) all.rows[i] = i;
+    for (int use_doc = 0; use_doc < 2; use_doc++) {
+        attn_prob p;
+        attn_prob_init(&p, 751 + use_doc, use_doc, &all);
+        const size_t nq = (size_t)AT * AH * AD, nkv = (size_t)AT * AHKV * AD;
+        attn_bwd(&p, CF_ATTN_BWD_FULL);
+        float *fq = fnew(nq), *fk = fnew(nkv), *fv = fnew(nkv);
+        memcpy(fq, p.dq, nq * sizeof(float));
+        memcpy(fk, p.dk, nkv * sizeof(float));
+        memcpy(fv, p.dv, nkv * sizeof(float));
+        attn_bwd(&p, CF_ATTN_BWD_CENTRIFUGE);
+        CHECK(rel_err(p.dq, fq, nq) < 1e-6);
+        CHECK(rel_err(p.dk, fk, nkv) < 1e-6);
+        CHECK(rel_err(p.dv, fv, nkv) < 1e-6);
+        /* and strawman too: nothing to renormalise away */
+        attn_bwd(&p, CF_ATTN_BWD_STRAWMAN);
+        CHECK(rel_err(p.dq, fq, nq) < 1e-5);
+        CHECK(rel_err(p.dk, fk, nkv) < 1e-5);
+        CHECK(rel_err(p.dv, fv, nkv) < 1e-5);
+        free(fq); free(fk); free(fv);
+        attn_prob_free(&p);
+    }
+}
+
+TEST(attention_strawman_is_exact_backward_of_attention_on_compacted_sequence) {
+    for (int use_doc = 0; use_doc < 2; use_doc++)
+        for (int ks = 0; ks < N_KEPT_SETS; ks++) {
+            const kept_set *K = &kept_sets[ks];
+            attn_prob p;
+            attn_prob_init(&p, 761 + 10 * use_doc + ks, use_doc, K);
+            attn_bwd(&p, CF_ATTN_BWD_STRAWMAN);
+            const size_t wq = (size_t)AH * AD, wkv = (size_t)AHKV * AD;
+            const int n = K->n;
+            double *qd = to_double(p.q, AT * wq), *kd = to_double(p.k, AT * wkv);
+            double *vd = to_double(p.v, AT * wkv);
+            /* the compacted problem: kept rows only, original positions/docs */
+            attn_ctx c = {n, AH, AHKV, AD, p.s.scale, p.seq_c, p.pos_c, p.doc_c, NULL,
+                          gather_d(qd, K->rows, n, wq), gather_d(kd, K->rows, n, wkv),
+                          gather_d(vd, K->rows, n, wkv), to_double(p.Rc, n * wq), dnew(n * wq),
+                          dnew(n * AH)};
+            double *gq = dnew(n * wq), *gk = dnew(n * wkv), *gv = dnew(n * wkv);
+            fd_grad(gq, c.q, n * wq, attn_loss, &c);
+            fd_grad(gk, c.k, n * wkv, attn_loss, &c);
+            fd_grad(gv, c.v, n * wkv, attn_loss, &c);
+            double eq = rel_err_d(p.dq, gq, n * wq), ek = rel_err_d(p.dk, gk, n * wkv);
+            double ev = rel_err_d(p.dv, gv, n * wkv);
+            CHECK_MSG(eq < GRAD_TOL && ek < GRAD_TOL && ev < GRAD_TOL,
+                      "doc=%d set=%d dq %g dk %g dv %g", use_doc, ks, eq, ek, ev);
+            free(qd); free(kd); free(vd);
+            free(c.q); free(c.k); free(c.v); free(c.R); free(c.out); free(c.lse);
+            free(gq); free(gk); free(gv);
+            attn_prob_free(&p);
+        }
+}
+
+TEST(attention_strawman_differs_from_centrifuge_when_rows_are_filtered) {
+    for (int ks = 0; ks < N_KEPT_SETS; ks++) {
+        attn_prob p;
+        attn_prob_init(&p, 781 + ks, 0, &kept_sets[ks]);
+        const size_t wq = (size_t)AH * AD;
+        const int n = kept_sets[ks].n;
+        attn_bwd(&p, CF_ATTN_BWD_CENTRIFUGE);
+        float *cq = fnew(n * wq);
+        memcpy(cq, p.dq, n * wq * sizeof(float));
+        attn_bwd(&p, CF_ATTN_BWD_STRAWMAN);
+        CHECK_MSG(rel_err(p.dq, cq, n * wq) > 1e-2, "set=%d dq differs by only %g", ks,
+                  rel_err(p.dq, cq, n * wq));
+        free(cq);
+        attn_prob_free(&p);
+    }
+}
+
+/* A larger random problem (B=3, S=33, H=4, Hkv=1, D=16, random docs, about
+ * half the rows kept): centrifuge vs masked full, and determinism across
+ * thread counts. */
+TEST(attention_centrifuge_equals_masked_full_on_random_larger_problem) {
+    enum { B = 3, S = 33, H = 4, Hkv = 1, D = 16, T = B * S };
+    cf_rng r;
+    cf_rng_seed(&r, 791);
+    static int doc[T], rows[T], seq_start[B + 1];
+    int n = 0, d = 0;
+    for (int b = 0; b < B; b++) {
+        seq_start[b] = n;
+        for (int s = 0; s < S; s++) {
+            if (s == 0 || cf_rng_uniform(&r) < 0.15f) d++;
+            doc[b * S + s] = d;
+            if (cf_rng_uniform(&r) < 0.5f) rows[n++] = b * S + s;
+        }
+    }
+    seq_start[B] = n;
+    cf_attn_shape sh = {B, S, H, Hkv, D, 0.25f, doc};
+    const size_t wq = H * D, wkv = Hkv * D;
+    float *q = fnew(T * wq), *k = fnew(T * wkv), *v = fnew(T * wkv), *R = fnew(T * wq);
+    float *out = fnew(T * wq), *lse = fnew(T * H);
+    fill_normal(q, T * wq, &r, 1.5f);
+    fill_normal(k, T * wkv, &r, 1);
+    fill_normal(v, T * wkv, &r, 1);
+    for (int a = 0; a < n; a++) fill_normal(R + rows[a] * wq, wq, &r, 1); /* zero on filtered */
+    be->attention_fwd(be, out, lse, q, k, v, &sh);
+    float *dq = fnew(T * wq), *dk = fnew(T * wkv), *dv = fnew(T * wkv);
+    be->attention_bwd(be, dq, dk, dv, R, q, k, v, out, lse, &sh, NULL, CF_ATTN_BWD_FULL);
+    float *qc = fnew(n * wq), *oc = fnew(n * wq), *Rc = fnew(n * wq), *lc = fnew(n * H);
+    be->gather_rows(be, qc, q, rows, n, wq * sizeof(float));
+    be->gather_rows(be, oc, out, rows, n, wq * sizeof(float));
+    be->gather_rows(be, Rc, R, rows, n, wq * sizeof(float));
+    be->gather_rows(be, lc, lse, rows, n, H * sizeof(float));
+    cf_rows kept = {n, rows, seq_start, rows, seq_start};
+    float *cq = fnew(n * wq), *ck = fnew(n * wkv), *cv = fnew(n * wkv);
+    float *fq = fnew(n * wq), *fk = fnew(n * wkv), *fv = fnew(n * wkv);
+    be->attention_bwd(be, cq, ck, cv, Rc, qc, k, v, oc, lc, &sh, &kept, CF_ATTN_BWD_CENTRIFUGE);
+    be->gather_rows(be, fq, dq, rows, n, wq * sizeof(float));
+    be->gather_rows(be, fk, dk, rows, n, wkv * sizeof(float));
+    be->gather_rows(be, fv, dv, rows, n, wkv * sizeof(float));
+    CHECK(rel_err(cq, fq, n * wq) < 1e-5);
+    CHECK(rel_err(ck, fk, n * wkv) < 1e-5);
+    CHECK(rel_err(cv, fv, n * wkv) < 1e-5);
+    /* loss-only gives filtered keys gradient, centrifuge does not produce it */
+    double filtered_dk = 0;
+    for (int i = 0, a = 0; i < T; i++) {
+        if (a < n && rows[a] == i) { a++; continue; }
+        filtered_dk = fmax(filtered_dk, max_abs(dk + i * wkv, wkv));
+    }
+    CHECK(filtered_dk > 0);
+    /* bitwise identical with one thread */
+    int nt = omp_get_max_threads();
+    omp_set_num_threads(1);
+    float *cq1 = fnew(n * wq), *ck1 = fnew(n * wkv), *cv1 = fnew(n * wkv);
+    be->attention_bwd(be, cq1, ck1, cv1, Rc, qc, k, v, oc, lc, &sh, &kept, CF_ATTN_BWD_CENTRIFUGE);
+    omp_set_num_threads(nt);
+    CHECK(memcmp(cq, cq1, n * wq * sizeof(float)) == 0);
+    CHECK(memcmp(ck, ck1, n * wkv * sizeof(float)) == 0);
+    CHECK(memcmp(cv, cv1, n * wkv * sizeof(float)) == 0);
+    free(q); free(k); free(v); free(R); free(out); free(lse); free(dq); free(dk); free(dv);
+    free(qc); free(oc); free(Rc); free(lc); free(cq); free(ck); free(cv); free(fq); free(fk);
+    free(fv); free(cq1); free(ck1); free(cv1);
+}
+
+/* ------------------------------------------------------ gather/sumsq/adamw */
+
+TEST(gather_rows_copies_selected_rows_of_any_width) {
+    int src[6][3], dst[5][3];
+    for (int i = 0; i < 6; i++)
+        for (int j = 0; j < 3; j++) src[i][j] = 10 * i + j;
+    const int rows[5] = {5, 0, 5, 2, 3};
+    be->gather_rows(be, dst, src, rows, 5, 3 * sizeof(int));
+    for (int i = 0; i < 5; i++) CHECK(memcmp(dst[i], src[rows[i]], sizeof dst[i]) == 0);
+}
+
+TEST(sumsq_matches_double_sum_and_is_thread_count_independent) {
+    float five[5] = {1, 2, 3, 4, 5};
+    CHECK(be->sumsq(be, five, 5) == 55.0);
+    CHECK(be->sumsq(be, five, 0) == 0.0);
+    const size_t n = 1000003;
+    float *g = fnew(n);
+    cf_rng r;
+    cf_rng_seed(&r, 901);
+    fill_normal(g, n, &r, 1);
+    double ref = 0;
+    for (size_t i = 0; i < n; i++) ref += (double)g[i] * g[i];
+    double s = be->sumsq(be, g, n);
+    CHECK_CLOSE(s, ref, 1e-12);
+    int nt = omp_get_max_threads();
+    omp_set_num_threads(1);
+    double s1 = be->sumsq(be, g, n);
+    omp_set_num_threads(nt);
+    CHECK(s == s1);
+    free(g);
+}
+
+TEST(adamw_matches_hand_computed_two_steps) {
+    /* lr 0.1, betas (0.9, 0.999), eps 1e-8, wd 0.01.
+     * p0 = 1, g = 0.5 then -0.25, grad_scale 2 (g' = 1, -0.5):
+     *   t=1: m = 0.1, v = 0.001, mhat = 1, vhat = 1,
+     *        p = 1 - 0.1 (1/(1+1e-8) + 0.01) = 0.899000001
+     *   t=2: m = 0.04, v = 0.001249, mhat = 0.04/0.19, vhat = 0.001249/0.001999,
+     *        p = 0.899000001 - 0.1 (mhat/(sqrt(vhat)+eps) + 0.01 p) = 0.87146729737
+     * p0 = -2, g = -3 then 1, grad_scale 0.5 (g' = -1.5, 0.5):
+     *   t=1: m = -0.15, v = 0.00225, p = -1.89800000067
+     *   t=2: m = -0.085, v = 0.00249775, p = -1.85608014383 */
+    float p[2] = {1.0f, -2.0f}, m[2] = {0, 0}, v[2] = {0, 0};
+    float g1[2] = {0.5f, -3.0f}, g2[2] = {-0.25f, 1.0f};
+    const float lr = 0.1f, b1 = 0.9f, b2 = 0.999f, eps = 1e-8f, wd = 0.01f;
+    /* two elements with different grad scales: run them as separate calls */
+    be->adamw(be, &p[0], &g1[0], &m[0], &v[0], 1, lr, b1, b2, eps, wd, 2.0f, 1);
+    be->adamw(be, &p[1], &g1[1], &m[1], &v[1], 1, lr, b1, b2, eps, wd, 0.5f, 1);
+    CHECK_CLOSE(m[0], 0.1, 1e-6);
+    CHECK_CLOSE(v[0], 0.001, 1e-6);
+    CHECK_CLOSE(p[0], 0.899000001, 1e-6);
+    CHECK_CLOSE(m[1], -0.15, 1e-6);
+    CHECK_CLOSE(v[1], 0.00225, 1e-6);
+    CHECK_CLOSE(p[1], -1.89800000067, 1e-6);
+    be->adamw(be, &p[0], &g2[0], &m[0], &v[0], 1, lr, b1, b2, eps, wd, 2.0f, 2);
+    be->adamw(be, &p[1], &g2[1], &m[1], &v[1], 1, lr, b1, b2, eps, wd, 0.5f, 2);
+    CHECK_CLOSE(m[0], 0.04, 1e-6);
+    CHECK_CLOSE(v[0], 0.001249, 1e-6);
+    CHECK_CLOSE(p[0], 0.87146729737, 1e-6);
+    CHECK_CLOSE(m[1], -0.085, 1e-6);
+    CHECK_CLOSE(v[1], 0.00249775, 1e-6);
+    CHECK_CLOSE(p[1], -1.85608014383, 1e-6);
+    CHECK(g1[0] == 0.5f && g2[1] == 1.0f); /* gradients are read only */
+}
+
+TEST(reductions_are_bitwise_identical_for_one_and_many_threads) {
+    cf_rng r;
+    cf_rng_seed(&r, 951);
+    const int T = 50, C = 200;
+    float *x = fnew(T * C), *w = fnew(C), *dout = fnew(T * C), *rstd = fnew(T), *y = fnew(T * C);
+    float *dx[2], *dw[2], *dwte[2];
+    int tok[50];
+    fill_normal(x, T * C, &r, 1);
+    fill_normal(w, C, &r, 1);
+    fill_normal(dout, T * C, &r, 1);
+    for (int t = 0; t < T; t++) tok[t] = (int)cf_rng_below(&r, 7);
+    be->rmsnorm_fwd(be, y, rstd, x, w, T, C, 1e-6f);
+    int nt = omp_get_max_threads();
+    for (int pass = 0; pass < 2; pass++) {
+        omp_set_num_threads(pass == 0 ? 1 : (nt > 1 ? nt : 4));
+        dx[pass] = fnew(T * C); dw[pass] = fnew(C); dwte[pass] = fnew(7 * C);
+        be->rmsnorm_bwd(be, dx[pass], dw[pass], dout, x, w, rstd, T, C, 0);
+        be->embedding_bwd(be, dwte[pass], dout, tok, T, C);
+    }
+    omp_set_num_threads(nt);
+    CHECK(memcmp(dx[0], dx[1], T * C * sizeof(float)) == 0);
+    CHECK(memcmp(dw[0], dw[1], C * sizeof(float)) == 0);
+    CHECK(memcmp(dwte[0], dwte[1], 7 * C * sizeof(float)) == 0);
+    for (int i = 0; i < 2; i++) { free(dx[i]); free(dw[i]); free(dwte[i]); }
+    free(x); free(w); free(dout); free(rstd); free(y);
+}
+
+int main(void) {
+    be = cf_backend_cpu_create();
+    if (!be) {
+        printf("cannot create cpu backend: %s\n", cf_last_error());
+        return 1;
+    }
+    RUN(memory_alloc_is_aligned_and_transfers_roundtrip);
+    RUN(memory_alloc_failure_returns_null_with_error);
+    RUN(matmul_fwd_matches_double_reference_with_and_without_bias);
+    RUN(matmul_bwd_matches_finite_differences_and_accumulates_dw_dbias);
+    RUN(matmul_bwd_accumulate_adds_to_dinp_and_null_dinp_dbias_are_skipped);
+    RUN(rmsnorm_fwd_matches_double_reference_and_saves_rstd);
+    RUN(rmsnorm_bwd_matches_finite_differences_and_accumulates);
+    RUN(rope_fwd_matches_hf_rotate_half_reference);
+    RUN(rope_bwd_inverts_rope_fwd);
+    RUN(rope_bwd_matches_finite_differences);
+    RUN(swiglu_fwd_and_bwd_match_reference_and_finite_differences);
+    RUN(add_works_out_of_place_and_in_place);
+    RUN(embedding_fwd_copies_token_rows);
+    RUN(embedding_bwd_sums_repeated_tokens_in_row_order_bitwise);
+    RUN(lmhead_loss_fwd_matches_full_softmax_reference_across_chunks);
+    RUN(lmhead_loss_fwd_and_bwd_are_stable_for_large_logits);
+    RUN(lmhead_loss_bwd_matches_finite_differences);
+    RUN(lmhead_loss_bwd_zero_dloss_rows_give_zero_dx_and_no_dwlm);
+    RUN(attention_fwd_matches_naive_reference_causal_gqa_with_and_without_doc_ids);
+    RUN(attention_full_bwd_matches_finite_differences_with_and_without_doc_ids);
+    RUN(attention_centrifuge_dq_is_exact_over_all_keys);
+    RUN(attention_centrifuge_dk_dv_of_kept_keys_come_from_kept_queries_only);
+    RUN(attention_centrifuge_equals_full_backward_with_dout_masked_on_kept_rows);
+    RUN(attention_centrifuge_with_all_rows_kept_equals_full);
+    RUN(attention_strawman_is_exact_backward_of_attention_on_compacted_sequence);
+    RUN(attention_strawman_differs_from_centrifuge_when_rows_are_filtered);
+    RUN(attention_centrifuge_equals_masked_full_on_random_larger_problem);
+    RUN(gather_rows_copies_selected_rows_of_any_width);
+    RUN(sumsq_matches_double_sum_and_is_thread_count_independent);
+    RUN(adamw_matches_hand_computed_two_steps);
+    RUN(reductions_are_bitwise_identical_for_one_and_many_threads);
+    be->destroy(be);
+    return test_summary();
+}
