@@ -67,7 +67,8 @@ void cf_cuda_check(cudaError_t e, const char *what, const char *file, int line);
 #define CK(call) cf_cuda_check((call), #call, __FILE__, __LINE__)
 #define CK_LAUNCH() cf_cuda_check(cudaGetLastError(), "kernel launch", __FILE__, __LINE__)
 /* scratch slots 16.. belong to attention (backend_cuda.cu uses 0..15) */
-enum { SCR_DQACC = 16, SCR_DVEC, SCR_DKX, SCR_DVX, SCR_FILT, SCR_FSTART, SCR_OKEPT, SCR_LSEKEPT };
+enum { SCR_DQACC = 16, SCR_DVEC, SCR_DKX, SCR_DVX, SCR_FILT, SCR_FSTART, SCR_OKEPT, SCR_LSEKEPT,
+       SCR_PAD_Q = 24, SCR_PAD_K, SCR_PAD_V, SCR_PAD_O, SCR_PAD_DO, SCR_PAD_DQ, SCR_PAD_DK, SCR_PAD_DV };
 
 #define LOG2E_F 1.4426950408889634f
 #define LN2_F 0.6931471805599453f
@@ -201,23 +202,48 @@ __device__ __forceinline__ void load_kv_tile(const AttnArgs &a, bf16 *Ks, bf16 *
     }
 }
 
+/* ----------------------------------------------------------- tuning */
+
+/* Per head-dim choices: buffers of the streamed tiles (2 = load the next
+ * tile while computing on this one; 1 = less shared memory, so more blocks
+ * per SM) and the minimum blocks per SM the register budget must allow.
+ * The CF_ATTN_* macros exist for A/B timing builds. */
+#ifndef CF_ATTN_FWD_NBUF_128
+#define CF_ATTN_FWD_NBUF_128 2
+#endif
+#ifndef CF_ATTN_FWD_MINB_128
+#define CF_ATTN_FWD_MINB_128 1
+#endif
+#ifndef CF_ATTN_FWD_MINB_64
+#define CF_ATTN_FWD_MINB_64 1
+#endif
+#ifndef CF_ATTN_BWD_NBUF_128
+#define CF_ATTN_BWD_NBUF_128 2
+#endif
+template <int D> struct AttnCfg {
+    static constexpr int FWD_NBUF = D >= 128 ? CF_ATTN_FWD_NBUF_128 : 2;
+    static constexpr int FWD_MINB = D >= 128 ? CF_ATTN_FWD_MINB_128 : D == 64 ? CF_ATTN_FWD_MINB_64 : 1;
+    static constexpr int BWD_NBUF = D >= 128 ? CF_ATTN_BWD_NBUF_128 : 2;
+};
+
 /* ================================================================ forward */
 
 template <int D>
 constexpr size_t fwd_smem_bytes() {
-    return (size_t)(TILE + 4 * TILE) * (D + 8) * sizeof(bf16) + 4 * TILE * sizeof(int);
+    constexpr int NB = AttnCfg<D>::FWD_NBUF;
+    return (size_t)(TILE + 2 * NB * TILE) * (D + 8) * sizeof(bf16) + 2 * NB * TILE * sizeof(int);
 }
 
 /* grid (H, q tiles, B); the last q tiles (most keys) are scheduled first. */
 template <int D>
-__global__ void __launch_bounds__(NTHREADS) attn_fwd_kernel(const AttnArgs a) {
-    constexpr int LD = D + 8, CH = D / 8;
+static __global__ void __launch_bounds__(NTHREADS, AttnCfg<D>::FWD_MINB) attn_fwd_kernel(const AttnArgs a) {
+    constexpr int LD = D + 8, CH = D / 8, NB = AttnCfg<D>::FWD_NBUF;
     extern __shared__ __align__(128) unsigned char smem[];
-    bf16 *Qs = (bf16 *)smem;            /* [64][LD]    */
-    bf16 *Ks = Qs + TILE * LD;          /* [2][64][LD] */
-    bf16 *Vs = Ks + 2 * TILE * LD;      /* [2][64][LD] */
-    int *krow_s = (int *)(Vs + 2 * TILE * LD); /* [2][64] */
-    int *kdoc_s = krow_s + 2 * TILE;           /* [2][64] */
+    bf16 *Qs = (bf16 *)smem;            /* [64][LD]     */
+    bf16 *Ks = Qs + TILE * LD;          /* [NB][64][LD] */
+    bf16 *Vs = Ks + NB * TILE * LD;     /* [NB][64][LD] */
+    int *krow_s = (int *)(Vs + NB * TILE * LD); /* [NB][64] */
+    int *kdoc_s = krow_s + NB * TILE;           /* [NB][64] */
 
     const int h = blockIdx.x, b = blockIdx.z;
     const int q0 = (gridDim.y - 1 - blockIdx.y) * TILE;
@@ -265,13 +291,17 @@ __global__ void __launch_bounds__(NTHREADS) attn_fwd_kernel(const AttnArgs a) {
     float mrow[2] = {-INFINITY, -INFINITY}, lrow[2] = {0.f, 0.f};
 
     for (int kt = 0; kt < ntiles; kt++) {
-        const int buf = kt & 1;
-        if (kt + 1 < ntiles)
-            load_kv_tile<D>(a, Ks + (buf ^ 1) * TILE * LD, Vs + (buf ^ 1) * TILE * LD,
-                            krow_s + (buf ^ 1) * TILE, kdoc_s + (buf ^ 1) * TILE, ks, klen,
-                            (kt + 1) * TILE, hk);
-        cp_async_commit();
-        cp_async_wait<1>();
+        const int buf = NB == 2 ? kt & 1 : 0;
+        if (NB == 2) {
+            if (kt + 1 < ntiles)
+                load_kv_tile<D>(a, Ks + (buf ^ 1) * TILE * LD, Vs + (buf ^ 1) * TILE * LD,
+                                krow_s + (buf ^ 1) * TILE, kdoc_s + (buf ^ 1) * TILE, ks, klen,
+                                (kt + 1) * TILE, hk);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>(); /* tile kt, issued at the end of the last step */
+        }
         __syncthreads();
         const bf16 *Kb = Ks + buf * TILE * LD, *Vb = Vs + buf * TILE * LD;
         const int *krb = krow_s + buf * TILE, *kdb = kdoc_s + buf * TILE;
@@ -345,6 +375,10 @@ __global__ void __launch_bounds__(NTHREADS) attn_fwd_kernel(const AttnArgs a) {
             }
         }
         __syncthreads();
+        if (NB == 1 && kt + 1 < ntiles) {
+            load_kv_tile<D>(a, Ks, Vs, krow_s, kdoc_s, ks, klen, (kt + 1) * TILE, hk);
+            cp_async_commit();
+        }
     }
 
 #pragma unroll
@@ -368,12 +402,13 @@ __global__ void __launch_bounds__(NTHREADS) attn_fwd_kernel(const AttnArgs a) {
 
 template <int D>
 constexpr size_t bwd_smem_bytes() {
-    return (size_t)(2 * TILE + 4 * TILE) * (D + 8) * sizeof(bf16) +
-           (size_t)TILE * (TILE + 8) * sizeof(bf16) + 8 * TILE * sizeof(float);
+    constexpr int NB = AttnCfg<D>::BWD_NBUF;
+    return (size_t)(2 * TILE + 2 * NB * TILE) * (D + 8) * sizeof(bf16) +
+           (size_t)TILE * (TILE + 8) * sizeof(bf16) + 4 * NB * TILE * sizeof(float);
 }
 
 /* D_i = dO_i . O_i per (q index, head), one warp each; also zeroes dq_acc. */
-__global__ void attn_bwd_prep_kernel(const bf16 *dout, const bf16 *o, float *Dvec, float *dq_acc,
+static __global__ void attn_bwd_prep_kernel(const bf16 *dout, const bf16 *o, float *Dvec, float *dq_acc,
                                      int nrows, int D) {
     int w = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
     if (w >= nrows) return;
@@ -400,18 +435,18 @@ __global__ void attn_bwd_prep_kernel(const bf16 *dout, const bf16 *o, float *Dve
  *   64 keys and adds it to dq_acc with fp32 atomics.
  */
 template <int D>
-__global__ void __launch_bounds__(NTHREADS) attn_bwd_kernel(const AttnArgs a) {
-    constexpr int LD = D + 8, CH = D / 8, LDS = TILE + 8;
+static __global__ void __launch_bounds__(NTHREADS) attn_bwd_kernel(const AttnArgs a) {
+    constexpr int LD = D + 8, CH = D / 8, LDS = TILE + 8, NB = AttnCfg<D>::BWD_NBUF;
     extern __shared__ __align__(128) unsigned char smem[];
-    bf16 *Ks = (bf16 *)smem;             /* [64][LD]    */
-    bf16 *Vs = Ks + TILE * LD;           /* [64][LD]    */
-    bf16 *Qs = Vs + TILE * LD;           /* [2][64][LD] */
-    bf16 *dOs = Qs + 2 * TILE * LD;      /* [2][64][LD] */
-    bf16 *dSs = dOs + 2 * TILE * LD;     /* [64 keys][LDS] */
-    float *lse_s = (float *)(dSs + TILE * LDS); /* [2][64], log2 units */
-    float *D_s = lse_s + 2 * TILE;              /* [2][64] */
-    int *qrow_s = (int *)(D_s + 2 * TILE);      /* [2][64] */
-    int *qdoc_s = qrow_s + 2 * TILE;            /* [2][64] */
+    bf16 *Ks = (bf16 *)smem;             /* [64][LD]     */
+    bf16 *Vs = Ks + TILE * LD;           /* [64][LD]     */
+    bf16 *Qs = Vs + TILE * LD;           /* [NB][64][LD] */
+    bf16 *dOs = Qs + NB * TILE * LD;     /* [NB][64][LD] */
+    bf16 *dSs = dOs + NB * TILE * LD;    /* [64 keys][LDS] */
+    float *lse_s = (float *)(dSs + TILE * LDS); /* [NB][64], log2 units */
+    float *D_s = lse_s + NB * TILE;             /* [NB][64] */
+    int *qrow_s = (int *)(D_s + NB * TILE);     /* [NB][64] */
+    int *qdoc_s = qrow_s + NB * TILE;           /* [NB][64] */
 
     const int h = blockIdx.x, b = blockIdx.z;
     const int k0 = blockIdx.y * TILE;
@@ -478,10 +513,14 @@ __global__ void __launch_bounds__(NTHREADS) attn_bwd_kernel(const AttnArgs a) {
         for (int e = 0; e < 4; e++) dk[i][e] = dv[i][e] = 0.f;
 
     for (int qt = qt_begin; qt < qt_end; qt++) {
-        const int buf = (qt - qt_begin) & 1;
-        if (qt + 1 < qt_end) load_q(qt + 1, buf ^ 1);
-        cp_async_commit();
-        cp_async_wait<1>();
+        const int buf = NB == 2 ? (qt - qt_begin) & 1 : 0;
+        if (NB == 2) {
+            if (qt + 1 < qt_end) load_q(qt + 1, buf ^ 1);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>(); /* tile qt, issued at the end of the last step */
+        }
         __syncthreads();
         const bf16 *Qb = Qs + buf * TILE * LD, *dOb = dOs + buf * TILE * LD;
         const float *lse_b = lse_s + buf * TILE, *D_b = D_s + buf * TILE;
@@ -580,6 +619,10 @@ __global__ void __launch_bounds__(NTHREADS) attn_bwd_kernel(const AttnArgs a) {
             }
         }
         __syncthreads();
+        if (NB == 1 && qt + 1 < qt_end) {
+            load_q(qt + 1, 0);
+            cp_async_commit();
+        }
     }
 
 #pragma unroll
@@ -626,7 +669,7 @@ constexpr size_t bwd_dq_smem_bytes() {
  * it only converts dq_acc.
  */
 template <int D>
-__global__ void __launch_bounds__(NTHREADS) attn_bwd_dq_kernel(const AttnArgs a) {
+static __global__ void __launch_bounds__(NTHREADS) attn_bwd_dq_kernel(const AttnArgs a) {
     constexpr int LD = D + 8, CH = D / 8;
     extern __shared__ __align__(128) unsigned char smem[];
     bf16 *Qs = (bf16 *)smem;           /* [64][LD] */
@@ -756,13 +799,13 @@ __global__ void __launch_bounds__(NTHREADS) attn_bwd_dq_kernel(const AttnArgs a)
 
 /* ============================================================ small kernels */
 
-__global__ void f32_to_bf16_kernel(bf16 *dst, const float *src, size_t n) {
+static __global__ void f32_to_bf16_kernel(bf16 *dst, const float *src, size_t n) {
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
         dst[i] = __float2bfloat16_rn(src[i]);
 }
 
 /* dk[j, hk, :] = sum over the G query heads of group hk of dkx[j, h, :] */
-__global__ void gqa_reduce_kernel(bf16 *dk, bf16 *dv, const float *dkx, const float *dvx, size_t nk,
+static __global__ void gqa_reduce_kernel(bf16 *dk, bf16 *dv, const float *dkx, const float *dvx, size_t nk,
                                   int Hkv, int G, int D) {
     const size_t n = nk * Hkv * D;
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
@@ -781,7 +824,7 @@ __global__ void gqa_reduce_kernel(bf16 *dk, bf16 *dv, const float *dkx, const fl
 
 /* Filtered rows (the complement of the ascending kept list), ascending:
  * row r with k = #kept rows < r goes to filt[r - k]. fstart[b] = b*S - seq_start[b]. */
-__global__ void filtered_rows_kernel(int *filt, int *fstart, const int *rows, const int *seq_start, int n,
+static __global__ void filtered_rows_kernel(int *filt, int *fstart, const int *rows, const int *seq_start, int n,
                                      int B, int S) {
     const int T = B * S;
     for (int r = blockIdx.x * blockDim.x + threadIdx.x; r < T; r += gridDim.x * blockDim.x) {
@@ -795,6 +838,21 @@ __global__ void filtered_rows_kernel(int *filt, int *fstart, const int *rows, co
     }
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i <= B) fstart[i] = i * S - seq_start[i];
+}
+
+/* Head-dim padding for sizes without a kernel: dst[r, :Dp] = (src[r, :D], 0...). */
+static __global__ void pad_rows_kernel(bf16 *dst, const bf16 *src, size_t rows, int D, int Dp) {
+    const size_t n = rows * Dp;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        size_t r = i / Dp;
+        int d = (int)(i % Dp);
+        dst[i] = d < D ? src[r * D + d] : __float2bfloat16_rn(0.f);
+    }
+}
+static __global__ void unpad_rows_kernel(bf16 *dst, const bf16 *src, size_t rows, int D, int Dp) {
+    const size_t n = rows * D;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        dst[i] = src[(i / D) * Dp + i % D];
 }
 
 /* ================================================================== host */
@@ -832,20 +890,40 @@ static void launch_d(int which, const AttnArgs &a, int ntiles) {
 static void launch(int which, const AttnArgs &a, int D, int ntiles) {
     if (ntiles <= 0) return;
     switch (D) {
+    case 16: launch_d<16>(which, a, ntiles); break;
     case 32: launch_d<32>(which, a, ntiles); break;
     case 64: launch_d<64>(which, a, ntiles); break;
     case 96: launch_d<96>(which, a, ntiles); break;
     case 128: launch_d<128>(which, a, ntiles); break;
     default:
-        cf_fail("attention (cuda): head_dim %d is not supported (32, 64, 96, 128)", D);
+        cf_fail("attention (cuda): no kernel for head_dim %d", D);
         fprintf(stderr, "centrifuge: fatal: %s\n", cf_last_error());
         exit(1);
     }
 }
 
+/* head dims with kernels; others (up to 128) run zero-padded to the next one,
+ * which leaves scores and outputs unchanged */
+static int kernel_dim(int D) {
+    return D <= 16 ? 16 : D <= 32 ? 32 : D <= 64 ? 64 : D <= 96 ? 96 : D <= 128 ? 128 : 0;
+}
+
+static bf16 *pad(cf_backend *bk, int slot, const void *src, size_t rows, int D, int Dp) {
+    bf16 *dst = (bf16 *)cf_cuda_scratch(bk, slot, rows * Dp * sizeof(bf16));
+    pad_rows_kernel<<<grid_for(rows * Dp), 256>>>(dst, (const bf16 *)src, rows, D, Dp);
+    CK_LAUNCH();
+    return dst;
+}
+static void unpad(void *dst, const bf16 *src, size_t rows, int D, int Dp) {
+    unpad_rows_kernel<<<grid_for(rows * D), 256>>>((bf16 *)dst, src, rows, D, Dp);
+    CK_LAUNCH();
+}
+
 static void check_shape(const cf_attn_shape *s) {
-    if (s->B <= 0 || s->S <= 0 || s->H <= 0 || s->Hkv <= 0 || s->H % s->Hkv != 0) {
-        cf_fail("attention (cuda): bad shape B=%d S=%d H=%d Hkv=%d", s->B, s->S, s->H, s->Hkv);
+    if (s->B <= 0 || s->S <= 0 || s->H <= 0 || s->Hkv <= 0 || s->H % s->Hkv != 0 || s->D <= 0 ||
+        kernel_dim(s->D) == 0) {
+        cf_fail("attention (cuda): bad shape B=%d S=%d H=%d Hkv=%d D=%d (head_dim at most 128)", s->B, s->S,
+                s->H, s->Hkv, s->D);
         fprintf(stderr, "centrifuge: fatal: %s\n", cf_last_error());
         exit(1);
     }
@@ -875,6 +953,19 @@ static int max_len(const int *host_start, int B, int S) {
 extern "C" void cf_cuda_attention_fwd(cf_backend *bk, void *out, float *lse, const void *q, const void *k,
                                       const void *v, const cf_attn_shape *s) {
     check_shape(s);
+    const int Dp = kernel_dim(s->D);
+    if (Dp != s->D) {
+        const size_t T = (size_t)s->B * s->S;
+        cf_attn_shape sp = *s;
+        sp.D = Dp;
+        bf16 *qp = pad(bk, SCR_PAD_Q, q, T * s->H, s->D, Dp);
+        bf16 *kp = pad(bk, SCR_PAD_K, k, T * s->Hkv, s->D, Dp);
+        bf16 *vp = pad(bk, SCR_PAD_V, v, T * s->Hkv, s->D, Dp);
+        bf16 *op = (bf16 *)cf_cuda_scratch(bk, SCR_PAD_O, T * s->H * Dp * sizeof(bf16));
+        cf_cuda_attention_fwd(bk, op, lse, qp, kp, vp, &sp);
+        unpad(out, op, T * s->H, s->D, Dp);
+        return;
+    }
     AttnArgs a = base_args(s);
     a.q = (const bf16 *)q;
     a.k = (const bf16 *)k;
@@ -898,6 +989,24 @@ extern "C" void cf_cuda_attention_bwd(cf_backend *bk, void *dq, void *dk, void *
     }
     const int n = full ? T : kept->n; /* rows on the q side and on the k side of part 1 */
     if (n <= 0) return;
+    const int Dp = kernel_dim(D);
+    if (Dp != D) {
+        cf_attn_shape sp = *s;
+        sp.D = Dp;
+        bf16 *qp = pad(bk, SCR_PAD_Q, q, (size_t)n * H, D, Dp);
+        bf16 *op = pad(bk, SCR_PAD_O, out, (size_t)n * H, D, Dp);
+        bf16 *dop = pad(bk, SCR_PAD_DO, dout, (size_t)n * H, D, Dp);
+        bf16 *kp = pad(bk, SCR_PAD_K, k, (size_t)T * Hkv, D, Dp);
+        bf16 *vp = pad(bk, SCR_PAD_V, v, (size_t)T * Hkv, D, Dp);
+        bf16 *dqp = (bf16 *)cf_cuda_scratch(bk, SCR_PAD_DQ, (size_t)n * H * Dp * sizeof(bf16));
+        bf16 *dkp = (bf16 *)cf_cuda_scratch(bk, SCR_PAD_DK, (size_t)n * Hkv * Dp * sizeof(bf16));
+        bf16 *dvp = (bf16 *)cf_cuda_scratch(bk, SCR_PAD_DV, (size_t)n * Hkv * Dp * sizeof(bf16));
+        cf_cuda_attention_bwd(bk, dqp, dkp, dvp, dop, qp, kp, vp, op, lse, &sp, kept, mode);
+        unpad(dq, dqp, (size_t)n * H, D, Dp);
+        unpad(dk, dkp, (size_t)n * Hkv, D, Dp);
+        unpad(dv, dvp, (size_t)n * Hkv, D, Dp);
+        return;
+    }
     const int maxlen = full ? S : max_len(kept->host_seq_start, B, S);
 
     AttnArgs a = base_args(s);

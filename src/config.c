@@ -139,7 +139,7 @@ int cf_config_builtin(cf_config *cfg, const char *name) {
         return 0;
     }
     return cf_fail("config: unknown built-in config '%.64s' (built-in configs: %s)", name,
-                   cf_config_builtin_names());
+                   cf_config_builtin_names());   /* name comes from the CLI, not a file */
 }
 
 /* -------------------------------------------------------------- validation */
@@ -267,6 +267,14 @@ size_t cf_config_num_params(const cf_config *c) {
 
 /* ---------------------------------------------------------------- loading */
 
+/* A copy of s fit for a one-line message: control bytes become '?'. */
+static const char *printable(const char *s, char *buf, size_t cap) {
+    size_t i = 0;
+    for (; s[i] && i + 1 < cap; i++) buf[i] = (unsigned char)s[i] < 0x20 || s[i] == 0x7f ? '?' : s[i];
+    buf[i] = 0;
+    return buf;
+}
+
 /* A short description of a JSON value for error messages. */
 static const char *json_kind(const cJSON *v) {
     if (cJSON_IsString(v)) return "a string";
@@ -366,7 +374,10 @@ static int check_duplicate_keys(const char *path, const cJSON *obj) {
     qsort(keys, n, sizeof *keys, cmp_str_ptr);
     int rc = 0;
     for (size_t i = 1; i < n && rc == 0; i++)
-        if (strcmp(keys[i - 1], keys[i]) == 0) rc = cf_fail("%s: duplicate key '%.64s'", path, keys[i]);
+        if (strcmp(keys[i - 1], keys[i]) == 0) {
+            char safe[65];
+            rc = cf_fail("%s: duplicate key '%s'", path, printable(keys[i], safe, sizeof safe));
+        }
     free(keys);
     return rc;
 }
@@ -384,7 +395,11 @@ static int check_unsupported(const char *path, const cJSON *root, cf_model_type 
         if (!cJSON_IsString(act))
             return cf_fail("%s: 'hidden_act' must be a string, got %s", path, json_kind(act));
         if (strcmp(act->valuestring, "silu") != 0 && strcmp(act->valuestring, "swish") != 0)
-            return cf_fail("%s: hidden_act '%.64s' is not supported (only silu)", path, act->valuestring);
+        {
+            char safe[65];
+            return cf_fail("%s: hidden_act '%s' is not supported (only silu)", path,
+                           printable(act->valuestring, safe, sizeof safe));
+        }
     }
     if (mt == CF_MODEL_QWEN2 || mt == CF_MODEL_QWEN3) {
         /* Their sliding window applies to some layers only; not supported. */
@@ -458,9 +473,11 @@ static int parse_rope(const char *path, const cJSON *root, cf_config *c) {
         tname = type->valuestring;
     }
     if (strcmp(tname, "default") == 0) return 0;
-    if (strcmp(tname, "llama3") != 0)
-        return cf_fail("%s: %s rope_type '%.32s' is not supported (supported: default, llama3)", path,
-                       rope_key, tname);
+    if (strcmp(tname, "llama3") != 0) {
+        char safe[33];
+        return cf_fail("%s: %s rope_type '%s' is not supported (supported: default, llama3)", path, rope_key,
+                       printable(tname, safe, sizeof safe));
+    }
 
     char key[96];
     const cJSON *v;
@@ -496,8 +513,9 @@ static int parse_model_type(const char *path, const cJSON *root, cf_model_type *
     static const cf_model_type all[] = {CF_MODEL_LLAMA, CF_MODEL_MISTRAL, CF_MODEL_QWEN2, CF_MODEL_QWEN3};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
         if (strcmp(v->valuestring, cf_model_type_name(all[i])) == 0) { *out = all[i]; return 0; }
-    return cf_fail("%s: unsupported model_type '%.64s' (supported: llama, mistral, qwen2, qwen3)", path,
-                   v->valuestring);
+    char safe[65];
+    return cf_fail("%s: unsupported model_type '%s' (supported: llama, mistral, qwen2, qwen3)", path,
+                   printable(v->valuestring, safe, sizeof safe));
 }
 
 /* Fills c from a parsed config object. */

@@ -11,6 +11,11 @@
  * that names the file. Only headers are read at open; tensor data is read
  * with pread when asked for, so opening a 16 GB checkpoint costs nothing.
  *
+ * The reader is deliberately a little more lenient than the reference
+ * loader in one way only: gaps between tensors and bytes after the last
+ * one are allowed (harmless: nothing reads them). Overlaps, offsets past
+ * the end and size/shape mismatches are errors.
+ *
  * Writing follows the reference implementation's layout (header padded with
  * spaces to an 8-byte boundary, tensors back to back with no gaps, so the
  * Rust loader's strict checks pass) and is atomic per file.
@@ -157,6 +162,14 @@ static cJSON *parse_json(const char *path, const char *what, const char *buf, si
     return root;
 }
 
+/* A copy of s fit for a one-line message: control bytes become '?'. */
+static const char *printable(const char *s, char *buf, size_t cap) {
+    size_t i = 0;
+    for (; s[i] && i + 1 < cap; i++) buf[i] = (unsigned char)s[i] < 0x20 || s[i] == 0x7f ? '?' : s[i];
+    buf[i] = 0;
+    return buf;
+}
+
 /* Writes "[2, 3]" into out, for messages. */
 static void fmt_shape(char *out, size_t cap, const int64_t *shape, int ndim) {
     size_t n = (size_t)snprintf(out, cap, "[");
@@ -212,9 +225,14 @@ static int parse_tensor(const char *path, const cJSON *e, uint64_t data_size, cf
     size_t nlen = strlen(name);
     memset(t, 0, sizeof *t);
     if (nlen == 0) return cf_fail("%s: a tensor has an empty name", path);
+    char safe[64];
     if (nlen >= CF_ST_MAX_NAME)
-        return cf_fail("%s: tensor name '%.40s...' is %zu bytes, longer than the limit of %d", path, name,
-                       nlen, CF_ST_MAX_NAME - 1);
+        return cf_fail("%s: tensor name '%.40s...' is %zu bytes, longer than the limit of %d", path,
+                       printable(name, safe, sizeof safe), nlen, CF_ST_MAX_NAME - 1);
+    for (size_t i = 0; i < nlen; i++)   /* names go into one-line messages */
+        if ((unsigned char)name[i] < 0x20 || name[i] == 0x7f)
+            return cf_fail("%s: tensor name '%s' contains control characters", path,
+                           printable(name, safe, sizeof safe));
     memcpy(t->name, name, nlen + 1);
     if (!cJSON_IsObject(e))
         return cf_fail("%s: tensor '%s': expected an object, got %s", path, name, json_kind(e));
@@ -226,8 +244,8 @@ static int parse_tensor(const char *path, const cJSON *e, uint64_t data_size, cf
     else if (strcmp(dt->valuestring, "F16") == 0) t->dtype = CF_DT_F16;
     else if (strcmp(dt->valuestring, "BF16") == 0) t->dtype = CF_DT_BF16;
     else
-        return cf_fail("%s: tensor '%s': unsupported dtype '%.16s' (supported: F32, F16, BF16)", path, name,
-                       dt->valuestring);
+        return cf_fail("%s: tensor '%s': unsupported dtype '%s' (supported: F32, F16, BF16)", path, name,
+                       printable(dt->valuestring, safe, 17));
 
     const cJSON *sh = cJSON_GetObjectItemCaseSensitive(e, "shape");
     if (!cJSON_IsArray(sh)) return cf_fail("%s: tensor '%s': 'shape' missing or not an array", path, name);
@@ -276,8 +294,11 @@ static int parse_metadata(const char *path, const cJSON *m, char *save_id, size_
     if (!cJSON_IsObject(m)) return cf_fail("%s: __metadata__ must be an object, got %s", path, json_kind(m));
     for (const cJSON *e = m->child; e; e = e->next) {
         if (!cJSON_IsString(e))
-            return cf_fail("%s: __metadata__ value '%.64s' must be a string, got %s", path,
-                           e->string ? e->string : "", json_kind(e));
+        {
+            char safe[65];
+            return cf_fail("%s: __metadata__ value '%s' must be a string, got %s", path,
+                           printable(e->string ? e->string : "", safe, sizeof safe), json_kind(e));
+        }
         if (e->string && strcmp(e->string, ST_SAVE_ID_KEY) == 0)
             snprintf(save_id, cap, "%s", e->valuestring);
     }
@@ -410,9 +431,12 @@ static int open_single(cf_st_archive *a, const char *path) {
  * directory: no separators, no "..", nothing that escapes the model dir. */
 static int check_shard_name(const char *index_path, const char *name) {
     size_t n = strlen(name);
-    if (n == 0 || n >= 256 || strchr(name, '/') || strcmp(name, ".") == 0 || strcmp(name, "..") == 0)
-        return cf_fail("%s: weight_map names an invalid shard file '%.64s' (must be a plain file name)",
-                       index_path, name);
+    int bad = n == 0 || n >= 256 || strchr(name, '/') || strcmp(name, ".") == 0 || strcmp(name, "..") == 0;
+    for (size_t i = 0; i < n && !bad; i++) bad = (unsigned char)name[i] < 0x20 || name[i] == 0x7f;
+    char safe[65];
+    if (bad)
+        return cf_fail("%s: weight_map names an invalid shard file '%s' (must be a plain file name)",
+                       index_path, printable(name, safe, sizeof safe));
     return 0;
 }
 
@@ -466,9 +490,10 @@ static int open_index(cf_st_archive *a, const char *index_path) {
     if (!ents || !byfile) goto done;
     int k = 0;
     for (const cJSON *e = wm->child; e; e = e->next, k++) {
+        char safe[65];
         if (!cJSON_IsString(e)) {
-            cf_fail("%s: weight_map['%.64s'] must be a file name, got %s", index_path, e->string ? e->string : "",
-                    json_kind(e));
+            cf_fail("%s: weight_map['%s'] must be a file name, got %s", index_path,
+                    printable(e->string ? e->string : "", safe, sizeof safe), json_kind(e));
             goto done;
         }
         if (check_shard_name(index_path, e->valuestring) != 0) goto done;
@@ -500,15 +525,17 @@ static int open_index(cf_st_archive *a, const char *index_path) {
     qsort(ents, (size_t)n, sizeof *ents, cmp_entry_tensor);
     for (int i = 1; i < n; i++)
         if (strcmp(ents[i].tensor, ents[i - 1].tensor) == 0) {
-            cf_fail("%s: duplicate weight_map entry '%.200s'", index_path, ents[i].tensor);
+            char safe[201];
+            cf_fail("%s: duplicate weight_map entry '%s'", index_path, printable(ents[i].tensor, safe, sizeof safe));
             goto done;
         }
     int i = 0, j = 0;
     while (i < n || j < a->ntensors) {
         int c = i >= n ? 1 : j >= a->ntensors ? -1 : strcmp(ents[i].tensor, a->tensors[j].name);
+        char safe[201];
         if (c < 0) {
-            cf_fail("%s: weight_map says '%.200s' is in %s, but that file has no such tensor", index_path,
-                    ents[i].tensor, ents[i].file);
+            cf_fail("%s: weight_map says '%s' is in %s, but that file has no such tensor", index_path,
+                    printable(ents[i].tensor, safe, sizeof safe), ents[i].file);
             goto done;
         }
         if (c > 0) {
@@ -517,8 +544,8 @@ static int open_index(cf_st_archive *a, const char *index_path) {
             goto done;
         }
         if (strcmp(ents[i].file, base_name(a->files[a->tensors[j].file])) != 0) {
-            cf_fail("%s: weight_map says '%.200s' is in %s, but that file has no such tensor", index_path,
-                    ents[i].tensor, ents[i].file);
+            cf_fail("%s: weight_map says '%s' is in %s, but that file has no such tensor", index_path,
+                    printable(ents[i].tensor, safe, sizeof safe), ents[i].file);
             goto done;
         }
         i++, j++;
@@ -670,8 +697,11 @@ static int validate_items(const char *path, const cf_st_item *items, int n, cf_d
         if (len == 0 || len >= CF_ST_MAX_NAME)
             return cf_fail("%s: tensor %d: name length %zu is outside [1, %d]", path, i, len, CF_ST_MAX_NAME - 1);
         for (const char *c = it->name; *c; c++)
-            if (*c < 0x20 || *c > 0x7e)
-                return cf_fail("%s: tensor '%.64s': names must be printable ASCII", path, it->name);
+            if (*c < 0x20 || *c > 0x7e) {
+                char safe[65];
+                return cf_fail("%s: tensor '%s': names must be printable ASCII", path,
+                               printable(it->name, safe, sizeof safe));
+            }
         if (strcmp(it->name, "__metadata__") == 0) return cf_fail("%s: '__metadata__' is not a tensor name", path);
         if (it->ndim < 0 || it->ndim > CF_ST_MAX_DIMS)
             return cf_fail("%s: tensor '%s': ndim %d is outside [0, %d]", path, it->name, it->ndim, CF_ST_MAX_DIMS);

@@ -239,6 +239,9 @@ TEST(config_rejects_unsupported_model_type_naming_it) {
                      "unsupported model_type 'gpt2' (supported: llama, mistral, qwen2, qwen3)");
     CHECK_LOAD_FAILS("{\"vocab_size\": 100}", "model_type");
     CHECK_LOAD_FAILS("{\"model_type\": 7}", "model_type", "string");
+    /* one line even when the file smuggles a newline into the value */
+    CHECK_LOAD_FAILS("{\"model_type\": \"gpt\\n2\"}", "unsupported model_type 'gpt?2'");
+    CHECK(strchr(cf_last_error(), '\n') == NULL);
 }
 
 TEST(config_rejects_string_where_number_belongs_naming_the_key) {
@@ -359,7 +362,7 @@ TEST(config_fuzzed_json_never_crashes) {
         if (iter % 2) buf[(seed >> 8) % n] = (char)(seed >> 20);
         else buf[(seed >> 8) % n] = 0;   /* truncation */
         cf_config c;
-        if (load_json(buf, &c) != 0 && !err_has(g_path)) failures_named = 0;
+        if (load_json(buf, &c) != 0 && (!err_has(g_path) || strchr(cf_last_error(), '\n'))) failures_named = 0;
     }
     free(buf);
     CHECK(failures_named);

@@ -372,6 +372,19 @@ TEST(safetensors_sharded_bf16_with_one_oversized_tensor_per_shard) {
     CHECK(reads_back_exactly(d, t.items, 3));
 }
 
+TEST(safetensors_open_directory_prefers_the_index_over_model_safetensors) {
+    /* Both layouts present (a save interrupted between writing the index
+     * and removing the old single file): the index is the newer one. */
+    three t, other;
+    make_three(&t, 0);
+    make_three(&other, 0);
+    other.a[0] = 99.0f;
+    const char *d = fresh_dir("both");
+    CHECK(cf_st_write_dir(d, t.items, 3, CF_DT_F32, 30) == 0);
+    CHECK(cf_st_write(tmp_path("both/model.safetensors"), other.items, 3, CF_DT_F32) == 0);
+    CHECK(reads_back_exactly(d, t.items, 3));
+}
+
 TEST(safetensors_single_write_removes_stale_index_and_shards) {
     three t;
     make_three(&t, 0);
@@ -570,6 +583,12 @@ TEST(safetensors_rejects_more_than_8_dims_and_long_names) {
     CHECK_OPEN_FAILS(p, "longer than the limit");
     craft(p, "{\"\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}", d, 4);
     CHECK_OPEN_FAILS(p, "empty name");
+    /* a JSON escape must not smuggle a newline into the one-line message */
+    craft(p, "{\"a\\nb\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}", d, 4);
+    CHECK_OPEN_FAILS(p, "control characters");
+    CHECK(strchr(cf_last_error(), '\n') == NULL);
+    craft(p, "{\"a\":{\"dtype\":\"I\\n8\",\"shape\":[1],\"data_offsets\":[0,4]}}", d, 4);
+    CHECK_OPEN_FAILS(p, "unsupported dtype 'I?8'");
 }
 
 TEST(safetensors_read_rejects_wrong_numel_and_bad_index) {
@@ -699,7 +718,7 @@ TEST(safetensors_fuzzed_files_never_crash) {
         if (iter % 5 == 0) n = (size_t)(s % len);   /* also truncate */
         write_bytes(p, buf, n);
         cf_st_archive a;
-        if (cf_st_open(&a, p) != 0) { if (!err_has(p)) unnamed++; continue; }
+        if (cf_st_open(&a, p) != 0) { if (!err_has(p) || strchr(cf_last_error(), '\n')) unnamed++; continue; }
         opened++;
         for (int i = 0; i < a.ntensors; i++) {
             size_t numel = (size_t)((a.tensors[i].end - a.tensors[i].begin) / cf_dtype_size(a.tensors[i].dtype));
@@ -712,7 +731,7 @@ TEST(safetensors_fuzzed_files_never_crash) {
     }
     free(buf);
     free(orig);
-    CHECK_MSG(unnamed == 0, "%d failures did not name the file", unnamed);
+    CHECK_MSG(unnamed == 0, "%d failures did not name the file in one line", unnamed);
     CHECK(opened > 0);   /* some mutations (data bytes) are still valid files */
 }
 
@@ -734,6 +753,7 @@ int main(void) {
     RUN(safetensors_open_directory_reads_model_safetensors);
     RUN(safetensors_sharded_write_and_read_round_trip);
     RUN(safetensors_sharded_bf16_with_one_oversized_tensor_per_shard);
+    RUN(safetensors_open_directory_prefers_the_index_over_model_safetensors);
     RUN(safetensors_single_write_removes_stale_index_and_shards);
     RUN(safetensors_sharded_write_removes_stale_single_file_and_extra_shards);
     RUN(safetensors_atomic_writes_leave_no_temp_files);

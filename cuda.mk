@@ -1,0 +1,73 @@
+# cuda.mk — the CUDA build, included by the Makefile.
+#
+#   make cuda        ./centrifuge-cuda: every C source compiled with -DCF_WITH_CUDA
+#                    plus src/*.cu (bf16 kernels, cuBLASLt), objects in build/cuda/
+#   make test-gpu    builds and runs tests/gpu/test_*.c (CPU backend vs CUDA backend)
+#   make bench-gpu   builds and runs tests/gpu/bench_attention
+#
+# Variables:
+#   NVCC, CUDA_HOME      the toolkit (default: the nvcc on PATH)
+#   CUDA_GENCODE         default sm_90a + sm_90 (Hopper)
+#   DEPS_ROOT=dir        a tree with usr/include and usr/lib/x86_64-linux-gnu holding
+#                        OpenBLAS and cJSON (e.g. Debian packages unpacked with
+#                        dpkg -x), for machines where they are not installed
+#   CUDA_C_SRC           the C sources of the CUDA library (default: all of src/ but
+#                        main.c; tests link only what they use)
+# These rules never run tools/install_deps.sh.
+
+comma        := ,
+NVCC         ?= nvcc
+CUDA_HOME    ?= $(patsubst %/bin/nvcc,%,$(realpath $(shell command -v $(NVCC) 2>/dev/null)))
+CUDA_GENCODE ?= -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_90,code=sm_90
+NVCCFLAGS    ?= -O3 -std=c++17 -lineinfo $(CUDA_GENCODE) -Xcompiler -Wall
+NVCCFLAGS    += -Iinclude -Isrc
+CUDA_INC     := -I$(CUDA_HOME)/include -I$(CUDA_HOME)/targets/x86_64-linux/include
+CUDA_LIBDIR  := $(CUDA_HOME)/lib64 $(CUDA_HOME)/targets/x86_64-linux/lib
+CUDA_LDLIBS  := $(addprefix -L,$(CUDA_LIBDIR)) $(addprefix -Wl$(comma)-rpath$(comma),$(CUDA_LIBDIR)) \
+                -lcublasLt -lcublas -lcudart -lstdc++
+
+ifneq ($(DEPS_ROOT),)
+DEPS_ABS := $(abspath $(DEPS_ROOT))
+DEPS_LIBDIRS := $(DEPS_ABS)/usr/lib/x86_64-linux-gnu/openblas-pthread $(DEPS_ABS)/usr/lib/x86_64-linux-gnu
+CFLAGS  += -I$(DEPS_ABS)/usr/include -I$(DEPS_ABS)/usr/include/x86_64-linux-gnu/openblas-pthread
+LDLIBS  := $(addprefix -L,$(DEPS_LIBDIRS)) $(addprefix -Wl$(comma)-rpath$(comma),$(DEPS_LIBDIRS)) $(LDLIBS)
+endif
+
+CUDA_BUILD   := $(BUILD)/cuda
+CUDA_C_SRC   ?= $(LIB_SRC)
+CUDA_C_OBJ   := $(patsubst src/%.c,$(CUDA_BUILD)/obj/%.o,$(CUDA_C_SRC))
+CUDA_CU_SRC  := $(wildcard src/*.cu)
+CUDA_CU_OBJ  := $(patsubst src/%.cu,$(CUDA_BUILD)/cu/%.o,$(CUDA_CU_SRC))
+CUDA_LIB     := $(CUDA_BUILD)/libcentrifuge-cuda.a
+GPU_TEST_SRC := $(wildcard tests/gpu/test_*.c)
+GPU_TEST_BIN := $(patsubst tests/gpu/%.c,$(CUDA_BUILD)/tests/%,$(GPU_TEST_SRC))
+GPU_BENCH_BIN := $(CUDA_BUILD)/tests/bench_attention
+
+.PHONY: bench-gpu
+
+$(CUDA_BUILD)/obj/%.o: src/%.c $(wildcard src/*.h) include/centrifuge.h
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -DCF_WITH_CUDA -c $< -o $@
+
+$(CUDA_BUILD)/cu/%.o: src/%.cu $(wildcard src/*.h) include/centrifuge.h
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVCCFLAGS) -c $< -o $@
+
+$(CUDA_LIB): $(CUDA_C_OBJ) $(CUDA_CU_OBJ)
+	@rm -f $@
+	ar rcs $@ $^
+
+cuda: centrifuge-cuda
+
+centrifuge-cuda: $(CUDA_BUILD)/obj/main.o $(CUDA_LIB)
+	$(CC) $(CFLAGS) $^ -o $@ $(LDLIBS) $(CUDA_LDLIBS)
+
+$(CUDA_BUILD)/tests/%: tests/gpu/%.c tests/test.h $(CUDA_LIB)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -DCF_WITH_CUDA $(CUDA_INC) -Itests $< $(CUDA_LIB) -o $@ $(LDLIBS) $(CUDA_LDLIBS)
+
+test-gpu: $(GPU_TEST_BIN)
+	@set -e; for t in $(GPU_TEST_BIN); do echo "== $$t"; OMP_NUM_THREADS=$${OMP_NUM_THREADS:-8} $$t; done
+
+bench-gpu: $(GPU_BENCH_BIN)
+	$(GPU_BENCH_BIN)

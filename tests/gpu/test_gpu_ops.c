@@ -1,0 +1,674 @@
+/*
+ * test_gpu_ops.c — every op of the CUDA backend against the CPU backend
+ * (the fp32 reference), through the backend interface.
+ *
+ * Method. Inputs are fresh random numbers rounded to bf16 on the host, so
+ * both backends see the same values; the CPU backend gets them as fp32, the
+ * CUDA backend as bf16 (act) or fp32 (statistics, gradients, master
+ * weights). Every output of the CUDA op is poisoned with NaN first, so an
+ * element it does not write fails the comparison. Errors are
+ *   rel = max |gpu - cpu| / max |cpu|        (rel_err in test.h)
+ * and each op states its tolerance:
+ *   - bf16 outputs of fp32 math: one bf16 rounding (2^-9 = 2e-3 relative),
+ *     plus bf16 intermediates where the kernel has them  -> 1e-2
+ *   - fp32 gradients accumulated over bf16 products     -> 2e-2
+ *   - pure copies and fp32-only ops                      -> exact or 1e-6
+ * Attention gradients go through bf16 P and dS tiles inside the kernel:
+ * 2e-2 against the fp32 reference.
+ *
+ * Needs a CUDA device: `make test-gpu`.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend.h"
+#include "common.h"
+#include "test.h"
+
+static cf_backend *cpu, *gpu;
+static cf_rng rng;
+
+#define TOL_BF16 1e-2   /* bf16 output of fp32 math                    */
+#define TOL_GRAD 2e-2   /* fp32 gradient accumulated from bf16 inputs  */
+
+/* ------------------------------------------------------------ host helpers */
+
+static float bf16_round(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return f;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    u &= 0xffff0000u;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static float *hnew(size_t n) {
+    float *p = calloc(n ? n : 1, sizeof(float));
+    if (!p) abort();
+    return p;
+}
+static int *inew(size_t n) {
+    int *p = calloc(n ? n : 1, sizeof(int));
+    if (!p) abort();
+    return p;
+}
+/* normal(0, sd), rounded to bf16 */
+static float *hrand(size_t n, float sd) {
+    float *p = hnew(n);
+    for (size_t i = 0; i < n; i++) p[i] = bf16_round(sd * cf_rng_normal(&rng));
+    return p;
+}
+static float *hcopy(const float *a, size_t n) {
+    float *p = hnew(n);
+    memcpy(p, a, n * sizeof(float));
+    return p;
+}
+static void hround(float *a, size_t n) {
+    for (size_t i = 0; i < n; i++) a[i] = bf16_round(a[i]);
+}
+
+/* Host arrays of one test, freed together. */
+#define MAXH 256
+static void *hlist[MAXH];
+static int nh;
+static void *hkeep(void *p) {
+    if (nh < MAXH) hlist[nh++] = p;
+    return p;
+}
+#define HOLD(x) hkeep(x)
+
+/* --------------------------------------------------------- device helpers */
+
+#define MAXG 256
+static void *glist[MAXG];
+static int ng;
+static void *galloc(size_t bytes) {
+    void *p = gpu->alloc(gpu, bytes);
+    if (!p) {
+        printf("    gpu alloc of %zu bytes failed: %s\n", bytes, cf_last_error());
+        exit(1);
+    }
+    if (ng < MAXG) glist[ng++] = p;
+    return p;
+}
+static void free_all(void) {
+    for (int i = 0; i < ng; i++) gpu->free(gpu, glist[i]);
+    ng = 0;
+    for (int i = 0; i < nh; i++) free(hlist[i]);
+    nh = 0;
+}
+/* bf16 activation copy of host fp32 */
+static void *gact(const float *h, size_t n) {
+    void *p = galloc(n * 2 + 16);
+    gpu->act_from_f32(gpu, p, h, n);
+    return p;
+}
+static void *gf32(const float *h, size_t n) {
+    void *p = galloc(n * 4 + 16);
+    gpu->upload(gpu, p, h, n * 4);
+    return p;
+}
+static void *gi32(const int *h, size_t n) {
+    void *p = galloc(n * 4 + 16);
+    gpu->upload(gpu, p, h, n * 4);
+    return p;
+}
+/* NaN-poisoned outputs */
+static void *gact_nan(size_t n) {
+    float *h = hnew(n);
+    for (size_t i = 0; i < n; i++) h[i] = NAN;
+    void *p = gact(h, n);
+    free(h);
+    return p;
+}
+static void *gf32_nan(size_t n) {
+    float *h = hnew(n);
+    for (size_t i = 0; i < n; i++) h[i] = NAN;
+    void *p = gf32(h, n);
+    free(h);
+    return p;
+}
+static float *get_act(const void *p, size_t n) {
+    float *h = HOLD(hnew(n));
+    gpu->act_to_f32(gpu, h, p, n);
+    return h;
+}
+static float *get_f32(const void *p, size_t n) {
+    float *h = HOLD(hnew(n));
+    gpu->download(gpu, h, p, n * 4);
+    return h;
+}
+
+/* compare and report; returns the error */
+static double cmp(const char *what, const float *g, const float *c, size_t n, double tol) {
+    double e = rel_err(g, c, n);
+    printf("    %-52s rel err %.2e (tol %.0e)\n", what, e, tol);
+    CHECK_MSG(e <= tol, "%s: rel err %.3e > %.1e", what, e, tol);
+    return e;
+}
+static int bitwise_equal(const float *a, const float *b, size_t n) { return memcmp(a, b, n * sizeof(float)) == 0; }
+
+/* =================================================================== ops */
+
+/* embedding fwd is a copy of bf16 values: exact. */
+TEST(embedding_fwd_copies_rows_exactly) {
+    const int V = 97, T = 131;
+    const int Cs[2] = {264, 30}; /* 16-byte path, scalar path */
+    for (int ci = 0; ci < 2; ci++) {
+        const int C = Cs[ci];
+        float *wte = HOLD(hrand((size_t)V * C, 1.f));
+        int *tok = HOLD(inew(T));
+        for (int t = 0; t < T; t++) tok[t] = (int)cf_rng_below(&rng, V);
+        float *ref = HOLD(hnew((size_t)T * C));
+        cpu->embedding_fwd(cpu, ref, tok, wte, T, C);
+        void *out = gact_nan((size_t)T * C);
+        gpu->embedding_fwd(gpu, out, gi32(tok, T), gact(wte, (size_t)V * C), T, C);
+        cmp(ci ? "embedding_fwd C=30" : "embedding_fwd C=264", get_act(out, (size_t)T * C), ref, (size_t)T * C, 0);
+    }
+    free_all();
+}
+
+/* embedding bwd adds bf16 values into fp32 in row order on both backends:
+ * bitwise identical to the CPU, and run to run. */
+TEST(embedding_bwd_sums_repeated_tokens_in_row_order_bitwise) {
+    const int V = 17, T = 300, C = 72;
+    float *dout = HOLD(hrand((size_t)T * C, 1.f));
+    float *dw0 = HOLD(hrand((size_t)V * C, 1.f));
+    int *tok = HOLD(inew(T));
+    for (int t = 0; t < T; t++) tok[t] = (int)cf_rng_below(&rng, V - 2); /* two rows untouched */
+    float *ref = HOLD(hcopy(dw0, (size_t)V * C));
+    cpu->embedding_bwd(cpu, ref, dout, tok, T, C);
+    void *gd = gact(dout, (size_t)T * C);
+    void *gt = gi32(tok, T);
+    void *gw = gf32(dw0, (size_t)V * C);
+    gpu->embedding_bwd(gpu, gw, gd, gt, T, C);
+    float *r1 = get_f32(gw, (size_t)V * C);
+    cmp("embedding_bwd dwte", r1, ref, (size_t)V * C, 0);
+    CHECK(bitwise_equal(r1, ref, (size_t)V * C));
+    gpu->upload(gpu, gw, dw0, (size_t)V * C * 4);
+    gpu->embedding_bwd(gpu, gw, gd, gt, T, C);
+    CHECK(bitwise_equal(get_f32(gw, (size_t)V * C), r1, (size_t)V * C));
+    free_all();
+}
+
+/* matmul fwd: bf16 output of an fp32-accumulated product: 1e-2. */
+TEST(matmul_fwd_matches_cpu_with_and_without_bias) {
+    const int T = 77, K = 96, N = 136;
+    float *x = HOLD(hrand((size_t)T * K, 1.f)), *w = HOLD(hrand((size_t)N * K, 0.1f)), *bias = HOLD(hrand(N, 1.f));
+    for (int wb = 0; wb < 2; wb++) {
+        float *ref = HOLD(hnew((size_t)T * N));
+        cpu->matmul_fwd(cpu, ref, x, w, wb ? bias : NULL, T, K, N);
+        void *out = gact_nan((size_t)T * N);
+        gpu->matmul_fwd(gpu, out, gact(x, (size_t)T * K), gact(w, (size_t)N * K), wb ? gact(bias, N) : NULL, T, K, N);
+        cmp(wb ? "matmul_fwd +bias" : "matmul_fwd", get_act(out, (size_t)T * N), ref, (size_t)T * N, TOL_BF16);
+    }
+    free_all();
+}
+
+/* matmul bwd: dinp bf16 (1e-2; accumulate adds a second bf16 rounding),
+ * dW and dbias fp32 accumulated onto random initial values (2e-2). */
+TEST(matmul_bwd_matches_cpu_dinp_dw_dbias_and_accumulate) {
+    const int T = 77, K = 96, N = 136;
+    float *x = HOLD(hrand((size_t)T * K, 1.f)), *w = HOLD(hrand((size_t)N * K, 0.1f)), *dy = HOLD(hrand((size_t)T * N, 1.f));
+    float *dx0 = HOLD(hrand((size_t)T * K, 1.f)), *dw0 = HOLD(hrand((size_t)N * K, 1.f)), *db0 = HOLD(hrand(N, 1.f));
+    void *gx = gact(x, (size_t)T * K), *gw = gact(w, (size_t)N * K), *gdy = gact(dy, (size_t)T * N);
+    for (int acc = 0; acc < 2; acc++) {
+        float *rdx = HOLD(hcopy(dx0, (size_t)T * K)), *rdw = HOLD(hcopy(dw0, (size_t)N * K)), *rdb = HOLD(hcopy(db0, N));
+        cpu->matmul_bwd(cpu, rdx, rdw, rdb, dy, x, w, T, K, N, acc);
+        void *gdx = acc ? gact(dx0, (size_t)T * K) : gact_nan((size_t)T * K);
+        void *gdw = gf32(dw0, (size_t)N * K), *gdb = gf32(db0, N);
+        gpu->matmul_bwd(gpu, gdx, gdw, gdb, gdy, gx, gw, T, K, N, acc);
+        cmp(acc ? "matmul_bwd dinp (accumulate)" : "matmul_bwd dinp", get_act(gdx, (size_t)T * K), rdx,
+            (size_t)T * K, TOL_BF16);
+        cmp("matmul_bwd dW += (fp32)", get_f32(gdw, (size_t)N * K), rdw, (size_t)N * K, TOL_GRAD);
+        cmp("matmul_bwd dbias += (fp32)", get_f32(gdb, N), rdb, N, TOL_GRAD);
+    }
+    /* NULL dinp and dbias are skipped */
+    float *rdw = HOLD(hcopy(dw0, (size_t)N * K));
+    cpu->matmul_bwd(cpu, NULL, rdw, NULL, dy, x, w, T, K, N, 0);
+    void *gdw = gf32(dw0, (size_t)N * K);
+    gpu->matmul_bwd(gpu, NULL, gdw, NULL, gdy, gx, gw, T, K, N, 0);
+    cmp("matmul_bwd dW only", get_f32(gdw, (size_t)N * K), rdw, (size_t)N * K, TOL_GRAD);
+    free_all();
+}
+
+/* rmsnorm: out bf16 (1e-2); rstd fp32 from identical inputs (1e-5);
+ * dinp bf16 (1e-2), dw fp32 accumulated (2e-2). */
+TEST(rmsnorm_fwd_bwd_match_cpu_vector_and_scalar_paths) {
+    const int T = 67;
+    const int Cs[2] = {256, 36};
+    for (int ci = 0; ci < 2; ci++) {
+        const int C = Cs[ci];
+        float *x = HOLD(hrand((size_t)T * C, 2.f)), *w = HOLD(hrand(C, 1.f)), *dy = HOLD(hrand((size_t)T * C, 1.f));
+        float *dx0 = HOLD(hrand((size_t)T * C, 1.f)), *dw0 = HOLD(hrand(C, 1.f));
+        float *ry = HOLD(hnew((size_t)T * C)), *rr = HOLD(hnew(T));
+        cpu->rmsnorm_fwd(cpu, ry, rr, x, w, T, C, 1e-5f);
+        void *gx = gact(x, (size_t)T * C), *gw = gact(w, C), *gdy = gact(dy, (size_t)T * C);
+        void *gy = gact_nan((size_t)T * C), *gr = gf32_nan(T);
+        gpu->rmsnorm_fwd(gpu, gy, gr, gx, gw, T, C, 1e-5f);
+        printf("    C=%d\n", C);
+        cmp("rmsnorm_fwd out", get_act(gy, (size_t)T * C), ry, (size_t)T * C, TOL_BF16);
+        cmp("rmsnorm_fwd rstd", get_f32(gr, T), rr, T, 1e-5);
+        for (int acc = 0; acc < 2; acc++) {
+            float *rdx = HOLD(hcopy(dx0, (size_t)T * C)), *rdw = HOLD(hcopy(dw0, C));
+            cpu->rmsnorm_bwd(cpu, rdx, rdw, dy, x, w, rr, T, C, acc);
+            void *gdx = acc ? gact(dx0, (size_t)T * C) : gact_nan((size_t)T * C);
+            void *gdw = gf32(dw0, C);
+            gpu->rmsnorm_bwd(gpu, gdx, gdw, gdy, gx, gw, gf32(rr, T), T, C, acc);
+            cmp(acc ? "rmsnorm_bwd dinp (accumulate)" : "rmsnorm_bwd dinp", get_act(gdx, (size_t)T * C), rdx,
+                (size_t)T * C, TOL_BF16);
+            cmp("rmsnorm_bwd dw +=", get_f32(gdw, C), rdw, C, TOL_GRAD);
+        }
+    }
+    free_all();
+}
+
+/* rope: in place, bf16 in and out, fp32 angles: 1e-2. */
+TEST(rope_fwd_bwd_match_cpu) {
+    const int T = 50, nh = 3, D = 64;
+    const size_t n = (size_t)T * nh * D;
+    float *x = HOLD(hrand(n, 1.f)), *invf = HOLD(hnew(D / 2));
+    int *pos = HOLD(inew(T));
+    for (int i = 0; i < D / 2; i++) invf[i] = powf(10000.f, -2.f * i / D);
+    for (int t = 0; t < T; t++) pos[t] = (int)cf_rng_below(&rng, 4096);
+    void *gp = gi32(pos, T), *gf = gf32(invf, D / 2);
+    for (int dir = 0; dir < 2; dir++) {
+        float *ref = HOLD(hcopy(x, n));
+        if (dir) cpu->rope_bwd(cpu, ref, pos, invf, T, nh, D);
+        else cpu->rope_fwd(cpu, ref, pos, invf, T, nh, D);
+        void *gx = gact(x, n);
+        if (dir) gpu->rope_bwd(gpu, gx, gp, gf, T, nh, D);
+        else gpu->rope_fwd(gpu, gx, gp, gf, T, nh, D);
+        cmp(dir ? "rope_bwd" : "rope_fwd", get_act(gx, n), ref, n, TOL_BF16);
+    }
+    free_all();
+}
+
+/* swiglu: bf16 outputs of fp32 math: 1e-2. */
+TEST(swiglu_fwd_bwd_match_cpu_vector_and_scalar_paths) {
+    const size_t ns[2] = {1000, 1001};
+    for (int k = 0; k < 2; k++) {
+        const size_t n = ns[k];
+        float *g = HOLD(hrand(n, 2.f)), *u = HOLD(hrand(n, 1.f)), *dh = HOLD(hrand(n, 1.f));
+        float *rh = HOLD(hnew(n)), *rdg = HOLD(hnew(n)), *rdu = HOLD(hnew(n));
+        cpu->swiglu_fwd(cpu, rh, g, u, n);
+        cpu->swiglu_bwd(cpu, rdg, rdu, dh, g, u, n);
+        void *gg = gact(g, n), *gu = gact(u, n), *gdh = gact(dh, n);
+        void *gh = gact_nan(n), *gdg = gact_nan(n), *gdu = gact_nan(n);
+        gpu->swiglu_fwd(gpu, gh, gg, gu, n);
+        gpu->swiglu_bwd(gpu, gdg, gdu, gdh, gg, gu, n);
+        printf("    n=%zu\n", n);
+        cmp("swiglu_fwd", get_act(gh, n), rh, n, TOL_BF16);
+        cmp("swiglu_bwd dgate", get_act(gdg, n), rdg, n, TOL_BF16);
+        cmp("swiglu_bwd dup", get_act(gdu, n), rdu, n, TOL_BF16);
+    }
+    free_all();
+}
+
+/* add: one bf16 rounding of an exact fp32 sum: 1e-2; in place too. */
+TEST(add_matches_cpu_out_of_place_and_in_place) {
+    const size_t n = 1003;
+    float *a = HOLD(hrand(n, 1.f)), *c = HOLD(hrand(n, 1.f)), *ref = HOLD(hnew(n));
+    cpu->add(cpu, ref, a, c, n);
+    void *ga = gact(a, n), *gc = gact(c, n), *go = gact_nan(n);
+    gpu->add(gpu, go, ga, gc, n);
+    cmp("add", get_act(go, n), ref, n, TOL_BF16);
+    gpu->add(gpu, ga, ga, gc, n);
+    cmp("add in place", get_act(ga, n), ref, n, TOL_BF16);
+    const size_t n8 = 4096;
+    float *a8 = HOLD(hrand(n8, 1.f)), *c8 = HOLD(hrand(n8, 1.f)), *r8 = HOLD(hnew(n8));
+    cpu->add(cpu, r8, a8, c8, n8);
+    void *g8 = gact(a8, n8);
+    gpu->add(gpu, g8, g8, gact(c8, n8), n8);
+    cmp("add in place (16-byte path)", get_act(g8, n8), r8, n8, TOL_BF16);
+    free_all();
+}
+
+/* gather_rows: a copy, exact, for 16-byte and odd row widths. */
+TEST(gather_rows_copies_rows_exactly) {
+    const int R = 40, n = 17;
+    const size_t widths[2] = {48, 6};
+    for (int k = 0; k < 2; k++) {
+        const size_t rb = widths[k];
+        unsigned char *src = HOLD(malloc(R * rb)), *ref = HOLD(malloc(n * rb)), *got = HOLD(malloc(n * rb));
+        for (size_t i = 0; i < R * rb; i++) src[i] = (unsigned char)cf_rng_below(&rng, 256);
+        int *rows = HOLD(inew(n));
+        for (int i = 0; i < n; i++) rows[i] = (int)cf_rng_below(&rng, R);
+        cpu->gather_rows(cpu, ref, src, rows, n, rb);
+        void *gs = galloc(R * rb), *gd = galloc(n * rb);
+        gpu->upload(gpu, gs, src, R * rb);
+        gpu->memzero(gpu, gd, n * rb);
+        gpu->gather_rows(gpu, gd, gs, gi32(rows, n), n, rb);
+        gpu->download(gpu, got, gd, n * rb);
+        CHECK_MSG(memcmp(got, ref, n * rb) == 0, "gather_rows row_bytes=%zu differs", rb);
+    }
+    free_all();
+}
+
+/* sumsq: double accumulation of fp32 squares on both: 1e-9 relative. */
+TEST(sumsq_matches_cpu) {
+    const size_t n = 1000003;
+    float *g = HOLD(hnew(n));
+    for (size_t i = 0; i < n; i++) g[i] = cf_rng_normal(&rng);
+    double r = cpu->sumsq(cpu, g, n);
+    void *gg = gf32(g, n);
+    double s = gpu->sumsq(gpu, gg, n);
+    printf("    sumsq gpu %.12g cpu %.12g\n", s, r);
+    CHECK(fabs(s - r) <= 1e-9 * fabs(r));
+    CHECK(gpu->sumsq(gpu, gg, n) == s); /* deterministic */
+    free_all();
+}
+
+/* adamw and weights_from_master: fp32 on both sides (1e-6); bf16 weights
+ * are the round-to-nearest-even of the master (exact). */
+TEST(adamw_two_steps_and_weights_from_master_match_cpu) {
+    const size_t n = 1005;
+    float *p = HOLD(hrand(n, 1.f)), *g1 = HOLD(hrand(n, 1.f)), *g2 = HOLD(hrand(n, 1.f));
+    float *m = HOLD(hnew(n)), *v = HOLD(hnew(n));
+    void *gp = gf32(p, n), *gm = gf32(m, n), *gv = gf32(v, n), *gg1 = gf32(g1, n), *gg2 = gf32(g2, n);
+    cpu->adamw(cpu, p, g1, m, v, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.5f, 1);
+    cpu->adamw(cpu, p, g2, m, v, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.5f, 2);
+    gpu->adamw(gpu, gp, gg1, gm, gv, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.5f, 1);
+    gpu->adamw(gpu, gp, gg2, gm, gv, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.5f, 2);
+    cmp("adamw p", get_f32(gp, n), p, n, 1e-6);
+    cmp("adamw m", get_f32(gm, n), m, n, 1e-6);
+    cmp("adamw v", get_f32(gv, n), v, n, 1e-6);
+    void *gw = gact_nan(n);
+    gpu->weights_from_master(gpu, gw, gp, n);
+    float *w = get_act(gw, n), *want = HOLD(hcopy(get_f32(gp, n), n));
+    hround(want, n);
+    cmp("weights_from_master", w, want, n, 0);
+    free_all();
+}
+
+/* LM head: logits fp32 from bf16 x, W (same inputs on both), so losses
+ * differ by accumulation order only: 1e-3 of max |loss|. dx is bf16 through
+ * a bf16 dlogits: 2e-2; dW fp32 accumulated from bf16 dlogits: 2e-2. Rows
+ * with dloss 0 must give dx exactly 0. */
+TEST(lmhead_loss_fwd_bwd_match_cpu_with_zero_dloss_rows) {
+    const int T = 37, C = 64, V = 1000;
+    float *x = HOLD(hrand((size_t)T * C, 1.f)), *w = HOLD(hrand((size_t)V * C, 0.3f));
+    int *tg = HOLD(inew(T));
+    float *dl = HOLD(hnew(T)), *dw0 = HOLD(hrand((size_t)V * C, 0.01f));
+    for (int t = 0; t < T; t++) {
+        tg[t] = (int)cf_rng_below(&rng, V);
+        dl[t] = (t % 3 == 1) ? 0.f : 1.f / T;
+    }
+    float *rl = HOLD(hnew(T)), *rdx = HOLD(hnew((size_t)T * C)), *rdw = HOLD(hcopy(dw0, (size_t)V * C));
+    cpu->lmhead_loss_fwd(cpu, rl, x, w, tg, T, C, V);
+    cpu->lmhead_loss_bwd(cpu, rdx, rdw, x, w, tg, dl, T, C, V);
+    void *gx = gact(x, (size_t)T * C), *gw = gact(w, (size_t)V * C), *gt = gi32(tg, T);
+    void *gl = gf32_nan(T), *gdx = gact_nan((size_t)T * C), *gdw = gf32(dw0, (size_t)V * C);
+    gpu->lmhead_loss_fwd(gpu, gl, gx, gw, gt, T, C, V);
+    gpu->lmhead_loss_bwd(gpu, gdx, gdw, gx, gw, gt, gf32(dl, T), T, C, V);
+    cmp("lmhead losses", get_f32(gl, T), rl, T, 1e-3);
+    float *dx = get_act(gdx, (size_t)T * C);
+    cmp("lmhead dx", dx, rdx, (size_t)T * C, TOL_GRAD);
+    cmp("lmhead dW +=", get_f32(gdw, (size_t)V * C), rdw, (size_t)V * C, TOL_GRAD);
+    int zero_ok = 1;
+    for (int t = 1; t < T; t += 3)
+        for (int c = 0; c < C; c++) zero_ok &= dx[(size_t)t * C + c] == 0.f;
+    CHECK(zero_ok);
+    free_all();
+}
+
+/* ============================================================= attention */
+
+typedef struct {
+    int B, S, H, Hkv, D, docs; /* docs > 1: document mask with that many docs per sequence */
+} attn_case;
+
+typedef struct {
+    attn_case c;
+    size_t T, nq, nk;  /* rows of q-side and k-side arrays */
+    float *q, *k, *v, *out, *lse, *dout; /* full [T, ...], bf16-rounded */
+    int *doc;
+    cf_attn_shape cs, gs; /* cpu and gpu shapes (doc pointers differ) */
+} attn_problem;
+
+static void attn_setup(attn_problem *p, attn_case c) {
+    memset(p, 0, sizeof *p);
+    p->c = c;
+    p->T = (size_t)c.B * c.S;
+    p->q = HOLD(hrand(p->T * c.H * c.D, 1.f));
+    p->k = HOLD(hrand(p->T * c.Hkv * c.D, 1.f));
+    p->v = HOLD(hrand(p->T * c.Hkv * c.D, 1.f));
+    p->dout = HOLD(hrand(p->T * c.H * c.D, 1.f));
+    p->doc = NULL;
+    if (c.docs > 1) {
+        p->doc = HOLD(inew(p->T));
+        for (int b = 0; b < c.B; b++) {
+            /* random document boundaries, ids increasing along the sequence */
+            int id = b * 1000;
+            for (int s = 0; s < c.S; s++) {
+                if (s > 0 && cf_rng_below(&rng, c.S) < (uint32_t)(c.docs - 1)) id++;
+                p->doc[(size_t)b * c.S + s] = id;
+            }
+        }
+    }
+    cf_attn_shape s = {c.B, c.S, c.H, c.Hkv, c.D, 1.0f / sqrtf((float)c.D), p->doc};
+    p->cs = s;
+    p->gs = s;
+    p->gs.doc = p->doc ? gi32(p->doc, p->T) : NULL;
+    /* the reference forward gives out and lse used as backward inputs on
+     * both backends (out rounded to bf16, as the GPU would store it) */
+    p->out = HOLD(hnew(p->T * c.H * c.D));
+    p->lse = HOLD(hnew(p->T * c.H));
+    cpu->attention_fwd(cpu, p->out, p->lse, p->q, p->k, p->v, &p->cs);
+    hround(p->out, p->T * c.H * c.D);
+}
+
+static const char *case_name(attn_case c, char *buf, size_t n) {
+    snprintf(buf, n, "B=%d S=%d H=%d Hkv=%d D=%d%s", c.B, c.S, c.H, c.Hkv, c.D, c.docs > 1 ? " doc" : "");
+    return buf;
+}
+
+static const attn_case cases[] = {
+    {2, 100, 4, 2, 64, 0},   /* S not a multiple of 64, GQA          */
+    {1, 200, 4, 1, 128, 4},  /* D=128, all heads share one kv head, docs */
+    {1, 64, 2, 2, 32, 0},    /* exactly one tile, no GQA, D=32        */
+    {1, 70, 4, 2, 8, 3},     /* D=8: zero-padded path, docs           */
+    {1, 300, 8, 2, 64, 0},   /* several tiles                         */
+};
+#define NCASES (int)(sizeof cases / sizeof cases[0])
+
+/* out: bf16 from fp32 math with a bf16 P tile in P.V: 1e-2. lse: fp32,
+ * same inputs, different summation order and exp2: 1e-4 of max |lse|. */
+TEST(attention_fwd_matches_cpu_causal_gqa_doc_mask_and_tails) {
+    char nm[128], what[200];
+    for (int ci = 0; ci < NCASES; ci++) {
+        attn_problem p;
+        attn_setup(&p, cases[ci]);
+        const attn_case c = p.c;
+        void *go = gact_nan(p.T * c.H * c.D), *gl = gf32_nan(p.T * c.H);
+        gpu->attention_fwd(gpu, go, gl, gact(p.q, p.T * c.H * c.D), gact(p.k, p.T * c.Hkv * c.D),
+                           gact(p.v, p.T * c.Hkv * c.D), &p.gs);
+        case_name(c, nm, sizeof nm);
+        snprintf(what, sizeof what, "attn fwd out  %s", nm);
+        cmp(what, get_act(go, p.T * c.H * c.D), p.out, p.T * c.H * c.D, TOL_BF16);
+        snprintf(what, sizeof what, "attn fwd lse  %s", nm);
+        cmp(what, get_f32(gl, p.T * c.H), p.lse, p.T * c.H, 1e-4);
+        free_all();
+    }
+}
+
+/* Kept rows per sequence b of a case: a pattern with uneven counts:
+ * b%4 == 0: ~half at random, 1: a single token, 2: ~20%, 3: none. */
+static void make_kept(const attn_case c, int **rows_out, int *seq_start, int *n_out, double keep) {
+    int *rows = HOLD(inew((size_t)c.B * c.S));
+    int n = 0;
+    seq_start[0] = 0;
+    for (int b = 0; b < c.B; b++) {
+        int kind = b % 4;
+        for (int s = 0; s < c.S; s++) {
+            int take;
+            if (keep >= 1.0) take = 1;
+            else if (kind == 0) take = cf_rng_uniform(&rng) < keep;
+            else if (kind == 1) take = s == c.S / 2 + 3;
+            else if (kind == 2) take = cf_rng_uniform(&rng) < 0.2;
+            else take = 0;
+            if (take) rows[n++] = b * c.S + s;
+        }
+        seq_start[b + 1] = n;
+    }
+    *rows_out = rows;
+    *n_out = n;
+}
+
+/* gathers rows of a [T, w] array */
+static float *hgather(const float *a, const int *rows, int n, size_t w) {
+    float *o = HOLD(hnew((size_t)n * w));
+    for (int i = 0; i < n; i++) memcpy(o + (size_t)i * w, a + (size_t)rows[i] * w, w * sizeof(float));
+    return o;
+}
+
+/* Runs one backward mode on both backends; returns the GPU gradients. */
+typedef struct { float *dq, *dk, *dv; } grads;
+static grads attn_bwd_both(attn_problem *p, cf_attn_bwd_mode mode, int *rows, int *seq_start, int n,
+                           const char *label, double tol, int compare) {
+    const attn_case c = p->c;
+    const int full = mode == CF_ATTN_BWD_FULL;
+    const size_t nq = full ? p->T : (size_t)n;
+    const size_t wq = (size_t)c.H * c.D, wk = (size_t)c.Hkv * c.D;
+    const float *q = full ? p->q : hgather(p->q, rows, n, wq);
+    const float *out = full ? p->out : hgather(p->out, rows, n, wq);
+    const float *dout = full ? p->dout : hgather(p->dout, rows, n, wq);
+    const float *lse = full ? p->lse : hgather(p->lse, rows, n, c.H);
+    cf_rows ck = {n, rows, seq_start, rows, seq_start};
+    cf_rows gk = ck;
+    if (!full) {
+        gk.rows = gi32(rows, n);
+        gk.seq_start = gi32(seq_start, c.B + 1);
+    }
+    float *rdq = HOLD(hnew(nq * wq)), *rdk = HOLD(hnew(nq * wk)), *rdv = HOLD(hnew(nq * wk));
+    cpu->attention_bwd(cpu, rdq, rdk, rdv, dout, q, p->k, p->v, out, lse, &p->cs, full ? NULL : &ck, mode);
+    void *gdq = gact_nan(nq * wq), *gdk = gact_nan(nq * wk), *gdv = gact_nan(nq * wk);
+    gpu->attention_bwd(gpu, gdq, gdk, gdv, gact(dout, nq * wq), gact(q, nq * wq), gact(p->k, p->T * wk),
+                       gact(p->v, p->T * wk), gact(out, nq * wq), gf32(lse, nq * c.H), &p->gs,
+                       full ? NULL : &gk, mode);
+    grads g = {get_act(gdq, nq * wq), get_act(gdk, nq * wk), get_act(gdv, nq * wk)};
+    if (compare) {
+        char what[256];
+        snprintf(what, sizeof what, "%s dq", label);
+        cmp(what, g.dq, rdq, nq * wq, tol);
+        snprintf(what, sizeof what, "%s dk", label);
+        cmp(what, g.dk, rdk, nq * wk, tol);
+        snprintf(what, sizeof what, "%s dv", label);
+        cmp(what, g.dv, rdv, nq * wk, tol);
+    }
+    return g;
+}
+
+TEST(attention_full_bwd_matches_cpu) {
+    char nm[128], label[200];
+    for (int ci = 0; ci < NCASES; ci++) {
+        attn_problem p;
+        attn_setup(&p, cases[ci]);
+        snprintf(label, sizeof label, "FULL %s", case_name(p.c, nm, sizeof nm));
+        attn_bwd_both(&p, CF_ATTN_BWD_FULL, NULL, NULL, 0, label, TOL_GRAD, 1);
+        free_all();
+    }
+}
+
+/* Centrifuge and strawman on uneven kept sets: a half-kept sequence, a
+ * sequence with a single kept token, a 20% one and (B=4) one with none. */
+TEST(attention_centrifuge_and_strawman_bwd_match_cpu_uneven_kept) {
+    const attn_case cc[] = {
+        {4, 150, 4, 2, 64, 0},
+        {3, 130, 4, 1, 128, 3},
+        {2, 70, 4, 2, 8, 0},
+        {1, 300, 8, 2, 64, 0},
+    };
+    char nm[128], label[200];
+    for (int ci = 0; ci < (int)(sizeof cc / sizeof cc[0]); ci++) {
+        attn_problem p;
+        attn_setup(&p, cc[ci]);
+        int *rows, n, *ss = HOLD(inew(cc[ci].B + 1));
+        make_kept(cc[ci], &rows, ss, &n, 0.5);
+        case_name(p.c, nm, sizeof nm);
+        snprintf(label, sizeof label, "CENTRIFUGE n=%d %s", n, nm);
+        grads gc = attn_bwd_both(&p, CF_ATTN_BWD_CENTRIFUGE, rows, ss, n, label, TOL_GRAD, 1);
+        snprintf(label, sizeof label, "STRAWMAN   n=%d %s", n, nm);
+        grads gs = attn_bwd_both(&p, CF_ATTN_BWD_STRAWMAN, rows, ss, n, label, TOL_GRAD, 1);
+        /* the strawman's dq misses the filtered keys: it must differ */
+        double d = rel_err(gs.dq, gc.dq, (size_t)n * p.c.H * p.c.D);
+        printf("    strawman vs centrifuge dq differ by %.2e\n", d);
+        CHECK(d > 0.05);
+        free_all();
+    }
+}
+
+/* keep = 1: centrifuge and strawman equal the full backward (GPU vs GPU; dq
+ * atomics make the order of fp32 additions differ, so 1e-2). */
+TEST(attention_all_rows_kept_equals_full_on_gpu) {
+    const attn_case c = {2, 130, 4, 2, 64, 2};
+    attn_problem p;
+    attn_setup(&p, c);
+    int *rows, n, *ss = HOLD(inew(c.B + 1));
+    make_kept(c, &rows, ss, &n, 1.0);
+    grads gf = attn_bwd_both(&p, CF_ATTN_BWD_FULL, NULL, NULL, 0, "", 0, 0);
+    grads gc = attn_bwd_both(&p, CF_ATTN_BWD_CENTRIFUGE, rows, ss, n, "", 0, 0);
+    grads gs = attn_bwd_both(&p, CF_ATTN_BWD_STRAWMAN, rows, ss, n, "", 0, 0);
+    const size_t nq = p.T * c.H * c.D, nk = p.T * c.Hkv * c.D;
+    cmp("keep=1 centrifuge dq vs full", gc.dq, gf.dq, nq, TOL_BF16);
+    cmp("keep=1 centrifuge dk vs full", gc.dk, gf.dk, nk, 0);
+    cmp("keep=1 centrifuge dv vs full", gc.dv, gf.dv, nk, 0);
+    cmp("keep=1 strawman dq vs full", gs.dq, gf.dq, nq, TOL_BF16);
+    cmp("keep=1 strawman dk vs full", gs.dk, gf.dk, nk, TOL_BF16);
+    free_all();
+}
+
+/* A larger problem: 16 tiles, keep 0.5 at random. */
+TEST(attention_centrifuge_matches_cpu_on_larger_problem) {
+    const attn_case c = {1, 1024, 8, 2, 64, 0};
+    attn_problem p;
+    attn_setup(&p, c);
+    int *rows, n, *ss = HOLD(inew(c.B + 1));
+    make_kept(c, &rows, ss, &n, 0.5);
+    char label[64];
+    snprintf(label, sizeof label, "CENTRIFUGE S=1024 n=%d", n);
+    attn_bwd_both(&p, CF_ATTN_BWD_CENTRIFUGE, rows, ss, n, label, TOL_GRAD, 1);
+    attn_bwd_both(&p, CF_ATTN_BWD_FULL, NULL, NULL, 0, "FULL S=1024", TOL_GRAD, 1);
+    free_all();
+}
+
+/* CF_TEST_SEED=n draws other inputs; CF_TEST_ONLY=word runs the tests whose
+ * name contains word (e.g. under compute-sanitizer). */
+static const char *only;
+#define RUN_IF(name) do { if (!only || strstr(#name, only)) RUN(name); } while (0)
+
+int main(void) {
+    const char *seed = getenv("CF_TEST_SEED");
+    only = getenv("CF_TEST_ONLY");
+    cf_rng_seed(&rng, seed ? strtoull(seed, NULL, 10) : 20251121);
+    cpu = cf_backend_cpu_create();
+    gpu = cf_backend_cuda_create();
+    if (!cpu || !gpu) {
+        printf("cannot create backends: %s\n", cf_last_error());
+        return 1;
+    }
+    RUN_IF(embedding_fwd_copies_rows_exactly);
+    RUN_IF(embedding_bwd_sums_repeated_tokens_in_row_order_bitwise);
+    RUN_IF(matmul_fwd_matches_cpu_with_and_without_bias);
+    RUN_IF(matmul_bwd_matches_cpu_dinp_dw_dbias_and_accumulate);
+    RUN_IF(rmsnorm_fwd_bwd_match_cpu_vector_and_scalar_paths);
+    RUN_IF(rope_fwd_bwd_match_cpu);
+    RUN_IF(swiglu_fwd_bwd_match_cpu_vector_and_scalar_paths);
+    RUN_IF(add_matches_cpu_out_of_place_and_in_place);
+    RUN_IF(gather_rows_copies_rows_exactly);
+    RUN_IF(sumsq_matches_cpu);
+    RUN_IF(adamw_two_steps_and_weights_from_master_match_cpu);
+    RUN_IF(lmhead_loss_fwd_bwd_match_cpu_with_zero_dloss_rows);
+    RUN_IF(attention_fwd_matches_cpu_causal_gqa_doc_mask_and_tails);
+    RUN_IF(attention_full_bwd_matches_cpu);
+    RUN_IF(attention_centrifuge_and_strawman_bwd_match_cpu_uneven_kept);
+    RUN_IF(attention_all_rows_kept_equals_full_on_gpu);
+    RUN_IF(attention_centrifuge_matches_cpu_on_larger_problem);
+    gpu->destroy(gpu);
+    cpu->destroy(cpu);
+    return test_summary();
+}
