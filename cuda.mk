@@ -13,6 +13,8 @@
 #                        dpkg -x), for machines where they are not installed
 #   CUDA_C_SRC           the C sources of the CUDA library (default: all of src/ but
 #                        main.c; tests link only what they use)
+#   CUDA_DEFS            extra nvcc flags, e.g. the CF_ATTN_* tuning macros of
+#                        src/attention_cuda.cu for A/B timing builds (with BUILD=...)
 # These rules never run tools/install_deps.sh.
 
 comma        := ,
@@ -20,7 +22,8 @@ NVCC         ?= nvcc
 CUDA_HOME    ?= $(patsubst %/bin/nvcc,%,$(realpath $(shell command -v $(NVCC) 2>/dev/null)))
 CUDA_GENCODE ?= -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_90,code=sm_90
 NVCCFLAGS    ?= -O3 -std=c++17 -lineinfo $(CUDA_GENCODE) -Xcompiler -Wall
-NVCCFLAGS    += -Iinclude -Isrc
+CUDA_DEFS    ?=
+NVCCFLAGS    += -Iinclude -Isrc $(CUDA_DEFS)
 CUDA_INC     := -I$(CUDA_HOME)/include -I$(CUDA_HOME)/targets/x86_64-linux/include
 CUDA_LIBDIR  := $(CUDA_HOME)/lib64 $(CUDA_HOME)/targets/x86_64-linux/lib
 CUDA_LDLIBS  := $(addprefix -L,$(CUDA_LIBDIR)) $(addprefix -Wl$(comma)-rpath$(comma),$(CUDA_LIBDIR)) \
@@ -28,8 +31,10 @@ CUDA_LDLIBS  := $(addprefix -L,$(CUDA_LIBDIR)) $(addprefix -Wl$(comma)-rpath$(co
 
 ifneq ($(DEPS_ROOT),)
 DEPS_ABS := $(abspath $(DEPS_ROOT))
-DEPS_LIBDIRS := $(DEPS_ABS)/usr/lib/x86_64-linux-gnu/openblas-pthread $(DEPS_ABS)/usr/lib/x86_64-linux-gnu
-CFLAGS  += -I$(DEPS_ABS)/usr/include -I$(DEPS_ABS)/usr/include/x86_64-linux-gnu/openblas-pthread
+DEPS_BLAS := $(firstword $(wildcard $(addprefix $(DEPS_ABS)/usr/lib/x86_64-linux-gnu/openblas-,openmp pthread)))
+DEPS_BLAS_INC := $(firstword $(wildcard $(addprefix $(DEPS_ABS)/usr/include/x86_64-linux-gnu/openblas-,openmp pthread)))
+DEPS_LIBDIRS := $(DEPS_BLAS) $(DEPS_ABS)/usr/lib/x86_64-linux-gnu
+CFLAGS  += -I$(DEPS_ABS)/usr/include $(addprefix -I,$(DEPS_BLAS_INC))
 LDLIBS  := $(addprefix -L,$(DEPS_LIBDIRS)) $(addprefix -Wl$(comma)-rpath$(comma),$(DEPS_LIBDIRS)) $(LDLIBS)
 endif
 

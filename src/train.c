@@ -233,7 +233,7 @@ int cmd_train(int argc, char **argv) {
         {"--device", CF_OPT_STR, &device, 0, 0, "cpu or cuda (default cpu)", 0},
         {"--mode", CF_OPT_STR, &mode_s, 0, 0, "regular | loss-only | centrifuge | strawman", 0},
         {"--select", CF_OPT_STR, &select_s, 0, 0, "ref | self | random (default ref with --ref, else self)", 0},
-        {"--keep", CF_OPT_FLOAT, &keep, 1e-9, 1, "fraction of positions kept, in (0,1] (default 0.5)", 0},
+        {"--keep", CF_OPT_FLOAT, &keep, 0, 1, "fraction of positions kept, in (0,1] (default 0.5)", 0},
         {"--drop-rate", CF_OPT_FLOAT, &drop, 0, 0.999999, "1 - keep", 0},
         {"--per-batch", CF_OPT_FLAG, &per_batch, 0, 0, "select over the micro-batch, not per sequence", 0},
         {"--doc-mask", CF_OPT_FLAG, &doc_mask, 0, 0, "no attention across documents (BOS starts one)", 0},
@@ -270,6 +270,7 @@ int cmd_train(int argc, char **argv) {
     if (cf_select_parse(select_s, &select) != 0) return cf_cli_error("train", 2);
     if (opts[11].seen && opts[12].seen) { cf_fail("give --keep or --drop-rate, not both"); return cf_cli_error("train", 2); }
     if (drop >= 0) keep = 1.0 - drop;
+    if (!(keep > 0)) { cf_fail("--keep: must be in (0, 1], got %g", keep); return cf_cli_error("train", 2); }
     if (select == CF_SELECT_REF && !ref_path && mode != CF_MODE_REGULAR) {
         cf_fail("--select ref needs --ref (make one with centrifuge score)");
         return cf_cli_error("train", 2);

@@ -29,7 +29,7 @@ expect_error() {
 MODEL="$T/ckpt/step_00000001"
 
 # token shards
-printf 'not a shard at all' >"$T/badmagic.bin"
+head -c 4096 /dev/zero | tr '\0' 'x' >"$T/badmagic.bin"
 head -c 600 "$T/good.bin" >"$T/truncated.bin"
 python_free_poke() { # poke FILE OFFSET BYTE(octal): overwrite one byte in place
   printf "\\$3" | dd of="$1" bs=1 seek="$2" conv=notrunc status=none

@@ -4,8 +4,8 @@
 set -euo pipefail
 need=()
 [ -f /usr/include/cjson/cJSON.h ] || need+=(libcjson-dev)
-{ [ -f /usr/include/x86_64-linux-gnu/cblas.h ] || [ -f /usr/include/cblas.h ] || \
-  [ -f /usr/include/openblas/cblas.h ] || [ -f /usr/include/aarch64-linux-gnu/cblas.h ]; } || need+=(libopenblas-dev)
+# OpenBLAS in its OpenMP build (see the Makefile)
+ls /usr/lib/*-linux-gnu/openblas-openmp/libopenblas.so >/dev/null 2>&1 || need+=(libopenblas-openmp-dev)
 command -v gcc >/dev/null || need+=(gcc)
 command -v make >/dev/null || need+=(make)
 if [ "${1:-}" = "--with-fuzz" ]; then
