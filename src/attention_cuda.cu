@@ -215,15 +215,19 @@ __device__ __forceinline__ void load_kv_tile(const AttnArgs &a, bf16 *Ks, bf16 *
 #define CF_ATTN_FWD_MINB_128 1
 #endif
 #ifndef CF_ATTN_FWD_MINB_64
-#define CF_ATTN_FWD_MINB_64 1
+#define CF_ATTN_FWD_MINB_64 4
 #endif
 #ifndef CF_ATTN_BWD_NBUF_128
-#define CF_ATTN_BWD_NBUF_128 2
+#define CF_ATTN_BWD_NBUF_128 1
+#endif
+#ifndef CF_ATTN_BWD_MINB_64
+#define CF_ATTN_BWD_MINB_64 1
 #endif
 template <int D> struct AttnCfg {
     static constexpr int FWD_NBUF = D >= 128 ? CF_ATTN_FWD_NBUF_128 : 2;
     static constexpr int FWD_MINB = D >= 128 ? CF_ATTN_FWD_MINB_128 : D == 64 ? CF_ATTN_FWD_MINB_64 : 1;
     static constexpr int BWD_NBUF = D >= 128 ? CF_ATTN_BWD_NBUF_128 : 2;
+    static constexpr int BWD_MINB = D == 64 ? CF_ATTN_BWD_MINB_64 : 1;
 };
 
 /* ================================================================ forward */
@@ -435,7 +439,7 @@ static __global__ void attn_bwd_prep_kernel(const bf16 *dout, const bf16 *o, flo
  *   64 keys and adds it to dq_acc with fp32 atomics.
  */
 template <int D>
-static __global__ void __launch_bounds__(NTHREADS) attn_bwd_kernel(const AttnArgs a) {
+static __global__ void __launch_bounds__(NTHREADS, AttnCfg<D>::BWD_MINB) attn_bwd_kernel(const AttnArgs a) {
     constexpr int LD = D + 8, CH = D / 8, LDS = TILE + 8, NB = AttnCfg<D>::BWD_NBUF;
     extern __shared__ __align__(128) unsigned char smem[];
     bf16 *Ks = (bf16 *)smem;             /* [64][LD]     */

@@ -144,6 +144,10 @@ struct cf_backend {
      * p -= lr * (mhat / (sqrt(vhat) + eps) + wd * p), mhat = m/(1-b1^t), ... */
     void (*adamw)(cf_backend *b, float *p, float *g, float *m, float *v, size_t n, float lr,
                   float beta1, float beta2, float eps, float wd, float grad_scale, int t);
+
+    /* ---- optional (may be NULL) ---- */
+    /* Peak bytes of device memory allocated through this backend. */
+    size_t (*memory_peak)(cf_backend *b);
 };
 
 cf_backend *cf_backend_cpu_create(void);

@@ -204,9 +204,30 @@ static __global__ void f32_to_bf16_kernel(bf16 *w, const float *m, size_t n) {
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
         w[i] = __float2bfloat16_rn(m[i]);
 }
+/* 4 at a time: one 16-byte load, one 8-byte store */
+static __global__ void f32_to_bf16_vec_kernel(uint2 *w, const float4 *m, size_t n4) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += (size_t)gridDim.x * blockDim.x) {
+        float4 f = m[i];
+        __nv_bfloat162 lo = __floats2bfloat162_rn(f.x, f.y), hi = __floats2bfloat162_rn(f.z, f.w);
+        uint2 u;
+        u.x = *reinterpret_cast<uint32_t *>(&lo);
+        u.y = *reinterpret_cast<uint32_t *>(&hi);
+        w[i] = u;
+    }
+}
+/* a grid-stride launch of at most 16 blocks per SM (elementwise passes over
+ * the whole parameter vector) */
+static int stream_grid(cf_backend *b, size_t n) {
+    size_t cap = (size_t)ST(b)->sm_count * 16;
+    size_t blocks = (n + 255) / 256;
+    return (int)(blocks < 1 ? 1 : blocks < cap ? blocks : cap);
+}
 static void cu_weights_from_master(cf_backend *b, void *w, const float *master, size_t n) {
     if (!n) return;
-    f32_to_bf16_kernel<<<grid_for(n, 256), 256>>>((bf16 *)w, master, n);
+    if (n % 4 == 0 && ((uintptr_t)w & 7) == 0 && aligned16(master))
+        f32_to_bf16_vec_kernel<<<stream_grid(b, n / 4), 256>>>((uint2 *)w, (const float4 *)master, n / 4);
+    else
+        f32_to_bf16_kernel<<<grid_for(n, 256), 256>>>((bf16 *)w, master, n);
     CK_LAUNCH();
 }
 
@@ -798,7 +819,14 @@ static void cu_lmhead_loss_bwd(cf_backend *b, void *dx, float *dwlm, const void 
 static __global__ void sumsq_partial_kernel(double *partial, const float *g, size_t n) {
     __shared__ double red[32];
     double acc = 0.0;
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+    const size_t n4 = ((uintptr_t)g & 15) == 0 ? n / 4 : 0; /* float4 part */
+    const float4 *g4 = (const float4 *)g;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += (size_t)gridDim.x * blockDim.x) {
+        float4 f = g4[i];
+        acc += (double)f.x * f.x + (double)f.y * f.y + (double)f.z * f.z + (double)f.w * f.w;
+    }
+    for (size_t i = 4 * n4 + (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
         double v = g[i];
         acc += v * v;
     }
@@ -834,16 +862,35 @@ static double cu_sumsq(cf_backend *b, const float *g, size_t n) {
 
 /* g' = g s; m = b1 m + (1-b1) g'; v = b2 v + (1-b2) g'^2;
  * p -= lr (m/bc1 / (sqrt(v/bc2) + eps) + wd p) */
-static __global__ void adamw_kernel(float *p, const float *g, float *m, float *v, size_t n, float lr, float b1, float b2,
-                             float eps, float wd, float gs, float bc1, float bc2) {
+__device__ __forceinline__ void adamw_one(float &p, float g, float &m, float &v, float lr, float b1, float b2,
+                                          float eps, float wd, float gs, float bc1, float bc2) {
+    g *= gs;
+    m = b1 * m + (1.f - b1) * g;
+    v = b2 * v + (1.f - b2) * g * g;
+    p = p - lr * ((m / bc1) / (sqrtf(v / bc2) + eps) + wd * p);
+}
+static __global__ void adamw_kernel(float *p, const float *g, float *m, float *v, size_t n, float lr, float b1,
+                                    float b2, float eps, float wd, float gs, float bc1, float bc2) {
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        float gi = g[i] * gs;
-        float mi = b1 * m[i] + (1.f - b1) * gi;
-        float vi = b2 * v[i] + (1.f - b2) * gi * gi;
+        float pi = p[i], mi = m[i], vi = v[i];
+        adamw_one(pi, g[i], mi, vi, lr, b1, b2, eps, wd, gs, bc1, bc2);
+        p[i] = pi;
         m[i] = mi;
         v[i] = vi;
-        float pi = p[i];
-        p[i] = pi - lr * ((mi / bc1) / (sqrtf(vi / bc2) + eps) + wd * pi);
+    }
+}
+/* the same, four elements per 16-byte access */
+static __global__ void adamw_vec_kernel(float4 *p, const float4 *g, float4 *m, float4 *v, size_t n4, float lr,
+                                        float b1, float b2, float eps, float wd, float gs, float bc1, float bc2) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += (size_t)gridDim.x * blockDim.x) {
+        float4 pi = p[i], gi = g[i], mi = m[i], vi = v[i];
+        adamw_one(pi.x, gi.x, mi.x, vi.x, lr, b1, b2, eps, wd, gs, bc1, bc2);
+        adamw_one(pi.y, gi.y, mi.y, vi.y, lr, b1, b2, eps, wd, gs, bc1, bc2);
+        adamw_one(pi.z, gi.z, mi.z, vi.z, lr, b1, b2, eps, wd, gs, bc1, bc2);
+        adamw_one(pi.w, gi.w, mi.w, vi.w, lr, b1, b2, eps, wd, gs, bc1, bc2);
+        p[i] = pi;
+        m[i] = mi;
+        v[i] = vi;
     }
 }
 static void cu_adamw(cf_backend *b, float *p, float *g, float *m, float *v, size_t n, float lr, float beta1,
@@ -851,7 +898,11 @@ static void cu_adamw(cf_backend *b, float *p, float *g, float *m, float *v, size
     if (!n) return;
     float bc1 = (float)(1.0 - pow((double)beta1, (double)t));
     float bc2 = (float)(1.0 - pow((double)beta2, (double)t));
-    adamw_kernel<<<grid_for(n, 256), 256>>>(p, g, m, v, n, lr, beta1, beta2, eps, wd, grad_scale, bc1, bc2);
+    if (n % 4 == 0 && aligned16(p) && aligned16(g) && aligned16(m) && aligned16(v))
+        adamw_vec_kernel<<<stream_grid(b, n / 4), 256>>>((float4 *)p, (const float4 *)g, (float4 *)m, (float4 *)v,
+                                                         n / 4, lr, beta1, beta2, eps, wd, grad_scale, bc1, bc2);
+    else
+        adamw_kernel<<<grid_for(n, 256), 256>>>(p, g, m, v, n, lr, beta1, beta2, eps, wd, grad_scale, bc1, bc2);
     CK_LAUNCH();
 }
 

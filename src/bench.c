@@ -38,6 +38,49 @@ static int split_list(char *s, char **items, int cap) {
 
 typedef struct { double fwd, filter, bwd, opt, step; } stage_times;
 
+/* FLOPs of one training step at T = B*S tokens in regular mode: GEMMs
+ * 2*params per token forward and twice that backward; causal attention
+ * 2*S*H*D per token per layer forward (QK^T and PV, half the square),
+ * 2.5x that backward. */
+static double step_flops(const cf_config *c, int B, int S) {
+    double C = c->hidden_size, F = c->intermediate_size, qd = (double)c->num_attention_heads * c->head_dim;
+    double kd = (double)c->num_key_value_heads * c->head_dim, L = c->num_hidden_layers;
+    double gemm_params = L * (C * (qd + 2 * kd) + qd * C + 3 * C * F) + (double)c->vocab_size * C;
+    double T = (double)B * S;
+    double gemm_fwd = 2 * T * gemm_params;
+    double attn_fwd = L * 2.0 * T * S * qd;
+    return 3 * gemm_fwd + 3.5 * attn_fwd;
+}
+
+static const char *PROF_NAMES[CF_PROF_N] = {"gemm", "attention", "lm-head+ce", "rmsnorm", "rope", "elementwise"};
+
+/* One extra step with per-op-category synchronised timing. */
+static void print_profile(cf_model *m, cf_mode mode, int B, int S, float keep, cf_select_kind sel, uint64_t seed) {
+    int T = B * S, V = cf_model_config(m)->vocab_size;
+    int32_t *tokens = cf_malloc((size_t)B * (S + 1) * sizeof(int32_t));
+    float *losses = cf_malloc((size_t)T * sizeof(float));
+    uint8_t *keepmask = cf_malloc((size_t)T);
+    if (!tokens || !losses || !keepmask) { free(tokens); free(losses); free(keepmask); return; }
+    cf_rng rng;
+    cf_rng_seed(&rng, seed);
+    for (int i = 0; i < B * (S + 1); i++) tokens[i] = (int32_t)cf_rng_below(&rng, (uint32_t)V);
+    cf_model_set_profile(m, 1);
+    if (cf_forward(m, tokens, B, S, losses) == 0) {
+        if (mode != CF_MODE_REGULAR) cf_select(losses, NULL, B, S, keep, sel, 0, seed, keepmask);
+        if (mode == CF_MODE_CENTRIFUGE || mode == CF_MODE_STRAWMAN) cf_filter_backward(m, keepmask);
+        if (cf_backward(m, mode, mode == CF_MODE_REGULAR ? NULL : keepmask, 1.0f, NULL) == 0) {
+            double prof[2][CF_PROF_N];
+            cf_model_profile(m, prof);
+            printf("      profile %-11s", cf_mode_name(mode));
+            for (int c = 0; c < CF_PROF_N; c++) printf(" %s %.2f/%.2f", PROF_NAMES[c], prof[0][c] * 1e3, prof[1][c] * 1e3);
+            printf("  (ms fwd/bwd)\n");
+        }
+        cf_zero_grad(m);
+    }
+    cf_model_set_profile(m, 0);
+    free(tokens); free(losses); free(keepmask);
+}
+
 /* Runs warmup + steps training steps in `mode`; medians into *out. */
 static int bench_mode(cf_model *m, cf_mode mode, int B, int S, float keep, cf_select_kind sel,
                       int warmup, int steps, uint64_t seed, stage_times *out, int *kept_out) {
@@ -95,6 +138,8 @@ int cmd_bench(int argc, char **argv) {
     const char *config = "cpu-20m", *model_dir = NULL, *device = "cpu", *modes_s = "regular,loss-only,centrifuge";
     const char *keeps_s = "0.5", *seqs_s = "512", *json = NULL, *select_s = "random";
     long batch = 1, steps = 10, warmup = 2, seed = 1;
+    int profile = 0;
+    double peak_tflops = -1;
     cf_opt opts[] = {
         {"--config", CF_OPT_STR, &config, 0, 0, "built-in name or config.json (default cpu-20m)", 0},
         {"--model", CF_OPT_STR, &model_dir, 0, 0, "or a model directory", 0},
@@ -108,6 +153,8 @@ int cmd_bench(int argc, char **argv) {
         {"--select", CF_OPT_STR, &select_s, 0, 0, "random (default) or self", 0},
         {"--json", CF_OPT_STR, &json, 0, 0, "write JSON lines here", 0},
         {"--seed", CF_OPT_INT, &seed, 0, 1L << 62, "seed", 0},
+        {"--profile", CF_OPT_FLAG, &profile, 0, 0, "also print time per op category (one synchronised step)", 0},
+        {"--peak-tflops", CF_OPT_FLOAT, &peak_tflops, 0, 1e6, "for MFU (default 989 on cuda: H100/H200 dense bf16)", 0},
     };
     int nopts = (int)(sizeof opts / sizeof *opts);
     int pr = cf_cli_parse("bench", "[--config NAME] [--seq 512,1024] [--keep 0.5,0.4] [options]\n\n"
@@ -141,6 +188,7 @@ int cmd_bench(int argc, char **argv) {
     FILE *jf = NULL;
     if (json && !(jf = fopen(json, "w"))) { cf_fail("%s: cannot create", json); cf_model_free(m); return cf_cli_error("bench", 1); }
     const cf_config *c = cf_model_config(m);
+    if (peak_tflops < 0) peak_tflops = strcmp(device, "cuda") == 0 ? 989.0 : 0.0;
     printf("bench: %s, %.1fM params, device %s, batch %ld, median of %ld steps after %ld warm-up\n",
            config ? config : model_dir, cf_model_num_params(m) / 1e6, device, batch, steps, warmup);
     printf("%6s %5s %-11s %8s %9s %9s %9s %9s %9s %8s %8s\n", "seq", "keep", "mode", "kept", "fwd ms",
@@ -159,17 +207,27 @@ int cmd_bench(int argc, char **argv) {
                 printf("%6ld %5.2f %-11s %8d %9.2f %9.3f %9.2f %9.2f %9.2f", seqs[si], keeps[ki],
                        cf_mode_name(modes[mi]), kept, st.fwd * 1e3, st.filter * 1e3, st.bwd * 1e3,
                        st.opt * 1e3, st.step * 1e3);
-                if (reg.step > 0) printf(" %8.3f %8.3f\n", st.bwd / reg.bwd, st.step / reg.step);
-                else printf(" %8s %8s\n", "-", "-");
+                if (reg.step > 0) printf(" %8.3f %8.3f", st.bwd / reg.bwd, st.step / reg.step);
+                else printf(" %8s %8s", "-", "-");
+                double mfu = 0;
+                if (modes[mi] == CF_MODE_REGULAR && peak_tflops > 0)
+                    mfu = step_flops(c, (int)batch, (int)seqs[si]) / st.step / (peak_tflops * 1e12);
+                cf_backend *be = cf_model_backend(m);
+                size_t peak = be->memory_peak ? be->memory_peak(be) : 0;
+                printf(" %9.0f tok/s", T / st.step);
+                if (mfu > 0) printf(" MFU %.1f%%", 100 * mfu);
+                if (peak) printf(" peak %.2f GiB", peak / 1073741824.0);
+                printf("\n");
                 fflush(stdout);
+                if (profile) print_profile(m, modes[mi], (int)batch, (int)seqs[si], (float)keeps[ki], sel, (uint64_t)seed);
                 if (jf) {
                     fprintf(jf, "{\"model\":\"%s\",\"params\":%zu,\"device\":\"%s\",\"batch\":%ld,\"seq\":%ld,"
                                 "\"keep\":%.4f,\"mode\":\"%s\",\"kept\":%d,\"forward_s\":%.6f,\"filter_s\":%.6f,"
                                 "\"backward_s\":%.6f,\"optimizer_s\":%.6f,\"step_s\":%.6f,\"tokens_per_s\":%.1f,"
-                                "\"s_per_1M_tokens\":%.4f,\"layers\":%d,\"steps\":%ld}\n",
+                                "\"s_per_1M_tokens\":%.4f,\"layers\":%d,\"steps\":%ld,\"mfu\":%.4f,\"peak_bytes\":%zu}\n",
                             config ? config : model_dir, cf_model_num_params(m), device, batch, seqs[si],
                             keeps[ki], cf_mode_name(modes[mi]), kept, st.fwd, st.filter, st.bwd, st.opt,
-                            st.step, T / st.step, st.step / T * 1e6, c->num_hidden_layers, steps);
+                            st.step, T / st.step, st.step / T * 1e6, c->num_hidden_layers, steps, mfu, peak);
                     fflush(jf);
                 }
             }

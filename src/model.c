@@ -95,6 +95,31 @@ void *cf_weight(cf_model *m, int i) {
 
 float *cf_grad(cf_model *m, int i) { return i < 0 ? NULL : m->grad + m->params[i].offset; }
 
+/* Per-op-category profiling (bench --profile): each op is bracketed by a
+ * device synchronisation, so the sum is slightly above the unprofiled time. */
+static double prof_begin(cf_model *m) {
+    m->b->synchronize(m->b);
+    return cf_now();
+}
+
+static void prof_end(cf_model *m, int cat, double t0) {
+    m->b->synchronize(m->b);
+    m->prof[m->prof_phase][cat] += cf_now() - t0;
+}
+
+#define OP(cat, call)                                  \
+    do {                                               \
+        double t_ = m->profile ? prof_begin(m) : 0.0;  \
+        call;                                          \
+        if (m->profile) prof_end(m, cat, t_);          \
+    } while (0)
+
+void cf_model_set_profile(cf_model *m, int on) { m->profile = on; }
+
+void cf_model_profile(const cf_model *m, double out[2][CF_PROF_N]) {
+    memcpy(out, m->prof, sizeof m->prof);
+}
+
 /* RoPE inverse frequencies, with Llama 3 frequency-dependent scaling:
  * wavelengths longer than orig/low_freq_factor are divided by `factor`,
  * shorter than orig/high_freq_factor are kept, in between interpolated. */
@@ -444,6 +469,8 @@ int cf_forward(cf_model *m, const int32_t *tokens, int B, int S, float *losses) 
     double t0 = cf_now();
     cf_backend *b = m->b;
     int T = B * S;
+    memset(m->prof, 0, sizeof m->prof);
+    m->prof_phase = 0;
     if (T > m->cap_T && alloc_acts(m, T) != 0) return -1;
     reset_filter(m);
     m->B = B; m->S = S; m->T = T;
@@ -479,8 +506,8 @@ int cf_forward(cf_model *m, const int32_t *tokens, int B, int S, float *losses) 
     const int *pos = m->saved[m->s_pos].full;
     cf_attn_shape shape = attn_shape(m, B, S);
 
-    b->embedding_fwd(b, m->saved[m->resid[0]].full, m->saved[m->s_tokens].full,
-                     cf_weight(m, m->p_embed), T, C);
+    OP(CF_PROF_ELTWISE, b->embedding_fwd(b, m->saved[m->resid[0]].full, m->saved[m->s_tokens].full,
+                     cf_weight(m, m->p_embed), T, C));
     for (int l = 0; l < L; l++) {
         cf_layer_params *p = &m->lp[l];
         cf_layer_acts *a = &m->la[l];
@@ -488,34 +515,34 @@ int cf_forward(cf_model *m, const int32_t *tokens, int B, int S, float *losses) 
         void *ln1 = m->saved[a->ln1].full, *q = m->saved[a->q].full;
         void *xmid = m->saved[a->x_mid].full, *ln2 = m->saved[a->ln2].full;
         void *gate = m->saved[a->gate].full, *up = m->saved[a->up].full, *h = m->saved[a->h].full;
-        b->rmsnorm_fwd(b, ln1, m->saved[a->rstd1].full, x, cf_weight(m, p->ln1), T, C, c->rms_norm_eps);
+        OP(CF_PROF_NORM, b->rmsnorm_fwd(b, ln1, m->saved[a->rstd1].full, x, cf_weight(m, p->ln1), T, C, c->rms_norm_eps));
         if (c->qk_norm) {
             void *qpre = m->saved[a->qpre].full, *kpre = m->saved[a->kpre].full;
-            b->matmul_fwd(b, qpre, ln1, cf_weight(m, p->q), cf_weight(m, p->qb), T, C, qd);
-            b->matmul_fwd(b, kpre, ln1, cf_weight(m, p->k), cf_weight(m, p->kb), T, C, kd);
-            b->rmsnorm_fwd(b, q, m->saved[a->rstdq].full, qpre, cf_weight(m, p->qn), T * H, D, c->rms_norm_eps);
-            b->rmsnorm_fwd(b, a->k, m->saved[a->rstdk].full, kpre, cf_weight(m, p->kn), T * Hkv, D, c->rms_norm_eps);
+            OP(CF_PROF_GEMM, b->matmul_fwd(b, qpre, ln1, cf_weight(m, p->q), cf_weight(m, p->qb), T, C, qd));
+            OP(CF_PROF_GEMM, b->matmul_fwd(b, kpre, ln1, cf_weight(m, p->k), cf_weight(m, p->kb), T, C, kd));
+            OP(CF_PROF_NORM, b->rmsnorm_fwd(b, q, m->saved[a->rstdq].full, qpre, cf_weight(m, p->qn), T * H, D, c->rms_norm_eps));
+            OP(CF_PROF_NORM, b->rmsnorm_fwd(b, a->k, m->saved[a->rstdk].full, kpre, cf_weight(m, p->kn), T * Hkv, D, c->rms_norm_eps));
         } else {
-            b->matmul_fwd(b, q, ln1, cf_weight(m, p->q), cf_weight(m, p->qb), T, C, qd);
-            b->matmul_fwd(b, a->k, ln1, cf_weight(m, p->k), cf_weight(m, p->kb), T, C, kd);
+            OP(CF_PROF_GEMM, b->matmul_fwd(b, q, ln1, cf_weight(m, p->q), cf_weight(m, p->qb), T, C, qd));
+            OP(CF_PROF_GEMM, b->matmul_fwd(b, a->k, ln1, cf_weight(m, p->k), cf_weight(m, p->kb), T, C, kd));
         }
-        b->matmul_fwd(b, a->v, ln1, cf_weight(m, p->v), cf_weight(m, p->vb), T, C, kd);
-        b->rope_fwd(b, q, pos, m->inv_freq, T, H, D);
-        b->rope_fwd(b, a->k, pos, m->inv_freq, T, Hkv, D);
-        b->attention_fwd(b, m->saved[a->att].full, m->saved[a->lse].full, q, a->k, a->v, &shape);
-        b->matmul_fwd(b, m->tmp, m->saved[a->att].full, cf_weight(m, p->o), cf_weight(m, p->ob), T, qd, C);
-        b->add(b, xmid, x, m->tmp, (size_t)T * C);
-        b->rmsnorm_fwd(b, ln2, m->saved[a->rstd2].full, xmid, cf_weight(m, p->ln2), T, C, c->rms_norm_eps);
-        b->matmul_fwd(b, gate, ln2, cf_weight(m, p->gate), NULL, T, C, F);
-        b->matmul_fwd(b, up, ln2, cf_weight(m, p->up), NULL, T, C, F);
-        b->swiglu_fwd(b, h, gate, up, (size_t)T * F);
-        b->matmul_fwd(b, m->tmp, h, cf_weight(m, p->down), NULL, T, F, C);
-        b->add(b, m->saved[m->resid[l + 1]].full, xmid, m->tmp, (size_t)T * C);
+        OP(CF_PROF_GEMM, b->matmul_fwd(b, a->v, ln1, cf_weight(m, p->v), cf_weight(m, p->vb), T, C, kd));
+        OP(CF_PROF_ROPE, b->rope_fwd(b, q, pos, m->inv_freq, T, H, D));
+        OP(CF_PROF_ROPE, b->rope_fwd(b, a->k, pos, m->inv_freq, T, Hkv, D));
+        OP(CF_PROF_ATTN, b->attention_fwd(b, m->saved[a->att].full, m->saved[a->lse].full, q, a->k, a->v, &shape));
+        OP(CF_PROF_GEMM, b->matmul_fwd(b, m->tmp, m->saved[a->att].full, cf_weight(m, p->o), cf_weight(m, p->ob), T, qd, C));
+        OP(CF_PROF_ELTWISE, b->add(b, xmid, x, m->tmp, (size_t)T * C));
+        OP(CF_PROF_NORM, b->rmsnorm_fwd(b, ln2, m->saved[a->rstd2].full, xmid, cf_weight(m, p->ln2), T, C, c->rms_norm_eps));
+        OP(CF_PROF_GEMM, b->matmul_fwd(b, gate, ln2, cf_weight(m, p->gate), NULL, T, C, F));
+        OP(CF_PROF_GEMM, b->matmul_fwd(b, up, ln2, cf_weight(m, p->up), NULL, T, C, F));
+        OP(CF_PROF_ELTWISE, b->swiglu_fwd(b, h, gate, up, (size_t)T * F));
+        OP(CF_PROF_GEMM, b->matmul_fwd(b, m->tmp, h, cf_weight(m, p->down), NULL, T, F, C));
+        OP(CF_PROF_ELTWISE, b->add(b, m->saved[m->resid[l + 1]].full, xmid, m->tmp, (size_t)T * C));
     }
-    b->rmsnorm_fwd(b, m->saved[m->s_lnf].full, m->saved[m->s_rstdf].full, m->saved[m->resid[L]].full,
-                   cf_weight(m, m->p_norm), T, C, c->rms_norm_eps);
-    b->lmhead_loss_fwd(b, m->losses, m->saved[m->s_lnf].full, cf_weight(m, m->p_lm_head),
-                       m->saved[m->s_targets].full, T, C, c->vocab_size);
+    OP(CF_PROF_NORM, b->rmsnorm_fwd(b, m->saved[m->s_lnf].full, m->saved[m->s_rstdf].full, m->saved[m->resid[L]].full,
+                   cf_weight(m, m->p_norm), T, C, c->rms_norm_eps));
+    OP(CF_PROF_LMHEAD, b->lmhead_loss_fwd(b, m->losses, m->saved[m->s_lnf].full, cf_weight(m, m->p_lm_head),
+                       m->saved[m->s_targets].full, T, C, c->vocab_size));
     b->download(b, m->host_losses, m->losses, (size_t)T * sizeof(float));
     if (losses) memcpy(losses, m->host_losses, (size_t)T * sizeof(float));
     m->timings.forward = cf_now() - t0;
@@ -612,6 +639,7 @@ static int backward_impl(cf_model *m, cf_mode mode, const uint8_t *keep, float l
     if (compact && !m->filtered && cf_filter_backward(m, keep) != 0) return -1;
     if (!compact) reset_filter(m);
     double t0 = cf_now();
+    m->prof_phase = 1;
     int T = m->T;
     int n = compact ? m->n_kept : T;
 
@@ -644,54 +672,54 @@ static int backward_impl(cf_model *m, cf_mode mode, const uint8_t *keep, float l
                                                         : CF_ATTN_BWD_FULL;
 
     /* LM head and final norm: dresid = d(loss)/d(x_L) */
-    b->lmhead_loss_bwd(b, m->d_ln, cf_grad(m, m->p_lm_head), SAVED(m, m->s_lnf),
+    OP(CF_PROF_LMHEAD, b->lmhead_loss_bwd(b, m->d_ln, cf_grad(m, m->p_lm_head), SAVED(m, m->s_lnf),
                        cf_weight(m, m->p_lm_head), SAVED(m, m->s_targets), m->dloss, n, C,
-                       c->vocab_size);
-    b->rmsnorm_bwd(b, m->d_resid, cf_grad(m, m->p_norm), m->d_ln, SAVED(m, m->resid[L]),
-                   cf_weight(m, m->p_norm), SAVED(m, m->s_rstdf), n, C, 0);
+                       c->vocab_size));
+    OP(CF_PROF_NORM, b->rmsnorm_bwd(b, m->d_resid, cf_grad(m, m->p_norm), m->d_ln, SAVED(m, m->resid[L]),
+                   cf_weight(m, m->p_norm), SAVED(m, m->s_rstdf), n, C, 0));
     for (int l = L - 1; l >= 0; l--) {
         cf_layer_params *p = &m->lp[l];
         cf_layer_acts *a = &m->la[l];
         /* MLP: x' = x_mid + down(silu(gate(ln2)) * up(ln2)) */
-        b->matmul_bwd(b, m->d_h, cf_grad(m, p->down), NULL, m->d_resid, SAVED(m, a->h),
-                      cf_weight(m, p->down), n, F, C, 0);
-        b->swiglu_bwd(b, m->d_gate, m->d_up, m->d_h, SAVED(m, a->gate), SAVED(m, a->up), (size_t)n * F);
-        b->matmul_bwd(b, m->d_ln, cf_grad(m, p->gate), NULL, m->d_gate, SAVED(m, a->ln2),
-                      cf_weight(m, p->gate), n, C, F, 0);
-        b->matmul_bwd(b, m->d_ln, cf_grad(m, p->up), NULL, m->d_up, SAVED(m, a->ln2),
-                      cf_weight(m, p->up), n, C, F, 1);
-        b->rmsnorm_bwd(b, m->d_resid, cf_grad(m, p->ln2), m->d_ln, SAVED(m, a->x_mid),
-                       cf_weight(m, p->ln2), SAVED(m, a->rstd2), n, C, 1);
+        OP(CF_PROF_GEMM, b->matmul_bwd(b, m->d_h, cf_grad(m, p->down), NULL, m->d_resid, SAVED(m, a->h),
+                      cf_weight(m, p->down), n, F, C, 0));
+        OP(CF_PROF_ELTWISE, b->swiglu_bwd(b, m->d_gate, m->d_up, m->d_h, SAVED(m, a->gate), SAVED(m, a->up), (size_t)n * F));
+        OP(CF_PROF_GEMM, b->matmul_bwd(b, m->d_ln, cf_grad(m, p->gate), NULL, m->d_gate, SAVED(m, a->ln2),
+                      cf_weight(m, p->gate), n, C, F, 0));
+        OP(CF_PROF_GEMM, b->matmul_bwd(b, m->d_ln, cf_grad(m, p->up), NULL, m->d_up, SAVED(m, a->ln2),
+                      cf_weight(m, p->up), n, C, F, 1));
+        OP(CF_PROF_NORM, b->rmsnorm_bwd(b, m->d_resid, cf_grad(m, p->ln2), m->d_ln, SAVED(m, a->x_mid),
+                       cf_weight(m, p->ln2), SAVED(m, a->rstd2), n, C, 1));
         /* attention: x_mid = x + o(attn(q, k, v)) */
-        b->matmul_bwd(b, m->d_att, cf_grad(m, p->o), cf_grad(m, p->ob), m->d_resid, SAVED(m, a->att),
-                      cf_weight(m, p->o), n, qd, C, 0);
-        b->attention_bwd(b, m->d_q, m->d_k, m->d_v, m->d_att, SAVED(m, a->q), a->k, a->v,
-                         SAVED(m, a->att), SAVED(m, a->lse), &shape, compact ? &kept : NULL, amode);
+        OP(CF_PROF_GEMM, b->matmul_bwd(b, m->d_att, cf_grad(m, p->o), cf_grad(m, p->ob), m->d_resid, SAVED(m, a->att),
+                      cf_weight(m, p->o), n, qd, C, 0));
+        OP(CF_PROF_ATTN, b->attention_bwd(b, m->d_q, m->d_k, m->d_v, m->d_att, SAVED(m, a->q), a->k, a->v,
+                         SAVED(m, a->att), SAVED(m, a->lse), &shape, compact ? &kept : NULL, amode));
         if (stopgrad_reference &&
             (zero_filtered_rows(m, m->d_k, (size_t)kd, keep) != 0 ||
              zero_filtered_rows(m, m->d_v, (size_t)kd, keep) != 0))
             return -1;
-        b->rope_bwd(b, m->d_q, pos, m->inv_freq, n, H, D);
-        b->rope_bwd(b, m->d_k, pos, m->inv_freq, n, Hkv, D);
+        OP(CF_PROF_ROPE, b->rope_bwd(b, m->d_q, pos, m->inv_freq, n, H, D));
+        OP(CF_PROF_ROPE, b->rope_bwd(b, m->d_k, pos, m->inv_freq, n, Hkv, D));
         void *dq = m->d_q, *dk = m->d_k;
         if (c->qk_norm) {
-            b->rmsnorm_bwd(b, m->d_qn, cf_grad(m, p->qn), m->d_q, SAVED(m, a->qpre),
-                           cf_weight(m, p->qn), SAVED(m, a->rstdq), n * H, D, 0);
-            b->rmsnorm_bwd(b, m->d_kn, cf_grad(m, p->kn), m->d_k, SAVED(m, a->kpre),
-                           cf_weight(m, p->kn), SAVED(m, a->rstdk), n * Hkv, D, 0);
+            OP(CF_PROF_NORM, b->rmsnorm_bwd(b, m->d_qn, cf_grad(m, p->qn), m->d_q, SAVED(m, a->qpre),
+                           cf_weight(m, p->qn), SAVED(m, a->rstdq), n * H, D, 0));
+            OP(CF_PROF_NORM, b->rmsnorm_bwd(b, m->d_kn, cf_grad(m, p->kn), m->d_k, SAVED(m, a->kpre),
+                           cf_weight(m, p->kn), SAVED(m, a->rstdk), n * Hkv, D, 0));
             dq = m->d_qn;
             dk = m->d_kn;
         }
-        b->matmul_bwd(b, m->d_ln, cf_grad(m, p->q), cf_grad(m, p->qb), dq, SAVED(m, a->ln1),
-                      cf_weight(m, p->q), n, C, qd, 0);
-        b->matmul_bwd(b, m->d_ln, cf_grad(m, p->k), cf_grad(m, p->kb), dk, SAVED(m, a->ln1),
-                      cf_weight(m, p->k), n, C, kd, 1);
-        b->matmul_bwd(b, m->d_ln, cf_grad(m, p->v), cf_grad(m, p->vb), m->d_v, SAVED(m, a->ln1),
-                      cf_weight(m, p->v), n, C, kd, 1);
-        b->rmsnorm_bwd(b, m->d_resid, cf_grad(m, p->ln1), m->d_ln, SAVED(m, m->resid[l]),
-                       cf_weight(m, p->ln1), SAVED(m, a->rstd1), n, C, 1);
+        OP(CF_PROF_GEMM, b->matmul_bwd(b, m->d_ln, cf_grad(m, p->q), cf_grad(m, p->qb), dq, SAVED(m, a->ln1),
+                      cf_weight(m, p->q), n, C, qd, 0));
+        OP(CF_PROF_GEMM, b->matmul_bwd(b, m->d_ln, cf_grad(m, p->k), cf_grad(m, p->kb), dk, SAVED(m, a->ln1),
+                      cf_weight(m, p->k), n, C, kd, 1));
+        OP(CF_PROF_GEMM, b->matmul_bwd(b, m->d_ln, cf_grad(m, p->v), cf_grad(m, p->vb), m->d_v, SAVED(m, a->ln1),
+                      cf_weight(m, p->v), n, C, kd, 1));
+        OP(CF_PROF_NORM, b->rmsnorm_bwd(b, m->d_resid, cf_grad(m, p->ln1), m->d_ln, SAVED(m, m->resid[l]),
+                       cf_weight(m, p->ln1), SAVED(m, a->rstd1), n, C, 1));
     }
-    b->embedding_bwd(b, cf_grad(m, m->p_embed), m->d_resid, SAVED(m, m->s_tokens), n, C);
+    OP(CF_PROF_ELTWISE, b->embedding_bwd(b, cf_grad(m, m->p_embed), m->d_resid, SAVED(m, m->s_tokens), n, C));
     b->synchronize(b);
     m->timings.backward = cf_now() - t0;
     return 0;

@@ -41,6 +41,9 @@ typedef struct {
 
 #define CF_MAX_SAVED 1024
 
+/* Op categories of the profiler (bench --profile). */
+enum { CF_PROF_GEMM, CF_PROF_ATTN, CF_PROF_LMHEAD, CF_PROF_NORM, CF_PROF_ROPE, CF_PROF_ELTWISE, CF_PROF_N };
+
 struct cf_model {
     cf_config cfg;
     cf_backend *b;
@@ -79,6 +82,8 @@ struct cf_model {
     float *host_losses;             /* last forward's losses, T */
 
     cf_timings timings;
+    int profile, prof_phase;            /* phase 0 forward, 1 backward */
+    double prof[2][CF_PROF_N];
 };
 
 /* Pointer to parameter i in compute dtype / its fp32 gradient. */
@@ -99,5 +104,9 @@ int cf_model_set_adam(cf_model *m, const float *m_in, const float *v_in, int64_t
  * of the kept-position loss in which the K and V rows of filtered tokens are
  * constants (their dK, dV are zeroed). */
 int cf_backward_reference_stopgrad(cf_model *m, const uint8_t *keep, float loss_scale, float *loss_out);
+
+/* Profiling of the op categories (seconds per phase of the last step). */
+void cf_model_set_profile(cf_model *m, int on);
+void cf_model_profile(const cf_model *m, double out[2][CF_PROF_N]);
 
 #endif
