@@ -146,6 +146,11 @@ struct cf_backend {
                   float beta1, float beta2, float eps, float wd, float grad_scale, int t);
 
     /* ---- optional (may be NULL) ---- */
+    /* The filter operator in one call: for k < count, dst[k][i,:] =
+     * src[k][rows[i],:] with row_bytes[k] bytes per row (multiples of 4).
+     * dst, src, row_bytes are host arrays of backend pointers. */
+    void (*gather_rows_multi)(cf_backend *b, int count, void *const *dst, const void *const *src,
+                              const size_t *row_bytes, const int *rows, int n);
     /* Peak bytes of device memory allocated through this backend. */
     size_t (*memory_peak)(cf_backend *b);
 };

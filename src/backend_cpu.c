@@ -338,11 +338,13 @@ static void cpu_lmhead_loss_fwd(cf_backend *b, float *losses, const void *x_, co
     free(logits);
 }
 
-/* For rows with dloss[t] != 0, in chunks of such rows (gathered):
+/* For every row, in chunks of rows:
  *   dz[t,:] = dloss[t] * (softmax(z[t,:]) - onehot(targets[t]))
  *   dx[t,:] = dz[t,:] W          (overwrite; rows with dloss 0 get 0)
  *   dwlm   += dz^T x
- * Work is proportional to the number of rows with nonzero dloss. */
+ * Rows of weight 0 are computed too, as a dense framework does: loss-only
+ * mode (RHO-1 as published) must cost what the full backward costs. The
+ * centrifuge path passes the kept rows only. */
 static void cpu_lmhead_loss_bwd(cf_backend *b, void *dx_, float *dwlm, const void *x_,
                                 const void *wlm_, const int *targets, const float *dloss, int T,
                                 int C, int V) {
@@ -360,10 +362,9 @@ static void cpu_lmhead_loss_bwd(cf_backend *b, void *dx_, float *dwlm, const voi
 
     int t = 0;
     for (;;) {
-        /* gather the next chunk of rows with nonzero dloss */
+        /* the next chunk of rows */
         int n = 0;
-        for (; t < T && n < cap; t++)
-            if (dloss[t] != 0.0f) idx[n++] = t;
+        for (; t < T && n < cap; t++) idx[n++] = t;
         if (n == 0) break;
         for (int r = 0; r < n; r++)
             memcpy(xs + (size_t)r * C, x + (size_t)idx[r] * C, (size_t)C * sizeof(float));

@@ -63,7 +63,8 @@ static void lt_check(cublasStatus_t s, const char *what, const char *file, int l
 /* ================================================================= state */
 
 #define NSCRATCH 32   /* slots 0..15 here, 16.. attention_cuda.cu */
-enum { SCR_PARTIAL = 0, SCR_SUMSQ, SCR_SORT_KEYS, SCR_SORT_VALS, SCR_SORT_TMP, SCR_IOTA, SCR_LOGITS, SCR_DLOGITS };
+enum { SCR_PARTIAL = 0, SCR_SUMSQ, SCR_SORT_KEYS, SCR_SORT_VALS, SCR_SORT_TMP, SCR_IOTA, SCR_LOGITS, SCR_DLOGITS,
+       SCR_GATHER_DESC };
 
 #define GEMM_CACHE 128
 typedef struct {
@@ -81,6 +82,7 @@ typedef struct {
     struct { void *p; size_t cap; } scratch[NSCRATCH];
     gemm_plan plans[GEMM_CACHE];
     int nplans;
+    size_t mem_peak;   /* device memory in use (cudaMemGetInfo), max over sync points */
 } cuda_state;
 
 static cuda_state *ST(cf_backend *b) { return (cuda_state *)b->state; }
@@ -172,7 +174,19 @@ static void cu_act_to_f32(cf_backend *b, float *dst, const void *src, size_t n) 
     for (size_t i = 0; i < n; i++) dst[i] = bf16_bits_to_f32(tmp[i]);
     free(tmp);
 }
-static void cu_synchronize(cf_backend *b) { CK(cudaDeviceSynchronize()); }
+static void sample_memory(cf_backend *b) {
+    size_t free_b = 0, total_b = 0;
+    if (cudaMemGetInfo(&free_b, &total_b) == cudaSuccess && total_b - free_b > ST(b)->mem_peak)
+        ST(b)->mem_peak = total_b - free_b;
+}
+static void cu_synchronize(cf_backend *b) {
+    CK(cudaDeviceSynchronize());
+    sample_memory(b);
+}
+static size_t cu_memory_peak(cf_backend *b) {
+    sample_memory(b);
+    return ST(b)->mem_peak;
+}
 
 /* ============================================================= utilities */
 
@@ -318,6 +332,43 @@ static void cu_add(cf_backend *b, void *out, const void *a, const void *c, size_
 }
 
 /* ========================================================= gather rows */
+
+/* The filter operator in one launch: block (i, k) copies row rows[i] of
+ * tensor k. 16-byte copies when the tensor's rows and pointers allow it. */
+typedef struct { void *dst; const void *src; size_t row_bytes; } gather_desc;
+
+static __global__ void gather_multi_kernel(const gather_desc *desc, const int *rows) {
+    const gather_desc d = desc[blockIdx.y];
+    const size_t i = blockIdx.x, r = (size_t)rows[i];
+    if (((d.row_bytes | (size_t)d.dst | (size_t)d.src) & 15) == 0) {
+        const size_t w = d.row_bytes / 16;
+        const uint4 *s = (const uint4 *)d.src + r * w;
+        uint4 *o = (uint4 *)d.dst + i * w;
+        for (size_t j = threadIdx.x; j < w; j += blockDim.x) o[j] = s[j];
+    } else {
+        const size_t w = d.row_bytes / 4;
+        const uint32_t *s = (const uint32_t *)d.src + r * w;
+        uint32_t *o = (uint32_t *)d.dst + i * w;
+        for (size_t j = threadIdx.x; j < w; j += blockDim.x) o[j] = s[j];
+    }
+}
+
+static void cu_gather_rows_multi(cf_backend *b, int count, void *const *dst, const void *const *src,
+                                 const size_t *row_bytes, const int *rows, int n) {
+    if (n <= 0 || count <= 0) return;
+    gather_desc *host = (gather_desc *)malloc((size_t)count * sizeof(gather_desc));
+    if (!host) { cf_fail("out of memory for gather descriptors"); fprintf(stderr, "centrifuge: fatal: %s\n", cf_last_error()); exit(1); }
+    for (int k = 0; k < count; k++) { host[k].dst = dst[k]; host[k].src = src[k]; host[k].row_bytes = row_bytes[k]; }
+    gather_desc *dev = (gather_desc *)cf_cuda_scratch(b, SCR_GATHER_DESC, (size_t)count * sizeof(gather_desc));
+    CK(cudaMemcpy(dev, host, (size_t)count * sizeof(gather_desc), cudaMemcpyHostToDevice));
+    free(host);
+    for (int k0 = 0; k0 < count; k0 += 65535) {
+        dim3 grid((unsigned)n, (unsigned)(count - k0 < 65535 ? count - k0 : 65535));
+        gather_multi_kernel<<<grid, 128>>>(dev + k0, rows);
+        CK_LAUNCH();
+    }
+}
+
 
 /* dst[i, :] = src[rows[i], :], one block per row */
 static __global__ void gather16_kernel(uint4 *dst, const uint4 *src, const int *rows, size_t row16) {
@@ -1016,6 +1067,8 @@ extern "C" cf_backend *cf_backend_cuda_create(void) {
     b->lmhead_loss_fwd = cu_lmhead_loss_fwd;
     b->lmhead_loss_bwd = cu_lmhead_loss_bwd;
     b->gather_rows = cu_gather_rows;
+    b->gather_rows_multi = cu_gather_rows_multi;
+    b->memory_peak = cu_memory_peak;
     b->sumsq = cu_sumsq;
     b->adamw = cu_adamw;
     return b;

@@ -189,14 +189,23 @@ cf_model *cf_model_create(const cf_config *cfg, cf_backend_kind kind, uint64_t s
     /* HF init: normal(0, 0.02) matrices, ones for norms, zeros for biases. */
     float *host = cf_malloc(m->nparams * sizeof(float));
     if (!host) { cf_model_free(m); return NULL; }
-    cf_rng rng;
-    cf_rng_seed(&rng, seed);
+    /* Chunks of 2^20 elements, each with its own stream seeded by (seed,
+     * tensor, chunk): deterministic whatever the thread count, and fast
+     * enough for billions of parameters. */
+    const size_t CHUNK = (size_t)1 << 20;
     for (int i = 0; i < m->ntensors; i++) {
         cf_param *p = &m->params[i];
         float *dst = host + p->offset;
         int is_norm = strstr(p->name, "norm") != NULL;
-        for (size_t j = 0; j < p->numel; j++)
-            dst[j] = p->ndim == 2 ? 0.02f * cf_rng_normal(&rng) : (is_norm ? 1.0f : 0.0f);
+        long nchunks = (long)((p->numel + CHUNK - 1) / CHUNK);
+#pragma omp parallel for schedule(dynamic)
+        for (long ch = 0; ch < nchunks; ch++) {
+            cf_rng rng;
+            cf_rng_seed(&rng, seed ^ ((uint64_t)(i + 1) << 40) ^ ((uint64_t)ch * 0x9e3779b97f4a7c15ULL));
+            size_t end = CF_MIN(p->numel, (size_t)(ch + 1) * CHUNK);
+            for (size_t j = (size_t)ch * CHUNK; j < end; j++)
+                dst[j] = p->ndim == 2 ? 0.02f * cf_rng_normal(&rng) : (is_norm ? 1.0f : 0.0f);
+        }
     }
     m->b->upload(m->b, m->master, host, m->nparams * sizeof(float));
     m->b->weights_from_master(m->b, m->w, m->master, m->nparams);
@@ -584,14 +593,24 @@ int cf_filter_backward(cf_model *m, const uint8_t *keep) {
     b->upload(b, m->seq_start, m->host_seq_start, ((size_t)m->B + 1) * sizeof(int));
     /* One pass over the registry: every saved token-major activation is
      * gathered to the kept rows. K and V are not in the registry. */
+    void *dst[CF_MAX_SAVED];
+    const void *src[CF_MAX_SAVED];
+    size_t row_bytes[CF_MAX_SAVED];
     for (int i = 0; i < m->nsaved; i++) {
         cf_saved *s = &m->saved[i];
         if (!s->compact) {
             s->compact = b->alloc(b, (size_t)m->cap_T * s->row_bytes);
             if (!s->compact) return -1;
         }
-        b->gather_rows(b, s->compact, s->full, m->rows, n, s->row_bytes);
+        dst[i] = s->compact;
+        src[i] = s->full;
+        row_bytes[i] = s->row_bytes;
         s->cur = s->compact;
+    }
+    if (b->gather_rows_multi) {
+        b->gather_rows_multi(b, m->nsaved, dst, src, row_bytes, m->rows, n);
+    } else {
+        for (int i = 0; i < m->nsaved; i++) b->gather_rows(b, dst[i], src[i], m->rows, n, row_bytes[i]);
     }
     m->filtered = 1;
     b->synchronize(b);

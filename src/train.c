@@ -66,22 +66,55 @@ void cf_loader_next(cf_loader *ld, int32_t *tokens, float *ref_out) {
 
 /* ----------------------------------------------------------- checkpoints */
 
-#define STATE_MAGIC "CFSTATE1"
+/* state.bin: this header, then Adam's m and v (nparams floats each).
+ * opt_steps (version 2) is the optimizer's own step count, which Adam's bias
+ * correction uses: it falls behind `step` by the number of skipped
+ * (non-finite) steps, so an exact resume needs it. Version 1 files, without
+ * it, still load (opt_steps = step). */
+#define STATE_MAGIC "CFSTATE2"
+#define STATE_MAGIC_V1 "CFSTATE1"
 typedef struct {
     char magic[8];
     int64_t nparams, step, data_pos;
+    int64_t opt_steps;
 } state_header;
+#define STATE_HEADER_V1_BYTES (8 + 3 * sizeof(int64_t))
+
+/* Removes the temp files ("<name>.tmp.<pid>") a killed save left in dir. */
+static void remove_stale_temps(const char *dir) {
+    DIR *d = opendir(dir);
+    struct dirent *e;
+    char f[4096 + 256];
+    while (d && (e = readdir(d)))
+        if (strstr(e->d_name, ".tmp.") && cf_path_join(f, sizeof f, dir, e->d_name) == 0) unlink(f);
+    if (d) closedir(d);
+}
+
+/* Removes an old checkpoint directory with everything in it: the three
+ * checkpoint files and whatever temp files a killed save left there. */
+static void remove_checkpoint(const char *victim) {
+    DIR *d = opendir(victim);
+    struct dirent *e;
+    char f[4096 + 256];
+    while (d && (e = readdir(d)))
+        if (strcmp(e->d_name, ".") != 0 && strcmp(e->d_name, "..") != 0 &&
+            cf_path_join(f, sizeof f, victim, e->d_name) == 0)
+            unlink(f);
+    if (d) closedir(d);
+    rmdir(victim);
+}
 
 int cf_checkpoint_save(cf_model *m, const char *dir, int64_t step, int64_t data_pos, int keep_last) {
     char sub[64], path[4096], state[4096];
     snprintf(sub, sizeof sub, "step_%08lld", (long long)step);
     if (cf_mkdir_p(dir) != 0 || cf_path_join(path, sizeof path, dir, sub) != 0) return -1;
+    remove_stale_temps(path);   /* from a killed earlier save of this step */
     if (cf_model_save(m, path, "float32", 0) != 0) return -1;
     size_t n = cf_model_num_params(m);
     float *mv = cf_malloc(2 * n * sizeof(float));
     if (!mv) return -1;
     cf_model_get_adam(m, mv, mv + n);
-    state_header h = {STATE_MAGIC, (int64_t)n, step, data_pos};
+    state_header h = {STATE_MAGIC, (int64_t)n, step, data_pos, cf_optimizer_steps(m)};
     memcpy(h.magic, STATE_MAGIC, 8);
     cf_atomic_file af;
     int rc = cf_path_join(state, sizeof state, path, "state.bin");
@@ -99,6 +132,7 @@ int cf_checkpoint_save(cf_model *m, const char *dir, int64_t step, int64_t data_
     if (cf_path_join(latest, sizeof latest, dir, "latest") != 0) return -1;
     int len = snprintf(line, sizeof line, "%s\n", sub);
     if (cf_write_file_atomic(latest, line, (size_t)len) != 0) return -1;
+    remove_stale_temps(dir);    /* e.g. latest.tmp.<pid> of a killed run */
     /* Remove checkpoints older than the newest keep_last ones. */
     if (keep_last > 0 && step > 0) {
         DIR *d = opendir(dir);
@@ -117,12 +151,9 @@ int cf_checkpoint_save(cf_model *m, const char *dir, int64_t step, int64_t data_
             }
             if (d2) closedir(d2);
             if (newer >= keep_last) {
-                char victim[4096], f[4096];
+                char victim[4096];
                 if (cf_path_join(victim, sizeof victim, dir, e->d_name) != 0) continue;
-                const char *files[] = {"state.bin", "model.safetensors", "config.json"};
-                for (int i = 0; i < 3; i++)
-                    if (cf_path_join(f, sizeof f, victim, files[i]) == 0) unlink(f);
-                rmdir(victim);
+                remove_checkpoint(victim);
             }
         }
         if (d) closedir(d);
@@ -149,19 +180,27 @@ cf_model *cf_checkpoint_load(const char *dir, const char *device, int64_t *step,
     char *buf = cf_read_file(state, &len, sizeof(state_header) + 2 * n * sizeof(float));
     if (!buf) { cf_model_free(m); return NULL; }
     state_header h;
-    if (len != sizeof h + 2 * n * sizeof(float)) {
-        cf_fail("%s: %zu bytes, expected %zu for %zu parameters", state, len, sizeof h + 2 * n * sizeof(float), n);
+    memset(&h, 0, sizeof h);
+    int v1 = len >= 8 && memcmp(buf, STATE_MAGIC_V1, 8) == 0;
+    size_t hbytes = v1 ? STATE_HEADER_V1_BYTES : sizeof h;
+    if (len != hbytes + 2 * n * sizeof(float)) {
+        cf_fail("%s: %zu bytes, expected %zu for %zu parameters", state, len, hbytes + 2 * n * sizeof(float), n);
         free(buf); cf_model_free(m); return NULL;
     }
-    memcpy(&h, buf, sizeof h);
-    if (memcmp(h.magic, STATE_MAGIC, 8) != 0 || h.nparams != (int64_t)n || h.step < 0 || h.data_pos < 0) {
+    memcpy(&h, buf, hbytes);
+    if (v1) {
+        memcpy(h.magic, STATE_MAGIC, 8);
+        h.opt_steps = h.step;
+    }
+    if (memcmp(h.magic, STATE_MAGIC, 8) != 0 || h.nparams != (int64_t)n || h.step < 0 || h.data_pos < 0 ||
+        h.opt_steps < 0) {
         cf_fail("%s: not a centrifuge training state for this model", state);
         free(buf); cf_model_free(m); return NULL;
     }
     float *mv = cf_malloc(2 * n * sizeof(float));
     if (!mv) { free(buf); cf_model_free(m); return NULL; }
-    memcpy(mv, buf + sizeof h, 2 * n * sizeof(float));
-    cf_model_set_adam(m, mv, mv + n, h.step);
+    memcpy(mv, buf + hbytes, 2 * n * sizeof(float));
+    cf_model_set_adam(m, mv, mv + n, h.opt_steps);
     free(mv);
     free(buf);
     *step = h.step;

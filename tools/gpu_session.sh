@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# gpu_session.sh — what one call on the lent GPU machine runs: binaries built
+# here (make cuda + the GPU tests), copied with their runtime libraries into
+# .gpucarry/ (Debian packages, unpacked there), then tests and benchmarks.
+# Usage on the GPU machine: tools/gpu_session.sh PART...  (logs under $OUT)
+#   parts: tests sanitize bench-main bench-sweeps bench-3b pytorch parity
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+G=$PWD/.gpucarry
+if [ ! -d "$G/root" ]; then for f in "$G"/*.deb; do dpkg -x "$f" "$G/root"; done; fi
+export LD_LIBRARY_PATH="$G/root/usr/lib/x86_64-linux-gnu/openblas-openmp:$G/root/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-16}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+git rev-parse --short HEAD 2>/dev/null | tee "$OUT/commit.txt"
+CF="$G/centrifuge-cuda"
+for part in "$@"; do
+  echo "=== $part $(date +%T)"
+  case $part in
+    tests)
+      "$G/test_gpu_ops" >"$OUT/test_gpu_ops.log" 2>&1; echo "test_gpu_ops rc=$?"; tail -1 "$OUT/test_gpu_ops.log"
+      "$G/test_gpu_model" >"$OUT/test_gpu_model.log" 2>&1; echo "test_gpu_model rc=$?"; grep -E "FAIL|centrifuge:|tests," "$OUT/test_gpu_model.log" | head -20 ;;
+    sanitize)
+      timeout 300 compute-sanitizer --tool memcheck --print-limit 5 "$G/test_gpu_model" >"$OUT/sanitizer.log" 2>&1; echo "memcheck rc=$?"; tail -3 "$OUT/sanitizer.log" ;;
+    bench-main)
+      "$CF" bench --device cuda --config tinyllama-1.1b --seq 4096 --modes regular,loss-only,centrifuge,strawman --keep 0.5 --steps 10 --warmup 2 --profile --json "$OUT/bench_tinyllama_4096.jsonl" 2>&1 | tee "$OUT/bench_tinyllama_4096.txt"
+      "$CF" bench --device cuda --config qwen2.5-1.5b --seq 2048 --modes regular,loss-only,centrifuge,strawman --keep 0.5 --steps 10 --warmup 2 --profile --json "$OUT/bench_qwen_2048.jsonl" 2>&1 | tee "$OUT/bench_qwen_2048.txt" ;;
+    bench-sweeps)
+      "$CF" bench --device cuda --config tinyllama-1.1b --seq 1024,2048,3072,4096 --modes regular,loss-only,centrifuge --keep 0.5 --steps 10 --warmup 2 --json "$OUT/sweep_seq.jsonl" 2>&1 | tee "$OUT/sweep_seq.txt"
+      "$CF" bench --device cuda --config tinyllama-1.1b --seq 4096 --modes regular,loss-only,centrifuge --keep 0.8,0.7,0.6,0.5,0.4 --steps 10 --warmup 2 --json "$OUT/sweep_keep.jsonl" 2>&1 | tee "$OUT/sweep_keep.txt" ;;
+    bench-3b)
+      "$CF" bench --device cuda --config llama3.2-3b --seq 2048 --modes regular,loss-only,centrifuge --keep 0.5 --steps 10 --warmup 2 --json "$OUT/bench_llama3b_2048.jsonl" 2>&1 | tee "$OUT/bench_llama3b_2048.txt" ;;
+    pytorch)
+      python3 tools/bench_pytorch.py --config tinyllama-1.1b --seq 4096 --json "$OUT/pt_tinyllama_4096.jsonl" --centrifuge-json "$OUT/bench_tinyllama_4096.jsonl" 2>&1 | tee "$OUT/pt_tinyllama_4096.txt" | tail -15
+      python3 tools/bench_pytorch.py --config qwen2.5-1.5b --seq 2048 --json "$OUT/pt_qwen_2048.jsonl" --centrifuge-json "$OUT/bench_qwen_2048.jsonl" 2>&1 | tee "$OUT/pt_qwen_2048.txt" | tail -15 ;;
+    sdpa)
+      python3 tools/bench_pytorch.py --sdpa-attention --heads 32 --kv-heads 4 --head-dim 64 --seq 4096 2>&1 | tee "$OUT/sdpa_d64.txt" | tail -6
+      python3 tools/bench_pytorch.py --sdpa-attention --heads 12 --kv-heads 2 --head-dim 128 --seq 2048 2>&1 | tee "$OUT/sdpa_d128.txt" | tail -6
+      "$G/bench_attention" 2>&1 | tee "$OUT/bench_attention.txt" | tail -20 ;;
+    parity)
+      python3 tools/hf_parity.py --bin .gpucarry/centrifuge 2>&1 | tee "$OUT/hf_parity.txt" | tail -20 ;;
+  esac
+done
+echo "=== done $(date +%T)"
