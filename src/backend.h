@@ -141,8 +141,11 @@ struct cf_backend {
     double (*sumsq)(cf_backend *b, const float *g, size_t n);
     /* AdamW with decoupled weight decay and bias correction, on n elements:
      * g' = g * grad_scale; m = b1 m + (1-b1) g'; v = b2 v + (1-b2) g'^2;
-     * p -= lr * (mhat / (sqrt(vhat) + eps) + wd * p), mhat = m/(1-b1^t), ... */
-    void (*adamw)(cf_backend *b, float *p, float *g, float *m, float *v, size_t n, float lr,
+     * p -= lr * (mhat / (sqrt(vhat) + eps) + wd * p), mhat = m/(1-b1^t), ...
+     * In the same pass (one read of each buffer): the compute copy w is
+     * refreshed from p (unless w is NULL or w == p) and g is zeroed for the
+     * next accumulation. */
+    void (*adamw)(cf_backend *b, float *p, void *w, float *g, float *m, float *v, size_t n, float lr,
                   float beta1, float beta2, float eps, float wd, float grad_scale, int t);
 
     /* ---- optional (may be NULL) ---- */

@@ -425,7 +425,7 @@ static double cpu_sumsq(cf_backend *b, const float *g, size_t n) {
  *   mhat = m / (1 - beta1^t), vhat = v / (1 - beta2^t)
  *   p -= lr * (mhat / (sqrt(vhat) + eps) + wd * p)
  * g is read only. */
-static void cpu_adamw(cf_backend *b, float *p, float *g, float *m, float *v, size_t n, float lr,
+static void cpu_adamw(cf_backend *b, float *p, void *w_, float *g, float *m, float *v, size_t n, float lr,
                       float beta1, float beta2, float eps, float wd, float grad_scale, int t) {
     const float bc1 = (float)(1.0 - pow((double)beta1, (double)t));
     const float bc2 = (float)(1.0 - pow((double)beta2, (double)t));
@@ -438,6 +438,8 @@ static void cpu_adamw(cf_backend *b, float *p, float *g, float *m, float *v, siz
         v[i] = vi;
         const float mhat = mi / bc1, vhat = vi / bc2;
         p[i] -= lr * (mhat / (sqrtf(vhat) + eps) + wd * p[i]);
+        g[i] = 0.0f;
+        if (w_ && w_ != (void *)p) ((float *)w_)[i] = p[i];
     }
 }
 

@@ -630,28 +630,30 @@ static void cu_rmsnorm_bwd(cf_backend *b, void *dinp, float *dw, const void *dou
  */
 static __global__ void rope_kernel(bf16 *x, const int *pos, const float *inv_freq, int T, int nh, int D, float sign) {
     const int half = D / 2;
-    const size_t n = (size_t)T * nh * half;
+    const size_t n = (size_t)T * half;
     for (size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n; idx += (size_t)gridDim.x * blockDim.x) {
         const int i = (int)(idx % half);
-        const size_t th = idx / half;       /* t * nh + head */
-        const int t = (int)(th / nh);
+        const size_t t = idx / half;
         float s, c;
-        sincosf((float)pos[t] * inv_freq[i], &s, &c);
+        sincosf((float)pos[t] * inv_freq[i], &s, &c);   /* once per (position, frequency), for all heads */
         s *= sign;
-        bf16 *p = x + th * D;
-        float x1 = __bfloat162float(p[i]), x2 = __bfloat162float(p[i + half]);
-        p[i] = __float2bfloat16_rn(x1 * c - x2 * s);
-        p[i + half] = __float2bfloat16_rn(x2 * c + x1 * s);
+        bf16 *row = x + t * (size_t)nh * D;
+        for (int h = 0; h < nh; h++) {
+            bf16 *p = row + (size_t)h * D;
+            float x1 = __bfloat162float(p[i]), x2 = __bfloat162float(p[i + half]);
+            p[i] = __float2bfloat16_rn(x1 * c - x2 * s);
+            p[i + half] = __float2bfloat16_rn(x2 * c + x1 * s);
+        }
     }
 }
 static void cu_rope_fwd(cf_backend *b, void *x, const int *pos, const float *inv_freq, int T, int nh, int D) {
     if (T <= 0) return;
-    rope_kernel<<<grid_for((size_t)T * nh * (D / 2), 256), 256>>>((bf16 *)x, pos, inv_freq, T, nh, D, 1.f);
+    rope_kernel<<<grid_for((size_t)T * (D / 2), 256), 256>>>((bf16 *)x, pos, inv_freq, T, nh, D, 1.f);
     CK_LAUNCH();
 }
 static void cu_rope_bwd(cf_backend *b, void *dx, const int *pos, const float *inv_freq, int T, int nh, int D) {
     if (T <= 0) return;
-    rope_kernel<<<grid_for((size_t)T * nh * (D / 2), 256), 256>>>((bf16 *)dx, pos, inv_freq, T, nh, D, -1.f);
+    rope_kernel<<<grid_for((size_t)T * (D / 2), 256), 256>>>((bf16 *)dx, pos, inv_freq, T, nh, D, -1.f);
     CK_LAUNCH();
 }
 
@@ -920,7 +922,7 @@ __device__ __forceinline__ void adamw_one(float &p, float g, float &m, float &v,
     v = b2 * v + (1.f - b2) * g * g;
     p = p - lr * ((m / bc1) / (sqrtf(v / bc2) + eps) + wd * p);
 }
-static __global__ void adamw_kernel(float *p, const float *g, float *m, float *v, size_t n, float lr, float b1,
+static __global__ void adamw_kernel(float *p, bf16 *w, float *g, float *m, float *v, size_t n, float lr, float b1,
                                     float b2, float eps, float wd, float gs, float bc1, float bc2) {
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         float pi = p[i], mi = m[i], vi = v[i];
@@ -928,10 +930,12 @@ static __global__ void adamw_kernel(float *p, const float *g, float *m, float *v
         p[i] = pi;
         m[i] = mi;
         v[i] = vi;
+        g[i] = 0.f;
+        if (w) w[i] = __float2bfloat16_rn(pi);
     }
 }
 /* the same, four elements per 16-byte access */
-static __global__ void adamw_vec_kernel(float4 *p, const float4 *g, float4 *m, float4 *v, size_t n4, float lr,
+static __global__ void adamw_vec_kernel(float4 *p, __nv_bfloat162 *w, float4 *g, float4 *m, float4 *v, size_t n4, float lr,
                                         float b1, float b2, float eps, float wd, float gs, float bc1, float bc2) {
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += (size_t)gridDim.x * blockDim.x) {
         float4 pi = p[i], gi = g[i], mi = m[i], vi = v[i];
@@ -942,18 +946,25 @@ static __global__ void adamw_vec_kernel(float4 *p, const float4 *g, float4 *m, f
         p[i] = pi;
         m[i] = mi;
         v[i] = vi;
+        g[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (w) {
+            w[2 * i] = __floats2bfloat162_rn(pi.x, pi.y);
+            w[2 * i + 1] = __floats2bfloat162_rn(pi.z, pi.w);
+        }
     }
 }
-static void cu_adamw(cf_backend *b, float *p, float *g, float *m, float *v, size_t n, float lr, float beta1,
+/* One pass: update p, m, v; refresh the bf16 compute copy w; zero g. */
+static void cu_adamw(cf_backend *b, float *p, void *w_, float *g, float *m, float *v, size_t n, float lr, float beta1,
                      float beta2, float eps, float wd, float grad_scale, int t) {
     if (!n) return;
+    bf16 *w = (bf16 *)w_;
     float bc1 = (float)(1.0 - pow((double)beta1, (double)t));
     float bc2 = (float)(1.0 - pow((double)beta2, (double)t));
-    if (n % 4 == 0 && aligned16(p) && aligned16(g) && aligned16(m) && aligned16(v))
-        adamw_vec_kernel<<<stream_grid(b, n / 4), 256>>>((float4 *)p, (const float4 *)g, (float4 *)m, (float4 *)v,
-                                                         n / 4, lr, beta1, beta2, eps, wd, grad_scale, bc1, bc2);
+    if (n % 4 == 0 && aligned16(p) && aligned16(g) && aligned16(m) && aligned16(v) && ((uintptr_t)w % 8) == 0)
+        adamw_vec_kernel<<<stream_grid(b, n / 4), 256>>>((float4 *)p, (__nv_bfloat162 *)w, (float4 *)g, (float4 *)m,
+                                                         (float4 *)v, n / 4, lr, beta1, beta2, eps, wd, grad_scale, bc1, bc2);
     else
-        adamw_kernel<<<grid_for(n, 256), 256>>>(p, g, m, v, n, lr, beta1, beta2, eps, wd, grad_scale, bc1, bc2);
+        adamw_kernel<<<grid_for(n, 256), 256>>>(p, w, g, m, v, n, lr, beta1, beta2, eps, wd, grad_scale, bc1, bc2);
     CK_LAUNCH();
 }
 

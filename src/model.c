@@ -765,12 +765,11 @@ int cf_step(cf_model *m, const cf_adamw_params *hp, float *grad_norm) {
     m->step++;
     for (int i = 0; i < m->ntensors; i++) {
         cf_param *p = &m->params[i];
-        b->adamw(b, m->master + p->offset, m->grad + p->offset, m->adam_m + p->offset,
-                 m->adam_v + p->offset, p->numel, hp->lr, hp->beta1, hp->beta2, hp->eps,
-                 p->decay ? hp->weight_decay : 0.0f, scale, (int)m->step);
+        /* one pass per tensor: update, refresh the compute copy, zero the grad */
+        b->adamw(b, m->master + p->offset, (char *)m->w + p->offset * b->act_size, m->grad + p->offset,
+                 m->adam_m + p->offset, m->adam_v + p->offset, p->numel, hp->lr, hp->beta1, hp->beta2,
+                 hp->eps, p->decay ? hp->weight_decay : 0.0f, scale, (int)m->step);
     }
-    b->weights_from_master(b, m->w, m->master, m->nparams);
-    cf_zero_grad(m);
     b->synchronize(b);
     m->timings.optimizer = cf_now() - t0;
     return 0;

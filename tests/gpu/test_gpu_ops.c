@@ -372,10 +372,10 @@ TEST(adamw_two_steps_and_weights_from_master_match_cpu) {
         float *p = HOLD(hrand(n, 1.f)), *g1 = HOLD(hrand(n, 1.f)), *g2 = HOLD(hrand(n, 1.f));
         float *m = HOLD(hnew(n)), *v = HOLD(hnew(n));
         void *gp = gf32(p, n), *gm = gf32(m, n), *gv = gf32(v, n), *gg1 = gf32(g1, n), *gg2 = gf32(g2, n);
-        cpu->adamw(cpu, p, g1, m, v, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.5f, 1);
-        cpu->adamw(cpu, p, g2, m, v, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.5f, 2);
-        gpu->adamw(gpu, gp, gg1, gm, gv, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.5f, 1);
-        gpu->adamw(gpu, gp, gg2, gm, gv, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.5f, 2);
+        cpu->adamw(cpu, p, NULL, g1, m, v, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.5f, 1);
+        cpu->adamw(cpu, p, NULL, g2, m, v, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.5f, 2);
+        gpu->adamw(gpu, gp, NULL, gg1, gm, gv, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.5f, 1);
+        gpu->adamw(gpu, gp, NULL, gg2, gm, gv, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.5f, 2);
         printf("    n=%zu\n", n);
         cmp("adamw p", get_f32(gp, n), p, n, 1e-6);
         cmp("adamw m", get_f32(gm, n), m, n, 1e-6);
