@@ -18,7 +18,7 @@ for part in "$@"; do
   case $part in
     tests)
       "$G/test_gpu_ops" >"$OUT/test_gpu_ops.log" 2>&1; echo "test_gpu_ops rc=$?"; tail -1 "$OUT/test_gpu_ops.log"
-      "$G/test_gpu_model" >"$OUT/test_gpu_model.log" 2>&1; echo "test_gpu_model rc=$?"; grep -E "FAIL|centrifuge:|tests," "$OUT/test_gpu_model.log" | head -20 ;;
+      "$G/test_gpu_model" >"$OUT/test_gpu_model.log" 2>&1; echo "test_gpu_model rc=$?"; grep -E "FAIL|err|tests,|:[0-9]+:" "$OUT/test_gpu_model.log" | head -40 ;;
     sanitize)
       timeout 300 compute-sanitizer --tool memcheck --print-limit 5 "$G/test_gpu_model" >"$OUT/sanitizer.log" 2>&1; echo "memcheck rc=$?"; tail -3 "$OUT/sanitizer.log" ;;
     bench-main)
@@ -34,10 +34,12 @@ for part in "$@"; do
       python3 tools/bench_pytorch.py --config qwen2.5-1.5b --seq 2048 --json "$OUT/pt_qwen_2048.jsonl" --centrifuge-json "$OUT/bench_qwen_2048.jsonl" 2>&1 | tee "$OUT/pt_qwen_2048.txt" | tail -15 ;;
     sdpa)
       python3 tools/bench_pytorch.py --sdpa-attention --heads 32 --kv-heads 4 --head-dim 64 --seq 4096 2>&1 | tee "$OUT/sdpa_d64.txt" | tail -6
-      python3 tools/bench_pytorch.py --sdpa-attention --heads 12 --kv-heads 2 --head-dim 128 --seq 2048 2>&1 | tee "$OUT/sdpa_d128.txt" | tail -6
+      python3 tools/bench_pytorch.py --sdpa-attention --heads 32 --kv-heads 8 --head-dim 128 --seq 4096 2>&1 | tee "$OUT/sdpa_d128.txt" | tail -6
       "$G/bench_attention" 2>&1 | tee "$OUT/bench_attention.txt" | tail -20 ;;
     parity)
       python3 tools/hf_parity.py --bin .gpucarry/centrifuge 2>&1 | tee "$OUT/hf_parity.txt" | tail -20 ;;
   esac
 done
 echo "=== done $(date +%T)"
+# everything in one file: the tool brings back at most 8 files
+(cd "$OUT" && tar czf /tmp/results.tgz --exclude results.tgz . && mv /tmp/results.tgz "$OUT/results.tgz" && find . -type f ! -name results.tgz ! -name gpu.txt -delete)

@@ -102,7 +102,7 @@ TEST(gpu_model_losses_and_gradients_match_cpu_in_every_mode) {
             const char *which = "";
             double gerr = worst_tensor_err(mc, gg, gc, &which);
             CHECK_MSG(gerr <= 6e-2, "%s %s: gradient of %s differs by %.3g", TYPES[ti], cf_mode_name(modes[mi]), which, gerr);
-            if (mi == 2) printf("    %-12s centrifuge: loss err %.2e, worst grad err %.2e (%s)\n", TYPES[ti], lerr, gerr, which);
+            printf("    %-12s %-10s loss err %.2e, worst grad err %.2e (%s)\n", TYPES[ti], cf_mode_name(modes[mi]), lerr, gerr, which);
             free(gc); free(gg);
         }
         cf_model_free(mc);
@@ -233,7 +233,44 @@ TEST(gpu_adamw_refreshes_bf16_weights_and_zeroes_gradients_in_one_pass) {
     g->destroy(g);
 }
 
+/* The attention shapes of the model tests, alone: B=2, S=40, D in {8,16,32,64}. */
+TEST(gpu_attention_fwd_matches_cpu_at_model_test_shapes) {
+    cf_backend *c = cf_backend_cpu_create(), *g = cf_backend_cuda_create();
+    if (!c || !g) { CHECK(0); return; }
+    const int Ds[] = {8, 16, 32, 64};
+    for (int di = 0; di < 4; di++) {
+        for (int Bv = 1; Bv <= 2; Bv++) {
+            int D = Ds[di], H = 4, Hkv = 2, Sv = 40, T = Bv * Sv;
+            size_t nq = (size_t)T * H * D, nk = (size_t)T * Hkv * D;
+            float *q = malloc(nq * 4), *k = malloc(nk * 4), *v = malloc(nk * 4), *oc = malloc(nq * 4), *og = malloc(nq * 4);
+            float *lc = malloc((size_t)T * H * 4), *lg = malloc((size_t)T * H * 4);
+            cf_rng r;
+            cf_rng_seed(&r, 3 + di);
+            for (size_t i = 0; i < nq; i++) q[i] = cf_rng_normal(&r);
+            for (size_t i = 0; i < nk; i++) { k[i] = cf_rng_normal(&r); v[i] = cf_rng_normal(&r); }
+            /* bf16-round the inputs so both sides see the same values */
+            void *tq = g->alloc(g, nq * 2), *tk = g->alloc(g, nk * 2), *tv = g->alloc(g, nk * 2), *to = g->alloc(g, nq * 2);
+            float *tl = g->alloc(g, (size_t)T * H * 4);
+            g->act_from_f32(g, tq, q, nq); g->act_to_f32(g, q, tq, nq);
+            g->act_from_f32(g, tk, k, nk); g->act_to_f32(g, k, tk, nk);
+            g->act_from_f32(g, tv, v, nk); g->act_to_f32(g, v, tv, nk);
+            cf_attn_shape sh = {Bv, Sv, H, Hkv, D, 1.0f / sqrtf((float)D), NULL};
+            c->attention_fwd(c, oc, lc, q, k, v, &sh);
+            g->attention_fwd(g, to, tl, tq, tk, tv, &sh);
+            g->act_to_f32(g, og, to, nq);
+            g->download(g, lg, tl, (size_t)T * H * 4);
+            double eo = rel_err(og, oc, nq), el = rel_err(lg, lc, (size_t)T * H);
+            CHECK_MSG(eo < 1e-2 && el < 1e-2, "attention fwd D=%d B=%d S=%d: out err %.3g lse err %.3g", D, Bv, Sv, eo, el);
+            free(q); free(k); free(v); free(oc); free(og); free(lc); free(lg);
+            g->free(g, tq); g->free(g, tk); g->free(g, tv); g->free(g, to); g->free(g, tl);
+        }
+    }
+    c->destroy(c);
+    g->destroy(g);
+}
+
 int main(void) {
+    RUN(gpu_attention_fwd_matches_cpu_at_model_test_shapes);
     RUN(gpu_adamw_refreshes_bf16_weights_and_zeroes_gradients_in_one_pass);
     RUN(gpu_batched_filter_gather_equals_per_tensor_gather);
     RUN(gpu_model_losses_and_gradients_match_cpu_in_every_mode);
