@@ -4,8 +4,8 @@
  * as JSON lines, with sweeps over --keep and --seq.
  *
  * Method (docs/BENCHMARKS.md): all modes in one process on the same weights
- * and data; `--warmup` untimed steps, then the median of `--steps` timed
- * steps per stage. Selection is random by default (the speed of the
+ * and data, their steps interleaved round by round; `--warmup` untimed
+ * rounds, then the median of `--steps` timed steps per stage and mode. Selection is random by default (the speed of the
  * backward does not depend on which tokens are kept, only how many).
  */
 #include <math.h>
@@ -81,54 +81,62 @@ static void print_profile(cf_model *m, cf_mode mode, int B, int S, float keep, c
     free(tokens); free(losses); free(keepmask);
 }
 
-/* Runs warmup + steps training steps in `mode`; medians into *out. */
-static int bench_mode(cf_model *m, cf_mode mode, int B, int S, float keep, cf_select_kind sel,
-                      int warmup, int steps, uint64_t seed, stage_times *out, int *kept_out) {
+/* Runs warmup + steps training steps of every mode, interleaved (one step
+ * of each mode per round), so slow drifts of the machine (clocks, other
+ * load) hit all modes alike; per-stage medians into out[mode]. */
+static int bench_point(cf_model *m, const cf_mode *modes, int nm, int B, int S, float keep, cf_select_kind sel,
+                       int warmup, int steps, uint64_t seed, stage_times *out, int *kept_out) {
     int T = B * S, V = cf_model_config(m)->vocab_size;
     int32_t *tokens = cf_malloc((size_t)B * (S + 1) * sizeof(int32_t));
     float *losses = cf_malloc((size_t)T * sizeof(float));
     uint8_t *keepmask = cf_malloc((size_t)T);
-    double *v = cf_malloc(5 * (size_t)steps * sizeof(double));
+    double *v = cf_malloc(5 * (size_t)steps * nm * sizeof(double));
     if (!tokens || !losses || !keepmask || !v) { free(tokens); free(losses); free(keepmask); free(v); return -1; }
     cf_rng rng;
     cf_rng_seed(&rng, seed);
     for (int i = 0; i < B * (S + 1); i++) tokens[i] = (int32_t)cf_rng_below(&rng, (uint32_t)V);
     /* lr 0: the weights stay the same across modes, only the time counts */
     cf_adamw_params hp = {0.0f, 0.9f, 0.95f, 1e-8f, 0.0f, 1.0f};
-    int rc = 0, kept = T;
+    int rc = 0;
     for (int it = 0; it < warmup + steps && rc == 0; it++) {
-        double t0 = cf_now();
-        if (cf_forward(m, tokens, B, S, losses) != 0) { rc = -1; break; }
-        double filter = 0;
-        if (mode != CF_MODE_REGULAR) {
-            kept = cf_select(losses, NULL, B, S, keep, sel, 0, seed + (uint64_t)it, keepmask);
-            if (kept < 0) { rc = -1; break; }
-            if (mode == CF_MODE_CENTRIFUGE || mode == CF_MODE_STRAWMAN) {
-                if (cf_filter_backward(m, keepmask) != 0) { rc = -1; break; }
-                cf_timings t;
-                cf_model_timings(m, &t);
-                filter = t.filter;
+        for (int mi = 0; mi < nm && rc == 0; mi++) {
+            cf_mode mode = modes[mi];
+            double t0 = cf_now();
+            if (cf_forward(m, tokens, B, S, losses) != 0) { rc = -1; break; }
+            double filter = 0;
+            int kept = T;
+            if (mode != CF_MODE_REGULAR) {
+                kept = cf_select(losses, NULL, B, S, keep, sel, 0, seed + (uint64_t)it, keepmask);
+                if (kept < 0) { rc = -1; break; }
+                if (mode == CF_MODE_CENTRIFUGE || mode == CF_MODE_STRAWMAN) {
+                    if (cf_filter_backward(m, keepmask) != 0) { rc = -1; break; }
+                    cf_timings t;
+                    cf_model_timings(m, &t);
+                    filter = t.filter;
+                }
+            }
+            if (cf_backward(m, mode, mode == CF_MODE_REGULAR ? NULL : keepmask, 1.0f, NULL) != 0) { rc = -1; break; }
+            float norm;
+            cf_step(m, &hp, &norm);
+            double step = cf_now() - t0;
+            cf_timings t;
+            cf_model_timings(m, &t);
+            kept_out[mi] = kept;
+            if (it >= warmup) {
+                double *vm = v + (size_t)mi * 5 * steps;
+                int k = it - warmup;
+                vm[k] = t.forward; vm[steps + k] = filter; vm[2 * steps + k] = t.backward;
+                vm[3 * steps + k] = t.optimizer; vm[4 * steps + k] = step;
             }
         }
-        if (cf_backward(m, mode, mode == CF_MODE_REGULAR ? NULL : keepmask, 1.0f, NULL) != 0) { rc = -1; break; }
-        float norm;
-        cf_step(m, &hp, &norm);
-        double step = cf_now() - t0;
-        cf_timings t;
-        cf_model_timings(m, &t);
-        if (it >= warmup) {
-            int k = it - warmup;
-            v[k] = t.forward; v[steps + k] = filter; v[2 * steps + k] = t.backward;
-            v[3 * steps + k] = t.optimizer; v[4 * steps + k] = step;
-        }
     }
-    if (rc == 0) {
-        out->fwd = median(v, steps);
-        out->filter = median(v + steps, steps);
-        out->bwd = median(v + 2 * steps, steps);
-        out->opt = median(v + 3 * steps, steps);
-        out->step = median(v + 4 * steps, steps);
-        *kept_out = kept;
+    for (int mi = 0; rc == 0 && mi < nm; mi++) {
+        double *vm = v + (size_t)mi * 5 * steps;
+        out[mi].fwd = median(vm, steps);
+        out[mi].filter = median(vm + steps, steps);
+        out[mi].bwd = median(vm + 2 * steps, steps);
+        out[mi].opt = median(vm + 3 * steps, steps);
+        out[mi].step = median(vm + 4 * steps, steps);
     }
     free(tokens); free(losses); free(keepmask); free(v);
     return rc;
@@ -196,13 +204,15 @@ int cmd_bench(int argc, char **argv) {
     int rc = 0;
     for (int si = 0; si < ns && rc == 0; si++) {
         for (int ki = 0; ki < nk && rc == 0; ki++) {
-            stage_times reg = {0};
+            stage_times reg = {0}, all[8];
+            int kepts[8];
+            if (bench_point(m, modes, nm, (int)batch, (int)seqs[si], (float)keeps[ki], sel, (int)warmup, (int)steps,
+                            (uint64_t)seed, all, kepts) != 0) { rc = 1; break; }
+            for (int mi = 0; mi < nm; mi++)
+                if (modes[mi] == CF_MODE_REGULAR) reg = all[mi];
             for (int mi = 0; mi < nm && rc == 0; mi++) {
-                stage_times st;
-                int kept;
-                if (bench_mode(m, modes[mi], (int)batch, (int)seqs[si], (float)keeps[ki], sel, (int)warmup,
-                               (int)steps, (uint64_t)seed, &st, &kept) != 0) { rc = 1; break; }
-                if (modes[mi] == CF_MODE_REGULAR) reg = st;
+                stage_times st = all[mi];
+                int kept = kepts[mi];
                 double T = (double)batch * seqs[si];
                 printf("%6ld %5.2f %-11s %8d %9.2f %9.3f %9.2f %9.2f %9.2f", seqs[si], keeps[ki],
                        cf_mode_name(modes[mi]), kept, st.fwd * 1e3, st.filter * 1e3, st.bwd * 1e3,
