@@ -44,7 +44,10 @@ static cf_model *cpu_model(const char *name, uint64_t seed) {
         size_t n = cf_model_tensor_numel(m, i);
         float *w = malloc(n * sizeof(float));
         cf_model_get_param(m, i, w);
-        for (size_t j = 0; j < n; j++) w[j] = m->params[i].ndim == 2 ? 0.15f * cf_rng_normal(&r) : w[j] + 0.1f * cf_rng_normal(&r);
+        /* std 0.85/sqrt(fan_in): the same per-layer gain at every width
+         * (0.15 at the tiny-* width 32), so bf16 error does not grow with C */
+        float std = 0.85f / sqrtf((float)m->params[i].shape[m->params[i].ndim == 2 ? 1 : 0]);
+        for (size_t j = 0; j < n; j++) w[j] = m->params[i].ndim == 2 ? std * cf_rng_normal(&r) : w[j] + 0.1f * cf_rng_normal(&r);
         cf_model_set_param(m, i, w);
         free(w);
     }
