@@ -10,4 +10,5 @@ int cmd_bench(int argc, char **argv);
 int cmd_generate(int argc, char **argv);
 int cmd_demo(int argc, char **argv);
 int cmd_gen_data(int argc, char **argv);
+int cmd_math_eval(int argc, char **argv);
 #endif

@@ -84,6 +84,8 @@ static const builtin_row g_builtins[] = {
     /* name            type              V       C     F      L   H   Hkv D    maxpos  eps   theta  tie qkv o  qkn  l3 fac  lo  hi  orig  bos     eos */
     {"tiny",           CF_MODEL_LLAMA,   320,    128,  384,   4,  4,  2,  32,  1024,   1e-5f, 1e4f, 1,  0,  0, 0,   0, 0,   0,  0,  0,    256,    257},
     {"cpu-20m",        CF_MODEL_LLAMA,   8192,   512,  1536,  6,  8,  2,  64,  2048,   1e-5f, 1e4f, 1,  0,  0, 0,   0, 0,   0,  0,  0,    -1,     -1},
+    /* the utility experiment's model: byte vocabulary, ~25M parameters */
+    {"math-25m",       CF_MODEL_LLAMA,   320,    512,  1536,  8,  8,  4,  64,  2048,   1e-5f, 1e4f, 1,  0,  0, 0,   0, 0,   0,  0,  0,    256,    257},
     {"tinyllama-1.1b", CF_MODEL_LLAMA,   32000,  2048, 5632,  22, 32, 4,  64,  2048,   1e-5f, 1e4f, 0,  0,  0, 0,   0, 0,   0,  0,  0,    1,      2},
     {"qwen2.5-1.5b",   CF_MODEL_QWEN2,   151936, 1536, 8960,  28, 12, 2,  128, 32768,  1e-6f, 1e6f, 1,  1,  0, 0,   0, 0,   0,  0,  0,    151643, 151643},
     {"llama3.2-3b",    CF_MODEL_LLAMA,   128256, 3072, 8192,  28, 24, 8,  128, 131072, 1e-5f, 5e5f, 1,  0,  0, 0,   1, 32,  1,  4,  8192, 128000, 128001},
@@ -101,7 +103,7 @@ static const builtin_row g_builtins[] = {
 
 /* Kept in sync with g_builtins by a test. */
 const char *cf_config_builtin_names(void) {
-    return "tiny, cpu-20m, tinyllama-1.1b, qwen2.5-1.5b, llama3.2-3b, qwen2.5-7b, llama3.1-8b, "
+    return "tiny, cpu-20m, math-25m, tinyllama-1.1b, qwen2.5-1.5b, llama3.2-3b, qwen2.5-7b, llama3.1-8b, "
            "tiny-llama, tiny-mistral, tiny-qwen2, tiny-qwen3";
 }
 
