@@ -11,7 +11,7 @@ if [ ! -d "$G/root" ]; then for f in "$G"/*.deb; do dpkg -x "$f" "$G/root"; done
 export LD_LIBRARY_PATH="$G/root/usr/lib/x86_64-linux-gnu/openblas-openmp:$G/root/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-16}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-git rev-parse --short HEAD 2>/dev/null | tee "$OUT/commit.txt"
+cat "$G/commit.txt" 2>/dev/null | tee "$OUT/commit.txt"
 CF="$G/centrifuge-cuda"
 for part in "$@"; do
   echo "=== $part $(date +%T)"
@@ -36,6 +36,13 @@ for part in "$@"; do
       python3 tools/bench_pytorch.py --sdpa-attention --heads 32 --kv-heads 4 --head-dim 64 --seq 4096 2>&1 | tee "$OUT/sdpa_d64.txt" | tail -6
       python3 tools/bench_pytorch.py --sdpa-attention --heads 32 --kv-heads 8 --head-dim 128 --seq 4096 2>&1 | tee "$OUT/sdpa_d128.txt" | tail -6
       "$G/bench_attention" 2>&1 | tee "$OUT/bench_attention.txt" | tail -20 ;;
+    utility)
+      W=/tmp/utility; rm -rf "$W"
+      CF="$CF" DEVICE=cuda bash tools/utility.sh "$W" 2>&1 | tee "$OUT/utility.log" | grep -v "^score:"
+      mkdir -p "$OUT/utility"; cp "$W"/*.jsonl "$W"/times.txt "$OUT/utility/" 2>/dev/null
+      python3 tools/plot_utility.py "$W" --png "$OUT/utility/utility_curves.png" | tee "$OUT/utility/summary.md" ;;
+    cpubench)
+      OMP_NUM_THREADS=2 "$G/centrifuge" bench --config cpu-20m --seq 512 --modes regular,loss-only,centrifuge --keep 0.8,0.6,0.5,0.4,0.2 --steps 5 --warmup 1 --json "$OUT/cpu_bench_keep.jsonl" 2>&1 | tee "$OUT/cpu_bench_keep.txt" ;;
     parity)
       python3 tools/hf_parity.py --bin .gpucarry/centrifuge 2>&1 | tee "$OUT/hf_parity.txt" | tail -20 ;;
   esac
