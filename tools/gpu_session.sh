@@ -38,7 +38,7 @@ for part in "$@"; do
       "$G/bench_attention" 2>&1 | tee "$OUT/bench_attention.txt" | tail -20 ;;
     utility)
       W=/tmp/utility; rm -rf "$W"
-      CF="$CF" DEVICE=cuda bash tools/utility.sh "$W" 2>&1 | tee "$OUT/utility.log" | grep -v "^score:"
+      CF="$CF" DEVICE=cuda timeout "${UTILITY_TIMEOUT:-520}" bash tools/utility.sh "$W" 2>&1 | tee "$OUT/utility.log" | grep -v "^score:"
       mkdir -p "$OUT/utility"; cp "$W"/*.jsonl "$W"/times.txt "$OUT/utility/" 2>/dev/null
       python3 tools/plot_utility.py "$W" --png "$OUT/utility/utility_curves.png" | tee "$OUT/utility/summary.md" ;;
     cpubench)
