@@ -424,16 +424,18 @@ int cmd_train(int argc, char **argv) {
             kept_sum += kept;
         }
         hp.lr = cf_lr_schedule((int)step, (int)warmup, (int)steps, (float)lr, (float)min_lr);
-        float norm;
-        int skipped = cf_step(m, &hp, &norm);
+        float norm = NAN;
+        double loss = loss_sum / accum;
+        int skipped = 1;
+        if (isfinite(loss)) skipped = cf_step(m, &hp, &norm);   /* skips itself on a non-finite grad norm */
+        else cf_zero_grad(m);
         cf_timings t;
         cf_model_timings(m, &t);
-        acc.optimizer = t.optimizer;
-        double loss = loss_sum / accum;
-        if (skipped || !isfinite(loss)) {
+        acc.optimizer = skipped ? 0.0 : t.optimizer;
+        if (skipped) {
             bad_run++;
             fprintf(stderr, "train: step %lld: non-finite %s (%g); step skipped (%d in a row)\n",
-                    (long long)step + 1, skipped ? "gradient norm" : "loss", skipped ? norm : loss, bad_run);
+                    (long long)step + 1, isfinite(loss) ? "gradient norm" : "loss", isfinite(loss) ? norm : loss, bad_run);
             if (bad_run >= max_bad) {
                 cf_fail("%d consecutive non-finite steps; stopping (lower --lr, check the data)", bad_run);
                 goto fail;
