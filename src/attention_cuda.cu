@@ -54,6 +54,38 @@
  *                 centrifuge 0.795 ms (0.43 x full)
  * dq of FULL and of part 1 is summed with fp32 atomics, so it varies in the
  * last bits run to run; everything else is deterministic.
+ *
+ * Floors of the FULL backward at that shape (causal half; 790 TFLOP/s dense
+ * bf16 by cuBLAS and 4.3 TB/s, both measured on this H200):
+ *   D=64:  172 GFLOP -> 0.218 ms; bytes (q, k, v, o, dO read; dq, dk, dv
+ *          written; lse, D) ~75 MB -> 0.017 ms. Compute-bound; at 0.987 ms we
+ *          run at 22% of the FLOP floor, SDPA flash (FA2, 0.815) at 27%.
+ *   D=128: 344 GFLOP -> 0.435 ms; ~150 MB -> 0.035 ms. 1.85 ms = 24%
+ *          (SDPA 1.425 = 31%).
+ * mma.sync reaches about 2/3 of the wgmma rate, and this kernel's warps
+ * (16 keys x 64 queries) issue about 0.58 ldmatrix.x4 per mma (each warp
+ * re-reads the whole Q and dO tiles, plainly and transposed), so shared-memory
+ * bandwidth, not the dq atomics, looks like the limiter. Measured (H200,
+ * medians of 20, two rounds each, same session as SDPA 0.815 / 1.425 ms):
+ *   variant                                      D=64 full/cf    D=128 full/cf
+ *   this kernel                                  0.987/0.450     1.849/0.796
+ *   + skip warps whose keys follow the q tile    1.029/0.459     1.930/0.825
+ *     (per-warp branch and a guarded dQ loop cost more than the diagonal
+ *     work they save)
+ *   128-key blocks, 8 warps (half the atomics;   1.228/0.497     2.025/0.839
+ *     D=64: 1 block/SM, 255 regs; D=128: 2 bufs)  (prediction was a gain:
+ *     atomics are not the bottleneck; 8 warps/SM and 8-warp barriers lose)
+ *   same + K/V fragments kept in registers,      1.197/0.488     1.902/0.815
+ *     D=128 1 buffer
+ *   same at 2 blocks/SM for D=64 (128 regs)       spills 470 B: not timed
+ *   dq in its own pass (no atomics, S and dP     1.111/0.451     1.934/0.730
+ *     computed twice; centrifuge: dk/dv on kept x kept, dq of kept queries
+ *     over all keys)
+ *   both of the last two                         1.260/0.482     2.083/0.777
+ * All of these passed the attention tests of test_gpu_ops; none beat this
+ * kernel on FULL, so it stays. The dq pass does help centrifuge at D=128
+ * (0.730 vs 0.796 ms, 0.39 x full): using it for CENTRIFUGE only, with this
+ * kernel for FULL, is the next step, not yet validated on a GPU.
  */
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
