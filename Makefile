@@ -3,8 +3,11 @@
 # the demo. Dependencies are installed on first use (tools/install_deps.sh).
 
 CC      ?= gcc
-OPT     ?= -O2
-CFLAGS  ?= $(OPT) -g -march=x86-64-v2
+# x86-64-v3 (AVX2, FMA) where the build machine has it: the CPU attention and
+# elementwise loops run ~2x faster than with SSE only.
+MARCH   ?= $(if $(shell grep -m1 -ow avx2 /proc/cpuinfo 2>/dev/null),-march=x86-64-v3,-march=x86-64-v2)
+OPT     ?= -O3
+CFLAGS  ?= $(OPT) -g $(MARCH)
 CFLAGS  += -std=c11 -D_GNU_SOURCE -Wall -Wextra -Wno-unused-parameter -fopenmp -Iinclude -Isrc
 # OpenBLAS built on OpenMP: its threads and ours share one pool (the pthread
 # build fights OpenMP's spinning threads for the cores and runs ~2x slower).

@@ -387,7 +387,7 @@ static int check_duplicate_keys(const char *path, const cJSON *obj) {
 /* Features that change the math and that the engine does not implement.
  * Refusing them is better than training a different model silently. */
 static int check_unsupported(const char *path, const cJSON *root, cf_model_type mt) {
-    int b;
+    int b = 0;
     if (get_bool(path, root, "mlp_bias", 0, &b) != 0) return -1;
     if (b) return cf_fail("%s: mlp_bias = true is not supported (no MLP biases in this engine)", path);
     if (get(root, "quantization_config"))
@@ -446,7 +446,7 @@ static int parse_rope(const char *path, const cJSON *root, cf_config *c) {
         if (check_duplicate_keys(path, rope) != 0) return -1;
     }
 
-    float theta_top;
+    float theta_top = 10000.0f;
     if (get_float(path, root, "rope_theta", 10000.0f, &theta_top) != 0) return -1;
     c->rope_theta = theta_top;
     if (rope && get(rope, "rope_theta")) {

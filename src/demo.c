@@ -85,7 +85,7 @@ static int evaluate_model(const char *dir, const char *device, const char *val_p
             cf_tokens_close(&val);
         }
     }
-    enum { CAP = 320, NEW = 40 };
+    enum { CAP = 384, NEW = 56 };   /* two-step solutions run to ~50 bytes */
     uint32_t **seqs = cf_calloc((size_t)nprob, sizeof *seqs);
     int *lens = cf_calloc((size_t)nprob, sizeof *lens), *starts = cf_calloc((size_t)nprob, sizeof *starts);
     if (!seqs || !lens || !starts) rc = -1;
@@ -120,12 +120,12 @@ static int run_cmd(int (*fn)(int, char **), char **args) {
 
 int cmd_demo(int argc, char **argv) {
     const char *out = "runs/demo";
-    long steps = 300, ref_steps = 300, seed = 1, nprob = 64;
+    long steps = 200, ref_steps = 150, seed = 1, nprob = 40;
     cf_opt opts[] = {
         {"--out", CF_OPT_STR, &out, 0, 0, "working directory (default runs/demo)", 0},
-        {"--steps", CF_OPT_INT, &steps, 1, 1000000, "target training steps per mode (default 300)", 0},
-        {"--ref-steps", CF_OPT_INT, &ref_steps, 1, 1000000, "reference training steps (default 300)", 0},
-        {"--problems", CF_OPT_INT, &nprob, 4, 100000, "held-out problems to decode (default 64)", 0},
+        {"--steps", CF_OPT_INT, &steps, 1, 1000000, "target training steps per mode (default 200)", 0},
+        {"--ref-steps", CF_OPT_INT, &ref_steps, 1, 1000000, "reference training steps (default 150)", 0},
+        {"--problems", CF_OPT_INT, &nprob, 4, 100000, "held-out problems to decode (default 40)", 0},
         {"--seed", CF_OPT_INT, &seed, 0, 1L << 40, "seed of data and models (default 1)", 0},
     };
     int nopts = (int)(sizeof opts / sizeof *opts);
@@ -197,8 +197,9 @@ int cmd_demo(int argc, char **argv) {
     snprintf(m_cf, sizeof m_cf, "%s/step_%08ld", dir_cf, steps);
     eval_result er[3];
     const char *dirs[3] = {m_reg, m_cf, m_ref};
+    /* the reference gets its clean loss only: decoding is the slow part */
     for (int i = 0; i < 3; i++)
-        if (evaluate_model(dirs[i], "cpu", val, probs, (int)nprob, &er[i]) != 0) { free(probs); return cf_cli_error("demo", 1); }
+        if (evaluate_model(dirs[i], "cpu", val, probs, i < 2 ? (int)nprob : 0, &er[i]) != 0) { free(probs); return cf_cli_error("demo", 1); }
     free(probs);
 
     double bwd[2] = {log_median(log_reg, "backward_s"), log_median(log_cf, "backward_s")};
@@ -212,7 +213,7 @@ int cmd_demo(int argc, char **argv) {
     const char *names[3] = {"target, regular", "target, centrifuge", "reference (clean)"};
     for (int i = 0; i < 3; i++) {
         if (i < 2) printf("%-22s %9.2f %9.2f %11.4f", names[i], bwd[i] * 1e3, stp[i] * 1e3, er[i].clean_loss);
-        else printf("%-22s %9s %9s %11.4f", names[i], "", "", er[i].clean_loss);
+        else { printf("%-22s %9s %9s %11.4f\n", names[i], "", "", er[i].clean_loss); continue; }
         int c = 0, t = 0;
         for (int f = 0; f < CF_NUM_FAMILIES; f++) {
             printf("    %2d/%-3d", er[i].correct[f], er[i].total[f]);

@@ -84,8 +84,8 @@ typedef struct {
     char *path;
     int64_t n;          /* token count */
     int width;          /* 2 or 4 bytes */
-    void *data;         /* n tokens (mmap or heap) */
-    size_t map_len;     /* total mapping length (0 if heap) */
+    void *data;         /* n tokens, inside the mapping (not owned) */
+    size_t map_len;     /* total mapping length */
     void *map;          /* mmap base */
     uint32_t max_id;    /* largest token id in the shard */
     uint64_t hash;      /* FNV-1a of the token payload as stored */

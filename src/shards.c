@@ -91,8 +91,7 @@ static int open_with_header(const char *path, int32_t hdr[HEADER_INTS], int64_t 
 
 void cf_tokens_close(cf_tokens *t) {
     if (!t) return;
-    if (t->map && t->map_len) munmap(t->map, t->map_len);
-    else free(t->data);
+    if (t->map && t->map_len) munmap(t->map, t->map_len);   /* data points into the map */
     free(t->path);
     memset(t, 0, sizeof *t);
 }

@@ -4,7 +4,7 @@
  *
  * Tolerances (bf16 activations and weights, fp32 accumulation):
  *   per-token losses: |gpu - cpu| <= 3e-2 + 1e-2 |cpu|
- *   gradients, per tensor: max|gpu - cpu| / max|cpu| <= 6e-2
+ *   gradients, per tensor: ||gpu - cpu|| / ||cpu|| <= 5e-2
  *   GPU-vs-GPU equivalences: same bound 3e-2 (the paths differ only in
  *   summation order and bf16 rounding of intermediates)
  */
@@ -60,11 +60,20 @@ static float *grads(cf_model *m) {
     return g;
 }
 
-/* per-tensor relative error, the worst over tensors */
+/* per-tensor relative L2 error ||a - ref|| / ||ref||, the worst over tensors
+ * (METHOD: bf16 operands land between 1e-3 and 1e-2 per op; two layers of
+ * bf16 activations in the backward stay under a few percent) */
 static double worst_tensor_err(cf_model *m, const float *a, const float *ref, const char **which) {
     double worst = 0;
     for (int i = 0; i < cf_model_num_tensors(m); i++) {
-        double e = rel_err(a + m->params[i].offset, ref + m->params[i].offset, m->params[i].numel);
+        const float *x = a + m->params[i].offset, *y = ref + m->params[i].offset;
+        double num = 0, den = 1e-30;
+        for (size_t j = 0; j < m->params[i].numel; j++) {
+            double d = (double)x[j] - y[j];
+            num += d * d;
+            den += (double)y[j] * y[j];
+        }
+        double e = isfinite(num) ? sqrt(num / den) : INFINITY;
         if (e > worst) { worst = e; *which = m->params[i].name; }
     }
     return worst;
@@ -104,7 +113,7 @@ TEST(gpu_model_losses_and_gradients_match_cpu_in_every_mode) {
             CHECK_MSG(lerr <= 3e-2, "%s %s: loss differs by %.3g", TYPES[ti], cf_mode_name(modes[mi]), lerr);
             const char *which = "";
             double gerr = worst_tensor_err(mc, gg, gc, &which);
-            CHECK_MSG(gerr <= 6e-2, "%s %s: gradient of %s differs by %.3g", TYPES[ti], cf_mode_name(modes[mi]), which, gerr);
+            CHECK_MSG(gerr <= 5e-2, "%s %s: gradient of %s differs by %.3g", TYPES[ti], cf_mode_name(modes[mi]), which, gerr);
             printf("    %-12s %-10s loss err %.2e, worst grad err %.2e (%s)\n", TYPES[ti], cf_mode_name(modes[mi]), lerr, gerr, which);
             free(gc); free(gg);
         }
