@@ -70,8 +70,10 @@ typedef struct {
 const char *cf_model_type_name(cf_model_type t);
 /* Reads a HF config.json. Unknown model types and unsupported features fail. */
 int cf_config_load(cf_config *cfg, const char *path);
-/* Writes a HF config.json that transformers can load. Atomic. */
+/* Writes a HF config.json that transformers can load. Atomic. The _as form
+ * names the weights' dtype ("float32" or "bfloat16") for dtype="auto". */
 int cf_config_save(const cf_config *cfg, const char *path);
+int cf_config_save_as(const cf_config *cfg, const char *path, const char *dtype);
 /* Built-in named configs: tiny, tinyllama-1.1b, qwen2.5-1.5b, llama3.2-3b,
  * qwen2.5-7b, llama3.1-8b (and tiny-<model_type> variants for tests). */
 int cf_config_builtin(cf_config *cfg, const char *name);

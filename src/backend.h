@@ -154,6 +154,13 @@ struct cf_backend {
      * dst, src, row_bytes are host arrays of backend pointers. */
     void (*gather_rows_multi)(cf_backend *b, int count, void *const *dst, const void *const *src,
                               const size_t *row_bytes, const int *rows, int n);
+    /* Token selection on the device: keep[t] = 1 for the k rows of highest
+     * score = losses[t] - (ref ? ref[t] : 0) within each group of `group`
+     * consecutive rows (group = S per sequence, T per micro-batch); equal
+     * scores go to the lower row, NaN scores last (as cf_select). keep is
+     * backend memory of T bytes. */
+    void (*select_topk)(cf_backend *b, uint8_t *keep, const float *losses, const float *ref, int T, int group,
+                        int k);
     /* Peak bytes of device memory allocated through this backend. */
     size_t (*memory_peak)(cf_backend *b);
 };

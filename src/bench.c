@@ -66,7 +66,7 @@ static void print_profile(cf_model *m, cf_mode mode, int B, int S, float keep, c
     for (int i = 0; i < B * (S + 1); i++) tokens[i] = (int32_t)cf_rng_below(&rng, (uint32_t)V);
     cf_model_set_profile(m, 1);
     if (cf_forward(m, tokens, B, S, losses) == 0) {
-        if (mode != CF_MODE_REGULAR) cf_select(losses, NULL, B, S, keep, sel, 0, seed, keepmask);
+        if (mode != CF_MODE_REGULAR) cf_select_rows(m, NULL, keep, sel, 0, seed, keepmask);
         if (mode == CF_MODE_CENTRIFUGE || mode == CF_MODE_STRAWMAN) cf_filter_backward(m, keepmask);
         if (cf_backward(m, mode, mode == CF_MODE_REGULAR ? NULL : keepmask, 1.0f, NULL) == 0) {
             double prof[2][CF_PROF_N];
@@ -106,7 +106,7 @@ static int bench_point(cf_model *m, const cf_mode *modes, int nm, int B, int S, 
             double filter = 0;
             int kept = T;
             if (mode != CF_MODE_REGULAR) {
-                kept = cf_select(losses, NULL, B, S, keep, sel, 0, seed + (uint64_t)it, keepmask);
+                kept = cf_select_rows(m, NULL, keep, sel, 0, seed + (uint64_t)it, keepmask);
                 if (kept < 0) { rc = -1; break; }
                 if (mode == CF_MODE_CENTRIFUGE || mode == CF_MODE_STRAWMAN) {
                     if (cf_filter_backward(m, keepmask) != 0) { rc = -1; break; }

@@ -11,4 +11,5 @@ int cmd_generate(int argc, char **argv);
 int cmd_demo(int argc, char **argv);
 int cmd_gen_data(int argc, char **argv);
 int cmd_math_eval(int argc, char **argv);
+int cmd_convert(int argc, char **argv);
 #endif

@@ -675,7 +675,11 @@ static void sb_rope_dict(sbuf *b, const cf_config *c, int with_theta) {
     sb_printf(b, "    \"rope_type\": \"llama3\"\n  }");
 }
 
-int cf_config_save(const cf_config *cfg, const char *path) {
+int cf_config_save(const cf_config *cfg, const char *path) { return cf_config_save_as(cfg, path, "float32"); }
+
+int cf_config_save_as(const cf_config *cfg, const char *path, const char *dtype) {
+    if (strcmp(dtype, "float32") != 0 && strcmp(dtype, "bfloat16") != 0)
+        return cf_fail("%s: unsupported dtype '%s' (float32 or bfloat16)", path, dtype);
     if (!cfg || !path) return cf_fail("config save: NULL argument");
     if (validate_named(cfg, path) != 0) return -1;
     const cf_config *c = cfg;
@@ -687,7 +691,7 @@ int cf_config_save(const cf_config *cfg, const char *path) {
         sb_printf(&b, "  \"attention_bias\": %s,\n", c->qkv_bias ? "true" : "false");
     sb_printf(&b, "  \"attention_dropout\": 0.0,\n");
     sb_token_id(&b, "bos_token_id", c->bos_token_id);
-    sb_printf(&b, "  \"dtype\": \"float32\",\n");
+    sb_printf(&b, "  \"dtype\": \"%s\",\n", dtype);
     sb_token_id(&b, "eos_token_id", c->eos_token_id);
     sb_printf(&b, "  \"head_dim\": %d,\n", c->head_dim);
     sb_printf(&b, "  \"hidden_act\": \"silu\",\n");
@@ -725,7 +729,7 @@ int cf_config_save(const cf_config *cfg, const char *path) {
     if (mt == CF_MODEL_QWEN2 || mt == CF_MODEL_QWEN3)
         sb_printf(&b, "  \"sliding_window\": null,\n");
     sb_printf(&b, "  \"tie_word_embeddings\": %s,\n", c->tie_word_embeddings ? "true" : "false");
-    sb_printf(&b, "  \"torch_dtype\": \"float32\",\n");
+    sb_printf(&b, "  \"torch_dtype\": \"%s\",\n", dtype);
     sb_printf(&b, "  \"use_cache\": true,\n");
     if (mt == CF_MODEL_QWEN2 || mt == CF_MODEL_QWEN3)
         sb_printf(&b, "  \"use_sliding_window\": false,\n");

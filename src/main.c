@@ -17,6 +17,7 @@ static const struct {
     {"generate", cmd_generate, "greedy or sampled decoding from a prompt"},
     {"bench", cmd_bench, "time forward, filter, backward and step per mode"},
     {"gen-data", cmd_gen_data, "write the synthetic corpus as token shards"},
+    {"convert", cmd_convert, "rewrite a model as bf16 or fp32, optionally sharded"},
     {"math-eval", cmd_math_eval, "answer accuracy of a model of the synthetic math world"},
 };
 #define NCOMMANDS (int)(sizeof COMMANDS / sizeof *COMMANDS)

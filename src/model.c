@@ -269,7 +269,7 @@ int cf_model_save(cf_model *m, const char *dir, const char *dtype, size_t max_sh
     char path[4096];
     int rc = cf_st_write_dir(dir, items, m->ntensors, dt, max_shard_bytes);
     if (rc == 0) rc = cf_path_join(path, sizeof path, dir, "config.json");
-    if (rc == 0) rc = cf_config_save(&m->cfg, path);
+    if (rc == 0) rc = cf_config_save_as(&m->cfg, path, dtype);
     free(host);
     free(items);
     return rc;
@@ -290,6 +290,8 @@ static void free_acts(cf_model *m) {
                         &m->d_v, &m->d_h, &m->d_gate, &m->d_up, &m->tmp};
     for (size_t i = 0; i < sizeof scratch / sizeof *scratch; i++) { b->free(b, *scratch[i]); *scratch[i] = NULL; }
     b->free(b, m->losses); b->free(b, m->dloss); b->free(b, m->doc);
+    b->free(b, m->ref_dev); b->free(b, m->keep_dev);
+    m->ref_dev = NULL; m->keep_dev = NULL;
     b->free(b, m->rows); b->free(b, m->seq_start);
     m->losses = m->dloss = NULL; m->doc = m->rows = m->seq_start = NULL;
     free(m->host_rows); free(m->host_seq_start); free(m->host_tokens); free(m->host_losses);
@@ -433,6 +435,8 @@ static int alloc_acts(cf_model *m, int T) {
     m->tmp = b->alloc(b, (size_t)T * wide * A);
     m->losses = b->alloc(b, (size_t)T * F4);
     m->dloss = b->alloc(b, (size_t)T * F4);
+    m->ref_dev = b->alloc(b, (size_t)T * F4);
+    m->keep_dev = b->alloc(b, (size_t)T);
     m->doc = b->alloc(b, (size_t)T * sizeof(int));
     m->rows = b->alloc(b, (size_t)T * sizeof(int));
     m->seq_start = b->alloc(b, ((size_t)T + 1) * sizeof(int));
@@ -440,7 +444,7 @@ static int alloc_acts(cf_model *m, int T) {
     m->host_seq_start = cf_malloc(((size_t)T + 1) * sizeof(int));
     m->host_losses = cf_malloc((size_t)T * F4);
     if (!m->d_resid || !m->d_ln || !m->d_att || !m->d_q || !m->d_qn || !m->d_k || !m->d_kn ||
-        !m->d_v || !m->d_h || !m->d_gate || !m->d_up || !m->tmp || !m->losses || !m->dloss ||
+        !m->d_v || !m->d_h || !m->d_gate || !m->d_up || !m->tmp || !m->losses || !m->dloss || !m->ref_dev || !m->keep_dev ||
         !m->doc || !m->rows || !m->seq_start || !m->host_rows || !m->host_seq_start ||
         !m->host_losses)
         return -1;
@@ -572,6 +576,24 @@ int cf_model_logits_row(cf_model *m, int t, float *out) {
     b->act_to_f32(b, out, buf, (size_t)c->vocab_size);
     b->free(b, buf);
     return 0;
+}
+
+/* ------------------------------------------------------------ selection */
+
+int cf_select_rows(cf_model *m, const float *ref_host, float keep_frac, cf_select_kind kind, int per_batch,
+                   uint64_t seed, uint8_t *keep) {
+    cf_backend *b = m->b;
+    if (m->T == 0) return cf_fail("select: no forward pass");
+    if (!b->select_topk || kind == CF_SELECT_RANDOM)
+        return cf_select(m->host_losses, ref_host, m->B, m->S, keep_frac, kind, per_batch, seed, keep);
+    if (!(keep_frac > 0.0f && keep_frac <= 1.0f)) return cf_fail("--keep: %g is outside (0, 1]", (double)keep_frac);
+    if (kind == CF_SELECT_REF && !ref_host) return cf_fail("select ref needs reference losses (--ref)");
+    int group = per_batch ? m->T : m->S;
+    int k = cf_select_kept_count(keep_frac, group);
+    if (kind == CF_SELECT_REF) b->upload(b, m->ref_dev, ref_host, (size_t)m->T * sizeof(float));
+    b->select_topk(b, m->keep_dev, m->losses, kind == CF_SELECT_REF ? m->ref_dev : NULL, m->T, group, k);
+    b->download(b, keep, m->keep_dev, (size_t)m->T);
+    return k * (m->T / group);
 }
 
 /* ------------------------------------------------------- filter operator */

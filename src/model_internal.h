@@ -71,6 +71,8 @@ struct cf_model {
     int *doc;           /* backend [T] or NULL */
     float *losses;      /* backend [T] */
     float *dloss;       /* backend [T] */
+    float *ref_dev;     /* backend [T]: reference losses for device selection */
+    uint8_t *keep_dev;  /* backend [T] */
     /* backward scratch */
     void *d_resid, *d_ln, *d_att, *d_q, *d_qn, *d_k, *d_kn, *d_v, *d_h, *d_gate, *d_up, *tmp;
     /* kept rows (filter operator) */
@@ -104,6 +106,13 @@ int cf_model_set_adam(cf_model *m, const float *m_in, const float *v_in, int64_t
  * of the kept-position loss in which the K and V rows of filtered tokens are
  * constants (their dK, dV are zeroed). */
 int cf_backward_reference_stopgrad(cf_model *m, const uint8_t *keep, float loss_scale, float *loss_out);
+
+/* round(keep * n), at least 1: how many of n positions selection keeps. */
+int cf_select_kept_count(float keep, int n);
+/* Selection of the last forward's rows, on the device when the backend can
+ * (select ref/self), else on the host (cf_select); keep is a host mask. */
+int cf_select_rows(cf_model *m, const float *ref_host, float keep_frac, cf_select_kind kind, int per_batch,
+                   uint64_t seed, uint8_t *keep);
 
 /* Profiling of the op categories (seconds per phase of the last step). */
 void cf_model_set_profile(cf_model *m, int on);

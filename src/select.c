@@ -21,7 +21,7 @@ static int by_score_desc(const void *a, const void *b) {
 }
 
 /* Number of positions kept out of n: round(keep * n), at least 1. */
-static int kept_count(float keep, int n) {
+int cf_select_kept_count(float keep, int n) {
     int k = (int)lround((double)keep * n);
     return k < 1 ? 1 : (k > n ? n : k);
 }
@@ -51,7 +51,7 @@ int cf_select(const float *losses, const float *ref, int B, int S, float keep_fr
     for (int g = 0; g < groups; g++) {
         scored *grp = sc + (size_t)g * n;
         qsort(grp, (size_t)n, sizeof *grp, by_score_desc);
-        int k = kept_count(keep_frac, n);
+        int k = cf_select_kept_count(keep_frac, n);
         for (int i = 0; i < k; i++) keep[grp[i].idx] = 1;
         total += k;
     }

@@ -285,7 +285,46 @@ TEST(gpu_attention_fwd_matches_cpu_at_model_test_shapes) {
     g->destroy(g);
 }
 
+TEST(gpu_selection_equals_cpu_selection_with_ties_and_nan) {
+    cf_backend *g = cf_backend_cuda_create();
+    if (!g) { CHECK(0); return; }
+    const int shapes[][2] = {{1, 4096}, {2, 40}, {3, 1000}, {8, 128}};
+    const float keeps[] = {1.0f, 0.8f, 0.5f, 0.1f, 1e-4f};
+    for (int si = 0; si < 4; si++) {
+        int Bv = shapes[si][0], Sv = shapes[si][1], T = Bv * Sv;
+        float *l = malloc((size_t)T * 4), *r = malloc((size_t)T * 4);
+        uint8_t *kc = malloc((size_t)T), *kg = malloc((size_t)T);
+        cf_rng rng;
+        cf_rng_seed(&rng, 40 + si);
+        for (int t = 0; t < T; t++) {
+            l[t] = (float)cf_rng_below(&rng, 16) * 0.25f;   /* many exact ties */
+            r[t] = (float)cf_rng_below(&rng, 4) * 0.25f;
+        }
+        l[T / 3] = NAN;
+        float *dl = g->alloc(g, (size_t)T * 4), *dr = g->alloc(g, (size_t)T * 4);
+        uint8_t *dk = g->alloc(g, (size_t)T);
+        g->upload(g, dl, l, (size_t)T * 4);
+        g->upload(g, dr, r, (size_t)T * 4);
+        for (int ki = 0; ki < 5; ki++)
+            for (int pb = 0; pb < 2; pb++)
+                for (int useref = 0; useref < 2; useref++) {
+                    int nc = cf_select(l, useref ? r : NULL, Bv, Sv, keeps[ki], useref ? CF_SELECT_REF : CF_SELECT_SELF, pb, 1, kc);
+                    int group = pb ? T : Sv;
+                    g->select_topk(g, dk, dl, useref ? dr : NULL, T, group, cf_select_kept_count(keeps[ki], group));
+                    g->download(g, kg, dk, (size_t)T);
+                    int ng = 0;
+                    for (int t = 0; t < T; t++) ng += kg[t];
+                    CHECK_MSG(nc == ng && memcmp(kc, kg, (size_t)T) == 0,
+                              "B=%d S=%d keep %g per-batch %d ref %d: gpu keeps %d, cpu %d", Bv, Sv, keeps[ki], pb, useref, ng, nc);
+                }
+        g->free(g, dl); g->free(g, dr); g->free(g, dk);
+        free(l); free(r); free(kc); free(kg);
+    }
+    g->destroy(g);
+}
+
 int main(void) {
+    RUN(gpu_selection_equals_cpu_selection_with_ties_and_nan);
     RUN(gpu_attention_fwd_matches_cpu_at_model_test_shapes);
     RUN(gpu_adamw_refreshes_bf16_weights_and_zeroes_gradients_in_one_pass);
     RUN(gpu_batched_filter_gather_equals_per_tensor_gather);
