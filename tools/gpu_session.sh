@@ -41,6 +41,11 @@ for part in "$@"; do
       CF="$CF" DEVICE=cuda timeout "${UTILITY_TIMEOUT:-520}" bash tools/utility.sh "$W" 2>&1 | tee "$OUT/utility.log" | grep -v "^score:"
       mkdir -p "$OUT/utility"; cp "$W"/*.jsonl "$W"/times.txt "$OUT/utility/" 2>/dev/null
       python3 tools/plot_utility.py "$W" --png "$OUT/utility/utility_curves.png" | tee "$OUT/utility/summary.md" ;;
+    train-smoke)
+      # the train loop on the GPU with device selection (select self), centrifuge mode
+      "$CF" gen-data --source noisy --tokens 2M --out /tmp/smoke.bin >/dev/null
+      "$CF" train --device cuda --config math-25m --data /tmp/smoke.bin --mode centrifuge --select self --keep 0.5 \
+        --steps 60 --batch 8 --seq 512 --lr 1e-3 --log "$OUT/train_smoke.jsonl" 2>&1 | tee "$OUT/train_smoke.txt" | awk 'NR<=2 || NR%20==0' ;;
     cpubench)
       OMP_NUM_THREADS=2 "$G/centrifuge" bench --config cpu-20m --seq 512 --modes regular,loss-only,centrifuge --keep 0.8,0.6,0.5,0.4,0.2 --steps 5 --warmup 1 --json "$OUT/cpu_bench_keep.jsonl" 2>&1 | tee "$OUT/cpu_bench_keep.txt" ;;
     parity)
