@@ -210,6 +210,25 @@ int cf_path_join(char *out, size_t cap, const char *dir, const char *name) {
     return 0;
 }
 
+/* --------------------------------------------------------------- strings */
+
+void cf_sb_printf(cf_sbuf *b, const char *fmt, ...) {
+    if (b->failed) return;
+    for (;;) {
+        va_list ap;
+        va_start(ap, fmt);
+        int n = vsnprintf(b->s ? b->s + b->len : NULL, b->s ? b->cap - b->len : 0, fmt, ap);
+        va_end(ap);
+        if (n < 0) { b->failed = 1; return; }
+        if (b->s && b->len + (size_t)n < b->cap) { b->len += (size_t)n; return; }
+        size_t cap = (b->cap ? b->cap * 2 : 4096) + (size_t)n;
+        char *s = realloc(b->s, cap);
+        if (!s) { b->failed = 1; return; }
+        b->s = s;
+        b->cap = cap;
+    }
+}
+
 /* ---------------------------------------------------------------- parsing */
 
 int cf_parse_int(const char *s, long lo, long hi, const char *what, long *out) {

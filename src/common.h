@@ -48,6 +48,11 @@ int cf_path_exists(const char *path);
 /* snprintf into a fixed buffer, failing (cf_fail) on truncation. */
 int cf_path_join(char *out, size_t cap, const char *dir, const char *name);
 
+/* A growable string (for writing JSON); the first failure sticks, so the
+ * caller checks `failed` once at the end. Free `s` when done. */
+typedef struct { char *s; size_t len, cap; int failed; } cf_sbuf;
+void cf_sb_printf(cf_sbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
 /* Strict parsing: the whole string must be a number in [lo, hi]. On failure
  * cf_fail("<what>: ...") and return -1. */
 int cf_parse_int(const char *s, long lo, long hi, const char *what, long *out);

@@ -615,26 +615,6 @@ done:
 
 /* ----------------------------------------------------------------- saving */
 
-/* A growable string; the first failure sticks and is reported once. */
-typedef struct { char *s; size_t len, cap; int failed; } sbuf;
-
-static void sb_printf(sbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void sb_printf(sbuf *b, const char *fmt, ...) {
-    if (b->failed) return;
-    for (;;) {
-        va_list ap;
-        va_start(ap, fmt);
-        int n = vsnprintf(b->s ? b->s + b->len : NULL, b->s ? b->cap - b->len : 0, fmt, ap);
-        va_end(ap);
-        if (n < 0) { b->failed = 1; return; }
-        if (b->s && b->len + (size_t)n < b->cap) { b->len += (size_t)n; return; }
-        size_t cap = (b->cap ? b->cap * 2 : 1024) + (size_t)n;
-        char *s = realloc(b->s, cap);
-        if (!s) { b->failed = 1; return; }
-        b->s = s;
-        b->cap = cap;
-    }
-}
 
 /* Shortest decimal that reads back as the same fp32 value, always with a
  * '.' or an exponent so Python reads it as a float (500000.0, 1e-05). */
@@ -653,26 +633,26 @@ static void fmt_float(char *out, size_t cap, float f) {
     }
 }
 
-static void sb_key_float(sbuf *b, const char *indent, const char *key, float f, const char *sep) {
+static void sb_key_float(cf_sbuf *b, const char *indent, const char *key, float f, const char *sep) {
     char num[64];
     fmt_float(num, sizeof num, f);
-    sb_printf(b, "%s\"%s\": %s%s\n", indent, key, num, sep);
+    cf_sb_printf(b, "%s\"%s\": %s%s\n", indent, key, num, sep);
 }
 
-static void sb_token_id(sbuf *b, const char *key, int id) {
-    if (id < 0) sb_printf(b, "  \"%s\": null,\n", key);
-    else sb_printf(b, "  \"%s\": %d,\n", key, id);
+static void sb_token_id(cf_sbuf *b, const char *key, int id) {
+    if (id < 0) cf_sb_printf(b, "  \"%s\": null,\n", key);
+    else cf_sb_printf(b, "  \"%s\": %d,\n", key, id);
 }
 
 /* The rope dict, in the llama3 layout both transformers 4.4x and 5 read. */
-static void sb_rope_dict(sbuf *b, const cf_config *c, int with_theta) {
-    sb_printf(b, "{\n");
+static void sb_rope_dict(cf_sbuf *b, const cf_config *c, int with_theta) {
+    cf_sb_printf(b, "{\n");
     sb_key_float(b, "    ", "factor", c->rope_factor, ",");
     sb_key_float(b, "    ", "high_freq_factor", c->rope_high_freq_factor, ",");
     sb_key_float(b, "    ", "low_freq_factor", c->rope_low_freq_factor, ",");
-    sb_printf(b, "    \"original_max_position_embeddings\": %d,\n", c->rope_original_max_pos);
+    cf_sb_printf(b, "    \"original_max_position_embeddings\": %d,\n", c->rope_original_max_pos);
     if (with_theta) sb_key_float(b, "    ", "rope_theta", c->rope_theta, ",");
-    sb_printf(b, "    \"rope_type\": \"llama3\"\n  }");
+    cf_sb_printf(b, "    \"rope_type\": \"llama3\"\n  }");
 }
 
 int cf_config_save(const cf_config *cfg, const char *path) { return cf_config_save_as(cfg, path, "float32"); }
@@ -684,56 +664,56 @@ int cf_config_save_as(const cf_config *cfg, const char *path, const char *dtype)
     if (validate_named(cfg, path) != 0) return -1;
     const cf_config *c = cfg;
     cf_model_type mt = c->model_type;
-    sbuf b = {0};
+    cf_sbuf b = {0};
 
-    sb_printf(&b, "{\n  \"architectures\": [\n    \"%s\"\n  ],\n", architecture_name(mt));
+    cf_sb_printf(&b, "{\n  \"architectures\": [\n    \"%s\"\n  ],\n", architecture_name(mt));
     if (mt != CF_MODEL_QWEN2)   /* qwen2's biases are fixed by the architecture */
-        sb_printf(&b, "  \"attention_bias\": %s,\n", c->qkv_bias ? "true" : "false");
-    sb_printf(&b, "  \"attention_dropout\": 0.0,\n");
+        cf_sb_printf(&b, "  \"attention_bias\": %s,\n", c->qkv_bias ? "true" : "false");
+    cf_sb_printf(&b, "  \"attention_dropout\": 0.0,\n");
     sb_token_id(&b, "bos_token_id", c->bos_token_id);
-    sb_printf(&b, "  \"dtype\": \"%s\",\n", dtype);
+    cf_sb_printf(&b, "  \"dtype\": \"%s\",\n", dtype);
     sb_token_id(&b, "eos_token_id", c->eos_token_id);
-    sb_printf(&b, "  \"head_dim\": %d,\n", c->head_dim);
-    sb_printf(&b, "  \"hidden_act\": \"silu\",\n");
-    sb_printf(&b, "  \"hidden_size\": %d,\n", c->hidden_size);
-    sb_printf(&b, "  \"initializer_range\": 0.02,\n");
-    sb_printf(&b, "  \"intermediate_size\": %d,\n", c->intermediate_size);
-    sb_printf(&b, "  \"max_position_embeddings\": %d,\n", c->max_position_embeddings);
+    cf_sb_printf(&b, "  \"head_dim\": %d,\n", c->head_dim);
+    cf_sb_printf(&b, "  \"hidden_act\": \"silu\",\n");
+    cf_sb_printf(&b, "  \"hidden_size\": %d,\n", c->hidden_size);
+    cf_sb_printf(&b, "  \"initializer_range\": 0.02,\n");
+    cf_sb_printf(&b, "  \"intermediate_size\": %d,\n", c->intermediate_size);
+    cf_sb_printf(&b, "  \"max_position_embeddings\": %d,\n", c->max_position_embeddings);
     if (mt == CF_MODEL_QWEN2 || mt == CF_MODEL_QWEN3)
-        sb_printf(&b, "  \"max_window_layers\": %d,\n", c->num_hidden_layers);
-    if (mt == CF_MODEL_LLAMA) sb_printf(&b, "  \"mlp_bias\": false,\n");
-    sb_printf(&b, "  \"model_type\": \"%s\",\n", cf_model_type_name(mt));
-    sb_printf(&b, "  \"num_attention_heads\": %d,\n", c->num_attention_heads);
-    sb_printf(&b, "  \"num_hidden_layers\": %d,\n", c->num_hidden_layers);
-    sb_printf(&b, "  \"num_key_value_heads\": %d,\n", c->num_key_value_heads);
+        cf_sb_printf(&b, "  \"max_window_layers\": %d,\n", c->num_hidden_layers);
+    if (mt == CF_MODEL_LLAMA) cf_sb_printf(&b, "  \"mlp_bias\": false,\n");
+    cf_sb_printf(&b, "  \"model_type\": \"%s\",\n", cf_model_type_name(mt));
+    cf_sb_printf(&b, "  \"num_attention_heads\": %d,\n", c->num_attention_heads);
+    cf_sb_printf(&b, "  \"num_hidden_layers\": %d,\n", c->num_hidden_layers);
+    cf_sb_printf(&b, "  \"num_key_value_heads\": %d,\n", c->num_key_value_heads);
     sb_key_float(&b, "  ", "rms_norm_eps", c->rms_norm_eps, ",");
     /* transformers 5 layout ... */
-    sb_printf(&b, "  \"rope_parameters\": ");
+    cf_sb_printf(&b, "  \"rope_parameters\": ");
     if (c->rope_llama3) sb_rope_dict(&b, c, 1);
     else {
         char num[64];
         fmt_float(num, sizeof num, c->rope_theta);
-        sb_printf(&b, "{\n    \"rope_theta\": %s,\n    \"rope_type\": \"default\"\n  }", num);
+        cf_sb_printf(&b, "{\n    \"rope_theta\": %s,\n    \"rope_type\": \"default\"\n  }", num);
     }
-    sb_printf(&b, ",\n");
+    cf_sb_printf(&b, ",\n");
     /* ... and the legacy one, which 5.x still accepts and 4.x needs. */
-    sb_printf(&b, "  \"rope_scaling\": ");
+    cf_sb_printf(&b, "  \"rope_scaling\": ");
     if (c->rope_llama3) sb_rope_dict(&b, c, 0);
-    else sb_printf(&b, "null");
-    sb_printf(&b, ",\n");
+    else cf_sb_printf(&b, "null");
+    cf_sb_printf(&b, ",\n");
     sb_key_float(&b, "  ", "rope_theta", c->rope_theta, ",");
     if (mt == CF_MODEL_MISTRAL) {
-        if (c->sliding_window > 0) sb_printf(&b, "  \"sliding_window\": %d,\n", c->sliding_window);
-        else sb_printf(&b, "  \"sliding_window\": null,\n");
+        if (c->sliding_window > 0) cf_sb_printf(&b, "  \"sliding_window\": %d,\n", c->sliding_window);
+        else cf_sb_printf(&b, "  \"sliding_window\": null,\n");
     }
     if (mt == CF_MODEL_QWEN2 || mt == CF_MODEL_QWEN3)
-        sb_printf(&b, "  \"sliding_window\": null,\n");
-    sb_printf(&b, "  \"tie_word_embeddings\": %s,\n", c->tie_word_embeddings ? "true" : "false");
-    sb_printf(&b, "  \"torch_dtype\": \"%s\",\n", dtype);
-    sb_printf(&b, "  \"use_cache\": true,\n");
+        cf_sb_printf(&b, "  \"sliding_window\": null,\n");
+    cf_sb_printf(&b, "  \"tie_word_embeddings\": %s,\n", c->tie_word_embeddings ? "true" : "false");
+    cf_sb_printf(&b, "  \"torch_dtype\": \"%s\",\n", dtype);
+    cf_sb_printf(&b, "  \"use_cache\": true,\n");
     if (mt == CF_MODEL_QWEN2 || mt == CF_MODEL_QWEN3)
-        sb_printf(&b, "  \"use_sliding_window\": false,\n");
-    sb_printf(&b, "  \"vocab_size\": %d\n}\n", c->vocab_size);
+        cf_sb_printf(&b, "  \"use_sliding_window\": false,\n");
+    cf_sb_printf(&b, "  \"vocab_size\": %d\n}\n", c->vocab_size);
 
     int rc;
     if (b.failed) rc = cf_fail("%s: out of memory formatting config.json", path);

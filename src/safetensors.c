@@ -643,34 +643,15 @@ int cf_st_read_f32(const cf_st_archive *a, int i, float *out, size_t numel) {
 
 /* ----------------------------------------------------------------- writing */
 
-typedef struct { char *s; size_t len, cap; int failed; } sbuf;
-
-static void sb_printf(sbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void sb_printf(sbuf *b, const char *fmt, ...) {
-    if (b->failed) return;
-    for (;;) {
-        va_list ap;
-        va_start(ap, fmt);
-        int n = vsnprintf(b->s ? b->s + b->len : NULL, b->s ? b->cap - b->len : 0, fmt, ap);
-        va_end(ap);
-        if (n < 0) { b->failed = 1; return; }
-        if (b->s && b->len + (size_t)n < b->cap) { b->len += (size_t)n; return; }
-        size_t cap = (b->cap ? b->cap * 2 : 4096) + (size_t)n;
-        char *s = realloc(b->s, cap);
-        if (!s) { b->failed = 1; return; }
-        b->s = s;
-        b->cap = cap;
-    }
-}
 
 /* Names we write are printable ASCII, so JSON escaping is just " and \. */
-static void sb_json_string(sbuf *b, const char *s) {
-    sb_printf(b, "\"");
+static void sb_json_string(cf_sbuf *b, const char *s) {
+    cf_sb_printf(b, "\"");
     for (; *s; s++) {
-        if (*s == '"' || *s == '\\') sb_printf(b, "\\%c", *s);
-        else sb_printf(b, "%c", *s);
+        if (*s == '"' || *s == '\\') cf_sb_printf(b, "\\%c", *s);
+        else cf_sb_printf(b, "%c", *s);
     }
-    sb_printf(b, "\"");
+    cf_sb_printf(b, "\"");
 }
 
 static uint64_t item_numel(const cf_st_item *it) {
@@ -726,22 +707,22 @@ static int validate_items(const char *path, const cf_st_item *items, int n, cf_d
 
 /* Header JSON padded with spaces so the data section starts 8-aligned. */
 static char *build_header(const cf_st_item *items, int n, cf_dtype dtype, const char *save_id, size_t *len) {
-    sbuf b = {0};
-    sb_printf(&b, "{\"__metadata__\":{\"format\":\"pt\"");
-    if (save_id) sb_printf(&b, ",\"" ST_SAVE_ID_KEY "\":\"%s\"", save_id);
-    sb_printf(&b, "}");
+    cf_sbuf b = {0};
+    cf_sb_printf(&b, "{\"__metadata__\":{\"format\":\"pt\"");
+    if (save_id) cf_sb_printf(&b, ",\"" ST_SAVE_ID_KEY "\":\"%s\"", save_id);
+    cf_sb_printf(&b, "}");
     uint64_t off = 0;
     for (int i = 0; i < n; i++) {
         uint64_t bytes = item_numel(&items[i]) * cf_dtype_size(dtype);
-        sb_printf(&b, ",");
+        cf_sb_printf(&b, ",");
         sb_json_string(&b, items[i].name);
-        sb_printf(&b, ":{\"dtype\":\"%s\",\"shape\":[", cf_dtype_name(dtype));
-        for (int d = 0; d < items[i].ndim; d++) sb_printf(&b, "%s%lld", d ? "," : "", (long long)items[i].shape[d]);
-        sb_printf(&b, "],\"data_offsets\":[%llu,%llu]}", (unsigned long long)off, (unsigned long long)(off + bytes));
+        cf_sb_printf(&b, ":{\"dtype\":\"%s\",\"shape\":[", cf_dtype_name(dtype));
+        for (int d = 0; d < items[i].ndim; d++) cf_sb_printf(&b, "%s%lld", d ? "," : "", (long long)items[i].shape[d]);
+        cf_sb_printf(&b, "],\"data_offsets\":[%llu,%llu]}", (unsigned long long)off, (unsigned long long)(off + bytes));
         off += bytes;
     }
-    sb_printf(&b, "}");
-    while (!b.failed && (8 + b.len) % 8 != 0) sb_printf(&b, " ");
+    cf_sb_printf(&b, "}");
+    while (!b.failed && (8 + b.len) % 8 != 0) cf_sb_printf(&b, " ");
     if (b.failed) {
         free(b.s);
         cf_fail("out of memory building a safetensors header");
@@ -850,18 +831,18 @@ static int write_index(const char *path, const cf_st_item *items, int n, const i
     if (!order) return -1;
     for (int i = 0; i < n; i++) order[i] = (named_index){items[i].name, i};
     qsort(order, (size_t)n, sizeof *order, cmp_named_index);
-    sbuf b = {0};
-    sb_printf(&b, "{\n  \"metadata\": {\n    \"" ST_SAVE_ID_KEY "\": \"%s\",\n    \"total_size\": %llu\n  },\n"
+    cf_sbuf b = {0};
+    cf_sb_printf(&b, "{\n  \"metadata\": {\n    \"" ST_SAVE_ID_KEY "\": \"%s\",\n    \"total_size\": %llu\n  },\n"
                   "  \"weight_map\": {\n", save_id, (unsigned long long)total);
     for (int i = 0; i < n; i++) {
         int j = order[i].idx;
         char fname[64];
         snprintf(fname, sizeof fname, "model-%05d-of-%05d.safetensors", shard_of[j] + 1, nshards);
-        sb_printf(&b, "    ");
+        cf_sb_printf(&b, "    ");
         sb_json_string(&b, items[j].name);
-        sb_printf(&b, ": \"%s\"%s\n", fname, i + 1 < n ? "," : "");
+        cf_sb_printf(&b, ": \"%s\"%s\n", fname, i + 1 < n ? "," : "");
     }
-    sb_printf(&b, "  }\n}\n");
+    cf_sb_printf(&b, "  }\n}\n");
     free(order);
     int rc;
     if (b.failed) rc = cf_fail("%s: out of memory building the index", path);
