@@ -112,6 +112,13 @@ struct cf_backend {
     void (*swiglu_fwd)(cf_backend *b, void *h, const void *gate, const void *up, size_t n);
     void (*swiglu_bwd)(cf_backend *b, void *dgate, void *dup, const void *dh, const void *gate,
                        const void *up, size_t n);
+    /* The SwiGLU backward of the MLP, reading gate and up of the forward
+     * through the row index (so the filter never copies them): for i < n,
+     * r = rows ? rows[i] : i, over F columns:
+     *   h[i]     = silu(gate[r]) * up[r]        (the down projection's input, recomputed)
+     *   dgate[i] = dh[i] * up[r] * silu'(gate[r]),  dup[i] = dh[i] * silu(gate[r]) */
+    void (*swiglu_bwd_rows)(cf_backend *b, void *h, void *dgate, void *dup, const void *dh, const void *gate,
+                            const void *up, const int *rows, int n, int F);
     /* out = a + c (out may alias a) */
     void (*add)(cf_backend *b, void *out, const void *a, const void *c, size_t n);
     /* Causal GQA attention. q[T,H,D] k,v[T,Hkv,D] -> out[T,H,D], lse[T,H]

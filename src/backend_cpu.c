@@ -274,6 +274,25 @@ static void cpu_swiglu_bwd(cf_backend *b, void *dgate_, void *dup_, const void *
     }
 }
 
+/* SwiGLU backward on rows gathered through `rows` (see backend.h). */
+static void cpu_swiglu_bwd_rows(cf_backend *b, void *h_, void *dgate_, void *dup_, const void *dh_,
+                                const void *gate_, const void *up_, const int *rows, int n, int F) {
+    float *h = h_, *dgate = dgate_, *dup = dup_;
+    const float *dh = dh_, *gate = gate_, *up = up_;
+#pragma omp parallel for schedule(static)
+    for (int i = 0; i < n; i++) {
+        const size_t src = (size_t)(rows ? rows[i] : i) * F, dst = (size_t)i * F;
+        for (int c = 0; c < F; c++) {
+            const float g = gate[src + c], u = up[src + c], d = dh[dst + c];
+            const float sig = 1.0f / (1.0f + expf(-g));
+            const float silu = g * sig;
+            h[dst + c] = silu * u;
+            dgate[dst + c] = d * u * sig * (1.0f + g * (1.0f - sig));
+            dup[dst + c] = d * silu;
+        }
+    }
+}
+
 /* out = a + c (out may alias a or c) */
 static void cpu_add(cf_backend *b, void *out_, const void *a_, const void *c_, size_t n) {
     float *out = out_;
@@ -474,6 +493,7 @@ cf_backend *cf_backend_cpu_create(void) {
     b->rope_bwd = cpu_rope_bwd;
     b->swiglu_fwd = cpu_swiglu_fwd;
     b->swiglu_bwd = cpu_swiglu_bwd;
+    b->swiglu_bwd_rows = cpu_swiglu_bwd_rows;
     b->add = cpu_add;
     b->attention_fwd = cpu_attention_fwd;
     b->attention_bwd = cpu_attention_bwd;

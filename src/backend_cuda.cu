@@ -288,6 +288,56 @@ static __global__ void swiglu_bwd_vec_kernel(pack8 *dgate, pack8 *dup, const pac
         dup[i] = pack8_from(du);
     }
 }
+
+/* SwiGLU backward with gate/up read through the row index; also writes the
+ * recomputed product h (the down projection's input) for the kept rows. */
+static __global__ void swiglu_bwd_rows_vec_kernel(pack8 *h, pack8 *dgate, pack8 *dup, const pack8 *dh, const pack8 *gate,
+                                                  const pack8 *up, const int *rows, int n, int F8) {
+    const size_t total = (size_t)n * F8;
+    for (size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += (size_t)gridDim.x * blockDim.x) {
+        const size_t i = idx / F8, c = idx % F8;
+        const size_t src = (size_t)(rows ? rows[i] : (int)i) * F8 + c;
+        float g[8], u[8], d[8], o[8], dg[8], du[8];
+        unpack8(gate[src], g);
+        unpack8(up[src], u);
+        unpack8(dh[idx], d);
+        for (int q = 0; q < 8; q++) {
+            swiglu_grad(g[q], u[q], d[q], &dg[q], &du[q]);
+            o[q] = g[q] / (1.f + __expf(-g[q])) * u[q];
+        }
+        h[idx] = pack8_from(o);
+        dgate[idx] = pack8_from(dg);
+        dup[idx] = pack8_from(du);
+    }
+}
+static __global__ void swiglu_bwd_rows_kernel(bf16 *h, bf16 *dgate, bf16 *dup, const bf16 *dh, const bf16 *gate,
+                                              const bf16 *up, const int *rows, int n, int F) {
+    const size_t total = (size_t)n * F;
+    for (size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += (size_t)gridDim.x * blockDim.x) {
+        const size_t i = idx / F, c = idx % F;
+        const size_t src = (size_t)(rows ? rows[i] : (int)i) * F + c;
+        const float g = __bfloat162float(gate[src]), u = __bfloat162float(up[src]);
+        float dg, du;
+        swiglu_grad(g, u, __bfloat162float(dh[idx]), &dg, &du);
+        h[idx] = __float2bfloat16_rn(g / (1.f + __expf(-g)) * u);
+        dgate[idx] = __float2bfloat16_rn(dg);
+        dup[idx] = __float2bfloat16_rn(du);
+    }
+}
+static void cu_swiglu_bwd_rows(cf_backend *b, void *h, void *dgate, void *dup, const void *dh, const void *gate,
+                               const void *up, const int *rows, int n, int F) {
+    if (n <= 0 || F <= 0) return;
+    if (F % 8 == 0 && aligned16(h) && aligned16(dgate) && aligned16(dup) && aligned16(dh) && aligned16(gate) &&
+        aligned16(up))
+        swiglu_bwd_rows_vec_kernel<<<grid_for((size_t)n * (F / 8), 256), 256>>>(
+            (pack8 *)h, (pack8 *)dgate, (pack8 *)dup, (const pack8 *)dh, (const pack8 *)gate, (const pack8 *)up, rows, n,
+            F / 8);
+    else
+        swiglu_bwd_rows_kernel<<<grid_for((size_t)n * F, 256), 256>>>((bf16 *)h, (bf16 *)dgate, (bf16 *)dup,
+                                                                     (const bf16 *)dh, (const bf16 *)gate,
+                                                                     (const bf16 *)up, rows, n, F);
+    CK_LAUNCH();
+}
 static void cu_swiglu_fwd(cf_backend *b, void *h, const void *gate, const void *up, size_t n) {
     if (!n) return;
     if (n % 8 == 0 && aligned16(h) && aligned16(gate) && aligned16(up))
@@ -1132,6 +1182,7 @@ extern "C" cf_backend *cf_backend_cuda_create(void) {
     b->lmhead_loss_bwd = cu_lmhead_loss_bwd;
     b->gather_rows = cu_gather_rows;
     b->gather_rows_multi = cu_gather_rows_multi;
+    b->swiglu_bwd_rows = cu_swiglu_bwd_rows;
     b->select_topk = cu_select_topk;
     b->memory_peak = cu_memory_peak;
     b->sumsq = cu_sumsq;

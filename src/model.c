@@ -361,7 +361,7 @@ int cf_model_set_adam(cf_model *m, const float *m_in, const float *v_in, int64_t
 /* ---------------------------------------------------------- activations */
 
 /* Registers a saved activation of T rows x row_bytes; returns its index. */
-static int save_slot(cf_model *m, const char *what, size_t row_bytes) {
+static int save_slot_as(cf_model *m, const char *what, size_t row_bytes, int gather) {
     if (m->nsaved >= CF_MAX_SAVED) return cf_fail("internal: too many saved activations");
     cf_saved *s = &m->saved[m->nsaved];
     s->what = what;
@@ -369,9 +369,12 @@ static int save_slot(cf_model *m, const char *what, size_t row_bytes) {
     s->full = m->b->alloc(m->b, (size_t)m->cap_T * row_bytes);
     s->compact = NULL;   /* allocated by the first filter */
     s->cur = s->full;
+    s->gather = gather;
     if (!s->full) return -1;
     return m->nsaved++;
 }
+
+static int save_slot(cf_model *m, const char *what, size_t row_bytes) { return save_slot_as(m, what, row_bytes, 1); }
 
 #define SAVED(m, idx) ((m)->saved[(idx)].cur)
 
@@ -407,9 +410,9 @@ static int alloc_acts(cf_model *m, int T) {
         bad |= (a->lse = save_slot(m, "lse", H * F4)) < 0;
         bad |= (a->ln2 = save_slot(m, "ln2", C * A)) < 0;
         bad |= (a->rstd2 = save_slot(m, "rstd2", F4)) < 0;
-        bad |= (a->gate = save_slot(m, "gate", F * A)) < 0;
-        bad |= (a->up = save_slot(m, "up", F * A)) < 0;
-        bad |= (a->h = save_slot(m, "swiglu", F * A)) < 0;
+        /* read through the row index by swiglu_bwd_rows: never gathered */
+        bad |= (a->gate = save_slot_as(m, "gate", F * A, 0)) < 0;
+        bad |= (a->up = save_slot_as(m, "up", F * A, 0)) < 0;
         a->k = b->alloc(b, (size_t)T * kd * A);
         a->v = b->alloc(b, (size_t)T * kd * A);
         bad |= !a->k || !a->v;
@@ -527,7 +530,8 @@ int cf_forward(cf_model *m, const int32_t *tokens, int B, int S, float *losses) 
         void *x = m->saved[m->resid[l]].full;
         void *ln1 = m->saved[a->ln1].full, *q = m->saved[a->q].full;
         void *xmid = m->saved[a->x_mid].full, *ln2 = m->saved[a->ln2].full;
-        void *gate = m->saved[a->gate].full, *up = m->saved[a->up].full, *h = m->saved[a->h].full;
+        /* h = silu(gate) * up is not saved: the backward recomputes it */
+        void *gate = m->saved[a->gate].full, *up = m->saved[a->up].full, *h = m->d_h;
         OP(CF_PROF_NORM, b->rmsnorm_fwd(b, ln1, m->saved[a->rstd1].full, x, cf_weight(m, p->ln1), T, C, c->rms_norm_eps));
         if (c->qk_norm) {
             void *qpre = m->saved[a->qpre].full, *kpre = m->saved[a->kpre].full;
@@ -618,21 +622,23 @@ int cf_filter_backward(cf_model *m, const uint8_t *keep) {
     void *dst[CF_MAX_SAVED];
     const void *src[CF_MAX_SAVED];
     size_t row_bytes[CF_MAX_SAVED];
+    int count = 0;
     for (int i = 0; i < m->nsaved; i++) {
         cf_saved *s = &m->saved[i];
+        if (!s->gather) continue;
         if (!s->compact) {
             s->compact = b->alloc(b, (size_t)m->cap_T * s->row_bytes);
             if (!s->compact) return -1;
         }
-        dst[i] = s->compact;
-        src[i] = s->full;
-        row_bytes[i] = s->row_bytes;
+        dst[count] = s->compact;
+        src[count] = s->full;
+        row_bytes[count++] = s->row_bytes;
         s->cur = s->compact;
     }
     if (b->gather_rows_multi) {
-        b->gather_rows_multi(b, m->nsaved, dst, src, row_bytes, m->rows, n);
+        b->gather_rows_multi(b, count, dst, src, row_bytes, m->rows, n);
     } else {
-        for (int i = 0; i < m->nsaved; i++) b->gather_rows(b, dst[i], src[i], m->rows, n, row_bytes[i]);
+        for (int i = 0; i < count; i++) b->gather_rows(b, dst[i], src[i], m->rows, n, row_bytes[i]);
     }
     m->filtered = 1;
     b->synchronize(b);
@@ -722,9 +728,13 @@ static int backward_impl(cf_model *m, cf_mode mode, const uint8_t *keep, float l
         cf_layer_params *p = &m->lp[l];
         cf_layer_acts *a = &m->la[l];
         /* MLP: x' = x_mid + down(silu(gate(ln2)) * up(ln2)) */
-        OP(CF_PROF_GEMM, b->matmul_bwd(b, m->d_h, cf_grad(m, p->down), NULL, m->d_resid, SAVED(m, a->h),
-                      cf_weight(m, p->down), n, F, C, 0));
-        OP(CF_PROF_ELTWISE, b->swiglu_bwd(b, m->d_gate, m->d_up, m->d_h, SAVED(m, a->gate), SAVED(m, a->up), (size_t)n * F));
+        OP(CF_PROF_GEMM, b->matmul_bwd(b, m->d_h, NULL, NULL, m->d_resid, NULL, cf_weight(m, p->down), n, F, C, 0));
+        /* gate and up of the kept rows are read through the row index; the
+         * kernel also recomputes h for the down projection's weight gradient */
+        OP(CF_PROF_ELTWISE, b->swiglu_bwd_rows(b, m->tmp, m->d_gate, m->d_up, m->d_h, SAVED(m, a->gate),
+                                               SAVED(m, a->up), compact ? m->rows : NULL, n, F));
+        OP(CF_PROF_GEMM, b->matmul_bwd(b, NULL, cf_grad(m, p->down), NULL, m->d_resid, m->tmp,
+                                       cf_weight(m, p->down), n, F, C, 0));
         OP(CF_PROF_GEMM, b->matmul_bwd(b, m->d_ln, cf_grad(m, p->gate), NULL, m->d_gate, SAVED(m, a->ln2),
                       cf_weight(m, p->gate), n, C, F, 0));
         OP(CF_PROF_GEMM, b->matmul_bwd(b, m->d_ln, cf_grad(m, p->up), NULL, m->d_up, SAVED(m, a->ln2),

@@ -24,18 +24,21 @@ typedef struct {
 } cf_layer_params;
 
 /* A saved activation: T token rows of row_bytes each. The filter operator
- * gathers `full` into `compact`; the backward reads `cur`. */
+ * gathers `full` into `compact` (if `gather`); the backward reads `cur`.
+ * Tensors with gather = 0 are read by their backward kernel through the
+ * row index instead (the gather fused into that kernel). */
 typedef struct {
     const char *what;
     void *full;
     void *compact;
     void *cur;
     size_t row_bytes;
+    int gather;
 } cf_saved;
 
 /* Saved activations of one layer (token-major, T rows). */
 typedef struct {
-    int x_mid, ln1, rstd1, qpre, rstdq, kpre, rstdk, q, att, lse, ln2, rstd2, gate, up, h;
+    int x_mid, ln1, rstd1, qpre, rstdq, kpre, rstdk, q, att, lse, ln2, rstd2, gate, up;
     void *k, *v;        /* full K (after norm and RoPE) and V: never compacted */
 } cf_layer_acts;
 

@@ -323,7 +323,47 @@ TEST(gpu_selection_equals_cpu_selection_with_ties_and_nan) {
     g->destroy(g);
 }
 
+TEST(gpu_swiglu_bwd_rows_matches_cpu) {
+    cf_backend *c = cf_backend_cpu_create(), *g = cf_backend_cuda_create();
+    if (!c || !g) { CHECK(0); return; }
+    const int Fs[] = {5632, 44};   /* vector and scalar paths */
+    for (int fi = 0; fi < 2; fi++) {
+        int T = 300, F = Fs[fi], n = 0;
+        int *rows = malloc(T * sizeof(int));
+        for (int t = 0; t < T; t++) if (t % 3) rows[n++] = t;
+        size_t NF = (size_t)T * F;
+        float *gate = malloc(NF * 4), *up = malloc(NF * 4), *dh = malloc(NF * 4);
+        float *out_c[3], *out_g[3];
+        cf_rng r;
+        cf_rng_seed(&r, 12 + fi);
+        for (size_t i = 0; i < NF; i++) { gate[i] = 2.0f * cf_rng_normal(&r); up[i] = cf_rng_normal(&r); dh[i] = cf_rng_normal(&r); }
+        void *dgate = g->alloc(g, NF * 2), *dup = g->alloc(g, NF * 2), *ddh = g->alloc(g, NF * 2), *go[3];
+        int *drows = g->alloc(g, (size_t)n * sizeof(int));
+        g->act_from_f32(g, dgate, gate, NF); g->act_to_f32(g, gate, dgate, NF);   /* bf16-exact inputs */
+        g->act_from_f32(g, dup, up, NF); g->act_to_f32(g, up, dup, NF);
+        g->act_from_f32(g, ddh, dh, NF); g->act_to_f32(g, dh, ddh, NF);
+        g->upload(g, drows, rows, (size_t)n * sizeof(int));
+        for (int k = 0; k < 3; k++) {
+            out_c[k] = malloc(NF * 4); out_g[k] = malloc(NF * 4);
+            go[k] = g->alloc(g, NF * 2);
+        }
+        c->swiglu_bwd_rows(c, out_c[0], out_c[1], out_c[2], dh, gate, up, rows, n, F);
+        g->swiglu_bwd_rows(g, go[0], go[1], go[2], ddh, dgate, dup, drows, n, F);
+        for (int k = 0; k < 3; k++) {
+            g->act_to_f32(g, out_g[k], go[k], (size_t)n * F);
+            double e = rel_err(out_g[k], out_c[k], (size_t)n * F);
+            CHECK_MSG(e < 1e-2, "F=%d output %d: rel err %.3g", F, k, e);   /* bf16 outputs */
+            free(out_c[k]); free(out_g[k]); g->free(g, go[k]);
+        }
+        g->free(g, dgate); g->free(g, dup); g->free(g, ddh); g->free(g, drows);
+        free(gate); free(up); free(dh); free(rows);
+    }
+    c->destroy(c);
+    g->destroy(g);
+}
+
 int main(void) {
+    RUN(gpu_swiglu_bwd_rows_matches_cpu);
     RUN(gpu_selection_equals_cpu_selection_with_ties_and_nan);
     RUN(gpu_attention_fwd_matches_cpu_at_model_test_shapes);
     RUN(gpu_adamw_refreshes_bf16_weights_and_zeroes_gradients_in_one_pass);
