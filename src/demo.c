@@ -81,7 +81,7 @@ static int evaluate_model(const char *dir, const char *device, const char *val_p
         cf_tokens val;
         rc = cf_tokens_open(&val, val_path, cf_model_config(m)->vocab_size);
         if (rc == 0) {
-            rc = cf_evaluate(m, &val, 8, 128, 0, &r->clean_loss, NULL);
+            rc = cf_evaluate(m, &val, 8, 128, 0, &r->clean_loss, NULL, NULL);
             cf_tokens_close(&val);
         }
     }

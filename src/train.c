@@ -211,8 +211,8 @@ cf_model *cf_checkpoint_load(const char *dir, const char *device, int64_t *step,
 /* ------------------------------------------------------------- evaluate */
 
 int cf_evaluate(cf_model *m, const cf_tokens *tok, int B, int S, int max_batches, double *mean_loss,
-                int64_t *ntokens) {
-    cf_loader ld;
+                int64_t *ntokens, FILE *losses_out) {
+    cf_loader ld = {0};
     if (cf_loader_init(&ld, tok, NULL, B, S) != 0) return -1;
     int64_t avail = (tok->n - 1) / ((int64_t)B * S);
     int nb = max_batches > 0 && max_batches < avail ? max_batches : (int)avail;
@@ -224,7 +224,10 @@ int cf_evaluate(cf_model *m, const cf_tokens *tok, int B, int S, int max_batches
     for (int i = 0; i < nb; i++) {
         cf_loader_next(&ld, tokens, NULL);
         if (cf_forward(m, tokens, B, S, losses) != 0) { free(tokens); free(losses); return -1; }
-        for (int t = 0; t < B * S; t++) sum += losses[t];
+        for (int t = 0; t < B * S; t++) {
+            sum += losses[t];
+            if (losses_out) fprintf(losses_out, "%.7f\n", losses[t]);
+        }
         count += (int64_t)B * S;
     }
     free(tokens);
@@ -447,7 +450,7 @@ int cmd_train(int argc, char **argv) {
         double tps = (double)T * accum / dt;
         double val_loss = NAN;
         if (have_val && eval_every > 0 && ((step + 1) % eval_every == 0 || step + 1 == steps)) {
-            if (cf_evaluate(m, &valtok, (int)batch, (int)seq, (int)eval_batches, &val_loss, NULL) != 0) goto fail;
+            if (cf_evaluate(m, &valtok, (int)batch, (int)seq, (int)eval_batches, &val_loss, NULL, NULL) != 0) goto fail;
         }
         if (!quiet) {
             char eta[32];
@@ -518,32 +521,16 @@ int cmd_eval(int argc, char **argv) {
     if (cf_tokens_open(&tok, data, cf_model_config(m)->vocab_size) != 0) { cf_model_free(m); return cf_cli_error("eval", 1); }
     int rc = 0;
     FILE *lf = NULL;
-    if (losses_out) {
-        /* per-token losses for parity checks: one window after another */
-        lf = fopen(losses_out, "w");
-        if (!lf) { cf_fail("%s: cannot create", losses_out); rc = 1; }
+    if (losses_out && !(lf = fopen(losses_out, "w"))) {
+        cf_fail("%s: cannot create", losses_out);
+        rc = 1;
     }
     double mean = 0;
     int64_t n = 0;
-    if (rc == 0 && lf) {
-        cf_loader ld;
-        int32_t *tk = cf_malloc((size_t)batch * (seq + 1) * 4);
-        float *ls = cf_malloc((size_t)batch * seq * 4);
-        if (!tk || !ls || cf_loader_init(&ld, &tok, NULL, (int)batch, (int)seq) != 0) rc = 1;
-        int64_t avail = rc ? 0 : (tok.n - 1) / (batch * seq);
-        int nb = max_batches > 0 && max_batches < avail ? (int)max_batches : (int)avail;
-        double sum = 0;
-        for (int i = 0; rc == 0 && i < nb; i++) {
-            cf_loader_next(&ld, tk, NULL);
-            if (cf_forward(m, tk, (int)batch, (int)seq, ls) != 0) { rc = 1; break; }
-            for (int t = 0; t < batch * seq; t++) { fprintf(lf, "%.7f\n", ls[t]); sum += ls[t]; n++; }
-        }
-        mean = n ? sum / n : NAN;
-        free(tk); free(ls);
-        fclose(lf);
-    } else if (rc == 0) {
-        rc = cf_evaluate(m, &tok, (int)batch, (int)seq, (int)max_batches, &mean, &n) != 0;
-    }
+    /* per-token losses (for parity checks) in window order, one per line */
+    if (rc == 0) rc = cf_evaluate(m, &tok, (int)batch, (int)seq, (int)max_batches, &mean, &n, lf) != 0;
+    if (lf && fclose(lf) != 0 && rc == 0) rc = cf_fail("%s: write failed", losses_out) != 0;
+    if (rc && lf) remove(losses_out);   /* no partial output */
     if (rc == 0) printf("eval: %lld tokens | loss %.6f | perplexity %.4f\n", (long long)n, mean, exp(mean));
     cf_tokens_close(&tok);
     cf_model_free(m);

@@ -7,6 +7,7 @@
 #define CF_TRAIN_H
 
 #include <stdint.h>
+#include <stdio.h>
 
 #include "centrifuge.h"
 #include "io.h"
@@ -37,8 +38,9 @@ int cf_checkpoint_save(cf_model *m, const char *dir, int64_t step, int64_t data_
 /* Loads the newest checkpoint of dir into a new model; sets *step, *data_pos. */
 cf_model *cf_checkpoint_load(const char *dir, const char *device, int64_t *step, int64_t *data_pos);
 
-/* Mean per-token loss over up to max_batches batches of a shard. */
+/* Mean per-token loss over up to max_batches batches of a shard (0 = all);
+ * each per-token loss is also written to losses_out when it is not NULL. */
 int cf_evaluate(cf_model *m, const cf_tokens *tok, int B, int S, int max_batches, double *mean_loss,
-                int64_t *ntokens);
+                int64_t *ntokens, FILE *losses_out);
 
 #endif
