@@ -71,8 +71,12 @@ $(CUDA_BUILD)/tests/%: tests/gpu/%.c tests/test.h $(CUDA_LIB)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -DCF_WITH_CUDA $(CUDA_INC) -Itests $< $(CUDA_LIB) -o $@ $(LDLIBS) $(CUDA_LDLIBS)
 
-test-gpu: $(GPU_TEST_BIN)
+test-gpu: $(GPU_TEST_BIN) $(BIN)
 	@set -e; for t in $(GPU_TEST_BIN); do echo "== $$t"; OMP_NUM_THREADS=$${OMP_NUM_THREADS:-8} $$t; done
+	@# checkpoints against HF transformers (llama and qwen2), where torch + transformers are installed
+	@if python3 -c 'import torch, transformers' 2>/dev/null; then \
+	  echo "== tools/hf_parity.py"; python3 tools/hf_parity.py --bin ./$(BIN) --types llama,qwen2; \
+	else echo "== tools/hf_parity.py skipped: python3 has no torch/transformers"; fi
 
 bench-gpu: $(GPU_BENCH_BIN)
 	$(GPU_BENCH_BIN)
