@@ -571,8 +571,7 @@ int cf_model_logits_row(cf_model *m, int t, float *out) {
     cf_backend *b = m->b;
     const cf_config *c = &m->cfg;
     size_t A = b->act_size;
-    /* logits[1, V] = lnf[t] Wlm^T, in the scratch buffer (T*wide >= V? not
-     * guaranteed, so use d_h/d_gate only when big enough; else allocate) */
+    /* logits[1, V] = lnf[t] Wlm^T into a buffer of its own (decoding only) */
     void *buf = b->alloc(b, (size_t)c->vocab_size * A);
     if (!buf) return -1;
     b->matmul_fwd(b, buf, (char *)m->saved[m->s_lnf].full + (size_t)t * c->hidden_size * A,
