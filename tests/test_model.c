@@ -304,11 +304,49 @@ TEST(training_steps_reduce_the_loss_on_a_repeated_batch) {
     cf_model_free(m);
 }
 
+TEST(doc_mask_gradients_match_finite_differences_and_centrifuge_equals_stopgrad_reference) {
+    /* token 5 starts a document: positions restart and no attention crosses it */
+    const char *types[] = {"tiny-llama", "tiny-qwen3"};
+    for (int ti = 0; ti < 2; ti++) {
+        cf_model *m = make_model(types[ti], 61 + ti);
+        if (!m) { CHECK(0); continue; }
+        cf_model_set_doc_mask(m, 5);
+        int32_t tok[B * (S + 1)];
+        random_tokens(tok, B * (S + 1), cf_model_config(m)->vocab_size, 600 + ti);
+        for (int i = 0; i < B * (S + 1); i++) if (tok[i] == 5) tok[i] = 6;
+        tok[3] = 5;            /* sequence 0: documents [0,3) and [3,S) */
+        tok[(S + 1) + 6] = 5;  /* sequence 1: documents [0,6) and [6,S) */
+        float losses[B * S];
+        CHECK(cf_forward(m, tok, B, S, losses) == 0);
+        /* the doc mask changes the result: attention no longer sees the earlier document */
+        cf_model_set_doc_mask(m, -1);
+        float plain[B * S];
+        cf_forward(m, tok, B, S, plain);
+        cf_model_set_doc_mask(m, 5);
+        CHECK_MSG(fabsf(plain[S - 1] - losses[S - 1]) > 1e-4, "%s: doc mask has no effect", types[ti]);
+        CHECK_MSG(plain[1] == losses[1], "%s: rows before the second document must not change", types[ti]);
+        cf_forward(m, tok, B, S, losses);
+        cf_zero_grad(m);
+        CHECK(cf_backward(m, CF_MODE_REGULAR, NULL, 1.0f, NULL) == 0);
+        float *g = all_grads(m);
+        fd_check(m, tok, NULL, g, types[ti]);
+        free(g);
+        uint8_t keep[B * S];
+        cf_select(losses, NULL, B, S, 0.5f, CF_SELECT_SELF, 0, 1, keep);
+        float *cf = grads_of(m, tok, CF_MODE_CENTRIFUGE, keep, NULL);
+        float *sg = grads_of(m, tok, (cf_mode)-1, keep, NULL);
+        CHECK_MSG(max_rel(cf, sg, cf_model_num_params(m)) < 1e-5, "%s: centrifuge vs stop-grad with doc mask", types[ti]);
+        free(cf); free(sg);
+        cf_model_free(m);
+    }
+}
+
 int main(void) {
     RUN(selection_keeps_top_excess_loss_with_deterministic_ties);
     RUN(model_gradients_match_finite_differences_for_every_model_type);
     RUN(loss_only_gradients_are_the_dense_gradient_of_the_masked_loss);
     RUN(equivalences_of_design_section_1_hold_for_every_model_type);
+    RUN(doc_mask_gradients_match_finite_differences_and_centrifuge_equals_stopgrad_reference);
     RUN(saved_model_loads_back_with_identical_losses);
     RUN(training_steps_reduce_the_loss_on_a_repeated_batch);
     return test_summary();
