@@ -120,12 +120,12 @@ static int run_cmd(int (*fn)(int, char **), char **args) {
 
 int cmd_demo(int argc, char **argv) {
     const char *out = "runs/demo";
-    long steps = 200, ref_steps = 150, seed = 1, nprob = 40;
+    long steps = 180, ref_steps = 150, seed = 1, nprob = 24;
     cf_opt opts[] = {
         {"--out", CF_OPT_STR, &out, 0, 0, "working directory (default runs/demo)", 0},
-        {"--steps", CF_OPT_INT, &steps, 1, 1000000, "target training steps per mode (default 200)", 0},
+        {"--steps", CF_OPT_INT, &steps, 1, 1000000, "target training steps per mode (default 180)", 0},
         {"--ref-steps", CF_OPT_INT, &ref_steps, 1, 1000000, "reference training steps (default 150)", 0},
-        {"--problems", CF_OPT_INT, &nprob, 4, 100000, "held-out problems to decode (default 40)", 0},
+        {"--problems", CF_OPT_INT, &nprob, 4, 100000, "held-out problems to decode (default 24)", 0},
         {"--seed", CF_OPT_INT, &seed, 0, 1L << 40, "seed of data and models (default 1)", 0},
     };
     int nopts = (int)(sizeof opts / sizeof *opts);
