@@ -10,7 +10,7 @@ static const struct {
     int (*fn)(int, char **);
     const char *what;
 } COMMANDS[] = {
-    {"demo", cmd_demo, "the whole pipeline on a synthetic math world, in about a minute"},
+    {"demo", cmd_demo, "the whole pipeline on a synthetic math world, in about 90 s on 2 cores"},
     {"train", cmd_train, "train a model (regular, loss-only, centrifuge, strawman)"},
     {"score", cmd_score, "reference-model losses for a token shard"},
     {"eval", cmd_eval, "mean loss and perplexity over a token shard"},
