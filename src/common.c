@@ -229,6 +229,13 @@ void cf_sb_printf(cf_sbuf *b, const char *fmt, ...) {
     }
 }
 
+const char *cf_printable(const char *s, char *buf, size_t cap) {
+    size_t i = 0;
+    for (; s[i] && i + 1 < cap; i++) buf[i] = (unsigned char)s[i] < 0x20 || s[i] == 0x7f ? '?' : s[i];
+    buf[i] = 0;
+    return buf;
+}
+
 /* ---------------------------------------------------------------- parsing */
 
 int cf_parse_int(const char *s, long lo, long hi, const char *what, long *out) {

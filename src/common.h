@@ -53,6 +53,10 @@ int cf_path_join(char *out, size_t cap, const char *dir, const char *name);
 typedef struct { char *s; size_t len, cap; int failed; } cf_sbuf;
 void cf_sb_printf(cf_sbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
+/* A copy of s fit for a one-line message (control bytes become '?'),
+ * truncated to cap - 1 bytes; returns buf. */
+const char *cf_printable(const char *s, char *buf, size_t cap);
+
 /* Strict parsing: the whole string must be a number in [lo, hi]. On failure
  * cf_fail("<what>: ...") and return -1. */
 int cf_parse_int(const char *s, long lo, long hi, const char *what, long *out);

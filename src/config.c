@@ -21,6 +21,7 @@
  * that reads back to the same fp32 value, so save -> load is exact.
  */
 #include "common.h"
+#include "json_util.h"
 
 #include <cjson/cJSON.h>
 #include <limits.h>
@@ -269,24 +270,6 @@ size_t cf_config_num_params(const cf_config *c) {
 
 /* ---------------------------------------------------------------- loading */
 
-/* A copy of s fit for a one-line message: control bytes become '?'. */
-static const char *printable(const char *s, char *buf, size_t cap) {
-    size_t i = 0;
-    for (; s[i] && i + 1 < cap; i++) buf[i] = (unsigned char)s[i] < 0x20 || s[i] == 0x7f ? '?' : s[i];
-    buf[i] = 0;
-    return buf;
-}
-
-/* A short description of a JSON value for error messages. */
-static const char *json_kind(const cJSON *v) {
-    if (cJSON_IsString(v)) return "a string";
-    if (cJSON_IsBool(v)) return "a boolean";
-    if (cJSON_IsNull(v)) return "null";
-    if (cJSON_IsArray(v)) return "an array";
-    if (cJSON_IsObject(v)) return "an object";
-    if (cJSON_IsNumber(v)) return "a number";
-    return "an invalid value";
-}
 
 /* Present and not null. */
 static const cJSON *get(const cJSON *obj, const char *key) {
@@ -297,7 +280,7 @@ static const cJSON *get(const cJSON *obj, const char *key) {
 /* Reads an integer value; `key` is the name shown in messages. */
 static int as_int(const char *path, const char *key, const cJSON *v, int *out) {
     if (!cJSON_IsNumber(v))
-        return cf_fail("%s: '%s' must be an integer, got %s", path, key, json_kind(v));
+        return cf_fail("%s: '%s' must be an integer, got %s", path, key, cf_json_kind(v));
     double d = v->valuedouble;
     if (!isfinite(d) || d != floor(d))
         return cf_fail("%s: '%s' must be an integer, got %g", path, key, d);
@@ -319,7 +302,7 @@ static int get_int(const char *path, const cJSON *obj, const char *key, int requ
 
 static int as_float(const char *path, const char *key, const cJSON *v, float *out) {
     if (!cJSON_IsNumber(v))
-        return cf_fail("%s: '%s' must be a number, got %s", path, key, json_kind(v));
+        return cf_fail("%s: '%s' must be a number, got %s", path, key, cf_json_kind(v));
     double d = v->valuedouble;
     if (!isfinite(d) || fabs(d) > 3.0e38)
         return cf_fail("%s: '%s' = %g is not a finite fp32 number", path, key, d);
@@ -337,7 +320,7 @@ static int get_bool(const char *path, const cJSON *obj, const char *key, int def
     const cJSON *v = get(obj, key);
     if (!v) { *out = def; return 0; }
     if (!cJSON_IsBool(v))
-        return cf_fail("%s: '%s' must be true or false, got %s", path, key, json_kind(v));
+        return cf_fail("%s: '%s' must be true or false, got %s", path, key, cf_json_kind(v));
     *out = cJSON_IsTrue(v) ? 1 : 0;
     return 0;
 }
@@ -378,7 +361,7 @@ static int check_duplicate_keys(const char *path, const cJSON *obj) {
     for (size_t i = 1; i < n && rc == 0; i++)
         if (strcmp(keys[i - 1], keys[i]) == 0) {
             char safe[65];
-            rc = cf_fail("%s: duplicate key '%s'", path, printable(keys[i], safe, sizeof safe));
+            rc = cf_fail("%s: duplicate key '%s'", path, cf_printable(keys[i], safe, sizeof safe));
         }
     free(keys);
     return rc;
@@ -395,12 +378,12 @@ static int check_unsupported(const char *path, const cJSON *root, cf_model_type 
     const cJSON *act = get(root, "hidden_act");
     if (act) {
         if (!cJSON_IsString(act))
-            return cf_fail("%s: 'hidden_act' must be a string, got %s", path, json_kind(act));
+            return cf_fail("%s: 'hidden_act' must be a string, got %s", path, cf_json_kind(act));
         if (strcmp(act->valuestring, "silu") != 0 && strcmp(act->valuestring, "swish") != 0)
         {
             char safe[65];
             return cf_fail("%s: hidden_act '%s' is not supported (only silu)", path,
-                           printable(act->valuestring, safe, sizeof safe));
+                           cf_printable(act->valuestring, safe, sizeof safe));
         }
     }
     if (mt == CF_MODEL_QWEN2 || mt == CF_MODEL_QWEN3) {
@@ -411,7 +394,7 @@ static int check_unsupported(const char *path, const cJSON *root, cf_model_type 
         const cJSON *lt = get(root, "layer_types");
         if (lt) {
             if (!cJSON_IsArray(lt))
-                return cf_fail("%s: 'layer_types' must be an array, got %s", path, json_kind(lt));
+                return cf_fail("%s: 'layer_types' must be an array, got %s", path, cf_json_kind(lt));
             for (const cJSON *e = lt->child; e; e = e->next)
                 if (!cJSON_IsString(e) || strcmp(e->valuestring, "full_attention") != 0)
                     return cf_fail("%s: layer_types: only \"full_attention\" layers are supported", path);
@@ -432,9 +415,9 @@ static int parse_rope(const char *path, const cJSON *root, cf_config *c) {
     const cJSON *scaling = get(root, "rope_scaling");
     const cJSON *params = get(root, "rope_parameters");
     if (scaling && !cJSON_IsObject(scaling))
-        return cf_fail("%s: 'rope_scaling' must be an object or null, got %s", path, json_kind(scaling));
+        return cf_fail("%s: 'rope_scaling' must be an object or null, got %s", path, cf_json_kind(scaling));
     if (params && !cJSON_IsObject(params))
-        return cf_fail("%s: 'rope_parameters' must be an object or null, got %s", path, json_kind(params));
+        return cf_fail("%s: 'rope_parameters' must be an object or null, got %s", path, cf_json_kind(params));
     /* transformers 5: `rope_scaling or rope_parameters`. */
     const cJSON *rope = scaling ? scaling : params;
     const char *rope_key = scaling ? "rope_scaling" : "rope_parameters";
@@ -471,14 +454,14 @@ static int parse_rope(const char *path, const cJSON *root, cf_config *c) {
     const char *tname = "default";
     if (type) {
         if (!cJSON_IsString(type))
-            return cf_fail("%s: %s.rope_type must be a string, got %s", path, rope_key, json_kind(type));
+            return cf_fail("%s: %s.rope_type must be a string, got %s", path, rope_key, cf_json_kind(type));
         tname = type->valuestring;
     }
     if (strcmp(tname, "default") == 0) return 0;
     if (strcmp(tname, "llama3") != 0) {
         char safe[33];
         return cf_fail("%s: %s rope_type '%s' is not supported (supported: default, llama3)", path, rope_key,
-                       printable(tname, safe, sizeof safe));
+                       cf_printable(tname, safe, sizeof safe));
     }
 
     char key[96];
@@ -511,13 +494,13 @@ static int parse_model_type(const char *path, const cJSON *root, cf_model_type *
     const cJSON *v = get(root, "model_type");
     if (!v) return cf_fail("%s: missing required key 'model_type'", path);
     if (!cJSON_IsString(v))
-        return cf_fail("%s: 'model_type' must be a string, got %s", path, json_kind(v));
+        return cf_fail("%s: 'model_type' must be a string, got %s", path, cf_json_kind(v));
     static const cf_model_type all[] = {CF_MODEL_LLAMA, CF_MODEL_MISTRAL, CF_MODEL_QWEN2, CF_MODEL_QWEN3};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
         if (strcmp(v->valuestring, cf_model_type_name(all[i])) == 0) { *out = all[i]; return 0; }
     char safe[65];
     return cf_fail("%s: unsupported model_type '%s' (supported: llama, mistral, qwen2, qwen3)", path,
-                   printable(v->valuestring, safe, sizeof safe));
+                   cf_printable(v->valuestring, safe, sizeof safe));
 }
 
 /* Fills c from a parsed config object. */
@@ -600,7 +583,7 @@ int cf_config_load(cf_config *cfg, const char *path) {
             goto done;
         }
     if (!cJSON_IsObject(root)) {
-        cf_fail("%s: expected a JSON object, got %s", path, json_kind(root));
+        cf_fail("%s: expected a JSON object, got %s", path, cf_json_kind(root));
         goto done;
     }
     cf_config c;

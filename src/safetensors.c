@@ -26,6 +26,7 @@
  * turns that silent mix of two checkpoints into a clear error at load.
  */
 #include "common.h"
+#include "json_util.h"
 #include "io.h"
 
 #include <cjson/cJSON.h>
@@ -119,15 +120,6 @@ static ssize_t pread_full(int fd, void *buf, size_t n, uint64_t off) {
     return (ssize_t)got;
 }
 
-static const char *json_kind(const cJSON *v) {
-    if (cJSON_IsString(v)) return "a string";
-    if (cJSON_IsBool(v)) return "a boolean";
-    if (cJSON_IsNull(v)) return "null";
-    if (cJSON_IsArray(v)) return "an array";
-    if (cJSON_IsObject(v)) return "an object";
-    if (cJSON_IsNumber(v)) return "a number";
-    return "an invalid value";
-}
 
 /* A JSON number that is an exact non-negative integer below 2^53. */
 static int json_u64(const cJSON *v, uint64_t *out) {
@@ -155,19 +147,11 @@ static cJSON *parse_json(const char *path, const char *what, const char *buf, si
             return NULL;
         }
     if (!cJSON_IsObject(root)) {
-        cf_fail("%s: %s must be a JSON object, got %s", path, what, json_kind(root));
+        cf_fail("%s: %s must be a JSON object, got %s", path, what, cf_json_kind(root));
         cJSON_Delete(root);
         return NULL;
     }
     return root;
-}
-
-/* A copy of s fit for a one-line message: control bytes become '?'. */
-static const char *printable(const char *s, char *buf, size_t cap) {
-    size_t i = 0;
-    for (; s[i] && i + 1 < cap; i++) buf[i] = (unsigned char)s[i] < 0x20 || s[i] == 0x7f ? '?' : s[i];
-    buf[i] = 0;
-    return buf;
 }
 
 /* Writes "[2, 3]" into out, for messages. */
@@ -228,14 +212,14 @@ static int parse_tensor(const char *path, const cJSON *e, uint64_t data_size, cf
     char safe[64];
     if (nlen >= CF_ST_MAX_NAME)
         return cf_fail("%s: tensor name '%.40s...' is %zu bytes, longer than the limit of %d", path,
-                       printable(name, safe, sizeof safe), nlen, CF_ST_MAX_NAME - 1);
+                       cf_printable(name, safe, sizeof safe), nlen, CF_ST_MAX_NAME - 1);
     for (size_t i = 0; i < nlen; i++)   /* names go into one-line messages */
         if ((unsigned char)name[i] < 0x20 || name[i] == 0x7f)
             return cf_fail("%s: tensor name '%s' contains control characters", path,
-                           printable(name, safe, sizeof safe));
+                           cf_printable(name, safe, sizeof safe));
     memcpy(t->name, name, nlen + 1);
     if (!cJSON_IsObject(e))
-        return cf_fail("%s: tensor '%s': expected an object, got %s", path, name, json_kind(e));
+        return cf_fail("%s: tensor '%s': expected an object, got %s", path, name, cf_json_kind(e));
 
     const cJSON *dt = cJSON_GetObjectItemCaseSensitive(e, "dtype");
     if (!cJSON_IsString(dt))
@@ -245,7 +229,7 @@ static int parse_tensor(const char *path, const cJSON *e, uint64_t data_size, cf
     else if (strcmp(dt->valuestring, "BF16") == 0) t->dtype = CF_DT_BF16;
     else
         return cf_fail("%s: tensor '%s': unsupported dtype '%s' (supported: F32, F16, BF16)", path, name,
-                       printable(dt->valuestring, safe, 17));
+                       cf_printable(dt->valuestring, safe, 17));
 
     const cJSON *sh = cJSON_GetObjectItemCaseSensitive(e, "shape");
     if (!cJSON_IsArray(sh)) return cf_fail("%s: tensor '%s': 'shape' missing or not an array", path, name);
@@ -291,13 +275,13 @@ static int parse_tensor(const char *path, const cJSON *e, uint64_t data_size, cf
  * Copies our save id, if present, into save_id ("" if absent). */
 static int parse_metadata(const char *path, const cJSON *m, char *save_id, size_t cap) {
     save_id[0] = 0;
-    if (!cJSON_IsObject(m)) return cf_fail("%s: __metadata__ must be an object, got %s", path, json_kind(m));
+    if (!cJSON_IsObject(m)) return cf_fail("%s: __metadata__ must be an object, got %s", path, cf_json_kind(m));
     for (const cJSON *e = m->child; e; e = e->next) {
         if (!cJSON_IsString(e))
         {
             char safe[65];
             return cf_fail("%s: __metadata__ value '%s' must be a string, got %s", path,
-                           printable(e->string ? e->string : "", safe, sizeof safe), json_kind(e));
+                           cf_printable(e->string ? e->string : "", safe, sizeof safe), cf_json_kind(e));
         }
         if (e->string && strcmp(e->string, ST_SAVE_ID_KEY) == 0)
             snprintf(save_id, cap, "%s", e->valuestring);
@@ -436,7 +420,7 @@ static int check_shard_name(const char *index_path, const char *name) {
     char safe[65];
     if (bad)
         return cf_fail("%s: weight_map names an invalid shard file '%s' (must be a plain file name)",
-                       index_path, printable(name, safe, sizeof safe));
+                       index_path, cf_printable(name, safe, sizeof safe));
     return 0;
 }
 
@@ -474,7 +458,7 @@ static int open_index(cf_st_archive *a, const char *index_path) {
     const char *index_id = NULL;
     const cJSON *meta = cJSON_GetObjectItemCaseSensitive(root, "metadata");
     if (meta && !cJSON_IsNull(meta)) {
-        if (!cJSON_IsObject(meta)) { cf_fail("%s: 'metadata' must be an object, got %s", index_path, json_kind(meta)); goto done; }
+        if (!cJSON_IsObject(meta)) { cf_fail("%s: 'metadata' must be an object, got %s", index_path, cf_json_kind(meta)); goto done; }
         const cJSON *id = cJSON_GetObjectItemCaseSensitive(meta, ST_SAVE_ID_KEY);
         if (cJSON_IsString(id)) index_id = id->valuestring;
     }
@@ -493,7 +477,7 @@ static int open_index(cf_st_archive *a, const char *index_path) {
         char safe[65];
         if (!cJSON_IsString(e)) {
             cf_fail("%s: weight_map['%s'] must be a file name, got %s", index_path,
-                    printable(e->string ? e->string : "", safe, sizeof safe), json_kind(e));
+                    cf_printable(e->string ? e->string : "", safe, sizeof safe), cf_json_kind(e));
             goto done;
         }
         if (check_shard_name(index_path, e->valuestring) != 0) goto done;
@@ -526,7 +510,7 @@ static int open_index(cf_st_archive *a, const char *index_path) {
     for (int i = 1; i < n; i++)
         if (strcmp(ents[i].tensor, ents[i - 1].tensor) == 0) {
             char safe[201];
-            cf_fail("%s: duplicate weight_map entry '%s'", index_path, printable(ents[i].tensor, safe, sizeof safe));
+            cf_fail("%s: duplicate weight_map entry '%s'", index_path, cf_printable(ents[i].tensor, safe, sizeof safe));
             goto done;
         }
     int i = 0, j = 0;
@@ -535,7 +519,7 @@ static int open_index(cf_st_archive *a, const char *index_path) {
         char safe[201];
         if (c < 0) {
             cf_fail("%s: weight_map says '%s' is in %s, but that file has no such tensor", index_path,
-                    printable(ents[i].tensor, safe, sizeof safe), ents[i].file);
+                    cf_printable(ents[i].tensor, safe, sizeof safe), ents[i].file);
             goto done;
         }
         if (c > 0) {
@@ -545,7 +529,7 @@ static int open_index(cf_st_archive *a, const char *index_path) {
         }
         if (strcmp(ents[i].file, base_name(a->files[a->tensors[j].file])) != 0) {
             cf_fail("%s: weight_map says '%s' is in %s, but that file has no such tensor", index_path,
-                    printable(ents[i].tensor, safe, sizeof safe), ents[i].file);
+                    cf_printable(ents[i].tensor, safe, sizeof safe), ents[i].file);
             goto done;
         }
         i++, j++;
@@ -681,7 +665,7 @@ static int validate_items(const char *path, const cf_st_item *items, int n, cf_d
             if (*c < 0x20 || *c > 0x7e) {
                 char safe[65];
                 return cf_fail("%s: tensor '%s': names must be printable ASCII", path,
-                               printable(it->name, safe, sizeof safe));
+                               cf_printable(it->name, safe, sizeof safe));
             }
         if (strcmp(it->name, "__metadata__") == 0) return cf_fail("%s: '__metadata__' is not a tensor name", path);
         if (it->ndim < 0 || it->ndim > CF_ST_MAX_DIMS)
