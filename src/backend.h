@@ -110,8 +110,6 @@ struct cf_backend {
                      int nh, int D);
     /* h = silu(gate) * up, over n elements */
     void (*swiglu_fwd)(cf_backend *b, void *h, const void *gate, const void *up, size_t n);
-    void (*swiglu_bwd)(cf_backend *b, void *dgate, void *dup, const void *dh, const void *gate,
-                       const void *up, size_t n);
     /* The SwiGLU backward of the MLP, reading gate and up of the forward
      * through the row index (so the filter never copies them): for i < n,
      * r = rows ? rows[i] : i, over F columns:

@@ -258,23 +258,9 @@ static void cpu_swiglu_fwd(cf_backend *b, void *h_, const void *gate_, const voi
     }
 }
 
-/* With sig = 1/(1+exp(-g)): silu = g sig, silu' = sig (1 + g (1 - sig))
- *   dgate = dh * u * silu'(g),  dup = dh * silu(g) */
-static void cpu_swiglu_bwd(cf_backend *b, void *dgate_, void *dup_, const void *dh_,
-                           const void *gate_, const void *up_, size_t n) {
-    float *dgate = dgate_, *dup = dup_;
-    const float *dh = dh_, *gate = gate_, *up = up_;
-#pragma omp parallel for schedule(static)
-    for (size_t i = 0; i < n; i++) {
-        const float g = gate[i];
-        const float sig = 1.0f / (1.0f + expf(-g));
-        const float silu = g * sig;
-        dgate[i] = dh[i] * up[i] * sig * (1.0f + g * (1.0f - sig));
-        dup[i] = dh[i] * silu;
-    }
-}
-
-/* SwiGLU backward on rows gathered through `rows` (see backend.h). */
+/* SwiGLU backward on rows gathered through `rows` (see backend.h). With
+ * sig = 1/(1+exp(-g)): silu = g sig, silu' = sig (1 + g (1 - sig));
+ * dgate = dh * u * silu'(g), dup = dh * silu(g). */
 static void cpu_swiglu_bwd_rows(cf_backend *b, void *h_, void *dgate_, void *dup_, const void *dh_,
                                 const void *gate_, const void *up_, const int *rows, int n, int F) {
     float *h = h_, *dgate = dgate_, *dup = dup_;
@@ -492,7 +478,6 @@ cf_backend *cf_backend_cpu_create(void) {
     b->rope_fwd = cpu_rope_fwd;
     b->rope_bwd = cpu_rope_bwd;
     b->swiglu_fwd = cpu_swiglu_fwd;
-    b->swiglu_bwd = cpu_swiglu_bwd;
     b->swiglu_bwd_rows = cpu_swiglu_bwd_rows;
     b->add = cpu_add;
     b->attention_fwd = cpu_attention_fwd;

@@ -267,27 +267,6 @@ __device__ __forceinline__ void swiglu_grad(float g, float u, float dh, float *d
     *dg = dh * u * sig * (1.f + g * (1.f - sig));
     *du = dh * g * sig;
 }
-static __global__ void swiglu_bwd_kernel(bf16 *dgate, bf16 *dup, const bf16 *dh, const bf16 *gate, const bf16 *up,
-                                  size_t n) {
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        float dg, du;
-        swiglu_grad(__bfloat162float(gate[i]), __bfloat162float(up[i]), __bfloat162float(dh[i]), &dg, &du);
-        dgate[i] = __float2bfloat16_rn(dg);
-        dup[i] = __float2bfloat16_rn(du);
-    }
-}
-static __global__ void swiglu_bwd_vec_kernel(pack8 *dgate, pack8 *dup, const pack8 *dh, const pack8 *gate,
-                                      const pack8 *up, size_t n8) {
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n8; i += (size_t)gridDim.x * blockDim.x) {
-        float g[8], u[8], d[8], dg[8], du[8];
-        unpack8(gate[i], g);
-        unpack8(up[i], u);
-        unpack8(dh[i], d);
-        for (int k = 0; k < 8; k++) swiglu_grad(g[k], u[k], d[k], &dg[k], &du[k]);
-        dgate[i] = pack8_from(dg);
-        dup[i] = pack8_from(du);
-    }
-}
 
 /* SwiGLU backward with gate/up read through the row index; also writes the
  * recomputed product h (the down projection's input) for the kept rows. */
@@ -344,17 +323,6 @@ static void cu_swiglu_fwd(cf_backend *b, void *h, const void *gate, const void *
         swiglu_fwd_vec_kernel<<<grid_for(n / 8, 256), 256>>>((pack8 *)h, (const pack8 *)gate, (const pack8 *)up, n / 8);
     else
         swiglu_fwd_kernel<<<grid_for(n, 256), 256>>>((bf16 *)h, (const bf16 *)gate, (const bf16 *)up, n);
-    CK_LAUNCH();
-}
-static void cu_swiglu_bwd(cf_backend *b, void *dgate, void *dup, const void *dh, const void *gate,
-                          const void *up, size_t n) {
-    if (!n) return;
-    if (n % 8 == 0 && aligned16(dgate) && aligned16(dup) && aligned16(dh) && aligned16(gate) && aligned16(up))
-        swiglu_bwd_vec_kernel<<<grid_for(n / 8, 256), 256>>>((pack8 *)dgate, (pack8 *)dup, (const pack8 *)dh,
-                                                            (const pack8 *)gate, (const pack8 *)up, n / 8);
-    else
-        swiglu_bwd_kernel<<<grid_for(n, 256), 256>>>((bf16 *)dgate, (bf16 *)dup, (const bf16 *)dh,
-                                                    (const bf16 *)gate, (const bf16 *)up, n);
     CK_LAUNCH();
 }
 
@@ -1174,7 +1142,6 @@ extern "C" cf_backend *cf_backend_cuda_create(void) {
     b->rope_fwd = cu_rope_fwd;
     b->rope_bwd = cu_rope_bwd;
     b->swiglu_fwd = cu_swiglu_fwd;
-    b->swiglu_bwd = cu_swiglu_bwd;
     b->add = cu_add;
     b->attention_fwd = cu_attention_fwd;
     b->attention_bwd = cu_attention_bwd;

@@ -392,7 +392,7 @@ TEST(swiglu_fwd_and_bwd_match_reference_and_finite_differences) {
     cf_rng r;
     cf_rng_seed(&r, 401);
     enum { n = 64 };
-    float g[n], u[n], h[n], R[n], dg[n], du[n];
+    float g[n], u[n], h[n], h2[n], R[n], dg[n], du[n];
     fill_normal(g, n, &r, 3);
     g[0] = -90.0f; /* exp(-g) overflows: h must be -0, not NaN */
     g[1] = 90.0f;
@@ -400,7 +400,7 @@ TEST(swiglu_fwd_and_bwd_match_reference_and_finite_differences) {
     fill_normal(R, n, &r, 1);
     be->swiglu_fwd(be, h, g, u, n);
     for (int i = 0; i < n; i++) CHECK_CLOSE(h[i], silu_d(g[i]) * u[i], FWD_TOL);
-    be->swiglu_bwd(be, dg, du, R, g, u, n);
+    be->swiglu_bwd_rows(be, h2, dg, du, R, g, u, NULL, 1, n);   /* one row of n columns */
     swi_ctx c = {n, to_double(g, n), to_double(u, n), to_double(R, n)};
     double gg[n], gu[n];
     fd_grad(gg, c.g, n, swi_loss, &c);
@@ -1101,7 +1101,7 @@ TEST(reductions_are_bitwise_identical_for_one_and_many_threads) {
 }
 
 
-TEST(swiglu_bwd_rows_equals_gather_then_swiglu_bwd_and_recomputes_h) {
+TEST(swiglu_bwd_rows_through_the_index_equals_explicit_gather_and_recomputes_h) {
     enum { T = 9, F = 12, N = 4 };
     const int rows[N] = {0, 3, 4, 8};
     float gate[T * F], up[T * F], dh[N * F];
@@ -1113,7 +1113,8 @@ TEST(swiglu_bwd_rows_equals_gather_then_swiglu_bwd_and_recomputes_h) {
     be->gather_rows(be, g2, gate, rows, N, F * sizeof(float));
     be->gather_rows(be, u2, up, rows, N, F * sizeof(float));
     be->swiglu_fwd(be, h_ref, g2, u2, N * F);
-    be->swiglu_bwd(be, dg_ref, du_ref, dh, g2, u2, N * F);
+    be->swiglu_bwd_rows(be, h_ref, dg_ref, du_ref, dh, g2, u2, NULL, N, F);   /* explicit gather, then no index */
+    be->swiglu_fwd(be, h_ref, g2, u2, N * F);
     be->swiglu_bwd_rows(be, h, dg, du, dh, gate, up, rows, N, F);
     CHECK(rel_err(h, h_ref, N * F) < 1e-6);   /* silu(g)*u, rounding may differ in the last bit */
     CHECK(memcmp(dg, dg_ref, sizeof dg) == 0);
@@ -1141,7 +1142,7 @@ int main(void) {
     RUN(rope_bwd_inverts_rope_fwd);
     RUN(rope_bwd_matches_finite_differences);
     RUN(swiglu_fwd_and_bwd_match_reference_and_finite_differences);
-    RUN(swiglu_bwd_rows_equals_gather_then_swiglu_bwd_and_recomputes_h);
+    RUN(swiglu_bwd_rows_through_the_index_equals_explicit_gather_and_recomputes_h);
     RUN(add_works_out_of_place_and_in_place);
     RUN(embedding_fwd_copies_token_rows);
     RUN(embedding_bwd_sums_repeated_tokens_in_row_order_bitwise);
