@@ -8,7 +8,8 @@ CC      ?= gcc
 MARCH   ?= $(if $(shell grep -m1 -ow avx2 /proc/cpuinfo 2>/dev/null),-march=x86-64-v3,-march=x86-64-v2)
 OPT     ?= -O3
 CFLAGS  ?= $(OPT) -g $(MARCH)
-CFLAGS  += -std=c11 -D_GNU_SOURCE -Wall -Wextra -Wno-unused-parameter -fopenmp -Iinclude -Isrc
+# -fPIC: the same objects make the static and the shared library
+CFLAGS  += -std=c11 -D_GNU_SOURCE -Wall -Wextra -Wno-unused-parameter -fopenmp -fPIC -Iinclude -Isrc
 # OpenBLAS built on OpenMP: its threads and ours share one pool (the pthread
 # build fights OpenMP's spinning threads for the cores and runs ~2x slower).
 BLAS_DIR := $(firstword $(wildcard /usr/lib/x86_64-linux-gnu/openblas-openmp /usr/lib/aarch64-linux-gnu/openblas-openmp))
@@ -19,20 +20,25 @@ endif
 ifneq ($(BLAS_DIR),)
 LDLIBS  += -L$(BLAS_DIR) -Wl,-rpath,$(BLAS_DIR)
 endif
-LDLIBS  += -lopenblas -lcjson -lm -fopenmp
+LDLIBS  += -lopenblas -lcjson -lpcre2-8 -lutf8proc -lm -fopenmp
 
 BUILD   ?= build
 BIN     ?= centrifuge
-# main.c holds main(); everything else is the engine library.
-LIB_SRC := $(filter-out src/main.c,$(wildcard src/*.c))
+# The layers (docs/ARCHITECTURE.md): src/cmd holds the commands (main.c and
+# one file per command); the library is everything below it.
+LIB_DIRS := src/base src/formats src/engine src/dist src/backend/cpu src/backend/cuda
+LIB_SRC := $(foreach d,$(LIB_DIRS),$(wildcard $(d)/*.c))
 LIB_OBJ := $(patsubst src/%.c,$(BUILD)/obj/%.o,$(LIB_SRC))
+CMD_SRC := $(wildcard src/cmd/*.c)
+CMD_OBJ := $(patsubst src/%.c,$(BUILD)/obj/%.o,$(CMD_SRC))
+ALL_H   := include/centrifuge.h $(wildcard src/*/*.h src/*/*/*.h)
 TEST_SRC := $(wildcard tests/test_*.c)
 TEST_BIN := $(patsubst tests/%.c,$(BUILD)/tests/%,$(TEST_SRC))
 DEPS_STAMP := $(BUILD)/.deps-ok
 
-.PHONY: all test test-unit test-cli deps clean demo cuda test-gpu test-asan fuzz
+.PHONY: all test test-unit test-cli test-example deps clean demo cuda test-gpu test-asan fuzz install lib
 
-all: $(BIN)
+all: $(BIN) lib
 
 $(DEPS_STAMP):
 	@tools/install_deps.sh
@@ -40,7 +46,7 @@ $(DEPS_STAMP):
 
 deps: $(DEPS_STAMP)
 
-$(BUILD)/obj/%.o: src/%.c $(wildcard src/*.h) include/centrifuge.h | $(DEPS_STAMP)
+$(BUILD)/obj/%.o: src/%.c $(ALL_H) | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -c $< -o $@
 
@@ -48,14 +54,23 @@ $(BUILD)/libcentrifuge.a: $(LIB_OBJ)
 	@rm -f $@
 	ar rcs $@ $^
 
-$(BIN): $(BUILD)/obj/main.o $(BUILD)/libcentrifuge.a
+# the shared library: soname libcentrifuge.so.$(SOVERSION)
+SOVERSION := 0
+$(BUILD)/libcentrifuge.so: $(LIB_OBJ)
+	$(CC) -shared -Wl,-soname,libcentrifuge.so.$(SOVERSION) $(CFLAGS) $^ -o $@ $(LDLIBS)
+
+lib: $(BUILD)/libcentrifuge.a $(BUILD)/libcentrifuge.so
+
+$(BIN): $(CMD_OBJ) $(BUILD)/libcentrifuge.a
 	$(CC) $(CFLAGS) $^ -o $@ $(LDLIBS)
 
-$(BUILD)/tests/%: tests/%.c tests/test.h $(BUILD)/libcentrifuge.a
+# tests link the library and the commands' helpers (datagen), not main()
+TEST_LINK := $(filter-out $(BUILD)/obj/cmd/main.o,$(CMD_OBJ)) $(BUILD)/libcentrifuge.a
+$(BUILD)/tests/%: tests/%.c tests/test.h $(TEST_LINK)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) $< $(BUILD)/libcentrifuge.a -o $@ $(LDLIBS)
+	$(CC) $(CFLAGS) $< $(TEST_LINK) -o $@ $(LDLIBS)
 
-test: test-unit test-cli
+test: test-unit test-cli test-example
 
 test-unit: $(TEST_BIN)
 	@set -e; for t in $(TEST_BIN); do echo "== $$t"; OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $$t; done
@@ -65,6 +80,38 @@ test-cli: $(BIN)
 
 demo: centrifuge
 	./centrifuge demo
+
+# ------------------------------------------------------------------ install
+# make install PREFIX=/opt/centrifuge: the CLI, the static and shared
+# library, the public headers and a pkg-config file (centrifuge.pc).
+PREFIX  ?= /usr/local
+LIBDIR  ?= $(PREFIX)/lib
+INCDIR  ?= $(PREFIX)/include
+PUBLIC_H := include/centrifuge.h $(wildcard include/centrifuge_*.h)
+
+install: $(BIN) lib
+	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(LIBDIR)/pkgconfig $(DESTDIR)$(INCDIR)
+	install -m 755 $(BIN) $(DESTDIR)$(PREFIX)/bin/centrifuge
+	install -m 644 $(BUILD)/libcentrifuge.a $(DESTDIR)$(LIBDIR)/
+	install -m 755 $(BUILD)/libcentrifuge.so $(DESTDIR)$(LIBDIR)/libcentrifuge.so.$(SOVERSION)
+	ln -sf libcentrifuge.so.$(SOVERSION) $(DESTDIR)$(LIBDIR)/libcentrifuge.so
+	install -m 644 $(PUBLIC_H) $(DESTDIR)$(INCDIR)/
+	sed -e 's|@PREFIX@|$(PREFIX)|; s|@LIBDIR@|$(LIBDIR)|; s|@INCDIR@|$(INCDIR)|; s|@VERSION@|$(shell sed -n 's/^#define CF_VERSION "\(.*\)"/\1/p' include/centrifuge.h)|; s|@PRIVATE_LIBS@|$(strip $(LDLIBS))|' \
+	    tools/centrifuge.pc.in > $(DESTDIR)$(LIBDIR)/pkgconfig/centrifuge.pc
+
+# The example programs, built against an installed copy of the library
+# (through pkg-config, public headers only) and run.
+EXAMPLE_PREFIX := $(abspath $(BUILD))/prefix
+test-example: $(BIN) lib
+	@$(MAKE) --no-print-directory install PREFIX=$(EXAMPLE_PREFIX) >/dev/null
+	@set -e; for e in examples/*.c; do \
+	  b=$(BUILD)/examples/$$(basename $$e .c); mkdir -p $(BUILD)/examples; \
+	  echo "== $$e (installed library, pkg-config)"; \
+	  $(CC) -std=c11 -Wall -Wextra -Werror $$e -o $$b \
+	    $$(PKG_CONFIG_PATH=$(EXAMPLE_PREFIX)/lib/pkgconfig pkg-config --cflags --libs centrifuge) \
+	    -Wl,-rpath,$(EXAMPLE_PREFIX)/lib; \
+	  OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $$b; \
+	done
 
 clean:
 	rm -rf $(BUILD) centrifuge centrifuge-cuda

@@ -1,33 +1,46 @@
 # cuda.mk — the CUDA build, included by the Makefile.
 #
 #   make cuda        ./centrifuge-cuda: every C source compiled with -DCF_WITH_CUDA
-#                    plus src/*.cu (bf16 kernels, cuBLASLt), objects in build/cuda/
+#                    plus src/backend/cuda/*.cu and src/backend/cuda/attention/*.cu
+#                    (bf16 kernels, cuBLASLt), objects in build/cuda/
 #   make test-gpu    builds and runs tests/gpu/test_*.c (CPU backend vs CUDA backend)
 #   make bench-gpu   builds and runs tests/gpu/bench_attention
 #
 # Variables:
 #   NVCC, CUDA_HOME      the toolkit (default: the nvcc on PATH)
-#   CUDA_GENCODE         default sm_90a + sm_90 (Hopper)
+#   CUDA_GENCODE         default: a fat binary of sm_80 SASS (runs on sm_80/86/89:
+#                        A100, RTX 30xx/40xx, L4), sm_90a SASS (H100/H200) and
+#                        compute_90 PTX (JIT-compiled on newer GPUs)
+#   CUDA_PORTABLE=1      sm_80 SASS + compute_80 PTX only, with -DCF_CUDA_PORTABLE=1:
+#                        the portable code path on every GPU (no sm_90-only code)
 #   DEPS_ROOT=dir        a tree with usr/include and usr/lib/x86_64-linux-gnu holding
 #                        OpenBLAS and cJSON (e.g. Debian packages unpacked with
 #                        dpkg -x), for machines where they are not installed
 #   CUDA_C_SRC           the C sources of the CUDA library (default: all of src/ but
 #                        main.c; tests link only what they use)
 #   CUDA_DEFS            extra nvcc flags, e.g. the CF_ATTN_* tuning macros of
-#                        src/attention_cuda.cu for A/B timing builds (with BUILD=...)
+#                        src/backend/cuda/attention/common.cuh for A/B timing builds
+#                        (with BUILD=...)
 # These rules never run tools/install_deps.sh.
 
 comma        := ,
 NVCC         ?= nvcc
 CUDA_HOME    ?= $(patsubst %/bin/nvcc,%,$(realpath $(shell command -v $(NVCC) 2>/dev/null)))
-CUDA_GENCODE ?= -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_90,code=sm_90
-NVCCFLAGS    ?= -O3 -std=c++17 -lineinfo $(CUDA_GENCODE) -Xcompiler -Wall
+ifeq ($(CUDA_PORTABLE),1)
+CUDA_GENCODE ?= -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_80,code=compute_80
+CUDA_DEFS    ?= -DCF_CUDA_PORTABLE=1
+else
+CUDA_GENCODE ?= -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90a,code=sm_90a \
+                -gencode=arch=compute_90,code=compute_90
+endif
+# -fPIC as in CFLAGS: the objects may go into a shared library
+NVCCFLAGS    ?= -O3 -std=c++17 -lineinfo $(CUDA_GENCODE) -Xcompiler -Wall,-Wextra,-Wno-unused-parameter,-fPIC
 CUDA_DEFS    ?=
 NVCCFLAGS    += -Iinclude -Isrc $(CUDA_DEFS)
 CUDA_INC     := -I$(CUDA_HOME)/include -I$(CUDA_HOME)/targets/x86_64-linux/include
 CUDA_LIBDIR  := $(CUDA_HOME)/lib64 $(CUDA_HOME)/targets/x86_64-linux/lib
 CUDA_LDLIBS  := $(addprefix -L,$(CUDA_LIBDIR)) $(addprefix -Wl$(comma)-rpath$(comma),$(CUDA_LIBDIR)) \
-                -lcublasLt -lcublas -lcudart -lstdc++
+                -lcublasLt -lcublas -lcudart -lnccl -lstdc++
 
 ifneq ($(DEPS_ROOT),)
 DEPS_ABS := $(abspath $(DEPS_ROOT))
@@ -39,9 +52,9 @@ LDLIBS  := $(addprefix -L,$(DEPS_LIBDIRS)) $(addprefix -Wl$(comma)-rpath$(comma)
 endif
 
 CUDA_BUILD   := $(BUILD)/cuda
-CUDA_C_SRC   ?= $(LIB_SRC)
+CUDA_C_SRC   ?= $(LIB_SRC) $(filter-out src/cmd/main.c,$(CMD_SRC))
 CUDA_C_OBJ   := $(patsubst src/%.c,$(CUDA_BUILD)/obj/%.o,$(CUDA_C_SRC))
-CUDA_CU_SRC  := $(wildcard src/*.cu)
+CUDA_CU_SRC  := $(wildcard src/backend/cuda/*.cu src/backend/cuda/attention/*.cu)
 CUDA_CU_OBJ  := $(patsubst src/%.cu,$(CUDA_BUILD)/cu/%.o,$(CUDA_CU_SRC))
 CUDA_LIB     := $(CUDA_BUILD)/libcentrifuge-cuda.a
 GPU_TEST_SRC := $(wildcard tests/gpu/test_*.c)
@@ -50,11 +63,12 @@ GPU_BENCH_BIN := $(CUDA_BUILD)/tests/bench_attention
 
 .PHONY: bench-gpu
 
-$(CUDA_BUILD)/obj/%.o: src/%.c $(wildcard src/*.h) include/centrifuge.h
+# C sources may include backend/cuda/context.h (CUDA runtime and cuBLASLt headers)
+$(CUDA_BUILD)/obj/%.o: src/%.c $(ALL_H)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -DCF_WITH_CUDA -c $< -o $@
+	$(CC) $(CFLAGS) -DCF_WITH_CUDA $(CUDA_INC) -c $< -o $@
 
-$(CUDA_BUILD)/cu/%.o: src/%.cu $(wildcard src/*.h) include/centrifuge.h
+$(CUDA_BUILD)/cu/%.o: src/%.cu $(ALL_H) $(wildcard src/backend/cuda/*.cuh src/backend/cuda/attention/*.cuh)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -c $< -o $@
 
@@ -64,7 +78,7 @@ $(CUDA_LIB): $(CUDA_C_OBJ) $(CUDA_CU_OBJ)
 
 cuda: centrifuge-cuda
 
-centrifuge-cuda: $(CUDA_BUILD)/obj/main.o $(CUDA_LIB)
+centrifuge-cuda: $(CUDA_BUILD)/obj/cmd/main.o $(CUDA_LIB)
 	$(CC) $(CFLAGS) $^ -o $@ $(LDLIBS) $(CUDA_LDLIBS)
 
 $(CUDA_BUILD)/tests/%: tests/gpu/%.c tests/test.h $(CUDA_LIB)

@@ -19,7 +19,7 @@ FUZZ_SMOKE_SECONDS ?= 3
 FUZZ_DIR     := build/fuzz
 FUZZ_NAMES   := fuzz_config fuzz_safetensors fuzz_shards
 FUZZ_BINS    := $(addprefix $(FUZZ_DIR)/,$(FUZZ_NAMES))
-FUZZ_READERS := src/config.c src/safetensors.c src/shards.c src/common.c
+FUZZ_READERS := src/formats/config.c src/formats/safetensors.c src/formats/shards.c src/base/common.c
 FUZZ_CFLAGS  := -g -O1 -fno-omit-frame-pointer -fsanitize=fuzzer,address,undefined \
                 -fno-sanitize-recover=undefined -std=c11 -D_GNU_SOURCE -Wall -Wextra \
                 -Wno-unused-parameter -Iinclude -Isrc
@@ -28,7 +28,7 @@ $(FUZZ_DIR)/.deps-ok:
 	@tools/install_deps.sh --with-fuzz
 	@mkdir -p $(FUZZ_DIR) && touch $@
 
-$(FUZZ_BINS): $(FUZZ_DIR)/%: tests/fuzz/%.c tests/fuzz/fuzz_targets.h $(FUZZ_READERS) $(wildcard src/*.h) \
+$(FUZZ_BINS): $(FUZZ_DIR)/%: tests/fuzz/%.c tests/fuzz/fuzz_targets.h $(FUZZ_READERS) $(ALL_H) \
               include/centrifuge.h | $(FUZZ_DIR)/.deps-ok
 	$(FUZZ_CC) $(FUZZ_CFLAGS) $< $(FUZZ_READERS) -o $@ -lcjson -lm
 

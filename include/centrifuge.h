@@ -16,6 +16,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #ifdef __cplusplus
 extern "C" {
@@ -86,6 +87,8 @@ size_t cf_config_num_params(const cf_config *cfg);
 /* ------------------------------------------------------------------ model */
 
 typedef enum { CF_BACKEND_CPU = 0, CF_BACKEND_CUDA = 1 } cf_backend_kind;
+/* "cpu" or "cuda" (also "cuda:N", setting *device to N when device != NULL). */
+int cf_backend_parse(const char *s, cf_backend_kind *out, int *device);
 
 /* The four backward modes of DESIGN §1. */
 typedef enum {
@@ -96,6 +99,8 @@ typedef enum {
 } cf_mode;
 const char *cf_mode_name(cf_mode m);
 int cf_mode_parse(const char *s, cf_mode *out);
+/* Modes whose backward runs on the kept rows only (centrifuge, strawman). */
+int cf_mode_is_compact(cf_mode m);
 
 typedef enum { CF_SELECT_REF = 0, CF_SELECT_SELF, CF_SELECT_RANDOM } cf_select_kind;
 const char *cf_select_name(cf_select_kind k);
@@ -103,6 +108,22 @@ int cf_select_parse(const char *s, cf_select_kind *out);
 
 typedef struct cf_model cf_model;
 
+/* How to open a model: from a built-in name or config.json (fresh weights
+ * from seed), or from a HF model directory. */
+typedef struct {
+    const char *config;        /* built-in name or path of a config.json, or NULL   */
+    const char *model_dir;     /* HF directory (config.json + safetensors), or NULL  */
+    cf_backend_kind backend;
+    int device;                /* GPU index for CF_BACKEND_CUDA                      */
+    uint64_t seed;             /* initialisation of fresh weights                    */
+    /* Comma-separated substrings of parameter names to freeze (no master
+     * copy, gradient or optimizer state), e.g. "embed_tokens,lm_head"; or NULL. */
+    const char *freeze;
+} cf_model_opts;
+
+/* Opens a model as opts says; config and model_dir exclusive (neither:
+ * the built-in "tiny"). */
+cf_model *cf_model_open(const cf_model_opts *opts);
 /* A model with freshly initialised weights (deterministic in seed). */
 cf_model *cf_model_create(const cf_config *cfg, cf_backend_kind backend, uint64_t seed);
 /* A model from a HF directory (config.json + model.safetensors or
@@ -119,34 +140,71 @@ const cf_config *cf_model_config(const cf_model *m);
 int cf_model_num_tensors(const cf_model *m);
 const char *cf_model_tensor_name(const cf_model *m, int i);
 size_t cf_model_tensor_numel(const cf_model *m, int i);
-/* fp32 host copies of a parameter tensor and of its gradient. */
+/* Whether tensor i is trained (has a gradient and optimizer state). */
+int cf_model_tensor_trainable(const cf_model *m, int i);
+/* fp32 host copies of a parameter tensor and of its gradient (a frozen
+ * tensor has no gradient: cf_model_get_grad fails). */
 int cf_model_get_param(cf_model *m, int i, float *out);
 int cf_model_set_param(cf_model *m, int i, const float *in);
 int cf_model_get_grad(cf_model *m, int i, float *out);
 size_t cf_model_num_params(const cf_model *m);
+size_t cf_model_num_trainable(const cf_model *m);
+
+/* Enables document masking for later forwards: a token equal to bos starts
+ * a new document (positions restart, no attention across documents). */
+void cf_model_set_doc_mask(cf_model *m, int bos_token_id);
 
 /* Forward over B rows of S positions. tokens has B*(S+1) ids laid out as
  * B rows of S+1 (inputs are [0,S), targets [1,S]). Writes the per-token
- * loss of all B*S positions to losses (host, may be NULL) and returns 0. */
+ * loss of all B*S positions to losses (host) if losses != NULL; with NULL
+ * the losses stay on the device (no host synchronisation). */
 int cf_forward(cf_model *m, const int32_t *tokens, int B, int S, float *losses);
 
-/* Selection: fills keep (host, B*S bytes of 0/1) from per-token target
- * losses and reference losses (ref may be NULL for select self/random).
- * keep_frac in (0,1]; per_batch selects over the whole micro-batch instead
- * of per sequence. Ties break by lower position. Returns kept count. */
-int cf_select(const float *losses, const float *ref, int B, int S, float keep_frac,
+/* Selection on the host: fills keep (B*S bytes of 0/1) from per-token
+ * target losses and reference losses (ref may be NULL for select
+ * self/random). keep_frac in (0,1]; per_batch selects over the whole
+ * micro-batch instead of per sequence. Ties break by lower position.
+ * Returns the kept count. */
+int cf_select(const float *losses, const float *ref, int B, int S, double keep_frac,
               cf_select_kind kind, int per_batch, uint64_t seed, uint8_t *keep);
+/* How many of n positions selection keeps: round(keep * n), at least 1,
+ * with keep taken as the decimal the user wrote (0.35 of 10 is 4). */
+int cf_select_kept_count(double keep, int n);
+
+/* The kept rows of one forward pass: made by selection (or from a mask),
+ * consumed by the filter and the backward of that same forward. Later
+ * forwards and selections invalidate it: using it then fails. */
+typedef struct {
+    uint64_t id;   /* which selection of this model made it */
+    int n;         /* number of kept rows                    */
+} cf_kept;
+
+typedef struct {
+    cf_select_kind kind;
+    double keep;       /* fraction kept per group, (0, 1]                 */
+    int per_batch;     /* one group per micro-batch instead of per sequence */
+    uint64_t seed;     /* for CF_SELECT_RANDOM                            */
+} cf_select_opts;
+
+/* Selects from the last forward's losses (and ref, host [B*S], for select
+ * ref); on the device where the backend can (no host round trip). */
+int cf_select_kept(cf_model *m, const float *ref, const cf_select_opts *o, cf_kept *out);
+/* Kept rows from a host mask (B*S bytes of 0/1) of the last forward. */
+int cf_kept_from_mask(cf_model *m, const uint8_t *mask, cf_kept *out);
+/* Host copy of the mask of kept rows (B*S bytes). */
+int cf_kept_mask(cf_model *m, const cf_kept *kept, uint8_t *mask);
 
 /* The filter operator: compacts every saved token-major activation of the
- * last forward to the kept rows (keep is host 0/1 of B*S). Needed before a
- * centrifuge or strawman backward. */
-int cf_filter_backward(cf_model *m, const uint8_t *keep);
+ * last forward to the kept rows. cf_backward in a compact mode does it
+ * itself when it has not been done; call it to time it separately. */
+int cf_filter(cf_model *m, const cf_kept *kept);
 
-/* Backward of the last forward in the given mode. keep may be NULL for
- * regular. loss_scale multiplies the loss (1/grad_accum). Gradients are
- * accumulated into the model's gradient buffer. Returns 0. The mean loss
- * that was differentiated is written to *loss if non-NULL. */
-int cf_backward(cf_model *m, cf_mode mode, const uint8_t *keep, float loss_scale, float *loss);
+/* Backward of the last forward in the given mode. kept may be NULL for
+ * regular. The differentiated loss is the mean over the counted rows
+ * (all for regular, kept otherwise) times loss_scale (e.g. 1/grad_accum).
+ * Gradients accumulate into the model's gradient buffer. The mean loss
+ * is written to *loss if loss != NULL (a host synchronisation). */
+int cf_backward(cf_model *m, cf_mode mode, const cf_kept *kept, float loss_scale, float *loss);
 
 void cf_zero_grad(cf_model *m);
 
@@ -157,18 +215,206 @@ typedef struct {
 
 /* One AdamW step on the accumulated gradients (clipped to grad_clip by the
  * global norm). Returns the pre-clip gradient norm in *grad_norm. If the
- * norm is not finite the step is skipped and 1 is returned. */
+ * norm is not finite the step is skipped and 1 is returned. Weight decay
+ * applies to matrices only. */
 int cf_step(cf_model *m, const cf_adamw_params *p, float *grad_norm);
 /* Optimizer state for checkpoints: step count and the m, v moments. */
 int64_t cf_optimizer_steps(const cf_model *m);
 
 /* Learning rate of step `step` (0-based) with linear warmup then cosine
  * decay to min_lr at total_steps. */
-float cf_lr_schedule(int step, int warmup, int total, float max_lr, float min_lr);
+float cf_lr_schedule(int64_t step, int64_t warmup, int64_t total, float max_lr, float min_lr);
 
 /* Timing of the last forward/filter/backward/step, in seconds. */
 typedef struct { double forward, filter, backward, optimizer; } cf_timings;
-void cf_model_timings(const cf_model *m, cf_timings *t);
+/* The stage times recorded since the last call (waits for the device). */
+void cf_model_timings(cf_model *m, cf_timings *t);
+
+/* Per-op-category profiling (each op bracketed by a device sync). */
+enum { CF_PROF_GEMM, CF_PROF_ATTN, CF_PROF_LMHEAD, CF_PROF_NORM, CF_PROF_ROPE, CF_PROF_ELTWISE, CF_PROF_N };
+const char *cf_prof_name(int category);
+void cf_model_set_profile(cf_model *m, int on);
+/* Seconds per category of the last forward (out[0]) and backward (out[1]). */
+void cf_model_profile(const cf_model *m, double out[2][CF_PROF_N]);
+/* Peak device bytes allocated (0 where the backend does not track it). */
+size_t cf_model_memory_peak(const cf_model *m);
+
+/* Logits of row t of the last forward into host out[vocab_size] (fp32). */
+int cf_model_logits_row(cf_model *m, int t, float *out);
+
+/* ------------------------------------------------------------- training */
+
+/* The training step of the library: for each micro-batch forward ->
+ * selection -> filter -> backward (gradients accumulate), then gradient
+ * reduction (data parallel) -> clipping -> AdamW. The loss of a step is
+ * the mean over every counted token of the step's micro-batches, so the
+ * gradient does not depend on how the batch is split. */
+typedef struct {
+    cf_mode mode;
+    cf_select_opts select;   /* ignored in regular mode                    */
+    int batch, seq;          /* micro-batch shape B x S                    */
+    int grad_accum;          /* micro-batches per optimizer step (>= 1)    */
+    cf_adamw_params adamw;   /* lr is overridden by cf_trainer_step's lr   */
+} cf_train_opts;
+
+typedef struct {
+    const int32_t *tokens;   /* B*(S+1) ids, rows of S+1                   */
+    const float *ref;        /* B*S reference losses (select ref) or NULL  */
+} cf_micro_batch;
+
+typedef struct {
+    double loss;             /* mean loss over the counted tokens          */
+    int64_t tokens;          /* tokens in the step (all micro-batches)     */
+    int64_t kept;            /* counted (kept) tokens                      */
+    float grad_norm;         /* before clipping                            */
+    int skipped;             /* 1 if the step was skipped (non-finite)     */
+    cf_timings t;            /* summed over micro-batches                  */
+} cf_step_stats;
+
+typedef struct cf_trainer cf_trainer;
+cf_trainer *cf_trainer_create(cf_model *m, const cf_train_opts *o);
+void cf_trainer_free(cf_trainer *t);
+/* One optimizer step over mb[0 .. grad_accum). A step whose loss or
+ * gradient norm is not finite is skipped (no update, gradients cleared)
+ * and reported in st->skipped; that is not an error (returns 0). */
+int cf_trainer_step(cf_trainer *t, const cf_micro_batch *mb, float lr, cf_step_stats *st);
+/* The index of the next step (0 for a fresh run; the checkpoint's step on
+ * resume): random selection is seeded by it, so a resumed run selects as
+ * the uninterrupted one would. */
+void cf_trainer_set_step(cf_trainer *t, int64_t step);
+/* Data-parallel rank and world size of the trainer (0 and 1 alone). */
+int cf_trainer_rank(const cf_trainer *t);
+int cf_trainer_world(const cf_trainer *t);
+
+/* ------------------------------------------------------- data parallel */
+
+/* Data-parallel training with ZeRO-1 over NCCL, one process per GPU,
+ * launched by torchrun, srun or mpirun (docs/DISTRIBUTED.md). */
+typedef struct cf_dist cf_dist;
+
+/* Reads the launch environment. A single process (no launcher variables,
+ * or a world of 1) gives *out = NULL and returns 0. Otherwise picks this
+ * rank's GPU (its local rank) and creates the communicator, waiting at most
+ * timeout_s for the other ranks (<= 0: 600 s); every later collective has
+ * the same bound, so a dead or hung rank makes the others fail, not hang. */
+int cf_dist_init(cf_dist **out, double timeout_s);
+void cf_dist_free(cf_dist *d);
+/* Aborts the communicator at once (peers then fail fast). */
+void cf_dist_abort(cf_dist *d);
+int cf_dist_rank(const cf_dist *d);
+int cf_dist_world(const cf_dist *d);
+int cf_dist_device(const cf_dist *d);
+/* "torchrun: rank 1 of 2 (local 1 of 2), rendezvous ..." */
+const char *cf_dist_describe(const cf_dist *d);
+/* Opens the model on this rank's GPU with its ZeRO-1 shard of master
+ * weights and AdamW state and the gradient reduction installed:
+ * cf_trainer_step then trains the global batch of all ranks. */
+cf_model *cf_dist_open_model(cf_dist *d, const cf_model_opts *o);
+/* Fails on every rank unless all ranks pass the same value (e.g. a hash of
+ * the arguments): "ranks disagree on <what>". */
+int cf_dist_agree(cf_dist *d, uint64_t value, const char *what);
+/* Checkpoints of a data-parallel run: rank 0 writes the model (bf16) and
+ * `latest`, every rank its optimizer shard; `latest` moves only when every
+ * rank's shard is on disk. Collective: all ranks call it. */
+int cf_dist_checkpoint_save(cf_dist *d, cf_model *m, const char *dir, int64_t step, int64_t data_pos,
+                            int keep_last);
+/* Loads the newest checkpoint of dir written with the same world size
+ * (another world size is refused with a clear message). Collective. */
+cf_model *cf_dist_checkpoint_load(cf_dist *d, const char *dir, const cf_model_opts *opts, int64_t *step,
+                                  int64_t *data_pos);
+
+/* --------------------------------------------------------------- data */
+
+/* Token shards: header of 256 int32 little-endian ([0] magic, [1] version,
+ * [2] token count), then the tokens: version 1 = uint16 (llm.c), 2 =
+ * uint32. */
+#define CF_TOKENS_MAGIC 20240520
+#define CF_TOKENS_V_U16 1
+#define CF_TOKENS_V_U32 2
+
+typedef struct {
+    char *path;
+    int64_t n;          /* token count */
+    int width;          /* 2 or 4 bytes */
+    void *data;         /* n tokens, inside the mapping (not owned) */
+    size_t map_len;     /* total mapping length */
+    void *map;          /* mmap base */
+    uint32_t max_id;    /* largest token id in the shard */
+    uint64_t hash;      /* FNV-1a of the token payload as stored */
+} cf_tokens;
+
+/* Opens and validates a token shard. If vocab_size > 0, any id >= vocab_size
+ * fails (naming the first offending position). */
+int cf_tokens_open(cf_tokens *t, const char *path, int vocab_size);
+void cf_tokens_close(cf_tokens *t);
+static inline uint32_t cf_tokens_get(const cf_tokens *t, int64_t i) {
+    return t->width == 2 ? ((const uint16_t *)t->data)[i] : ((const uint32_t *)t->data)[i];
+}
+/* Writes a shard; width 0 picks uint16 when every id fits, else uint32. Atomic. */
+int cf_tokens_write(const char *path, const uint32_t *tokens, int64_t n, int width);
+
+/* Reference-loss shards: header of 256 int32 ([0] magic, [1] version 1,
+ * [2] count == token count, [3],[4] low/high 32 bits of the token shard's
+ * hash), then count float32: ref[i] is the reference loss of predicting
+ * token i (ref[0] = 0). */
+#define CF_REFLOSS_MAGIC 20251121
+#define CF_REFLOSS_VERSION 1
+
+typedef struct {
+    char *path;
+    int64_t n;
+    float *loss;        /* heap copy, n floats */
+    uint64_t token_hash;
+} cf_refloss;
+
+/* Opens and validates a ref-loss shard; if tokens != NULL it must belong to
+ * that token shard (same count and hash). Non-finite or negative losses fail. */
+int cf_refloss_open(cf_refloss *r, const char *path, const cf_tokens *tokens);
+void cf_refloss_close(cf_refloss *r);
+int cf_refloss_write(const char *path, const float *loss, int64_t n, uint64_t token_hash);
+
+/* Sequential micro-batches of B rows of S+1 tokens (rows overlap by one
+ * token, as in llm.c); wraps around at the end of the shard. With
+ * rank/world (data parallel) rank r reads the r-th micro-batch of every
+ * group of `world` consecutive ones, so the ranks read disjoint data. */
+typedef struct {
+    const cf_tokens *tok;
+    const cf_refloss *ref;  /* may be NULL */
+    int B, S;
+    int rank, world;
+    int64_t pos;            /* index of the next group's first token */
+} cf_loader;
+
+int cf_loader_init(cf_loader *ld, const cf_tokens *tok, const cf_refloss *ref, int B, int S);
+/* Makes this loader rank `rank` of `world` (after init; fails if the shard
+ * holds less than one micro-batch per rank). */
+int cf_loader_set_rank(cf_loader *ld, int rank, int world);
+/* Fills tokens[B*(S+1)] and, if ref_out, ref_out[B*S] (ref loss of each
+ * target), then advances. */
+void cf_loader_next(cf_loader *ld, int32_t *tokens, float *ref_out);
+
+/* ---------------------------------------------------------- checkpoints */
+
+/* dir/step_NNNNNNNN/{config.json, model.safetensors, state.bin} and
+ * dir/latest naming the newest complete one; state.bin holds the AdamW
+ * moments, the step and the data position. */
+int cf_checkpoint_save(cf_model *m, const char *dir, int64_t step, int64_t data_pos, int keep_last);
+/* Loads the newest checkpoint of dir into a new model; sets *step, *data_pos. */
+cf_model *cf_checkpoint_load(const char *dir, const cf_model_opts *opts, int64_t *step, int64_t *data_pos);
+
+/* ----------------------------------------------------- evaluate, decode */
+
+/* Mean per-token loss over up to max_batches batches of a shard (0 = all);
+ * each per-token loss is also written to losses_out when it is not NULL. */
+int cf_evaluate(cf_model *m, const cf_tokens *tok, int B, int S, int max_batches, double *mean_loss,
+                int64_t *ntokens, FILE *losses_out);
+
+/* Extends each of the n sequences seqs[i][0..lens[i]) by up to max_new
+ * tokens (never past cap), greedy if temperature <= 0 (else sampled from
+ * the top_k, 0 = all). A row stops after emitting stop1 or stop2 (-2 for
+ * none). */
+int cf_generate(cf_model *m, uint32_t **seqs, int *lens, int n, int cap, int max_new, float temperature,
+                int top_k, int stop1, int stop2, uint64_t seed);
 
 #ifdef __cplusplus
 }

@@ -52,4 +52,19 @@ static inline double rel_err(const float *a, const float *b, size_t n) {
     return num / den;
 }
 
+/* ||a-b||_2 / ||b||_2 (INFINITY on NaN; ||b|| == 0 counts as 1e-30, so an
+ * all-zero reference never passes against a non-zero result and vice versa
+ * only if both are exactly zero). */
+static inline double rel_l2(const float *a, const float *b, size_t n) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (isnan(a[i]) || isnan(b[i])) return INFINITY;
+        double d = (double)a[i] - b[i];
+        num += d * d;
+        den += (double)b[i] * b[i];
+    }
+    if (den == 0) return num == 0 ? 0.0 : INFINITY;
+    return sqrt(num / den);
+}
+
 #endif /* CF_TEST_H */

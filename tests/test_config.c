@@ -1,6 +1,6 @@
 /* test_config.c — config.json parsing, validation, built-ins, saving. */
 #include "test.h"
-#include "common.h"
+#include "base/common.h"
 
 #include <cjson/cJSON.h>
 #include <dirent.h>

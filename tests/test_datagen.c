@@ -13,8 +13,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "common.h"
-#include "datagen.h"
+#include "base/common.h"
+#include "cmd/datagen.h"
 #include "test.h"
 
 /* ------------------------------------------------------------- helpers */

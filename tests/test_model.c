@@ -4,7 +4,10 @@
  *     model_type, in regular and loss-only mode;
  *   - the five equivalences of DESIGN §1 with per-sequence and per-batch
  *     selection and keep in {1.0, 0.5, 0.1, one token};
- *   - save/load round trip and a short training run whose loss falls.
+ *   - save/load round trip and a short training run whose loss falls;
+ *   - the kept-rows object, gradient clipping, frozen parameters and the
+ *     trainer's gradient accumulation.
+ * Gradients are compared per tensor (relative L2 error of each tensor).
  */
 #include <math.h>
 #include <stdint.h>
@@ -12,8 +15,8 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "common.h"
-#include "model_internal.h"
+#include "base/common.h"
+#include "engine/model_internal.h"
 #include "test.h"
 
 static const char *TYPES[] = {"tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3"};
@@ -47,10 +50,36 @@ static void random_tokens(int32_t *tok, int n, int V, uint64_t seed) {
     for (int i = 0; i < n; i++) tok[i] = (int32_t)cf_rng_below(&r, (uint32_t)V);
 }
 
+/* Offset of tensor i in the packed host arrays of these tests. */
+static size_t toff(const cf_model *m, int i) {
+    size_t o = 0;
+    for (int j = 0; j < i; j++) o += cf_model_tensor_numel(m, j);
+    return o;
+}
+
 static float *all_grads(cf_model *m) {
-    float *g = malloc(cf_model_num_params(m) * sizeof(float));
-    for (int i = 0; i < cf_model_num_tensors(m); i++) cf_model_get_grad(m, i, g + m->params[i].offset);
+    float *g = calloc(cf_model_num_params(m), sizeof(float));
+    for (int i = 0; i < cf_model_num_tensors(m); i++)
+        if (cf_model_tensor_trainable(m, i)) cf_model_get_grad(m, i, g + toff(m, i));
     return g;
+}
+
+/* Largest per-tensor relative L2 error between two packed gradient sets. */
+static double max_rel(const cf_model *m, const float *a, const float *b) {
+    double worst = 0;
+    for (int i = 0; i < cf_model_num_tensors(m); i++) {
+        double e = rel_l2(a + toff(m, i), b + toff(m, i), cf_model_tensor_numel(m, i));
+        if (!(e <= worst)) worst = e;
+    }
+    return worst;
+}
+
+/* Backward of the last forward with kept rows given as a host mask. */
+static int backward_mask(cf_model *m, cf_mode mode, const uint8_t *keep, float *loss) {
+    if (mode == CF_MODE_REGULAR) return cf_backward(m, mode, NULL, 1.0f, loss);
+    cf_kept kept;
+    if (cf_kept_from_mask(m, keep, &kept) != 0) return -1;
+    return cf_backward(m, mode, &kept, 1.0f, loss);
 }
 
 /* Mean loss over positions selected by keep (NULL = all) at the current weights. */
@@ -71,10 +100,12 @@ static void fd_check(cf_model *m, const int32_t *tok, const uint8_t *keep, const
     cf_rng_seed(&r, 99);
     for (int i = 0; i < cf_model_num_tensors(m); i++) {
         size_t n = cf_model_tensor_numel(m, i);
-        const float *gi = g + m->params[i].offset;
+        const float *gi = g + toff(m, i);
         double gn = 0;
         for (size_t j = 0; j < n; j++) gn += (double)gi[j] * gi[j];
         gn = sqrt(gn);
+        /* every tensor carries gradient here: an all-zero one is a bug */
+        CHECK_MSG(gn > 0, "%s %s: all-zero gradient", label, cf_model_tensor_name(m, i));
         float *w0 = malloc(n * sizeof(float)), *w = malloc(n * sizeof(float)), *d = malloc(n * sizeof(float));
         cf_model_get_param(m, i, w0);
         double dn = 0;
@@ -129,7 +160,7 @@ TEST(loss_only_gradients_are_the_dense_gradient_of_the_masked_loss) {
         cf_forward(m, tok, B, S, losses);
         cf_select(losses, NULL, B, S, 0.5f, CF_SELECT_SELF, 0, 1, keep);
         cf_zero_grad(m);
-        CHECK(cf_backward(m, CF_MODE_LOSS_ONLY, keep, 1.0f, NULL) == 0);
+        CHECK(backward_mask(m, CF_MODE_LOSS_ONLY, keep, NULL) == 0);
         float *g = all_grads(m);
         fd_check(m, tok, keep, g, TYPES[ti]);
         free(g);
@@ -141,13 +172,17 @@ TEST(loss_only_gradients_are_the_dense_gradient_of_the_masked_loss) {
 static float *grads_of(cf_model *m, const int32_t *tok, cf_mode mode, const uint8_t *keep, float *loss) {
     cf_forward(m, tok, B, S, NULL);
     cf_zero_grad(m);
-    int rc = mode == (cf_mode)-1 ? cf_backward_reference_stopgrad(m, keep, 1.0f, loss)
-                                 : cf_backward(m, mode, keep, 1.0f, loss);
+    int rc;
+    if (mode == (cf_mode)-1) {
+        cf_kept kept;
+        rc = cf_kept_from_mask(m, keep, &kept);
+        if (rc == 0) rc = cf_backward_reference_stopgrad(m, &kept, 1.0f, loss);
+    } else {
+        rc = backward_mask(m, mode, keep, loss);
+    }
     CHECK_MSG(rc == 0, "backward failed: %s", cf_last_error());
     return all_grads(m);
 }
-
-static double max_rel(const float *a, const float *b, size_t n) { return rel_err(a, b, n); }
 
 /* The keep masks under test: per sequence and per batch at 1.0, 0.5, 0.1,
  * and a single kept token per sequence; plus a hand-made uneven mask. */
@@ -165,6 +200,9 @@ static int make_masks(const float *losses, uint8_t masks[][B * S], char names[][
     for (int s = 0; s < S; s++) masks[n][s] = s % 3 != 1;     /* 6 of 9 kept */
     masks[n][S + 4] = 1;                                       /* 1 of 9 kept */
     snprintf(names[n++], 48, "uneven 6 and 1");
+    memset(masks[n], 0, B * S);
+    for (int s = 0; s < S; s++) masks[n][S + s] = s % 2 == 0;  /* sequence 0 keeps nothing */
+    snprintf(names[n++], 48, "sequence 0 keeps 0");
     return n;
 }
 
@@ -172,13 +210,12 @@ TEST(equivalences_of_design_section_1_hold_for_every_model_type) {
     for (int ti = 0; ti < NTYPES; ti++) {
         cf_model *m = make_model(TYPES[ti], 31 + ti);
         if (!m) { CHECK(0); continue; }
-        size_t np = cf_model_num_params(m);
         int32_t tok[B * (S + 1)];
         random_tokens(tok, B * (S + 1), cf_model_config(m)->vocab_size, 300 + ti);
         float losses[B * S];
         cf_forward(m, tok, B, S, losses);
-        uint8_t masks[8][B * S];
-        char names[8][48];
+        uint8_t masks[10][B * S];
+        char names[10][48];
         int nm = make_masks(losses, masks, names);
         float *reg = grads_of(m, tok, CF_MODE_REGULAR, NULL, NULL);
         for (int k = 0; k < nm; k++) {
@@ -195,11 +232,11 @@ TEST(equivalences_of_design_section_1_hold_for_every_model_type) {
             CHECK_CLOSE(l_sw, l_lo, 1e-6);
             if (nkept == B * S) {
                 /* 1. keep = 1: loss-only = centrifuge = regular */
-                CHECK_MSG(max_rel(lo, reg, np) < 1e-5, "%s %s: loss-only vs regular %.3g", TYPES[ti], names[k], max_rel(lo, reg, np));
-                CHECK_MSG(max_rel(cf, reg, np) < 1e-5, "%s %s: centrifuge vs regular %.3g", TYPES[ti], names[k], max_rel(cf, reg, np));
+                CHECK_MSG(max_rel(m, lo, reg) < 1e-5, "%s %s: loss-only vs regular %.3g", TYPES[ti], names[k], max_rel(m, lo, reg));
+                CHECK_MSG(max_rel(m, cf, reg) < 1e-5, "%s %s: centrifuge vs regular %.3g", TYPES[ti], names[k], max_rel(m, cf, reg));
             }
             /* 2. centrifuge = dense backward with stop-gradient on filtered K/V */
-            CHECK_MSG(max_rel(cf, sg, np) < 1e-5, "%s %s: centrifuge vs stop-grad reference %.3g", TYPES[ti], names[k], max_rel(cf, sg, np));
+            CHECK_MSG(max_rel(m, cf, sg) < 1e-5, "%s %s: centrifuge vs stop-grad reference %.3g", TYPES[ti], names[k], max_rel(m, cf, sg));
             /* 4. embedding rows of tokens seen only at filtered positions get
              * exactly zero gradient (untied: the tied LM head touches all rows) */
             if (!cf_model_config(m)->tie_word_embeddings) {
@@ -211,17 +248,17 @@ TEST(equivalences_of_design_section_1_hold_for_every_model_type) {
                             if (tok[b * (S + 1) + s] == v) { if (keep[b * S + s]) at_kept = 1; else at_filtered = 1; }
                     if (at_filtered && !at_kept) {
                         int allzero = 1;
-                        for (int c = 0; c < C; c++) allzero &= cf[m->params[m->p_embed].offset + (size_t)v * C + c] == 0.0f;
+                        for (int c = 0; c < C; c++) allzero &= cf[toff(m, 0) + (size_t)v * C + c] == 0.0f;
                         CHECK_MSG(allzero, "%s %s: embedding row %d (filtered only) has gradient", TYPES[ti], names[k], v);
                     }
                 }
             }
             /* 5. strawman differs from centrifuge when something is filtered */
             if (nkept < B * S && nkept > B)
-                CHECK_MSG(max_rel(sw, cf, np) > 1e-3, "%s %s: strawman equals centrifuge (%.3g)", TYPES[ti], names[k], max_rel(sw, cf, np));
+                CHECK_MSG(max_rel(m, sw, cf) > 1e-3, "%s %s: strawman equals centrifuge (%.3g)", TYPES[ti], names[k], max_rel(m, sw, cf));
             /* and loss-only (dense) differs from centrifuge when filtering */
             if (nkept < B * S)
-                CHECK_MSG(max_rel(lo, cf, np) > 1e-4, "%s %s: loss-only equals centrifuge", TYPES[ti], names[k]);
+                CHECK_MSG(max_rel(m, lo, cf) > 1e-4, "%s %s: loss-only equals centrifuge", TYPES[ti], names[k]);
             free(lo); free(cf); free(sg); free(sw);
         }
         free(reg);
@@ -335,13 +372,184 @@ TEST(doc_mask_gradients_match_finite_differences_and_centrifuge_equals_stopgrad_
         cf_select(losses, NULL, B, S, 0.5f, CF_SELECT_SELF, 0, 1, keep);
         float *cf = grads_of(m, tok, CF_MODE_CENTRIFUGE, keep, NULL);
         float *sg = grads_of(m, tok, (cf_mode)-1, keep, NULL);
-        CHECK_MSG(max_rel(cf, sg, cf_model_num_params(m)) < 1e-5, "%s: centrifuge vs stop-grad with doc mask", types[ti]);
+        CHECK_MSG(max_rel(m, cf, sg) < 1e-5, "%s: centrifuge vs stop-grad with doc mask", types[ti]);
         free(cf); free(sg);
         cf_model_free(m);
     }
 }
 
+TEST(kept_rows_are_refused_after_the_next_forward_or_selection) {
+    cf_model *m = make_model("tiny-llama", 71);
+    if (!m) { CHECK(0); return; }
+    int32_t tok[B * (S + 1)];
+    random_tokens(tok, B * (S + 1), cf_model_config(m)->vocab_size, 71);
+    cf_select_opts so = {CF_SELECT_SELF, 0.5, 0, 1};
+    cf_kept k1, k2;
+    CHECK(cf_forward(m, tok, B, S, NULL) == 0);
+    CHECK(cf_select_kept(m, NULL, &so, &k1) == 0);
+    CHECK(k1.n == B * cf_select_kept_count(0.5, S));
+    /* a second selection of the same forward replaces the first */
+    CHECK(cf_select_kept(m, NULL, &so, &k2) == 0);
+    CHECK(k2.id != k1.id);
+    cf_zero_grad(m);
+    CHECK(cf_backward(m, CF_MODE_CENTRIFUGE, &k1, 1.0f, NULL) != 0);
+    CHECK(strstr(cf_last_error(), "current selection") != NULL);
+    CHECK(cf_backward(m, CF_MODE_CENTRIFUGE, &k2, 1.0f, NULL) == 0);
+    /* the next forward invalidates every earlier selection */
+    CHECK(cf_forward(m, tok, B, S, NULL) == 0);
+    CHECK(cf_filter(m, &k2) != 0);
+    CHECK(cf_backward(m, CF_MODE_LOSS_ONLY, &k2, 1.0f, NULL) != 0);
+    CHECK(strstr(cf_last_error(), "earlier forward") != NULL);
+    /* a tampered count is refused too */
+    CHECK(cf_select_kept(m, NULL, &so, &k1) == 0);
+    k1.n += 1;
+    CHECK(cf_backward(m, CF_MODE_CENTRIFUGE, &k1, 1.0f, NULL) != 0);
+    /* compact modes need kept rows */
+    CHECK(cf_backward(m, CF_MODE_CENTRIFUGE, NULL, 1.0f, NULL) != 0);
+    cf_model_free(m);
+}
+
+TEST(kept_count_is_round_of_the_decimal_keep_fraction) {
+    CHECK(cf_select_kept_count(0.35, 10) == 4);   /* 3.5 rounds up, not 3 */
+    CHECK(cf_select_kept_count(0.25, 10) == 3);
+    CHECK(cf_select_kept_count(0.5, 9) == 5);
+    CHECK(cf_select_kept_count(0.1, 9) == 1);
+    CHECK(cf_select_kept_count(0.01, 9) == 1);    /* at least one */
+    CHECK(cf_select_kept_count(1.0, 4096) == 4096);
+    CHECK(cf_select_kept_count(0.3, 4096) == 1229);
+    float losses[10];
+    uint8_t keep[10];
+    for (int i = 0; i < 10; i++) losses[i] = (float)i;
+    CHECK(cf_select(losses, NULL, 1, 10, 0.35, CF_SELECT_SELF, 0, 1, keep) == 4);
+}
+
+TEST(gradient_clipping_scales_the_step_by_clip_over_norm) {
+    cf_model *m = make_model("tiny-qwen2", 81);
+    if (!m) { CHECK(0); return; }
+    int32_t tok[B * (S + 1)];
+    random_tokens(tok, B * (S + 1), cf_model_config(m)->vocab_size, 81);
+    size_t np = cf_model_num_params(m);
+    CHECK(cf_forward(m, tok, B, S, NULL) == 0);
+    cf_zero_grad(m);
+    CHECK(cf_backward(m, CF_MODE_REGULAR, NULL, 1.0f, NULL) == 0);
+    float *g = all_grads(m), *w0 = malloc(np * sizeof(float)), *w1 = malloc(np * sizeof(float));
+    for (int i = 0; i < cf_model_num_tensors(m); i++) cf_model_get_param(m, i, w0 + toff(m, i));
+    double norm = 0;
+    for (size_t j = 0; j < np; j++) norm += (double)g[j] * g[j];
+    norm = sqrt(norm);
+    /* eps = 1 keeps the first Adam update proportional to the clipped
+     * gradient, so a wrong clip scale shows: p -= lr * g' / (|g'| + 1) */
+    const float clip = 0.25f, lr = 0.1f;
+    CHECK(norm > 4 * clip);
+    cf_adamw_params hp = {lr, 0.9f, 0.95f, 1.0f, 0.0f, clip};
+    float rep;
+    CHECK(cf_step(m, &hp, &rep) == 0);
+    CHECK_CLOSE(rep, norm, 1e-5);
+    for (int i = 0; i < cf_model_num_tensors(m); i++) cf_model_get_param(m, i, w1 + toff(m, i));
+    float *want = malloc(np * sizeof(float));
+    for (size_t j = 0; j < np; j++) {
+        double gc = g[j] * (clip / norm);
+        want[j] = (float)(w0[j] - lr * gc / (fabs(gc) + 1.0));
+    }
+    double e = rel_l2(w1, want, np);
+    CHECK_MSG(e < 1e-6, "weights after a clipped step: relative error %.3g", e);
+    free(g); free(w0); free(w1); free(want);
+    cf_model_free(m);
+}
+
+TEST(frozen_parameters_get_no_gradient_and_do_not_change) {
+    cf_config c;
+    CHECK(cf_config_builtin(&c, "tiny-llama") == 0);
+    cf_model_opts o = {0};
+    o.config = "tiny-llama";
+    o.backend = CF_BACKEND_CPU;
+    o.seed = 5;
+    o.freeze = "embed_tokens,layers.0.mlp";
+    cf_model *fz = cf_model_open(&o);
+    o.freeze = NULL;
+    cf_model *full = cf_model_open(&o);
+    CHECK_MSG(fz && full, "%s", cf_last_error());
+    if (!fz || !full) { cf_model_free(fz); cf_model_free(full); return; }
+    CHECK(cf_model_num_trainable(fz) < cf_model_num_trainable(full));
+    int32_t tok[B * (S + 1)];
+    random_tokens(tok, B * (S + 1), c.vocab_size, 91);
+    float *gz = grads_of(fz, tok, CF_MODE_REGULAR, NULL, NULL);
+    float *gf = grads_of(full, tok, CF_MODE_REGULAR, NULL, NULL);
+    for (int i = 0; i < cf_model_num_tensors(fz); i++) {
+        const char *name = cf_model_tensor_name(fz, i);
+        int frozen = strstr(name, "embed_tokens") || strstr(name, "layers.0.mlp");
+        CHECK_MSG(cf_model_tensor_trainable(fz, i) == !frozen, "%s trainable flag", name);
+        float dummy[1];
+        if (frozen) CHECK(cf_model_get_grad(fz, i, dummy) != 0 || cf_model_tensor_numel(fz, i) == 0);
+        else CHECK_MSG(rel_l2(gz + toff(fz, i), gf + toff(full, i), cf_model_tensor_numel(fz, i)) < 1e-6,
+                       "%s: gradient differs from the unfrozen model's", name);
+    }
+    /* a step leaves the frozen tensors exactly as they were */
+    size_t ne = cf_model_tensor_numel(fz, 0);
+    float *e0 = malloc(ne * sizeof(float)), *e1 = malloc(ne * sizeof(float));
+    cf_model_get_param(fz, 0, e0);
+    cf_adamw_params hp = {1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f, 1.0f};
+    float norm;
+    CHECK(cf_step(fz, &hp, &norm) == 0);
+    cf_model_get_param(fz, 0, e1);
+    CHECK(memcmp(e0, e1, ne * sizeof(float)) == 0);
+    /* a pattern that matches nothing is an error */
+    o.freeze = "no_such_tensor";
+    cf_model *bad = cf_model_open(&o);
+    CHECK(bad == NULL && strstr(cf_last_error(), "matches no parameter") != NULL);
+    free(e0); free(e1); free(gz); free(gf);
+    cf_model_free(fz);
+    cf_model_free(full);
+}
+
+/* The trainer's step over two micro-batches of one sequence equals one
+ * micro-batch of both sequences (same loss, same gradient norm, same
+ * update), in every mode: the loss is normalised over the whole step. */
+TEST(trainer_gradient_accumulation_equals_the_whole_batch) {
+    const cf_mode modes[] = {CF_MODE_REGULAR, CF_MODE_LOSS_ONLY, CF_MODE_CENTRIFUGE, CF_MODE_STRAWMAN};
+    for (int mi = 0; mi < 4; mi++) {
+        cf_model *a = make_model("tiny-qwen3", 101), *b = make_model("tiny-qwen3", 101);
+        if (!a || !b) { CHECK(0); cf_model_free(a); cf_model_free(b); return; }
+        int32_t tok[B * (S + 1)];
+        random_tokens(tok, B * (S + 1), cf_model_config(a)->vocab_size, 102);
+        cf_train_opts o = {0};
+        o.mode = modes[mi];
+        o.select = (cf_select_opts){CF_SELECT_SELF, 0.5, 0, 1};
+        /* eps 1e-3: the first Adam update is smooth in the gradient */
+        o.adamw = (cf_adamw_params){1e-2f, 0.9f, 0.95f, 1e-3f, 0.1f, 1.0f};
+        o.batch = B; o.seq = S; o.grad_accum = 1;
+        cf_trainer *ta = cf_trainer_create(a, &o);
+        o.batch = 1; o.grad_accum = B;
+        cf_trainer *tb = cf_trainer_create(b, &o);
+        CHECK(ta && tb);
+        cf_micro_batch whole = {tok, NULL}, parts[B];
+        for (int i = 0; i < B; i++) { parts[i].tokens = tok + i * (S + 1); parts[i].ref = NULL; }
+        cf_step_stats sa, sb;
+        CHECK(cf_trainer_step(ta, &whole, 1e-2f, &sa) == 0);
+        CHECK(cf_trainer_step(tb, parts, 1e-2f, &sb) == 0);
+        CHECK_CLOSE(sa.loss, sb.loss, 1e-6);
+        CHECK_CLOSE(sa.grad_norm, sb.grad_norm, 1e-5);
+        CHECK(sa.kept == sb.kept && sa.tokens == sb.tokens && !sa.skipped);
+        size_t np = cf_model_num_params(a);
+        float *wa = malloc(np * sizeof(float)), *wb = malloc(np * sizeof(float));
+        for (int i = 0; i < cf_model_num_tensors(a); i++) {
+            cf_model_get_param(a, i, wa + toff(a, i));
+            cf_model_get_param(b, i, wb + toff(b, i));
+        }
+        CHECK_MSG(max_rel(a, wb, wa) < 1e-5, "%s: weights after one step differ (%.3g)", cf_mode_name(modes[mi]),
+                  max_rel(a, wb, wa));
+        free(wa); free(wb);
+        cf_trainer_free(ta); cf_trainer_free(tb);
+        cf_model_free(a); cf_model_free(b);
+    }
+}
+
 int main(void) {
+    RUN(kept_count_is_round_of_the_decimal_keep_fraction);
+    RUN(kept_rows_are_refused_after_the_next_forward_or_selection);
+    RUN(gradient_clipping_scales_the_step_by_clip_over_norm);
+    RUN(frozen_parameters_get_no_gradient_and_do_not_change);
+    RUN(trainer_gradient_accumulation_equals_the_whole_batch);
     RUN(selection_keeps_top_excess_loss_with_deterministic_ties);
     RUN(model_gradients_match_finite_differences_for_every_model_type);
     RUN(loss_only_gradients_are_the_dense_gradient_of_the_masked_loss);

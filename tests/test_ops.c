@@ -15,8 +15,8 @@
 #include <omp.h>
 #include <stdint.h>
 
-#include "backend.h"
-#include "common.h"
+#include "backend/backend.h"
+#include "base/common.h"
 #include "test.h"
 
 /* Lets the allocation-failure test see NULL instead of an ASan abort. */
@@ -101,12 +101,12 @@ TEST(memory_alloc_is_aligned_and_transfers_roundtrip) {
     CHECK(be->act_size == sizeof(float));
     float h[100], back[100];
     for (int i = 0; i < 100; i++) h[i] = (float)i - 50.5f;
-    be->upload(be, a, h, sizeof h);
+    CHECK(be->upload(be, a, h, sizeof h) == 0);
     be->copy(be, c, a, sizeof h);
-    be->download(be, back, c, sizeof h);
+    CHECK(be->download(be, back, c, sizeof h) == 0);
     CHECK(memcmp(h, back, sizeof h) == 0);
     be->memzero(be, c, 10 * sizeof(float));
-    be->download(be, back, c, sizeof h);
+    CHECK(be->download(be, back, c, sizeof h) == 0);
     CHECK(back[0] == 0 && back[9] == 0 && back[10] == h[10]);
     be->act_from_f32(be, c, h, 100);
     be->act_to_f32(be, back, c, 100);
@@ -117,7 +117,8 @@ TEST(memory_alloc_is_aligned_and_transfers_roundtrip) {
     CHECK(memcmp(c, h, sizeof h) == 0);
     be->weights_from_master(be, a, a, 100);
     CHECK(memcmp(a, h, sizeof h) == 0);
-    be->synchronize(be);
+    CHECK(be->synchronize(be) == 0);
+    CHECK(be->check(be) == 0);
     be->free(be, a);
     be->free(be, c);
     be->free(be, z);
@@ -659,6 +660,13 @@ enum { AB = 2, AS = 7, AH = 4, AHKV = 2, AD = 8, AT = AB * AS };
 static const int attn_docs[AT] = {0, 0, 0, 1, 1, 1, 1, 2, 2, 3, 3, 3, 4, 4};
 
 typedef struct { int n; int rows[AT]; int seq_start[AB + 1]; } kept_set;
+
+/* the most kept rows of any sequence (cf_rows.max_len) */
+static int kept_max_len(const int *seq_start, int B) {
+    int m = 0;
+    for (int b = 0; b < B; b++) m = CF_MAX(m, seq_start[b + 1] - seq_start[b]);
+    return m;
+}
 /* different counts per sequence, a single kept token, an empty sequence */
 static const kept_set kept_sets[] = {
     {5, {1, 3, 4, 6, 12}, {0, 4, 5}},
@@ -703,7 +711,7 @@ static void attn_prob_init(attn_prob *p, uint64_t seed, int use_doc, const kept_
     p->qc = fnew(nq); p->outc = fnew(nq); p->lsec = fnew(AT * AH); p->Rc = fnew(nq);
     if (ks) {
         p->n = ks->n;
-        p->kept = (cf_rows){ks->n, ks->rows, ks->seq_start, ks->rows, ks->seq_start};
+        p->kept = (cf_rows){ks->n, kept_max_len(ks->seq_start, AB), ks->rows, ks->seq_start};
         const size_t w = (size_t)AH * AD;
         be->gather_rows(be, p->qc, p->q, ks->rows, ks->n, w * sizeof(float));
         be->gather_rows(be, p->outc, p->out, ks->rows, ks->n, w * sizeof(float));
@@ -840,14 +848,14 @@ static void check_centrifuge_vs_masked_full(attn_prob *p) {
     float *Rfull = p->R;
     float *Rm = fnew(AT * wq);
     for (int a = 0; a < n; a++)
-        memcpy(Rm + p->kept.host_rows[a] * wq, Rfull + p->kept.host_rows[a] * wq, wq * sizeof(float));
+        memcpy(Rm + p->kept.rows[a] * wq, Rfull + p->kept.rows[a] * wq, wq * sizeof(float));
     p->R = Rm;
     attn_bwd(p, CF_ATTN_BWD_FULL);
     p->R = Rfull;
     double eq = 0, ek = 0, ev = 0;
     double *fq = dnew(n * wq), *fk = dnew(n * wkv), *fv = dnew(n * wkv);
     for (int a = 0; a < n; a++) {
-        int row = p->kept.host_rows[a];
+        int row = p->kept.rows[a];
         for (size_t i = 0; i < wq; i++) fq[a * wq + i] = p->dq[row * wq + i];
         for (size_t i = 0; i < wkv; i++) fk[a * wkv + i] = p->dk[row * wkv + i];
         for (size_t i = 0; i < wkv; i++) fv[a * wkv + i] = p->dv[row * wkv + i];
@@ -977,7 +985,7 @@ TEST(attention_centrifuge_equals_masked_full_on_random_larger_problem) {
     be->gather_rows(be, oc, out, rows, n, wq * sizeof(float));
     be->gather_rows(be, Rc, R, rows, n, wq * sizeof(float));
     be->gather_rows(be, lc, lse, rows, n, H * sizeof(float));
-    cf_rows kept = {n, rows, seq_start, rows, seq_start};
+    cf_rows kept = {n, kept_max_len(seq_start, B), rows, seq_start};
     float *cq = fnew(n * wq), *ck = fnew(n * wkv), *cv = fnew(n * wkv);
     float *fq = fnew(n * wq), *fk = fnew(n * wkv), *fv = fnew(n * wkv);
     be->attention_bwd(be, cq, ck, cv, Rc, qc, k, v, oc, lc, &sh, &kept, CF_ATTN_BWD_CENTRIFUGE);
@@ -1019,10 +1027,15 @@ TEST(gather_rows_copies_selected_rows_of_any_width) {
     for (int i = 0; i < 5; i++) CHECK(memcmp(dst[i], src[rows[i]], sizeof dst[i]) == 0);
 }
 
-TEST(sumsq_matches_double_sum_and_is_thread_count_independent) {
+TEST(sumsq_accumulates_into_the_double_and_is_thread_count_independent) {
     float five[5] = {1, 2, 3, 4, 5};
-    CHECK(be->sumsq(be, five, 5) == 55.0);
-    CHECK(be->sumsq(be, five, 0) == 0.0);
+    double acc = 0.5;
+    be->sumsq(be, &acc, five, 5);
+    CHECK(acc == 55.5);
+    be->sumsq(be, &acc, five, 0);
+    CHECK(acc == 55.5);
+    be->sumsq(be, &acc, five + 1, 2); /* += 4 + 9 */
+    CHECK(acc == 68.5);
     const size_t n = 1000003;
     float *g = fnew(n);
     cf_rng r;
@@ -1030,14 +1043,150 @@ TEST(sumsq_matches_double_sum_and_is_thread_count_independent) {
     fill_normal(g, n, &r, 1);
     double ref = 0;
     for (size_t i = 0; i < n; i++) ref += (double)g[i] * g[i];
-    double s = be->sumsq(be, g, n);
+    double s = 0;
+    be->sumsq(be, &s, g, n);
     CHECK_CLOSE(s, ref, 1e-12);
     int nt = omp_get_max_threads();
     omp_set_num_threads(1);
-    double s1 = be->sumsq(be, g, n);
+    double s1 = 0;
+    be->sumsq(be, &s1, g, n);
     omp_set_num_threads(nt);
     CHECK(s == s1);
     free(g);
+}
+
+/* ------------------------------------------- selection bookkeeping ops */
+
+TEST(keep_to_rows_lists_kept_rows_ascending_with_sequence_starts) {
+    enum { B = 4, S = 9 };
+    /* uneven: 4 kept, none, all, one (the last position) */
+    const uint8_t keep[B * S] = {1, 0, 0, 1, 1, 0, 0, 0, 1,
+                                 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                 1, 1, 1, 1, 1, 1, 1, 1, 1,
+                                 0, 0, 0, 0, 0, 0, 0, 0, 2}; /* any nonzero byte is kept */
+    const int want_rows[] = {0, 3, 4, 8, 18, 19, 20, 21, 22, 23, 24, 25, 26, 35};
+    const int want_ss[B + 1] = {0, 4, 4, 13, 14};
+    int rows[B * S], ss[B + 1];
+    for (int i = 0; i < B * S; i++) rows[i] = -7;
+    for (int i = 0; i <= B; i++) ss[i] = -7;
+    be->keep_to_rows(be, rows, ss, keep, B, S);
+    CHECK(memcmp(ss, want_ss, sizeof ss) == 0);
+    CHECK(memcmp(rows, want_rows, sizeof want_rows) == 0);
+    CHECK(rows[14] == -7); /* nothing written past n */
+    /* nothing kept at all */
+    const uint8_t none[2 * 3] = {0};
+    int ss0[3] = {9, 9, 9};
+    be->keep_to_rows(be, rows, ss0, none, 2, 3);
+    CHECK(ss0[0] == 0 && ss0[1] == 0 && ss0[2] == 0);
+    CHECK(be->check(be) == 0);
+}
+
+TEST(fill_dloss_puts_the_value_on_kept_rows_and_zero_elsewhere) {
+    const uint8_t keep[6] = {1, 0, 1, 1, 0, 0};
+    float d[6];
+    for (int i = 0; i < 6; i++) d[i] = NAN;
+    be->fill_dloss(be, d, keep, 0.125f, 6);
+    const float want[6] = {0.125f, 0, 0.125f, 0.125f, 0, 0};
+    CHECK(memcmp(d, want, sizeof d) == 0);
+    for (int i = 0; i < 6; i++) d[i] = NAN;
+    be->fill_dloss(be, d, NULL, -2.0f, 5); /* no mask: every row; n bounds the write */
+    for (int i = 0; i < 5; i++) CHECK(d[i] == -2.0f);
+    CHECK(isnan(d[5]));
+}
+
+TEST(loss_sum_adds_the_kept_losses_in_double_to_the_accumulator) {
+    const float losses[6] = {1.5f, NAN, 2.25f, 1e-8f, INFINITY, 3.0f};
+    const uint8_t keep[6] = {1, 0, 1, 1, 0, 1}; /* filtered NaN / inf rows are not read into the sum */
+    float acc = 10.0f;
+    be->loss_sum(be, &acc, losses, keep, 6);
+    CHECK(acc == (float)(10.0 + (1.5 + 2.25 + (double)1e-8f + 3.0)));
+    be->loss_sum(be, &acc, losses, keep, 0);
+    CHECK(acc == (float)(10.0 + (1.5 + 2.25 + (double)1e-8f + 3.0)));
+    /* no mask: all rows; a long sum is the double sum rounded once */
+    const int n = 10007;
+    float *l = fnew(n);
+    cf_rng r;
+    cf_rng_seed(&r, 933);
+    double ref = 0;
+    for (int i = 0; i < n; i++) {
+        l[i] = 3.0f * cf_rng_uniform(&r);
+        ref += l[i];
+    }
+    float a2 = 0;
+    be->loss_sum(be, &a2, l, NULL, n);
+    CHECK(a2 == (float)ref);
+    free(l);
+}
+
+/* ---------------------------------------------------------------- errors */
+
+TEST(a_failed_op_is_sticky_reported_by_check_synchronize_download_and_later_ops_are_no_ops) {
+    cf_backend *e = cf_backend_cpu_create();
+    CHECK(e != NULL);
+    if (!e) return;
+    CHECK(e->check(e) == 0 && e->synchronize(e) == 0);
+    float q[3 * 4], k[2 * 4], v[2 * 4], out[3 * 4], lse[3];
+    memset(q, 0, sizeof q); memset(k, 0, sizeof k); memset(v, 0, sizeof v);
+    cf_attn_shape bad = {1, 1, 3, 2, 4, 0.5f, NULL}; /* H not a multiple of Hkv */
+    e->attention_fwd(e, out, lse, q, k, v, &bad);
+    cf_fail("%s", "");
+    CHECK(e->check(e) == -1);
+    CHECK_MSG(strstr(cf_last_error(), "H=3 is not a multiple of Hkv=2") != NULL, "check: %s", cf_last_error());
+    /* a second failure does not replace the first message */
+    cf_attn_shape bad2 = {1, 1, 4, 2, -1, 0.5f, NULL};
+    e->attention_fwd(e, out, lse, q, k, v, &bad2);
+    cf_fail("%s", "");
+    CHECK(e->synchronize(e) == -1);
+    CHECK_MSG(strstr(cf_last_error(), "H=3 is not a multiple of Hkv=2") != NULL, "synchronize: %s",
+              cf_last_error());
+    float x[4] = {1, 2, 3, 4}, y[4] = {10, 20, 30, 40}, z[4] = {-1, -1, -1, -1};
+    cf_fail("%s", "");
+    CHECK(e->download(e, z, x, sizeof x) == -1);
+    CHECK(strstr(cf_last_error(), "H=3") != NULL);
+    CHECK(e->upload(e, z, x, sizeof x) == -1);
+    /* later ops do nothing */
+    e->add(e, z, x, y, 4);
+    e->copy(e, z, x, sizeof x);
+    e->memzero(e, z, sizeof z);
+    double acc = 1.0;
+    e->sumsq(e, &acc, x, 4);
+    CHECK(z[0] == -1 && z[1] == -1 && z[2] == -1 && z[3] == -1);
+    CHECK(acc == 1.0);
+    CHECK(e->alloc(e, 16) == NULL);
+    CHECK(e->check(e) == -1);
+    e->destroy(e);
+    /* the shared backend of the other tests is untouched */
+    CHECK(be->check(be) == 0);
+}
+
+TEST(attention_bwd_rejects_kept_rows_that_break_the_contract) {
+    attn_prob p;
+    attn_prob_init(&p, 799, 0, &kept_sets[0]); /* counts 4 and 1 */
+    struct { int max_len; int rows[5]; const char *msg; } cases[] = {
+        {3, {1, 3, 4, 6, 12}, "more than kept->max_len"},   /* max_len below a sequence's count */
+        {4, {1, 4, 3, 6, 12}, "not ascending"},
+        {4, {1, 3, 4, 6, 2}, "outside its sequence"},
+    };
+    for (int c = 0; c < 3; c++) {
+        cf_backend *e = cf_backend_cpu_create();
+        if (!e) { CHECK(0); break; }
+        cf_rows kept = {5, cases[c].max_len, cases[c].rows, kept_sets[0].seq_start};
+        e->attention_bwd(e, p.dq, p.dk, p.dv, p.Rc, p.qc, p.k, p.v, p.outc, p.lsec, &p.s, &kept,
+                         CF_ATTN_BWD_CENTRIFUGE);
+        CHECK(e->check(e) == -1);
+        CHECK_MSG(strstr(cf_last_error(), cases[c].msg) != NULL, "case %d: %s", c, cf_last_error());
+        e->destroy(e);
+    }
+    /* a loose max_len (an upper bound) is fine */
+    cf_rows loose = {5, AS, kept_sets[0].rows, kept_sets[0].seq_start};
+    cf_backend *e = cf_backend_cpu_create();
+    if (e) {
+        e->attention_bwd(e, p.dq, p.dk, p.dv, p.Rc, p.qc, p.k, p.v, p.outc, p.lsec, &p.s, &loose,
+                         CF_ATTN_BWD_CENTRIFUGE);
+        CHECK(e->check(e) == 0);
+        e->destroy(e);
+    }
+    attn_prob_free(&p);
 }
 
 TEST(adamw_matches_hand_computed_two_steps) {
@@ -1160,7 +1309,12 @@ int main(void) {
     RUN(attention_strawman_differs_from_centrifuge_when_rows_are_filtered);
     RUN(attention_centrifuge_equals_masked_full_on_random_larger_problem);
     RUN(gather_rows_copies_selected_rows_of_any_width);
-    RUN(sumsq_matches_double_sum_and_is_thread_count_independent);
+    RUN(sumsq_accumulates_into_the_double_and_is_thread_count_independent);
+    RUN(keep_to_rows_lists_kept_rows_ascending_with_sequence_starts);
+    RUN(fill_dloss_puts_the_value_on_kept_rows_and_zero_elsewhere);
+    RUN(loss_sum_adds_the_kept_losses_in_double_to_the_accumulator);
+    RUN(a_failed_op_is_sticky_reported_by_check_synchronize_download_and_later_ops_are_no_ops);
+    RUN(attention_bwd_rejects_kept_rows_that_break_the_contract);
     RUN(adamw_matches_hand_computed_two_steps);
     RUN(reductions_are_bitwise_identical_for_one_and_many_threads);
     be->destroy(be);

@@ -1,7 +1,7 @@
 /* test_safetensors.c — safetensors read/write, sharding, bad files. */
 #include "test.h"
-#include "common.h"
-#include "io.h"
+#include "base/common.h"
+#include "formats/io.h"
 
 #include <cjson/cJSON.h>
 #include <dirent.h>

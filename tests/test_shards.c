@@ -1,7 +1,7 @@
 /* test_shards.c — token shards (llm.c format) and reference-loss shards. */
 #include "test.h"
-#include "common.h"
-#include "io.h"
+#include "base/common.h"
+#include "formats/io.h"
 
 #include <dirent.h>
 #include <ftw.h>

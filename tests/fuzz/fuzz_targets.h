@@ -34,8 +34,8 @@
 #include <unistd.h>
 
 #include "centrifuge.h"
-#include "common.h"
-#include "io.h"
+#include "base/common.h"
+#include "formats/io.h"
 
 /* The entry points; each program uses some of them. */
 #define FZ_API static __attribute__((unused))

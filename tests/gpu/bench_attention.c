@@ -5,8 +5,8 @@
  *
  * Default shapes: TinyLlama (H=32, Hkv=4, D=64) and a D=128 GQA shape
  * (H=32, Hkv=8), S=4096, B=1. Each figure is the median of 20 runs after 3
- * warm-ups, timed with cudaEvents on the default stream (the backend's
- * stream). FLOPs count the causal half only:
+ * warm-ups, timed with cudaEvents on the backend's compute stream (its
+ * device context, backend/cuda/context.h). FLOPs count the causal half only:
  *   forward  = 4 B H D S(S+1)/2      (QK^T and PV)
  *   backward = 2.5 x forward         (QK^T, dO V^T, P^T dO, dS^T Q, dS K)
  * Filtered modes keep exactly half of each sequence's positions, chosen at
@@ -18,8 +18,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "backend.h"
-#include "common.h"
+#include "backend/backend.h"
+#include "backend/cuda/context.h"
+#include "base/common.h"
 
 static cf_backend *gpu;
 
@@ -76,16 +77,20 @@ static void run_op(bench_ctx *c, int op) {
 
 static float time_op(bench_ctx *c, int op) {
     enum { WARM = 3, REPS = 20 };
+    cudaStream_t st = ((cf_cuda_ctx *)gpu->device_context(gpu))->stream;
     cudaEvent_t e0, e1;
     CK(cudaEventCreate(&e0));
     CK(cudaEventCreate(&e1));
     for (int i = 0; i < WARM; i++) run_op(c, op);
-    CK(cudaDeviceSynchronize());
+    if (gpu->synchronize(gpu) != 0) {
+        fprintf(stderr, "%s\n", cf_last_error());
+        exit(1);
+    }
     float ms[REPS];
     for (int i = 0; i < REPS; i++) {
-        CK(cudaEventRecord(e0, 0));
+        CK(cudaEventRecord(e0, st));
         run_op(c, op);
-        CK(cudaEventRecord(e1, 0));
+        CK(cudaEventRecord(e1, st));
         CK(cudaEventSynchronize(e1));
         CK(cudaEventElapsedTime(&ms[i], e0, e1));
     }
@@ -130,7 +135,7 @@ static void bench(int B, int S, int H, int Hkv, int D) {
     int *drows = dalloc((size_t)n * 4), *dss = dalloc((B + 1) * 4);
     gpu->upload(gpu, drows, rows, (size_t)n * 4);
     gpu->upload(gpu, dss, ss, (B + 1) * 4);
-    c.kept = (cf_rows){n, drows, dss, rows, ss};
+    c.kept = (cf_rows){n, S / 2, drows, dss}; /* every sequence keeps S/2 */
     run_op(&c, OP_FWD); /* out and lse for the backward inputs */
     c.qc = dalloc((size_t)n * H * D * 2);
     c.outc = dalloc((size_t)n * H * D * 2);
@@ -149,6 +154,10 @@ static void bench(int B, int S, int H, int Hkv, int D) {
     const float t_full = time_op(&c, OP_FULL);
     const float t_cf = time_op(&c, OP_CENTRIFUGE);
     const float t_sm = time_op(&c, OP_STRAWMAN);
+    if (gpu->synchronize(gpu) != 0) { /* a failed op would time as a no-op */
+        fprintf(stderr, "%s\n", cf_last_error());
+        exit(1);
+    }
     printf("B=%d S=%d H=%d Hkv=%d D=%d (keep %d/%d)\n", B, S, H, Hkv, D, n, (int)T);
     printf("  %-22s %8.3f ms  %6.1f TFLOP/s\n", "forward", t_fwd, fwd_flop / t_fwd / 1e9);
     printf("  %-22s %8.3f ms  %6.1f TFLOP/s\n", "backward full", t_full, 2.5 * fwd_flop / t_full / 1e9);
@@ -165,14 +174,13 @@ static void bench(int B, int S, int H, int Hkv, int D) {
 }
 
 int main(int argc, char **argv) {
-    gpu = cf_backend_cuda_create();
+    gpu = cf_backend_cuda_create(0);
     if (!gpu) {
         fprintf(stderr, "%s\n", cf_last_error());
         return 1;
     }
-    struct cudaDeviceProp prop;
-    CK(cudaGetDeviceProperties(&prop, 0));
-    printf("device: %s (%d SMs)\n", prop.name, prop.multiProcessorCount);
+    const cf_cuda_ctx *ctx = gpu->device_context(gpu);
+    printf("device: GPU %d, %s (%d SMs)\n", ctx->device, ctx->device_name, ctx->sm_count);
     int S = argc > 1 ? atoi(argv[1]) : 4096;
     if (argc > 4) {
         bench(1, S, atoi(argv[2]), atoi(argv[3]), atoi(argv[4]));

@@ -13,14 +13,23 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "backend.h"
-#include "common.h"
-#include "model_internal.h"
+#include "backend/backend.h"
+#include "base/common.h"
+#include "engine/model_internal.h"
 #include "test.h"
 
 static const char *TYPES[] = {"tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny"};
 #define NTYPES 5
-enum { B = 2, S = 40 };
+/* S = 256: several attention tiles per sequence (64-row tiles), so the
+ * centrifuge backward's tile walk over kept rows is exercised */
+enum { B = 2, S = 256 };
+
+/* Offset of tensor i in the packed host arrays of these tests. */
+static size_t toff(const cf_model *m, int i) {
+    size_t o = 0;
+    for (int j = 0; j < i; j++) o += cf_model_tensor_numel(m, j);
+    return o;
+}
 
 static void copy_weights(cf_model *dst, cf_model *src) {
     for (int i = 0; i < cf_model_num_tensors(src); i++) {
@@ -56,7 +65,7 @@ static cf_model *cpu_model(const char *name, uint64_t seed) {
 
 static float *grads(cf_model *m) {
     float *g = malloc(cf_model_num_params(m) * sizeof(float));
-    for (int i = 0; i < cf_model_num_tensors(m); i++) cf_model_get_grad(m, i, g + m->params[i].offset);
+    for (int i = 0; i < cf_model_num_tensors(m); i++) cf_model_get_grad(m, i, g + toff(m, i));
     return g;
 }
 
@@ -66,9 +75,9 @@ static float *grads(cf_model *m) {
 static double worst_tensor_err(cf_model *m, const float *a, const float *ref, const char **which) {
     double worst = 0;
     for (int i = 0; i < cf_model_num_tensors(m); i++) {
-        const float *x = a + m->params[i].offset, *y = ref + m->params[i].offset;
+        const float *x = a + toff(m, i), *y = ref + toff(m, i);
         double num = 0, den = 1e-30;
-        for (size_t j = 0; j < m->params[i].numel; j++) {
+        for (size_t j = 0; j < cf_model_tensor_numel(m, i); j++) {
             double d = (double)x[j] - y[j];
             num += d * d;
             den += (double)y[j] * y[j];
@@ -82,7 +91,11 @@ static double worst_tensor_err(cf_model *m, const float *a, const float *ref, co
 static float *run(cf_model *m, const int32_t *tok, cf_mode mode, const uint8_t *keep, int stopgrad, float *losses) {
     cf_forward(m, tok, B, S, losses);
     cf_zero_grad(m);
-    int rc = stopgrad ? cf_backward_reference_stopgrad(m, keep, 1.0f, NULL) : cf_backward(m, mode, keep, 1.0f, NULL);
+    cf_kept kept;
+    int rc = keep ? cf_kept_from_mask(m, keep, &kept) : 0;
+    if (rc == 0)
+        rc = stopgrad ? cf_backward_reference_stopgrad(m, &kept, 1.0f, NULL)
+                      : cf_backward(m, mode, keep ? &kept : NULL, 1.0f, NULL);
     CHECK_MSG(rc == 0, "backward: %s", cf_last_error());
     return grads(m);
 }
@@ -103,7 +116,9 @@ TEST(gpu_model_losses_and_gradients_match_cpu_in_every_mode) {
         uint8_t keep[B * S];
         cf_forward(mc, tok, B, S, lc);
         cf_select(lc, NULL, B, S, 0.5f, CF_SELECT_SELF, 0, 1, keep);
-        keep[S + 3] = 0;   /* make the per-sequence counts uneven */
+        /* uneven per-sequence counts: sequence 1 loses 37 of its kept rows */
+        for (int t = S, dropped = 0; t < 2 * S && dropped < 37; t++)
+            if (keep[t]) { keep[t] = 0; dropped++; }
         const cf_mode modes[] = {CF_MODE_REGULAR, CF_MODE_LOSS_ONLY, CF_MODE_CENTRIFUGE, CF_MODE_STRAWMAN};
         for (int mi = 0; mi < 4; mi++) {
             float *gc = run(mc, tok, modes[mi], mi ? keep : NULL, 0, lc);
@@ -169,7 +184,7 @@ TEST(gpu_equivalences_of_design_section_1_hold_with_bf16_tolerances) {
                                 if (tok[b * (S + 1) + s] == v) { if (keep[b * S + s]) kept = 1; else filt = 1; }
                         if (!filt || kept) continue;
                         int zero = 1;
-                        for (int j = 0; j < c->hidden_size; j++) zero &= cf[m->params[m->p_embed].offset + (size_t)v * c->hidden_size + j] == 0.0f;
+                        for (int j = 0; j < c->hidden_size; j++) zero &= cf[toff(m, 0) + (size_t)v * c->hidden_size + j] == 0.0f;
                         CHECK_MSG(zero, "%s: embedding row %d of a filtered-only token has gradient", TYPES[ti], v);
                     }
                 }
@@ -185,7 +200,7 @@ TEST(gpu_equivalences_of_design_section_1_hold_with_bf16_tolerances) {
 }
 
 TEST(gpu_batched_filter_gather_equals_per_tensor_gather) {
-    cf_backend *g = cf_backend_cuda_create();
+    cf_backend *g = cf_backend_cuda_create(0);
     if (!g) { CHECK(0); return; }
     CHECK(g->gather_rows_multi != NULL);
     enum { T = 300, K = 5 };
@@ -221,7 +236,7 @@ TEST(gpu_batched_filter_gather_equals_per_tensor_gather) {
 }
 
 TEST(gpu_adamw_refreshes_bf16_weights_and_zeroes_gradients_in_one_pass) {
-    cf_backend *g = cf_backend_cuda_create();
+    cf_backend *g = cf_backend_cuda_create(0);
     if (!g) { CHECK(0); return; }
     enum { N = 1030 };   /* not a multiple of 4 for the tail: scalar path via odd offset below */
     float p[N], gr[N], z[N], pw[N], wf[N];
@@ -251,7 +266,7 @@ TEST(gpu_adamw_refreshes_bf16_weights_and_zeroes_gradients_in_one_pass) {
 
 /* The attention shapes of the model tests, alone: B=2, S=40, D in {8,16,32,64}. */
 TEST(gpu_attention_fwd_matches_cpu_at_model_test_shapes) {
-    cf_backend *c = cf_backend_cpu_create(), *g = cf_backend_cuda_create();
+    cf_backend *c = cf_backend_cpu_create(), *g = cf_backend_cuda_create(0);
     if (!c || !g) { CHECK(0); return; }
     const int Ds[] = {8, 16, 32, 64};
     for (int di = 0; di < 4; di++) {
@@ -286,7 +301,7 @@ TEST(gpu_attention_fwd_matches_cpu_at_model_test_shapes) {
 }
 
 TEST(gpu_selection_equals_cpu_selection_with_ties_and_nan) {
-    cf_backend *g = cf_backend_cuda_create();
+    cf_backend *g = cf_backend_cuda_create(0);
     if (!g) { CHECK(0); return; }
     const int shapes[][2] = {{1, 4096}, {2, 40}, {3, 1000}, {8, 128}};
     const float keeps[] = {1.0f, 0.8f, 0.5f, 0.1f, 1e-4f};
@@ -324,7 +339,7 @@ TEST(gpu_selection_equals_cpu_selection_with_ties_and_nan) {
 }
 
 TEST(gpu_swiglu_bwd_rows_matches_cpu) {
-    cf_backend *c = cf_backend_cpu_create(), *g = cf_backend_cuda_create();
+    cf_backend *c = cf_backend_cpu_create(), *g = cf_backend_cuda_create(0);
     if (!c || !g) { CHECK(0); return; }
     const int Fs[] = {5632, 44};   /* vector and scalar paths */
     for (int fi = 0; fi < 2; fi++) {

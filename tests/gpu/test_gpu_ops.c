@@ -6,9 +6,10 @@
  * both backends see the same values; the CPU backend gets them as fp32, the
  * CUDA backend as bf16 (act) or fp32 (statistics, gradients, master
  * weights). Every output of the CUDA op is poisoned with NaN first, so an
- * element it does not write fails the comparison. Errors are
+ * element it does not write fails the comparison. Errors are per tensor,
  *   rel = max |gpu - cpu| / max |cpu|        (rel_err in test.h)
- * and each op states its tolerance:
+ * with no floor: a reference that is all zero fails the test (it would
+ * accept an all-zero result), and each op states its tolerance:
  *   - bf16 outputs of fp32 math: one bf16 rounding (2^-9 = 2e-3 relative),
  *     plus bf16 intermediates where the kernel has them  -> 1e-2
  *   - fp32 gradients accumulated over bf16 products     -> 2e-2
@@ -24,8 +25,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "backend.h"
-#include "common.h"
+#include "backend/backend.h"
+#include "base/common.h"
 #include "test.h"
 
 static cf_backend *cpu, *gpu;
@@ -143,11 +144,18 @@ static float *get_f32(const void *p, size_t n) {
     return h;
 }
 
-/* compare and report; returns the error */
+static double max_abs(const float *a, size_t n) {
+    double m = 0;
+    for (size_t i = 0; i < n; i++) m = fmax(m, fabs(a[i]));
+    return m;
+}
+
+/* compare one tensor and report; returns the error */
 static double cmp(const char *what, const float *g, const float *c, size_t n, double tol) {
     double e = rel_err(g, c, n);
-    printf("    %-52s rel err %.2e (tol %.0e)\n", what, e, tol);
+    printf("    %-60s rel err %.2e (tol %.0e)\n", what, e, tol);
     CHECK_MSG(e <= tol, "%s: rel err %.3e > %.1e", what, e, tol);
+    CHECK_MSG(max_abs(c, n) > 0, "%s: the reference is all zero", what);
     return e;
 }
 static int bitwise_equal(const float *a, const float *b, size_t n) { return memcmp(a, b, n * sizeof(float)) == 0; }
@@ -351,17 +359,116 @@ TEST(gather_rows_copies_rows_exactly) {
     free_all();
 }
 
-/* sumsq: double accumulation of fp32 squares on both: 1e-9 relative. */
-TEST(sumsq_matches_cpu) {
+/* sumsq: double accumulation of fp32 squares on both, added to a device
+ * double: 1e-9 relative; the same bits every run. */
+TEST(sumsq_accumulates_on_the_device_and_matches_cpu) {
     const size_t n = 1000003;
     float *g = HOLD(hnew(n));
     for (size_t i = 0; i < n; i++) g[i] = cf_rng_normal(&rng);
-    double r = cpu->sumsq(cpu, g, n);
+    double r = 0.25;
+    cpu->sumsq(cpu, &r, g, n);
+    cpu->sumsq(cpu, &r, g + 1, n - 1);
     void *gg = gf32(g, n);
-    double s = gpu->sumsq(gpu, gg, n);
+    double init = 0.25, s = 0, s2 = 0;
+    double *acc = galloc(sizeof(double));
+    gpu->upload(gpu, acc, &init, sizeof init);
+    gpu->sumsq(gpu, acc, gg, n);
+    gpu->sumsq(gpu, acc, (float *)gg + 1, n - 1); /* unaligned start: the scalar path */
+    CHECK(gpu->download(gpu, &s, acc, sizeof s) == 0);
     printf("    sumsq gpu %.12g cpu %.12g\n", s, r);
     CHECK(fabs(s - r) <= 1e-9 * fabs(r));
-    CHECK(gpu->sumsq(gpu, gg, n) == s); /* deterministic */
+    gpu->upload(gpu, acc, &init, sizeof init);
+    gpu->sumsq(gpu, acc, gg, n);
+    gpu->sumsq(gpu, acc, (float *)gg + 1, n - 1);
+    CHECK(gpu->download(gpu, &s2, acc, sizeof s2) == 0);
+    CHECK(s2 == s); /* deterministic */
+    free_all();
+}
+
+/* ------------------------------------------- selection bookkeeping */
+
+/* keep_to_rows: integer bookkeeping, exact. Uneven sequences: random at
+ * several densities, all kept, none kept, one kept; S above and below the
+ * 1024 positions of one scan pass, and not a multiple of it. */
+TEST(keep_to_rows_matches_cpu_exactly) {
+    const int shapes[3][2] = {{7, 300}, {3, 2500}, {1, 1}};
+    for (int k = 0; k < 3; k++) {
+        const int B = shapes[k][0], S = shapes[k][1], T = B * S;
+        uint8_t *keep = HOLD(malloc((size_t)T));
+        for (int b = 0; b < B; b++)
+            for (int s = 0; s < S; s++) {
+                uint8_t v;
+                switch (b % 5) {
+                case 0: v = cf_rng_uniform(&rng) < 0.5f; break;
+                case 1: v = 1; break;
+                case 2: v = 0; break;
+                case 3: v = s == S - 1; break;
+                default: v = cf_rng_uniform(&rng) < 0.1f ? 3 : 0; break; /* any nonzero byte keeps */
+                }
+                keep[(size_t)b * S + s] = v;
+            }
+        int *rr = HOLD(inew(T)), *rs = HOLD(inew(B + 1));
+        cpu->keep_to_rows(cpu, rr, rs, keep, B, S);
+        const int n = rs[B];
+        void *gk = galloc((size_t)T + 16);
+        gpu->upload(gpu, gk, keep, (size_t)T);
+        int *minus = HOLD(inew(T + B + 1));
+        for (int i = 0; i < T + B + 1; i++) minus[i] = -1;
+        int *grows = gi32(minus, T), *gss = gi32(minus, B + 1);
+        gpu->keep_to_rows(gpu, grows, gss, gk, B, S);
+        int *hr = HOLD(inew(T)), *hs = HOLD(inew(B + 1));
+        CHECK(gpu->download(gpu, hr, grows, (size_t)T * 4) == 0);
+        CHECK(gpu->download(gpu, hs, gss, (size_t)(B + 1) * 4) == 0);
+        printf("    keep_to_rows B=%d S=%d: %d kept\n", B, S, n);
+        CHECK_MSG(memcmp(hs, rs, (size_t)(B + 1) * 4) == 0, "seq_start differs (B=%d S=%d)", B, S);
+        CHECK_MSG(memcmp(hr, rr, (size_t)n * 4) == 0, "rows differ (B=%d S=%d)", B, S);
+        int untouched = 1;
+        for (int i = n; i < T; i++) untouched &= hr[i] == -1;
+        CHECK(untouched);
+        free_all();
+    }
+}
+
+/* fill_dloss: exact; loss_sum: double sums in different orders rounded to
+ * fp32 (1e-6), the same bits every run. */
+TEST(fill_dloss_and_loss_sum_match_cpu) {
+    const int n = 5000;
+    float *losses = HOLD(hnew(n));
+    uint8_t *keep = HOLD(malloc(n));
+    for (int t = 0; t < n; t++) {
+        keep[t] = cf_rng_uniform(&rng) < 0.4f;
+        losses[t] = keep[t] ? 5.0f * cf_rng_uniform(&rng) : NAN; /* filtered rows are never read */
+    }
+    void *gk = galloc(n + 16);
+    gpu->upload(gpu, gk, keep, n);
+    void *gl = gf32(losses, n);
+    for (int masked = 0; masked < 2; masked++) {
+        float *rd = HOLD(hnew(n));
+        cpu->fill_dloss(cpu, rd, masked ? keep : NULL, 0.001f, n);
+        void *gd = gf32_nan(n);
+        gpu->fill_dloss(gpu, gd, masked ? gk : NULL, 0.001f, n);
+        cmp(masked ? "fill_dloss (masked)" : "fill_dloss (no mask)", get_f32(gd, n), rd, n, 0);
+    }
+    float racc = 2.0f, init = 2.0f, g1 = 0, g2 = 0;
+    cpu->loss_sum(cpu, &racc, losses, keep, n);
+    float *gacc = galloc(16);
+    gpu->upload(gpu, gacc, &init, 4);
+    gpu->loss_sum(gpu, gacc, gl, gk, n);
+    CHECK(gpu->download(gpu, &g1, gacc, 4) == 0);
+    gpu->upload(gpu, gacc, &init, 4);
+    gpu->loss_sum(gpu, gacc, gl, gk, n);
+    CHECK(gpu->download(gpu, &g2, gacc, 4) == 0);
+    cmp("loss_sum (masked, += 2)", &g1, &racc, 1, 1e-6);
+    CHECK(g1 == g2);
+    /* no mask on a NaN-free vector */
+    float *l2 = HOLD(hnew(n));
+    for (int t = 0; t < n; t++) l2[t] = cf_rng_uniform(&rng);
+    float r2 = 0, z = 0, g3 = 0;
+    cpu->loss_sum(cpu, &r2, l2, NULL, n);
+    gpu->upload(gpu, gacc, &z, 4);
+    gpu->loss_sum(gpu, gacc, gf32(l2, n), NULL, n);
+    CHECK(gpu->download(gpu, &g3, gacc, 4) == 0);
+    cmp("loss_sum (no mask)", &g3, &r2, 1, 1e-6);
     free_all();
 }
 
@@ -502,6 +609,13 @@ TEST(attention_fwd_matches_cpu_causal_gqa_doc_mask_and_tails) {
     }
 }
 
+/* the most kept rows of any sequence (cf_rows.max_len) */
+static int kept_max_len(const int *seq_start, int B) {
+    int m = 0;
+    for (int b = 0; b < B; b++) m = CF_MAX(m, seq_start[b + 1] - seq_start[b]);
+    return m;
+}
+
 /* Kept rows per sequence b of a case: a pattern with uneven counts:
  * b%4 == 0: ~half at random, 1: a single token, 2: ~20%, 3: none. */
 static void make_kept(const attn_case c, int **rows_out, int *seq_start, int *n_out, double keep) {
@@ -532,8 +646,11 @@ static float *hgather(const float *a, const int *rows, int n, size_t w) {
     return o;
 }
 
-/* Runs one backward mode on both backends; returns the GPU gradients. */
+/* Runs one backward mode on both backends; returns the GPU gradients. The
+ * GPU's kept->max_len is the exact maximum, or S when loose_max_len (an
+ * upper bound: tiles past a sequence's count must do nothing). */
 typedef struct { float *dq, *dk, *dv; } grads;
+static int loose_max_len;
 static grads attn_bwd_both(attn_problem *p, cf_attn_bwd_mode mode, int *rows, int *seq_start, int n,
                            const char *label, double tol, int compare) {
     const attn_case c = p->c;
@@ -544,11 +661,12 @@ static grads attn_bwd_both(attn_problem *p, cf_attn_bwd_mode mode, int *rows, in
     const float *out = full ? p->out : hgather(p->out, rows, n, wq);
     const float *dout = full ? p->dout : hgather(p->dout, rows, n, wq);
     const float *lse = full ? p->lse : hgather(p->lse, rows, n, c.H);
-    cf_rows ck = {n, rows, seq_start, rows, seq_start};
+    cf_rows ck = {n, full ? 0 : kept_max_len(seq_start, c.B), rows, seq_start};
     cf_rows gk = ck;
     if (!full) {
         gk.rows = gi32(rows, n);
         gk.seq_start = gi32(seq_start, c.B + 1);
+        if (loose_max_len) gk.max_len = c.S;
     }
     float *rdq = HOLD(hnew(nq * wq)), *rdk = HOLD(hnew(nq * wk)), *rdv = HOLD(hnew(nq * wk));
     cpu->attention_bwd(cpu, rdq, rdk, rdv, dout, q, p->k, p->v, out, lse, &p->cs, full ? NULL : &ck, mode);
@@ -628,6 +746,37 @@ TEST(attention_all_rows_kept_equals_full_on_gpu) {
     free_all();
 }
 
+/* Centrifuge on sequences of several tiles (S >= 200) with uneven kept
+ * counts per sequence (about half, one token, about 20%, none, and about
+ * half again), per tensor against the CPU; once with the exact max_len and
+ * once with max_len = S. */
+TEST(attention_centrifuge_bwd_matches_cpu_several_tiles_uneven_kept) {
+    const attn_case cc[] = {
+        {5, 260, 4, 2, 64, 0},
+        {4, 333, 8, 2, 128, 3},
+        {4, 200, 4, 4, 32, 0},
+    };
+    char nm[128], label[200];
+    for (int ci = 0; ci < (int)(sizeof cc / sizeof cc[0]); ci++) {
+        for (int loose = 0; loose < 2; loose++) {
+            attn_problem p;
+            attn_setup(&p, cc[ci]);
+            int *rows, n, *ss = HOLD(inew(cc[ci].B + 1));
+            make_kept(cc[ci], &rows, ss, &n, 0.5);
+            char counts[64] = "";
+            for (int b = 0; b < cc[ci].B; b++)
+                snprintf(counts + strlen(counts), sizeof counts - strlen(counts), "%s%d", b ? "/" : "",
+                         ss[b + 1] - ss[b]);
+            case_name(p.c, nm, sizeof nm);
+            snprintf(label, sizeof label, "CENTRIFUGE %s kept %s%s", nm, counts, loose ? " max_len=S" : "");
+            loose_max_len = loose;
+            attn_bwd_both(&p, CF_ATTN_BWD_CENTRIFUGE, rows, ss, n, label, TOL_GRAD, 1);
+            loose_max_len = 0;
+            free_all();
+        }
+    }
+}
+
 /* A larger problem: 16 tiles, keep 0.5 at random. */
 TEST(attention_centrifuge_matches_cpu_on_larger_problem) {
     const attn_case c = {1, 1024, 8, 2, 64, 0};
@@ -642,6 +791,121 @@ TEST(attention_centrifuge_matches_cpu_on_larger_problem) {
     free_all();
 }
 
+/* ================================================= contexts and errors */
+
+/* An op that fails leaves its context failed: check, synchronize, upload and
+ * download return -1 with the first message, later ops do nothing, alloc
+ * returns NULL. Another context on the same GPU is not affected, and out of
+ * memory in alloc is reported (not sticky). */
+TEST(errors_are_sticky_and_a_second_context_is_independent) {
+    cf_backend *e = cf_backend_cuda_create(0);
+    CHECK_MSG(e != NULL, "second context: %s", cf_last_error());
+    if (!e) return;
+    CHECK(e->check(e) == 0 && e->synchronize(e) == 0);
+    void *q = e->alloc(e, 1 << 16), *out = e->alloc(e, 1 << 16);
+    float *lse = e->alloc(e, 1 << 12);
+    CHECK(q && out && lse);
+    cf_attn_shape bad = {1, 4, 2, 2, 256, 0.0625f, NULL}; /* head_dim 256 has no kernel */
+    e->attention_fwd(e, out, lse, q, q, q, &bad);
+    cf_fail("%s", "");
+    CHECK(e->check(e) == -1);
+    CHECK_MSG(strstr(cf_last_error(), "head_dim") != NULL, "check: %s", cf_last_error());
+    cf_attn_shape ok = {1, 4, 2, 2, 64, 0.125f, NULL};
+    e->attention_bwd(e, out, out, out, q, q, q, q, q, lse, &ok, NULL, CF_ATTN_BWD_CENTRIFUGE); /* no kept rows */
+    cf_fail("%s", "");
+    CHECK(e->synchronize(e) == -1);
+    CHECK_MSG(strstr(cf_last_error(), "head_dim") != NULL, "synchronize keeps the first error: %s", cf_last_error());
+    float h[4] = {1, 2, 3, 4}, back[4] = {-1, -1, -1, -1};
+    CHECK(e->upload(e, q, h, sizeof h) == -1);
+    CHECK(e->download(e, back, q, sizeof back) == -1);
+    CHECK(back[0] == -1 && back[3] == -1);
+    CHECK(e->alloc(e, 16) == NULL);
+    e->free(e, q);
+    e->free(e, out);
+    e->free(e, lse);
+    e->destroy(e);
+    CHECK(gpu->check(gpu) == 0);
+
+    cf_fail("%s", "");
+    void *huge = gpu->alloc(gpu, (size_t)1 << 50);
+    CHECK(huge == NULL);
+    printf("    %s\n", cf_last_error());
+    CHECK(strstr(cf_last_error(), "cudaMalloc of") != NULL && strstr(cf_last_error(), "free") != NULL &&
+          strstr(cf_last_error(), "--batch") != NULL);
+    CHECK(gpu->check(gpu) == 0); /* out of memory in alloc is not sticky */
+}
+
+/* Two contexts (GPU 1 if there is one, else a second one on GPU 0) driven
+ * from one thread, ops interleaved: each runs on its own device and stream
+ * and sets its own kernel attributes (head_dim 128 needs more than 48 KiB of
+ * shared memory). Attention forward is deterministic: bitwise equal. */
+TEST(two_contexts_interleaved_give_the_same_results) {
+    cf_backend *b2 = cf_backend_cuda_create(1);
+    const int dev2 = b2 ? 1 : 0;
+    if (!b2) b2 = cf_backend_cuda_create(0);
+    CHECK_MSG(b2 != NULL, "second context: %s", cf_last_error());
+    if (!b2) return;
+    printf("    second context on GPU %d\n", dev2);
+    const attn_case c = {2, 150, 4, 2, 128, 0};
+    const size_t T = (size_t)c.B * c.S, nq = T * c.H * c.D, nk = T * c.Hkv * c.D;
+    float *q = HOLD(hrand(nq, 1.f)), *k = HOLD(hrand(nk, 1.f)), *v = HOLD(hrand(nk, 1.f));
+    const int K = 128, N = 96;
+    float *x = HOLD(hrand(T * K, 1.f)), *w = HOLD(hrand((size_t)N * K, 0.1f));
+    cf_backend *bs[2] = {gpu, b2};
+    void *dq[2], *dk[2], *dv[2], *dout[2], *dx[2], *dw[2], *dy[2];
+    float *dlse[2];
+    for (int i = 0; i < 2; i++) {
+        cf_backend *b = bs[i];
+        dq[i] = b->alloc(b, nq * 2);
+        dk[i] = b->alloc(b, nk * 2);
+        dv[i] = b->alloc(b, nk * 2);
+        dout[i] = b->alloc(b, nq * 2);
+        dlse[i] = b->alloc(b, T * c.H * 4);
+        dx[i] = b->alloc(b, T * K * 2);
+        dw[i] = b->alloc(b, (size_t)N * K * 2);
+        dy[i] = b->alloc(b, T * N * 2);
+        CHECK(dq[i] && dk[i] && dv[i] && dout[i] && dlse[i] && dx[i] && dw[i] && dy[i]);
+    }
+    if (!dy[0] || !dy[1]) return;
+    cf_attn_shape s = {c.B, c.S, c.H, c.Hkv, c.D, 1.0f / sqrtf((float)c.D), NULL};
+    for (int i = 0; i < 2; i++) {
+        bs[i]->act_from_f32(bs[i], dq[i], q, nq);
+        bs[i]->act_from_f32(bs[i], dk[i], k, nk);
+        bs[i]->act_from_f32(bs[i], dv[i], v, nk);
+        bs[i]->act_from_f32(bs[i], dx[i], x, T * K);
+        bs[i]->act_from_f32(bs[i], dw[i], w, (size_t)N * K);
+    }
+    for (int rep = 0; rep < 2; rep++)
+        for (int i = 0; i < 2; i++) {
+            bs[i]->attention_fwd(bs[i], dout[i], dlse[i], dq[i], dk[i], dv[i], &s);
+            bs[i]->matmul_fwd(bs[i], dy[i], dx[i], dw[i], NULL, (int)T, K, N);
+        }
+    float *o[2], *l[2], *y[2];
+    for (int i = 0; i < 2; i++) {
+        CHECK(bs[i]->synchronize(bs[i]) == 0);
+        o[i] = HOLD(hnew(nq));
+        l[i] = HOLD(hnew(T * c.H));
+        y[i] = HOLD(hnew(T * N));
+        bs[i]->act_to_f32(bs[i], o[i], dout[i], nq);
+        CHECK(bs[i]->download(bs[i], l[i], dlse[i], T * c.H * 4) == 0);
+        bs[i]->act_to_f32(bs[i], y[i], dy[i], T * N);
+    }
+    float *ref = HOLD(hnew(nq)), *rl = HOLD(hnew(T * c.H));
+    cpu->attention_fwd(cpu, ref, rl, q, k, v, &s);
+    cmp("context 1 attention out vs cpu", o[0], ref, nq, TOL_BF16);
+    cmp("context 2 attention out vs cpu", o[1], ref, nq, TOL_BF16);
+    CHECK(bitwise_equal(o[0], o[1], nq));
+    CHECK(bitwise_equal(l[0], l[1], T * c.H));
+    cmp("context 2 vs context 1 matmul", y[1], y[0], T * N, TOL_BF16);
+    for (int i = 0; i < 2; i++) {
+        void *bufs[] = {dq[i], dk[i], dv[i], dout[i], dlse[i], dx[i], dw[i], dy[i]};
+        for (int j = 0; j < 8; j++) bs[i]->free(bs[i], bufs[j]);
+    }
+    CHECK(b2->check(b2) == 0);
+    b2->destroy(b2);
+    free_all();
+}
+
 /* CF_TEST_SEED=n draws other inputs; CF_TEST_ONLY=word runs the tests whose
  * name contains word (e.g. under compute-sanitizer). */
 static const char *only;
@@ -652,7 +916,7 @@ int main(void) {
     only = getenv("CF_TEST_ONLY");
     cf_rng_seed(&rng, seed ? strtoull(seed, NULL, 10) : 20251121);
     cpu = cf_backend_cpu_create();
-    gpu = cf_backend_cuda_create();
+    gpu = cf_backend_cuda_create(0);
     if (!cpu || !gpu) {
         printf("cannot create backends: %s\n", cf_last_error());
         return 1;
@@ -666,14 +930,20 @@ int main(void) {
     RUN_IF(swiglu_fwd_bwd_match_cpu_vector_and_scalar_paths);
     RUN_IF(add_matches_cpu_out_of_place_and_in_place);
     RUN_IF(gather_rows_copies_rows_exactly);
-    RUN_IF(sumsq_matches_cpu);
+    RUN_IF(sumsq_accumulates_on_the_device_and_matches_cpu);
+    RUN_IF(keep_to_rows_matches_cpu_exactly);
+    RUN_IF(fill_dloss_and_loss_sum_match_cpu);
     RUN_IF(adamw_two_steps_and_weights_from_master_match_cpu);
     RUN_IF(lmhead_loss_fwd_bwd_match_cpu_with_zero_dloss_rows);
     RUN_IF(attention_fwd_matches_cpu_causal_gqa_doc_mask_and_tails);
     RUN_IF(attention_full_bwd_matches_cpu);
     RUN_IF(attention_centrifuge_and_strawman_bwd_match_cpu_uneven_kept);
     RUN_IF(attention_all_rows_kept_equals_full_on_gpu);
+    RUN_IF(attention_centrifuge_bwd_matches_cpu_several_tiles_uneven_kept);
     RUN_IF(attention_centrifuge_matches_cpu_on_larger_problem);
+    RUN_IF(errors_are_sticky_and_a_second_context_is_independent);
+    RUN_IF(two_contexts_interleaved_give_the_same_results);
+    CHECK_MSG(gpu->check(gpu) == 0, "the shared GPU backend failed: %s", cf_last_error());
     gpu->destroy(gpu);
     cpu->destroy(cpu);
     return test_summary();

@@ -1,0 +1,213 @@
+/*
+ * backend.h — the interface between the model driver (engine/model.c) and a
+ * compute backend (cpu: fp32 C + OpenMP + OpenBLAS; cuda: bf16 + fp32).
+ *
+ * The driver writes the Llama-family forward, filter and backward once, as a
+ * sequence of these calls; a backend only knows how to run each op.
+ *
+ * Ordering and errors. A backend runs its ops in call order (the CUDA
+ * backend: all on its device context's compute stream). Ops return void and
+ * never exit: the first failure is recorded (sticky, with its cf_fail
+ * message) and every later call of `check`, `synchronize` or `download`
+ * returns -1 with that message. alloc returns NULL with cf_fail on failure.
+ *
+ * Data types, per pointer kind:
+ *   act    activations and their gradients, backend dtype (cpu fp32, cuda bf16);
+ *          element size is `act_size`.
+ *   w      compute copy of weights, backend dtype (cpu: the fp32 master itself).
+ *   float  statistics (rstd, lse, losses, dloss) and all parameter gradients:
+ *          always fp32.
+ *   int    token ids, positions, row indices: int32.
+ * All pointers are backend memory (allocated by b->alloc) unless named
+ * host_*.
+ *
+ * Shapes: T rows (tokens), token-major. Matrices follow HF's nn.Linear
+ * layout: W is [N, K] (out_features, in_features), y = x W^T + b.
+ */
+#ifndef CF_BACKEND_H
+#define CF_BACKEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct cf_backend cf_backend;
+
+/* Attention problem description. Rows are b*S + s. */
+typedef struct {
+    int B, S;       /* sequences, positions per sequence             */
+    int H, Hkv, D;  /* query heads, key/value heads, head dimension  */
+    float scale;    /* softmax scale, 1/sqrt(D)                       */
+    const int *doc; /* [B*S] document id per row, or NULL (one doc per sequence).
+                       Key j is visible to query i iff same sequence, j <= i,
+                       and doc[j] == doc[i]. */
+} cf_attn_shape;
+
+/* Kept rows of a filtered backward. rows are ascending original row indices
+ * (b*S + s); seq_start[b] .. seq_start[b+1] is sequence b's slice of them. */
+typedef struct {
+    int n;                  /* number of kept rows                         */
+    int max_len;            /* upper bound of seq_start[b+1]-seq_start[b]  */
+    const int *rows;        /* [n] backend memory                          */
+    const int *seq_start;   /* [B+1] backend memory                        */
+} cf_rows;
+
+typedef enum {
+    /* dq, dk, dv for all T rows from all queries (regular, loss-only). */
+    CF_ATTN_BWD_FULL = 0,
+    /* Queries restricted to kept rows: q, out, dout, lse, dq, dk, dv are
+     * compacted [n, ...]; k, v are full [T, ...].
+     * dq(kept i) = exact, over all visible keys, with the full-forward lse.
+     * dk, dv(kept j) = contributions from kept queries only.               */
+    CF_ATTN_BWD_CENTRIFUGE = 1,
+    /* As centrifuge (same compacted layout), but the softmax is
+     * renormalised over kept keys only: the exact backward of attention on
+     * the compacted sequence, so dq misses the filtered keys (wrong).       */
+    CF_ATTN_BWD_STRAWMAN = 2,
+} cf_attn_bwd_mode;
+
+struct cf_backend {
+    const char *name;
+    size_t act_size;  /* bytes per activation element */
+    void *state;      /* backend-private (cublas handles, streams, ...) */
+
+    /* ---- memory ---- */
+    void *(*alloc)(cf_backend *b, size_t bytes);          /* NULL + cf_fail on OOM */
+    void (*free)(cf_backend *b, void *p);
+    void (*memzero)(cf_backend *b, void *p, size_t bytes);
+    /* upload returns once host_src may be reused; download waits for the
+     * ops before it and returns -1 if any op so far failed. */
+    int (*upload)(cf_backend *b, void *dst, const void *host_src, size_t bytes);
+    int (*download)(cf_backend *b, void *host_dst, const void *src, size_t bytes);
+    void (*copy)(cf_backend *b, void *dst, const void *src, size_t bytes);
+    /* host fp32 <-> backend act dtype (n elements) */
+    void (*act_from_f32)(cf_backend *b, void *dst, const float *host_src, size_t n);
+    void (*act_to_f32)(cf_backend *b, float *host_dst, const void *src, size_t n);
+    /* device fp32 master -> device compute weights (cpu: no-op when same ptr) */
+    void (*weights_from_master)(cf_backend *b, void *w, const float *master, size_t n);
+    /* Waits for every op issued so far; 0, or -1 with the first error. */
+    int (*synchronize)(cf_backend *b);
+    /* The first error so far without waiting; 0, or -1 (cf_fail set). */
+    int (*check)(cf_backend *b);
+    void (*destroy)(cf_backend *b);
+
+    /* ---- ops ---- */
+    /* out[t,:] = wte[tokens[t],:] */
+    void (*embedding_fwd)(cf_backend *b, void *out, const int *tokens, const void *wte,
+                          int T, int C);
+    /* dwte[tokens[t],:] += dout[t,:]  (deterministic: rows with equal token
+     * are summed in row order) */
+    void (*embedding_bwd)(cf_backend *b, float *dwte, const void *dout, const int *tokens,
+                          int T, int C);
+    /* out[T,N] = inp[T,K] W[N,K]^T (+ bias[N]) */
+    void (*matmul_fwd)(cf_backend *b, void *out, const void *inp, const void *w,
+                       const void *bias, int T, int K, int N);
+    /* dinp[T,K] (=, or += if accumulate) dout W ; dw[N,K] += dout^T inp ;
+     * dbias[N] += colsum(dout) if dbias != NULL. dinp may be NULL. */
+    void (*matmul_bwd)(cf_backend *b, void *dinp, float *dw, float *dbias, const void *dout,
+                       const void *inp, const void *w, int T, int K, int N, int accumulate);
+    /* out = x * rstd * w, rstd[t] = 1/sqrt(mean(x^2)+eps), over rows of C */
+    void (*rmsnorm_fwd)(cf_backend *b, void *out, float *rstd, const void *inp, const void *w,
+                        int T, int C, float eps);
+    /* dinp (=, or += if accumulate); dw[C] += */
+    void (*rmsnorm_bwd)(cf_backend *b, void *dinp, float *dw, const void *dout, const void *inp,
+                        const void *w, const float *rstd, int T, int C, int accumulate);
+    /* In-place rotate-half RoPE on x[T, nh, D] at positions pos[T] with
+     * inv_freq[D/2] (llama3 scaling already folded in). bwd applies the
+     * transposed rotation (angle -theta) to dx. */
+    void (*rope_fwd)(cf_backend *b, void *x, const int *pos, const float *inv_freq, int T,
+                     int nh, int D);
+    void (*rope_bwd)(cf_backend *b, void *dx, const int *pos, const float *inv_freq, int T,
+                     int nh, int D);
+    /* h = silu(gate) * up, over n elements */
+    void (*swiglu_fwd)(cf_backend *b, void *h, const void *gate, const void *up, size_t n);
+    /* The SwiGLU backward of the MLP, reading gate and up of the forward
+     * through the row index (so the filter never copies them): for i < n,
+     * r = rows ? rows[i] : i, over F columns:
+     *   h[i]     = silu(gate[r]) * up[r]        (the down projection's input, recomputed)
+     *   dgate[i] = dh[i] * up[r] * silu'(gate[r]),  dup[i] = dh[i] * silu(gate[r]) */
+    void (*swiglu_bwd_rows)(cf_backend *b, void *h, void *dgate, void *dup, const void *dh, const void *gate,
+                            const void *up, const int *rows, int n, int F);
+    /* out = a + c (out may alias a) */
+    void (*add)(cf_backend *b, void *out, const void *a, const void *c, size_t n);
+    /* Causal GQA attention. q[T,H,D] k,v[T,Hkv,D] -> out[T,H,D], lse[T,H]
+     * (natural log of the softmax denominator of the scaled scores). */
+    void (*attention_fwd)(cf_backend *b, void *out, float *lse, const void *q, const void *k,
+                          const void *v, const cf_attn_shape *s);
+    /* See cf_attn_bwd_mode for layouts. dq, dk, dv are overwritten. kept is
+     * NULL for CF_ATTN_BWD_FULL. */
+    void (*attention_bwd)(cf_backend *b, void *dq, void *dk, void *dv, const void *dout,
+                          const void *q, const void *k, const void *v, const void *out,
+                          const float *lse, const cf_attn_shape *s, const cf_rows *kept,
+                          cf_attn_bwd_mode mode);
+    /* Per-token cross-entropy of the LM head, chunked over rows so no [T,V]
+     * buffer is kept: losses[t] = logsumexp(x_t W^T) - (x_t W^T)[targets[t]]. */
+    void (*lmhead_loss_fwd)(cf_backend *b, float *losses, const void *x, const void *wlm,
+                            const int *targets, int T, int C, int V);
+    /* For rows t with dloss[t] != 0 contribution:
+     * dlogits = dloss[t] * (softmax - onehot); dx[T,C] = dlogits W (overwrite);
+     * dwlm[V,C] += dlogits^T x. Rows with dloss 0 give dx 0. */
+    void (*lmhead_loss_bwd)(cf_backend *b, void *dx, float *dwlm, const void *x, const void *wlm,
+                            const int *targets, const float *dloss, int T, int C, int V);
+    /* dst[i,:] = src[rows[i],:] for i < n; row_bytes bytes per row (the
+     * filter operator's primitive). */
+    void (*gather_rows)(cf_backend *b, void *dst, const void *src, const int *rows, int n,
+                        size_t row_bytes);
+    /* acc[0] += sum of squares of g[0..n) (fp32 gradients); acc is one
+     * double in backend memory, so the norm of a sharded gradient can be
+     * all-reduced before it reaches the host. */
+    void (*sumsq)(cf_backend *b, double *acc, const float *g, size_t n);
+    /* AdamW with decoupled weight decay and bias correction, on n elements:
+     * g' = g * grad_scale; m = b1 m + (1-b1) g'; v = b2 v + (1-b2) g'^2;
+     * p -= lr * (mhat / (sqrt(vhat) + eps) + wd * p), mhat = m/(1-b1^t), ...
+     * In the same pass (one read of each buffer): the compute copy w is
+     * refreshed from p (unless w is NULL or w == p) and g is zeroed for the
+     * next accumulation. */
+    void (*adamw)(cf_backend *b, float *p, void *w, float *g, float *m, float *v, size_t n, float lr,
+                  float beta1, float beta2, float eps, float wd, float grad_scale, int t);
+
+    /* ---- selection and loss bookkeeping (no host round trip) ---- */
+    /* From keep[B*S] (0/1): rows[] = the kept row indices ascending and
+     * seq_start[b] = number of kept rows before sequence b (B+1 entries). */
+    void (*keep_to_rows)(cf_backend *b, int *rows, int *seq_start, const uint8_t *keep, int B, int S);
+    /* dloss[t] = keep == NULL || keep[t] ? value : 0, for t < n. */
+    void (*fill_dloss)(cf_backend *b, float *dloss, const uint8_t *keep, float value, int n);
+    /* acc[0] += sum of losses[t] over t < n with keep == NULL || keep[t]
+     * (fp32 accumulator in backend memory; deterministic order). */
+    void (*loss_sum)(cf_backend *b, float *acc, const float *losses, const uint8_t *keep, int n);
+
+    /* ---- optional (may be NULL) ---- */
+    /* Timing without synchronising: mark records a time point in stream
+     * order and returns its id (-1 if none is left); mark_elapsed gives the
+     * seconds from mark a to mark c, waiting for c; marks_reset forgets all
+     * marks. The driver falls back to synchronize + wall clock without them. */
+    int (*mark)(cf_backend *b);
+    double (*mark_elapsed)(cf_backend *b, int a, int c);
+    void (*marks_reset)(cf_backend *b);
+    /* The filter operator in one call: for k < count, dst[k][i,:] =
+     * src[k][rows[i],:] with row_bytes[k] bytes per row (multiples of 4).
+     * dst, src, row_bytes are host arrays of backend pointers. */
+    void (*gather_rows_multi)(cf_backend *b, int count, void *const *dst, const void *const *src,
+                              const size_t *row_bytes, const int *rows, int n);
+    /* Token selection on the device: keep[t] = 1 for the k rows of highest
+     * score = losses[t] - (ref ? ref[t] : 0) within each group of `group`
+     * consecutive rows (group = S per sequence, T per micro-batch); equal
+     * scores go to the lower row, NaN scores last (as cf_select). keep is
+     * backend memory of T bytes. */
+    void (*select_topk)(cf_backend *b, uint8_t *keep, const float *losses, const float *ref, int T, int group,
+                        int k);
+    /* Peak bytes of device memory allocated through this backend. */
+    size_t (*memory_peak)(cf_backend *b);
+    /* Free and total bytes of the device's memory (for memory estimates). */
+    int (*memory_info)(cf_backend *b, size_t *free_bytes, size_t *total_bytes);
+    /* The CUDA device context (backend/cuda/context.h), NULL elsewhere: the
+     * collectives module reaches its streams through it. */
+    void *(*device_context)(cf_backend *b);
+};
+
+cf_backend *cf_backend_cpu_create(void);
+/* The CUDA backend on device `device` (an index into the visible GPUs).
+ * Returns NULL with cf_fail(...) if CUDA support was not built, there is no
+ * such GPU, or its context cannot be created. */
+cf_backend *cf_backend_cuda_create(int device);
+
+#endif /* CF_BACKEND_H */

@@ -1,0 +1,111 @@
+/*
+ * adamw.cu — the optimizer pass (AdamW, compute-weight refresh and gradient
+ * zeroing in one read of each buffer) and the squared gradient norm.
+ */
+#include "backend/cuda/cuda_common.cuh"
+
+/* per-block double partial sums of g^2 (fixed grid: deterministic) */
+static __global__ void sumsq_partial_kernel(double *partial, const float *g, size_t n) {
+    __shared__ double red[32];
+    double acc = 0.0;
+    const size_t n4 = ((uintptr_t)g & 15) == 0 ? n / 4 : 0; /* float4 part */
+    const float4 *g4 = (const float4 *)g;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += (size_t)gridDim.x * blockDim.x) {
+        float4 f = g4[i];
+        acc += (double)f.x * f.x + (double)f.y * f.y + (double)f.z * f.z + (double)f.w * f.w;
+    }
+    for (size_t i = 4 * n4 + (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        double v = g[i];
+        acc += v * v;
+    }
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (lane == 0) red[warp] = acc;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        double s = 0.0;
+        for (int w = 0; w < (int)(blockDim.x >> 5); w++) s += red[w];
+        partial[blockIdx.x] = s;
+    }
+}
+static __global__ void sumsq_final_kernel(double *acc, const double *partial, int n) {
+    if (threadIdx.x == 0 && blockIdx.x == 0) {
+        double s = 0.0;
+        for (int i = 0; i < n; i++) s += partial[i];
+        *acc += s;
+    }
+}
+/* acc[0] += sum of g^2: per-block partials, then one thread adds them in
+ * order; no host round trip (the norm of a sharded gradient can be reduced
+ * across GPUs first). */
+void cf_cuda_sumsq(cf_backend *b, double *acc, const float *g, size_t n) {
+    cf_cuda_ctx *ctx = cf_cuda_enter(b);
+    if (!ctx || !n) return;
+    const int blocks = ctx->sm_count * 4;
+    double *partial = (double *)cf_cuda_scratch(ctx, CF_SCR_SUMSQ, (size_t)blocks * sizeof(double));
+    if (!partial) return;
+    sumsq_partial_kernel<<<blocks, 256, 0, ctx->stream>>>(partial, g, n);
+    if (!CF_CK_LAUNCH(ctx, "sumsq_partial")) return;
+    sumsq_final_kernel<<<1, 32, 0, ctx->stream>>>(acc, partial, blocks);
+    CF_CK_LAUNCH(ctx, "sumsq_final");
+}
+
+/* g' = g s; m = b1 m + (1-b1) g'; v = b2 v + (1-b2) g'^2;
+ * p -= lr (m/bc1 / (sqrt(v/bc2) + eps) + wd p) */
+__device__ __forceinline__ void adamw_one(float &p, float g, float &m, float &v, float lr, float b1, float b2,
+                                          float eps, float wd, float gs, float bc1, float bc2) {
+    g *= gs;
+    m = b1 * m + (1.f - b1) * g;
+    v = b2 * v + (1.f - b2) * g * g;
+    p = p - lr * ((m / bc1) / (sqrtf(v / bc2) + eps) + wd * p);
+}
+static __global__ void adamw_kernel(float *p, bf16 *w, float *g, float *m, float *v, size_t n, float lr, float b1,
+                                    float b2, float eps, float wd, float gs, float bc1, float bc2) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        float pi = p[i], mi = m[i], vi = v[i];
+        adamw_one(pi, g[i], mi, vi, lr, b1, b2, eps, wd, gs, bc1, bc2);
+        p[i] = pi;
+        m[i] = mi;
+        v[i] = vi;
+        g[i] = 0.f;
+        if (w) w[i] = __float2bfloat16_rn(pi);
+    }
+}
+/* the same, four elements per 16-byte access */
+static __global__ void adamw_vec_kernel(float4 *p, __nv_bfloat162 *w, float4 *g, float4 *m, float4 *v, size_t n4, float lr,
+                                        float b1, float b2, float eps, float wd, float gs, float bc1, float bc2) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += (size_t)gridDim.x * blockDim.x) {
+        float4 pi = p[i], gi = g[i], mi = m[i], vi = v[i];
+        adamw_one(pi.x, gi.x, mi.x, vi.x, lr, b1, b2, eps, wd, gs, bc1, bc2);
+        adamw_one(pi.y, gi.y, mi.y, vi.y, lr, b1, b2, eps, wd, gs, bc1, bc2);
+        adamw_one(pi.z, gi.z, mi.z, vi.z, lr, b1, b2, eps, wd, gs, bc1, bc2);
+        adamw_one(pi.w, gi.w, mi.w, vi.w, lr, b1, b2, eps, wd, gs, bc1, bc2);
+        p[i] = pi;
+        m[i] = mi;
+        v[i] = vi;
+        g[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (w) {
+            w[2 * i] = __floats2bfloat162_rn(pi.x, pi.y);
+            w[2 * i + 1] = __floats2bfloat162_rn(pi.z, pi.w);
+        }
+    }
+}
+/* One pass: update p, m, v; refresh the bf16 compute copy w; zero g. */
+void cf_cuda_adamw(cf_backend *b, float *p, void *w_, float *g, float *m, float *v, size_t n, float lr, float beta1,
+                     float beta2, float eps, float wd, float grad_scale, int t) {
+    cf_cuda_ctx *ctx = cf_cuda_enter(b);
+    if (!ctx || !n) return;
+    bf16 *w = (bf16 *)w_;
+    float bc1 = (float)(1.0 - pow((double)beta1, (double)t));
+    float bc2 = (float)(1.0 - pow((double)beta2, (double)t));
+    if (n % 4 == 0 && cf_aligned16(p) && cf_aligned16(g) && cf_aligned16(m) && cf_aligned16(v) &&
+        ((uintptr_t)w % 8) == 0)
+        adamw_vec_kernel<<<cf_stream_grid(ctx, n / 4), 256, 0, ctx->stream>>>(
+            (float4 *)p, (__nv_bfloat162 *)w, (float4 *)g, (float4 *)m, (float4 *)v, n / 4, lr, beta1, beta2, eps, wd,
+            grad_scale, bc1, bc2);
+    else
+        adamw_kernel<<<cf_grid_for(n, 256), 256, 0, ctx->stream>>>(
+            p, w, g, m, v, n, lr, beta1, beta2, eps, wd, grad_scale, bc1, bc2);
+    CF_CK_LAUNCH(ctx, "adamw");
+}

@@ -1,0 +1,263 @@
+/*
+ * attention/launch.cu — the host side of attention: shape checks, head-dim
+ * padding (head dims without a kernel run zero-padded to the next one), the
+ * per-device shared-memory limits of the kernels, and the launch sequence of
+ * the forward and of each backward mode (the table in common.cuh), all on the
+ * context's compute stream.
+ *
+ * Grids over a filtered list are sized by kept->max_len (an upper bound of
+ * the kept rows of any one sequence, known on the host without reading the
+ * device); every kernel returns at once for a tile past its sequence's count.
+ */
+#include <string.h>
+
+#include "backend/cuda/attention/common.cuh"
+
+/* Head-dim padding for sizes without a kernel: dst[r, :Dp] = (src[r, :D], 0...). */
+static __global__ void pad_rows_kernel(bf16 *dst, const bf16 *src, size_t rows, int D, int Dp) {
+    const size_t n = rows * Dp;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        size_t r = i / Dp;
+        int d = (int)(i % Dp);
+        dst[i] = d < D ? src[r * D + d] : __float2bfloat16_rn(0.f);
+    }
+}
+static __global__ void unpad_rows_kernel(bf16 *dst, const bf16 *src, size_t rows, int D, int Dp) {
+    const size_t n = rows * D;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        dst[i] = src[(i / D) * Dp + i % D];
+}
+
+/* ================================================================== host */
+
+enum { K_FWD, K_BWD, K_BWD_DQ, K_COUNT };
+static const char *const kernel_names[K_COUNT] = {"forward", "backward", "centrifuge dq"};
+
+/* head dims with kernels; others (up to 128) run zero-padded to the next one,
+ * which leaves scores and outputs unchanged */
+static int kernel_dim(int D) {
+    return D <= 16 ? 16 : D <= 32 ? 32 : D <= 64 ? 64 : D <= 96 ? 96 : D <= 128 ? 128 : 0;
+}
+static int dim_index(int D) { return D == 16 ? 0 : D == 32 ? 1 : D == 64 ? 2 : D == 96 ? 3 : 4; }
+
+/* Raises the kernel's dynamic shared-memory limit (an attribute of the
+ * device the call runs on) once per context: a flag per context, not per
+ * process, so a second context on another GPU sets it there too. */
+static bool prepare_kernel(cf_cuda_ctx *ctx, int which, int D, const AttnKernel &k) {
+    if (!k.fn) {
+        cf_cuda_ctx_fail(ctx, "attention (cuda): no %s kernel for head_dim %d", kernel_names[which], D);
+        return false;
+    }
+    const unsigned bit = 1u << (which * 5 + dim_index(D));
+    if (ctx->attn_attr_done & bit) return true;
+    if (k.smem > ctx->smem_optin) {
+        cf_cuda_ctx_fail(ctx,
+                         "attention (cuda): the %s kernel for head_dim %d needs %zu bytes of shared memory per "
+                         "block; GPU %d (%s) allows %zu",
+                         kernel_names[which], D, k.smem, ctx->device, ctx->device_name, ctx->smem_optin);
+        return false;
+    }
+    if (!CF_CK(ctx, cudaFuncSetAttribute(k.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)k.smem)))
+        return false;
+    ctx->attn_attr_done |= bit;
+    return true;
+}
+
+/* grid (H, ntiles, B) of kernel `which` */
+static bool launch(cf_cuda_ctx *ctx, int which, const AttnArgs &a, int D, int ntiles) {
+    if (ntiles <= 0) return true;
+    const AttnKernel k = which == K_FWD   ? attn_fwd_kernel_for(D)
+                         : which == K_BWD ? attn_bwd_kernel_for(D)
+                                          : attn_bwd_dq_kernel_for(D);
+    if (!prepare_kernel(ctx, which, D, k)) return false;
+    dim3 grid(a.H, ntiles, a.B), block(NTHREADS);
+    void *args[] = {(void *)&a};
+    return CF_CK(ctx, cudaLaunchKernel(k.fn, grid, block, args, k.smem, ctx->stream));
+}
+
+static bf16 *pad(cf_cuda_ctx *ctx, cf_cuda_scratch_id id, const void *src, size_t rows, int D, int Dp) {
+    bf16 *dst = (bf16 *)cf_cuda_scratch(ctx, id, rows * Dp * sizeof(bf16));
+    if (!dst) return NULL;
+    pad_rows_kernel<<<attn_grid_for(rows * Dp), 256, 0, ctx->stream>>>(dst, (const bf16 *)src, rows, D, Dp);
+    return CF_CK_LAUNCH(ctx, "attention pad") ? dst : NULL;
+}
+static bool unpad(cf_cuda_ctx *ctx, void *dst, const bf16 *src, size_t rows, int D, int Dp) {
+    unpad_rows_kernel<<<attn_grid_for(rows * D), 256, 0, ctx->stream>>>((bf16 *)dst, src, rows, D, Dp);
+    return CF_CK_LAUNCH(ctx, "attention unpad");
+}
+
+static bool check_shape(cf_cuda_ctx *ctx, const cf_attn_shape *s) {
+    if (s->B <= 0 || s->S <= 0 || s->H <= 0 || s->Hkv <= 0 || s->H % s->Hkv != 0 || s->D <= 0 ||
+        kernel_dim(s->D) == 0) {
+        cf_cuda_ctx_fail(ctx, "attention (cuda): bad shape B=%d S=%d H=%d Hkv=%d D=%d (head_dim at most 128)", s->B,
+                         s->S, s->H, s->Hkv, s->D);
+        return false;
+    }
+    return true;
+}
+
+static AttnArgs base_args(const cf_attn_shape *s) {
+    AttnArgs a;
+    memset(&a, 0, sizeof a);
+    a.B = s->B;
+    a.S = s->S;
+    a.H = s->H;
+    a.Hkv = s->Hkv;
+    a.doc = s->doc;
+    a.scale = s->scale;
+    a.scale_log2 = s->scale * LOG2E_F;
+    return a;
+}
+
+/* ================================================================ forward */
+
+static void attn_fwd(cf_cuda_ctx *ctx, void *out, float *lse, const void *q, const void *k, const void *v,
+                     const cf_attn_shape *s) {
+    if (!check_shape(ctx, s)) return;
+    const int Dp = kernel_dim(s->D);
+    if (Dp != s->D) {
+        const size_t T = (size_t)s->B * s->S;
+        cf_attn_shape sp = *s;
+        sp.D = Dp;
+        bf16 *qp = pad(ctx, CF_SCR_ATTN_PAD_Q, q, T * s->H, s->D, Dp);
+        bf16 *kp = qp ? pad(ctx, CF_SCR_ATTN_PAD_K, k, T * s->Hkv, s->D, Dp) : NULL;
+        bf16 *vp = kp ? pad(ctx, CF_SCR_ATTN_PAD_V, v, T * s->Hkv, s->D, Dp) : NULL;
+        bf16 *op = vp ? (bf16 *)cf_cuda_scratch(ctx, CF_SCR_ATTN_PAD_O, T * s->H * Dp * sizeof(bf16)) : NULL;
+        if (!op) return;
+        attn_fwd(ctx, op, lse, qp, kp, vp, &sp);
+        if (!ctx->failed) unpad(ctx, out, op, T * s->H, s->D, Dp);
+        return;
+    }
+    AttnArgs a = base_args(s);
+    a.q = (const bf16 *)q;
+    a.k = (const bf16 *)k;
+    a.v = (const bf16 *)v;
+    a.out = (bf16 *)out;
+    a.lse_out = lse;
+    launch(ctx, K_FWD, a, s->D, (s->S + TILE - 1) / TILE);
+}
+
+void cf_cuda_attention_fwd(cf_backend *b, void *out, float *lse, const void *q, const void *k, const void *v,
+                           const cf_attn_shape *s) {
+    cf_cuda_ctx *ctx = cf_cuda_enter(b);
+    if (!ctx) return;
+    attn_fwd(ctx, out, lse, q, k, v, s);
+}
+
+/* =============================================================== backward */
+
+static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void *dout, const void *q, const void *k,
+                     const void *v, const void *out, const float *lse, const cf_attn_shape *s, const cf_rows *kept,
+                     cf_attn_bwd_mode mode) {
+    if (!check_shape(ctx, s)) return;
+    const int D = s->D, H = s->H, Hkv = s->Hkv, B = s->B, S = s->S, T = B * S;
+    const bool full = mode == CF_ATTN_BWD_FULL;
+    if (mode != CF_ATTN_BWD_FULL && mode != CF_ATTN_BWD_CENTRIFUGE && mode != CF_ATTN_BWD_STRAWMAN) {
+        cf_cuda_ctx_fail(ctx, "attention_bwd (cuda): unknown mode %d", (int)mode);
+        return;
+    }
+    if (!full) {
+        if (!kept || kept->n < 0 || kept->n > T || (kept->n > 0 && (!kept->rows || !kept->seq_start))) {
+            cf_cuda_ctx_fail(ctx, "attention_bwd (cuda): mode %d needs the kept rows (n in [0, %d])", (int)mode, T);
+            return;
+        }
+        if (kept->n > 0 && (kept->max_len < 1 || kept->max_len > S)) {
+            cf_cuda_ctx_fail(ctx, "attention_bwd (cuda): kept->max_len %d outside [1, S=%d]", kept->max_len, S);
+            return;
+        }
+    }
+    const int n = full ? T : kept->n; /* rows on the q side and on the k side of part 1 */
+    if (n <= 0) return;
+    const int Dp = kernel_dim(D);
+    if (Dp != D) {
+        cf_attn_shape sp = *s;
+        sp.D = Dp;
+        bf16 *qp = pad(ctx, CF_SCR_ATTN_PAD_Q, q, (size_t)n * H, D, Dp);
+        bf16 *op = qp ? pad(ctx, CF_SCR_ATTN_PAD_O, out, (size_t)n * H, D, Dp) : NULL;
+        bf16 *dop = op ? pad(ctx, CF_SCR_ATTN_PAD_DO, dout, (size_t)n * H, D, Dp) : NULL;
+        bf16 *kp = dop ? pad(ctx, CF_SCR_ATTN_PAD_K, k, (size_t)T * Hkv, D, Dp) : NULL;
+        bf16 *vp = kp ? pad(ctx, CF_SCR_ATTN_PAD_V, v, (size_t)T * Hkv, D, Dp) : NULL;
+        bf16 *dqp = (bf16 *)cf_cuda_scratch(ctx, CF_SCR_ATTN_PAD_DQ, (size_t)n * H * Dp * sizeof(bf16));
+        bf16 *dkp = (bf16 *)cf_cuda_scratch(ctx, CF_SCR_ATTN_PAD_DK, (size_t)n * Hkv * Dp * sizeof(bf16));
+        bf16 *dvp = (bf16 *)cf_cuda_scratch(ctx, CF_SCR_ATTN_PAD_DV, (size_t)n * Hkv * Dp * sizeof(bf16));
+        if (!vp || !dqp || !dkp || !dvp) return;
+        attn_bwd(ctx, dqp, dkp, dvp, dop, qp, kp, vp, op, lse, &sp, kept, mode);
+        if (!ctx->failed && unpad(ctx, dq, dqp, (size_t)n * H, D, Dp) && unpad(ctx, dk, dkp, (size_t)n * Hkv, D, Dp))
+            unpad(ctx, dv, dvp, (size_t)n * Hkv, D, Dp);
+        return;
+    }
+    const int maxlen = full ? S : kept->max_len;
+
+    AttnArgs a = base_args(s);
+    a.q = (const bf16 *)q;
+    a.k = (const bf16 *)k;
+    a.v = (const bf16 *)v;
+    a.dout = (const bf16 *)dout;
+    a.lse = lse;
+    a.o = (const bf16 *)out;
+    if (!full) {
+        a.qstart = a.kstart = kept->seq_start;
+        a.qrow = a.krow = kept->rows;
+    }
+
+    if (mode == CF_ATTN_BWD_STRAWMAN) {
+        /* forward on the kept sequence: lse and out renormalised over kept keys */
+        bf16 *o_kept = (bf16 *)cf_cuda_scratch(ctx, CF_SCR_ATTN_O_KEPT, (size_t)n * H * D * sizeof(bf16));
+        float *lse_kept = (float *)cf_cuda_scratch(ctx, CF_SCR_ATTN_LSE_KEPT, (size_t)n * H * sizeof(float));
+        if (!o_kept || !lse_kept) return;
+        AttnArgs f = a;
+        f.out = o_kept;
+        f.lse_out = lse_kept;
+        if (!launch(ctx, K_FWD, f, D, (maxlen + TILE - 1) / TILE)) return;
+        a.o = o_kept;
+        a.lse = lse_kept;
+    }
+
+    float *dq_acc = (float *)cf_cuda_scratch(ctx, CF_SCR_ATTN_DQ_ACC, (size_t)n * H * D * sizeof(float));
+    float *Dvec = (float *)cf_cuda_scratch(ctx, CF_SCR_ATTN_DVEC, (size_t)n * H * sizeof(float));
+    if (!dq_acc || !Dvec) return;
+    a.dq_acc = dq_acc;
+    a.Dvec = Dvec;
+    attn_bwd_prep(ctx->stream, a.dout, a.o, Dvec, dq_acc, n * H, D);
+    if (!CF_CK_LAUNCH(ctx, "attention bwd prep")) return;
+    if (H != Hkv) {
+        a.dkx = (float *)cf_cuda_scratch(ctx, CF_SCR_ATTN_DKX, (size_t)n * H * D * sizeof(float));
+        a.dvx = (float *)cf_cuda_scratch(ctx, CF_SCR_ATTN_DVX, (size_t)n * H * D * sizeof(float));
+        if (!a.dkx || !a.dvx) return;
+    } else {
+        a.dk = (bf16 *)dk;
+        a.dv = (bf16 *)dv;
+    }
+    /* part 1 / the whole backward: dk, dv, and dq over the k side */
+    if (!launch(ctx, K_BWD, a, D, (maxlen + TILE - 1) / TILE)) return;
+
+    if (mode == CF_ATTN_BWD_CENTRIFUGE) {
+        /* part 2: dq over the filtered keys, plus dq_acc, to bf16 */
+        int nf = T - n;
+        int *filt = (int *)cf_cuda_scratch(ctx, CF_SCR_ATTN_FILT, (size_t)(nf > 0 ? nf : 1) * sizeof(int));
+        int *fstart = (int *)cf_cuda_scratch(ctx, CF_SCR_ATTN_FSTART, (size_t)(B + 1) * sizeof(int));
+        if (!filt || !fstart) return;
+        attn_filtered_rows(ctx->stream, filt, fstart, kept->rows, kept->seq_start, n, B, S);
+        if (!CF_CK_LAUNCH(ctx, "attention filtered rows")) return;
+        AttnArgs p = a;
+        p.kstart = fstart;
+        p.krow = filt;
+        p.dq = (bf16 *)dq;
+        if (!launch(ctx, K_BWD_DQ, p, D, (maxlen + TILE - 1) / TILE)) return;
+    } else {
+        attn_dq_to_bf16(ctx->stream, (bf16 *)dq, dq_acc, (size_t)n * H * D);
+        if (!CF_CK_LAUNCH(ctx, "attention dq to bf16")) return;
+    }
+    if (H != Hkv) {
+        attn_gqa_reduce(ctx->stream, (bf16 *)dk, (bf16 *)dv, a.dkx, a.dvx, (size_t)n, Hkv, H / Hkv, D);
+        CF_CK_LAUNCH(ctx, "attention GQA reduce");
+    }
+}
+
+void cf_cuda_attention_bwd(cf_backend *b, void *dq, void *dk, void *dv, const void *dout, const void *q,
+                           const void *k, const void *v, const void *out, const float *lse, const cf_attn_shape *s,
+                           const cf_rows *kept, cf_attn_bwd_mode mode) {
+    cf_cuda_ctx *ctx = cf_cuda_enter(b);
+    if (!ctx) return;
+    attn_bwd(ctx, dq, dk, dv, dout, q, k, v, out, lse, s, kept, mode);
+}

@@ -1,0 +1,98 @@
+/*
+ * backend.cu — the CUDA backend: bf16 activations and compute weights, fp32
+ * master weights, gradients, optimizer state and statistics. This file only
+ * builds the cf_backend table over one device context (context.h); each op
+ * family lives in its own file:
+ *
+ *   memory.cu     alloc/free, transfers, dtype conversions, weights_from_master
+ *   gemm.cu       cuBLASLt matmul forward/backward, deterministic column sums
+ *   norm.cu       RMSNorm           rope.cu        RoPE
+ *   swiglu.cu     SwiGLU, add       embedding.cu   embedding
+ *   lmhead.cu     LM head + cross-entropy
+ *   select.cu     select_topk, keep_to_rows, fill_dloss, loss_sum, gathers
+ *   adamw.cu      AdamW, sumsq
+ *   attention/    flash-style attention: common.cuh (tile / mma helpers),
+ *                 fwd.cu, bwd.cu, bwd_centrifuge.cu, launch.cu (host side)
+ *
+ * Ordering. Every op runs on the context's compute stream, in call order, so
+ * the driver needs no stream handling; download and synchronize wait for it.
+ *
+ * Errors. Ops never exit: the first failing CUDA or cuBLASLt call is recorded
+ * in the context (sticky) and every later op is a no-op; check, synchronize
+ * and download return -1 with the message (backend.h).
+ *
+ * Determinism. Every op gives bitwise-identical results run to run, except
+ * attention backward's dq (fp32 atomics across key tiles) and whatever
+ * cuBLASLt chooses (its heuristics pick the same algorithm for the same
+ * problem, and no split-K reduction order changes between runs).
+ */
+#include <stdlib.h>
+
+#include "backend/cuda/cuda_common.cuh"
+
+static int cu_synchronize(cf_backend *b) { return cf_cuda_ctx_synchronize((cf_cuda_ctx *)b->state); }
+static int cu_check(cf_backend *b) { return cf_cuda_ctx_check((cf_cuda_ctx *)b->state); }
+static void *cu_device_context(cf_backend *b) { return b->state; }
+
+static void cu_destroy(cf_backend *b) {
+    if (!b) return;
+    cf_cuda_ctx_destroy((cf_cuda_ctx *)b->state);
+    free(b);
+}
+
+extern "C" cf_backend *cf_backend_cuda_create(int device) {
+    cf_cuda_ctx *ctx = cf_cuda_ctx_create(device);
+    if (!ctx) return NULL;
+    cf_backend *b = (cf_backend *)calloc(1, sizeof *b);
+    if (!b) {
+        cf_cuda_ctx_destroy(ctx);
+        cf_fail("out of memory creating the CUDA backend");
+        return NULL;
+    }
+    b->state = ctx;
+    b->name = "cuda";
+    b->act_size = sizeof(bf16);
+
+    b->alloc = cf_cuda_alloc;
+    b->free = cf_cuda_free;
+    b->memzero = cf_cuda_memzero;
+    b->upload = cf_cuda_upload;
+    b->download = cf_cuda_download;
+    b->copy = cf_cuda_copy;
+    b->act_from_f32 = cf_cuda_act_from_f32;
+    b->act_to_f32 = cf_cuda_act_to_f32;
+    b->weights_from_master = cf_cuda_weights_from_master;
+    b->synchronize = cu_synchronize;
+    b->check = cu_check;
+    b->destroy = cu_destroy;
+
+    b->embedding_fwd = cf_cuda_embedding_fwd;
+    b->embedding_bwd = cf_cuda_embedding_bwd;
+    b->matmul_fwd = cf_cuda_matmul_fwd;
+    b->matmul_bwd = cf_cuda_matmul_bwd;
+    b->rmsnorm_fwd = cf_cuda_rmsnorm_fwd;
+    b->rmsnorm_bwd = cf_cuda_rmsnorm_bwd;
+    b->rope_fwd = cf_cuda_rope_fwd;
+    b->rope_bwd = cf_cuda_rope_bwd;
+    b->swiglu_fwd = cf_cuda_swiglu_fwd;
+    b->swiglu_bwd_rows = cf_cuda_swiglu_bwd_rows;
+    b->add = cf_cuda_add;
+    b->attention_fwd = cf_cuda_attention_fwd;
+    b->attention_bwd = cf_cuda_attention_bwd;
+    b->lmhead_loss_fwd = cf_cuda_lmhead_loss_fwd;
+    b->lmhead_loss_bwd = cf_cuda_lmhead_loss_bwd;
+    b->gather_rows = cf_cuda_gather_rows;
+    b->sumsq = cf_cuda_sumsq;
+    b->adamw = cf_cuda_adamw;
+
+    b->keep_to_rows = cf_cuda_keep_to_rows;
+    b->fill_dloss = cf_cuda_fill_dloss;
+    b->loss_sum = cf_cuda_loss_sum;
+
+    b->gather_rows_multi = cf_cuda_gather_rows_multi;
+    b->select_topk = cf_cuda_select_topk;
+    b->memory_peak = cf_cuda_memory_peak;
+    b->memory_info = cf_cuda_memory_info;
+    b->device_context = cu_device_context;
+    return b;
+}

@@ -1,0 +1,160 @@
+/*
+ * context.h — the CUDA device context: everything one CUDA backend owns on
+ * one GPU. Plain C (it only needs the CUDA runtime and cuBLASLt headers), so
+ * C modules such as the collectives can include it and reach the streams
+ * through cf_backend.device_context.
+ *
+ * A context is bound to one device. Every op of the backend runs on its
+ * compute stream and first makes that device current (cf_cuda_ctx_use), so
+ * several contexts on several GPUs can be driven from one host thread. The
+ * communication stream is for collectives; cf_cuda_comm_wait_compute and
+ * cf_cuda_compute_wait_comm order the two streams with the context's events.
+ * Both streams are non-blocking: nothing in the backend uses the legacy
+ * default stream.
+ *
+ * Errors are sticky per context: the first failing CUDA / cuBLASLt call (or
+ * any cf_cuda_ctx_fail) records "what: error string (file:line)" and sets
+ * cf_fail with it; from then on every op is a no-op and check, synchronize
+ * and download return -1 with that message.
+ */
+#ifndef CF_CUDA_CONTEXT_H
+#define CF_CUDA_CONTEXT_H
+
+#include <stddef.h>
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Scratch buffers by name. Each one is a device buffer that only grows
+ * (cf_cuda_scratch); a name is used by one op family only, so two live
+ * uses never share a buffer. */
+typedef enum {
+    CF_SCR_COLSUM = 0,     /* column-sum partials (dbias, rmsnorm dw)       gemm.cu    */
+    CF_SCR_SUMSQ,          /* sumsq per-block partials                      adamw.cu   */
+    CF_SCR_SORT_KEYS,      /* embedding backward: sorted tokens             embedding  */
+    CF_SCR_SORT_VALS,      /*   rows in token order                                    */
+    CF_SCR_SORT_TMP,       /*   cub radix sort temporary                               */
+    CF_SCR_IOTA,           /*   0..T-1                                                 */
+    CF_SCR_LOGITS,         /* LM head: fp32 logits of a row chunk           lmhead.cu  */
+    CF_SCR_DLOGITS,        /*   bf16 dlogits of a row chunk                            */
+    CF_SCR_GATHER_DESC,    /* gather_rows_multi descriptors                 select.cu  */
+    CF_SCR_KEEP_COUNTS,    /* keep_to_rows: kept count per sequence                    */
+    CF_SCR_ATTN_DQ_ACC,    /* attention backward: fp32 dq accumulator       attention/ */
+    CF_SCR_ATTN_DVEC,      /*   D_i = dO_i . O_i                                       */
+    CF_SCR_ATTN_DKX,       /*   GQA: fp32 dk per query head                            */
+    CF_SCR_ATTN_DVX,       /*   GQA: fp32 dv per query head                            */
+    CF_SCR_ATTN_FILT,      /*   centrifuge: filtered rows                              */
+    CF_SCR_ATTN_FSTART,    /*   centrifuge: filtered rows' sequence starts             */
+    CF_SCR_ATTN_O_KEPT,    /*   strawman: out of the kept-only forward                 */
+    CF_SCR_ATTN_LSE_KEPT,  /*   strawman: lse of the kept-only forward                 */
+    CF_SCR_ATTN_PAD_Q,     /*   head-dim padding (head dims without a kernel)          */
+    CF_SCR_ATTN_PAD_K,
+    CF_SCR_ATTN_PAD_V,
+    CF_SCR_ATTN_PAD_O,
+    CF_SCR_ATTN_PAD_DO,
+    CF_SCR_ATTN_PAD_DQ,
+    CF_SCR_ATTN_PAD_DK,
+    CF_SCR_ATTN_PAD_DV,
+    CF_SCR_COUNT
+} cf_cuda_scratch_id;
+
+/* A cached cuBLASLt plan: descriptors and the heuristic's algorithm for one
+ * problem (shape, dtypes, epilogue, pointer alignment). gemm.cu. */
+typedef struct {
+    int key[16];
+    cublasLtMatmulDesc_t op;
+    cublasLtMatrixLayout_t a, b, c, d;
+    cublasLtMatmulAlgo_t algo;
+} cf_gemm_plan;
+#define CF_GEMM_CACHE 128
+
+typedef struct cf_cuda_ctx {
+    /* the device */
+    int device;                 /* index among the visible GPUs            */
+    char device_name[256];
+    int cc_major, cc_minor;     /* compute capability                      */
+    int sm_count;
+    size_t smem_optin;          /* max dynamic shared memory per block     */
+
+    /* streams and events */
+    cudaStream_t stream;        /* compute: every op of the backend        */
+    cudaStream_t comm_stream;   /* communication (collectives)             */
+    cudaEvent_t ev_compute;     /* compute -> comm ordering                */
+    cudaEvent_t ev_comm;        /* comm -> compute ordering                */
+    cudaEvent_t ev_staging;     /* last async copy out of the staging area */
+
+    /* cuBLASLt */
+    cublasLtHandle_t lt;
+    void *workspace;
+    size_t workspace_size;
+    cf_gemm_plan plans[CF_GEMM_CACHE];
+    int nplans;
+
+    /* scratch buffers by name, and pinned host staging for small async
+     * host -> device copies (gather descriptors) */
+    struct { void *p; size_t cap; } scratch[CF_SCR_COUNT];
+    void *staging;
+    size_t staging_cap;
+
+    /* one bit per (attention kernel, head dim) whose shared-memory limit
+     * has been raised on this device (attention/launch.cu) */
+    unsigned attn_attr_done;
+
+    /* sticky error */
+    int failed;
+    char error[1024];
+
+    /* device memory in use (cudaMemGetInfo), max over sync points */
+    size_t mem_peak;
+} cf_cuda_ctx;
+
+/* Creates a context on visible device `device`; NULL with cf_fail. */
+cf_cuda_ctx *cf_cuda_ctx_create(int device);
+void cf_cuda_ctx_destroy(cf_cuda_ctx *ctx);
+
+/* Makes the context's device current (if it is not). 0, or -1 when the
+ * context has failed before or the switch fails. Every op starts with it. */
+int cf_cuda_ctx_use(cf_cuda_ctx *ctx);
+
+/* Records a failure (the first one sticks) and sets cf_fail with the first
+ * message; returns -1. */
+int cf_cuda_ctx_fail(cf_cuda_ctx *ctx, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* 0 if the call succeeded; else records "what: <error string> (file:line)"
+ * and returns -1. */
+int cf_cuda_check_call(cf_cuda_ctx *ctx, cudaError_t e, const char *what, const char *file, int line);
+int cf_cublaslt_check_call(cf_cuda_ctx *ctx, cublasStatus_t s, const char *what, const char *file, int line);
+
+/* The first error so far without waiting (an asynchronous kernel fault
+ * already known to the runtime counts): 0, or -1 with cf_fail set. */
+int cf_cuda_ctx_check(cf_cuda_ctx *ctx);
+
+/* Waits for the compute and communication streams; 0, or -1 (sticky). */
+int cf_cuda_ctx_synchronize(cf_cuda_ctx *ctx);
+
+/* The scratch buffer `id`, at least `bytes` long (grows, never shrinks;
+ * growing synchronizes). NULL on failure (recorded). */
+void *cf_cuda_scratch(cf_cuda_ctx *ctx, cf_cuda_scratch_id id, size_t bytes);
+
+/* Pinned host memory of at least `bytes` for one async host -> device copy
+ * on the compute stream: waits until the previous such copy has read the
+ * area. Call cf_cuda_staging_issued after issuing the copy. NULL on failure. */
+void *cf_cuda_staging(cf_cuda_ctx *ctx, size_t bytes);
+int cf_cuda_staging_issued(cf_cuda_ctx *ctx);
+
+/* Orders the communication stream after the compute work issued so far, or
+ * the compute stream after the communication work issued so far. */
+int cf_cuda_comm_wait_compute(cf_cuda_ctx *ctx);
+int cf_cuda_compute_wait_comm(cf_cuda_ctx *ctx);
+
+/* Writes "3.2 GiB" / "512.0 MiB" / "100 bytes" into buf; returns buf. */
+const char *cf_cuda_format_bytes(size_t bytes, char *buf, size_t cap);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* CF_CUDA_CONTEXT_H */

@@ -1,0 +1,175 @@
+/*
+ * cuda_common.cuh — what every file of the CUDA backend shares: the bf16
+ * type, error-check macros bound to the device context, the op-entry guard,
+ * small vector helpers, and the prototypes of the ops (one family per file)
+ * that backend.cu puts into the cf_backend table.
+ *
+ * Errors. Every CUDA or cuBLASLt call goes through CF_CK / CF_LT / CF_CK_LAUNCH,
+ * which record the first failure in the context (sticky, see context.h) and
+ * evaluate to false. An op starts with
+ *     cf_cuda_ctx *ctx = cf_cuda_enter(b); if (!ctx) return;
+ * so after a failure every op is a no-op; nothing in the backend exits.
+ *
+ * Streams. Every kernel, copy, memset, cuBLASLt and cub call of an op runs on
+ * ctx->stream.
+ *
+ * Portability. The default build is a fat binary: sm_80 SASS (A100, RTX
+ * 30xx/40xx, L4), sm_90a SASS (H100/H200) and compute_90 PTX. Code that only
+ * exists on sm_90 is guarded with CF_SM90_PATH; -DCF_CUDA_PORTABLE=1 (cuda.mk:
+ * CUDA_PORTABLE=1) forces the portable sm_80 code on every architecture.
+ */
+#ifndef CF_CUDA_COMMON_CUH
+#define CF_CUDA_COMMON_CUH
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stddef.h>
+#include <stdint.h>
+
+extern "C" {
+#include "backend/backend.h"
+#include "base/common.h"
+}
+#include "backend/cuda/context.h"
+
+typedef __nv_bfloat16 bf16;
+
+/* True in device code compiled for sm_90 or newer, unless the portable
+ * path is forced. */
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !(defined(CF_CUDA_PORTABLE) && CF_CUDA_PORTABLE)
+#define CF_SM90_PATH 1
+#else
+#define CF_SM90_PATH 0
+#endif
+
+/* ------------------------------------------------------------------ errors */
+
+static inline bool cf_ok(int status) { return status == 0; }
+#define CF_CK(ctx, call) cf_ok(cf_cuda_check_call((ctx), (call), #call, __FILE__, __LINE__))
+#define CF_LT(ctx, call) cf_ok(cf_cublaslt_check_call((ctx), (call), #call, __FILE__, __LINE__))
+#define CF_CK_LAUNCH(ctx, name) \
+    cf_ok(cf_cuda_check_call((ctx), cudaGetLastError(), "kernel launch (" name ")", __FILE__, __LINE__))
+
+/* The context of backend b with its device current, or NULL when an error
+ * is recorded (the op is then a no-op). */
+static inline cf_cuda_ctx *cf_cuda_enter(cf_backend *b) {
+    cf_cuda_ctx *ctx = (cf_cuda_ctx *)b->state;
+    return cf_cuda_ctx_use(ctx) == 0 ? ctx : NULL;
+}
+
+/* ------------------------------------------------------------- launch size */
+
+/* blocks for n items of `threads` threads each, at least 1, at most 4 * 65536
+ * (the kernels are grid-stride loops) */
+static inline int cf_grid_for(size_t n, int threads) {
+    size_t blocks = (n + threads - 1) / threads;
+    if (blocks == 0) blocks = 1;
+    return (int)(blocks < 65536 * 4 ? blocks : 65536 * 4);
+}
+
+/* a grid-stride launch of at most 16 blocks per SM (elementwise passes over
+ * the whole parameter vector) */
+static inline int cf_stream_grid(const cf_cuda_ctx *ctx, size_t n) {
+    size_t cap = (size_t)ctx->sm_count * 16;
+    size_t blocks = (n + 255) / 256;
+    return (int)(blocks < 1 ? 1 : blocks < cap ? blocks : cap);
+}
+
+static inline bool cf_aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
+
+/* ---------------------------------------------------------- vector helpers */
+
+/* 16 bytes = 8 bf16 */
+struct __align__(16) pack8 { __nv_bfloat162 h[4]; };
+
+__device__ __forceinline__ void unpack8(const pack8 &p, float f[8]) {
+    for (int i = 0; i < 4; i++) {
+        float2 v = __bfloat1622float2(p.h[i]);
+        f[2 * i] = v.x;
+        f[2 * i + 1] = v.y;
+    }
+}
+__device__ __forceinline__ pack8 pack8_from(const float f[8]) {
+    pack8 p;
+    for (int i = 0; i < 4; i++) p.h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
+    return p;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+/* ------------------------------------------- shared host functions */
+
+/* gemm.cu: D (=, or beta *) op(A) op(B) on the context's stream, column-major
+ * (see the comment there); bf16 A and B, D of dtype. */
+void cf_cuda_gemm(cf_cuda_ctx *ctx, bool transa, bool transb, int m, int n, int k, const void *A, int lda,
+                  const void *B, int ldb, void *D, cudaDataType_t dtype, int ldd, float beta, const void *bias);
+/* gemm.cu: destroys the cached cuBLASLt plans (context teardown) */
+void cf_cuda_gemm_release(cf_cuda_ctx *ctx);
+/* gemm.cu: out[c] += sum_t f(t, c) (dbias: dout; rmsnorm dw: dout * x * rstd),
+ * deterministic */
+void cf_cuda_colsum(cf_cuda_ctx *ctx, float *out, const bf16 *dout, const bf16 *x, const float *rstd, int T, int C);
+
+/* -------------------------------------------- ops, by file (backend.cu) */
+
+/* memory.cu */
+void *cf_cuda_alloc(cf_backend *b, size_t bytes);
+void cf_cuda_free(cf_backend *b, void *p);
+void cf_cuda_memzero(cf_backend *b, void *p, size_t bytes);
+int cf_cuda_upload(cf_backend *b, void *dst, const void *src, size_t bytes);
+int cf_cuda_download(cf_backend *b, void *dst, const void *src, size_t bytes);
+void cf_cuda_copy(cf_backend *b, void *dst, const void *src, size_t bytes);
+void cf_cuda_act_from_f32(cf_backend *b, void *dst, const float *src, size_t n);
+void cf_cuda_act_to_f32(cf_backend *b, float *dst, const void *src, size_t n);
+void cf_cuda_weights_from_master(cf_backend *b, void *w, const float *master, size_t n);
+size_t cf_cuda_memory_peak(cf_backend *b);
+int cf_cuda_memory_info(cf_backend *b, size_t *free_bytes, size_t *total_bytes);
+/* gemm.cu */
+void cf_cuda_matmul_fwd(cf_backend *b, void *out, const void *inp, const void *w, const void *bias, int T, int K,
+                        int N);
+void cf_cuda_matmul_bwd(cf_backend *b, void *dinp, float *dw, float *dbias, const void *dout, const void *inp,
+                        const void *w, int T, int K, int N, int accumulate);
+/* norm.cu */
+void cf_cuda_rmsnorm_fwd(cf_backend *b, void *out, float *rstd, const void *inp, const void *w, int T, int C,
+                         float eps);
+void cf_cuda_rmsnorm_bwd(cf_backend *b, void *dinp, float *dw, const void *dout, const void *inp, const void *w,
+                         const float *rstd, int T, int C, int accumulate);
+/* rope.cu */
+void cf_cuda_rope_fwd(cf_backend *b, void *x, const int *pos, const float *inv_freq, int T, int nh, int D);
+void cf_cuda_rope_bwd(cf_backend *b, void *dx, const int *pos, const float *inv_freq, int T, int nh, int D);
+/* swiglu.cu */
+void cf_cuda_swiglu_fwd(cf_backend *b, void *h, const void *gate, const void *up, size_t n);
+void cf_cuda_swiglu_bwd_rows(cf_backend *b, void *h, void *dgate, void *dup, const void *dh, const void *gate,
+                             const void *up, const int *rows, int n, int F);
+void cf_cuda_add(cf_backend *b, void *out, const void *a, const void *c, size_t n);
+/* embedding.cu */
+void cf_cuda_embedding_fwd(cf_backend *b, void *out, const int *tokens, const void *wte, int T, int C);
+void cf_cuda_embedding_bwd(cf_backend *b, float *dwte, const void *dout, const int *tokens, int T, int C);
+/* lmhead.cu */
+void cf_cuda_lmhead_loss_fwd(cf_backend *b, float *losses, const void *x, const void *wlm, const int *targets, int T,
+                             int C, int V);
+void cf_cuda_lmhead_loss_bwd(cf_backend *b, void *dx, float *dwlm, const void *x, const void *wlm,
+                             const int *targets, const float *dloss, int T, int C, int V);
+/* select.cu */
+void cf_cuda_select_topk(cf_backend *b, uint8_t *keep, const float *losses, const float *ref, int T, int group,
+                         int k);
+void cf_cuda_keep_to_rows(cf_backend *b, int *rows, int *seq_start, const uint8_t *keep, int B, int S);
+void cf_cuda_fill_dloss(cf_backend *b, float *dloss, const uint8_t *keep, float value, int n);
+void cf_cuda_loss_sum(cf_backend *b, float *acc, const float *losses, const uint8_t *keep, int n);
+void cf_cuda_gather_rows(cf_backend *b, void *dst, const void *src, const int *rows, int n, size_t row_bytes);
+void cf_cuda_gather_rows_multi(cf_backend *b, int count, void *const *dst, const void *const *src,
+                               const size_t *row_bytes, const int *rows, int n);
+/* adamw.cu */
+void cf_cuda_sumsq(cf_backend *b, double *acc, const float *g, size_t n);
+void cf_cuda_adamw(cf_backend *b, float *p, void *w, float *g, float *m, float *v, size_t n, float lr, float beta1,
+                   float beta2, float eps, float wd, float grad_scale, int t);
+/* attention/launch.cu */
+void cf_cuda_attention_fwd(cf_backend *b, void *out, float *lse, const void *q, const void *k, const void *v,
+                           const cf_attn_shape *s);
+void cf_cuda_attention_bwd(cf_backend *b, void *dq, void *dk, void *dv, const void *dout, const void *q,
+                           const void *k, const void *v, const void *out, const float *lse, const cf_attn_shape *s,
+                           const cf_rows *kept, cf_attn_bwd_mode mode);
+
+#endif /* CF_CUDA_COMMON_CUH */

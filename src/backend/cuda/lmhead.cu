@@ -1,0 +1,117 @@
+/*
+ * lmhead.cu — the LM head with its cross-entropy, chunked over rows so that
+ * no [T, V] buffer exists: per chunk, logits by cuBLASLt (fp32 out), then one
+ * block per row for the log-sum-exp, the loss and (backward) the bf16 dlogits,
+ * then the two GEMMs of the backward.
+ */
+#include "backend/cuda/cuda_common.cuh"
+
+/* ============================================================ lm head */
+
+/*
+ * One block per row of an fp32 logits chunk [rows, V]. Pass 1: per-thread
+ * online (max, sum of exp), combined over the block -> lse; loss = lse -
+ * logit[target]. For the backward, pass 2 writes the bf16 gradient
+ *   dlogits_j = dloss * (exp(logit_j - lse) - [j == target])
+ * (all zeros where dloss == 0). As on the CPU backend, a target outside
+ * [0, V) gives a NaN loss and a gradient without the one-hot term.
+ */
+__device__ __forceinline__ void lse_combine(float &m, float &s, float m2, float s2) {
+    float mm = fmaxf(m, m2);
+    if (mm == -INFINITY) return;
+    s = s * expf(m - mm) + s2 * expf(m2 - mm);
+    m = mm;
+}
+static __global__ void lmhead_rows_kernel(float *losses, bf16 *dlogits, const float *logits, const int *targets,
+                                   const float *dloss, int V) {
+    __shared__ float sm[32], ss[32];
+    const int row = blockIdx.x;
+    const float *lg = logits + (size_t)row * V;
+    const int tgt = targets[row];
+    const bool bad = tgt < 0 || tgt >= V;
+    float m = -INFINITY, s = 0.f;
+    for (int j = threadIdx.x; j < V; j += blockDim.x) {
+        float x = lg[j];
+        if (x > m) {
+            s = s * expf(m - x) + 1.f;
+            m = x;
+        } else {
+            s += expf(x - m);
+        }
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
+        lse_combine(m, s, m2, s2);
+    }
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    if (lane == 0) {
+        sm[warp] = m;
+        ss[warp] = s;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        m = lane < nw ? sm[lane] : -INFINITY;
+        s = lane < nw ? ss[lane] : 0.f;
+        for (int o = 16; o > 0; o >>= 1) {
+            float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
+            lse_combine(m, s, m2, s2);
+        }
+        if (lane == 0) {
+            sm[0] = m + logf(s);
+        }
+    }
+    __syncthreads();
+    const float lse = sm[0];
+    if (losses && threadIdx.x == 0) losses[row] = bad ? NAN : lse - lg[tgt];
+    if (dlogits) {
+        const float d = dloss ? dloss[row] : 0.f;
+        bf16 *out = dlogits + (size_t)row * V;
+        for (int j = threadIdx.x; j < V; j += blockDim.x) {
+            float g = d == 0.f ? 0.f : d * (expf(lg[j] - lse) - (j == tgt ? 1.f : 0.f));
+            out[j] = __float2bfloat16_rn(g);
+        }
+    }
+}
+
+/* rows per chunk: fp32 logits + bf16 dlogits of a chunk stay under ~1.5 GiB */
+static int lm_chunk(int T, int V) {
+    size_t budget = (size_t)3 << 29;
+    size_t rows = budget / ((size_t)V * 6);
+    if (rows < 1) rows = 1;
+    return (int)(rows < (size_t)T ? rows : (size_t)T);
+}
+
+void cf_cuda_lmhead_loss_fwd(cf_backend *b, float *losses, const void *x, const void *wlm, const int *targets, int T,
+                             int C, int V) {
+    cf_cuda_ctx *ctx = cf_cuda_enter(b);
+    if (!ctx || T <= 0) return;
+    const int chunk = lm_chunk(T, V);
+    float *logits = (float *)cf_cuda_scratch(ctx, CF_SCR_LOGITS, (size_t)chunk * V * sizeof(float));
+    if (!logits) return;
+    for (int r0 = 0; r0 < T && !ctx->failed; r0 += chunk) {
+        const int rows = CF_MIN(chunk, T - r0);
+        const bf16 *xc = (const bf16 *)x + (size_t)r0 * C;
+        cf_cuda_gemm(ctx, true, false, V, rows, C, wlm, C, xc, C, logits, CUDA_R_32F, V, 0.f, NULL);
+        lmhead_rows_kernel<<<rows, 512, 0, ctx->stream>>>(losses + r0, NULL, logits, targets + r0, NULL, V);
+        CF_CK_LAUNCH(ctx, "lmhead_rows");
+    }
+}
+
+void cf_cuda_lmhead_loss_bwd(cf_backend *b, void *dx, float *dwlm, const void *x, const void *wlm,
+                             const int *targets, const float *dloss, int T, int C, int V) {
+    cf_cuda_ctx *ctx = cf_cuda_enter(b);
+    if (!ctx || T <= 0) return;
+    const int chunk = lm_chunk(T, V);
+    float *logits = (float *)cf_cuda_scratch(ctx, CF_SCR_LOGITS, (size_t)chunk * V * sizeof(float));
+    bf16 *dlogits = (bf16 *)cf_cuda_scratch(ctx, CF_SCR_DLOGITS, (size_t)chunk * V * sizeof(bf16));
+    if (!logits || !dlogits) return;
+    for (int r0 = 0; r0 < T && !ctx->failed; r0 += chunk) {
+        const int rows = CF_MIN(chunk, T - r0);
+        const bf16 *xc = (const bf16 *)x + (size_t)r0 * C;
+        cf_cuda_gemm(ctx, true, false, V, rows, C, wlm, C, xc, C, logits, CUDA_R_32F, V, 0.f, NULL);
+        lmhead_rows_kernel<<<rows, 512, 0, ctx->stream>>>(NULL, dlogits, logits, targets + r0, dloss + r0, V);
+        if (!CF_CK_LAUNCH(ctx, "lmhead_rows")) return;
+        /* dx = dlogits W ; dW += dlogits^T x */
+        cf_cuda_matmul_bwd(b, (bf16 *)dx + (size_t)r0 * C, dwlm, NULL, dlogits, xc, wlm, rows, C, V, 0);
+    }
+}

@@ -1,0 +1,117 @@
+/*
+ * swiglu.cu — the MLP's elementwise ops: SwiGLU forward, the SwiGLU backward
+ * that reads gate and up through the kept-row index (and recomputes the
+ * product for the down projection), and the residual add.
+ */
+#include "backend/cuda/cuda_common.cuh"
+
+
+/* h = silu(g) * u, silu(g) = g * sigmoid(g) */
+static __global__ void swiglu_fwd_kernel(bf16 *h, const bf16 *gate, const bf16 *up, size_t n) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        float g = __bfloat162float(gate[i]), u = __bfloat162float(up[i]);
+        h[i] = __float2bfloat16_rn(g / (1.f + expf(-g)) * u);
+    }
+}
+static __global__ void swiglu_fwd_vec_kernel(pack8 *h, const pack8 *gate, const pack8 *up, size_t n8) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n8; i += (size_t)gridDim.x * blockDim.x) {
+        float g[8], u[8], o[8];
+        unpack8(gate[i], g);
+        unpack8(up[i], u);
+        for (int k = 0; k < 8; k++) o[k] = g[k] / (1.f + expf(-g[k])) * u[k];
+        h[i] = pack8_from(o);
+    }
+}
+/* dg = dh * u * sig * (1 + g (1 - sig)),  du = dh * silu(g) */
+__device__ __forceinline__ void swiglu_grad(float g, float u, float dh, float *dg, float *du) {
+    float sig = 1.f / (1.f + expf(-g));
+    *dg = dh * u * sig * (1.f + g * (1.f - sig));
+    *du = dh * g * sig;
+}
+
+/* SwiGLU backward with gate/up read through the row index; also writes the
+ * recomputed product h (the down projection's input) for the kept rows. */
+static __global__ void swiglu_bwd_rows_vec_kernel(pack8 *h, pack8 *dgate, pack8 *dup, const pack8 *dh, const pack8 *gate,
+                                                  const pack8 *up, const int *rows, int n, int F8) {
+    const size_t total = (size_t)n * F8;
+    for (size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += (size_t)gridDim.x * blockDim.x) {
+        const size_t i = idx / F8, c = idx % F8;
+        const size_t src = (size_t)(rows ? rows[i] : (int)i) * F8 + c;
+        float g[8], u[8], d[8], o[8], dg[8], du[8];
+        unpack8(gate[src], g);
+        unpack8(up[src], u);
+        unpack8(dh[idx], d);
+        for (int q = 0; q < 8; q++) {
+            swiglu_grad(g[q], u[q], d[q], &dg[q], &du[q]);
+            o[q] = g[q] / (1.f + __expf(-g[q])) * u[q];
+        }
+        h[idx] = pack8_from(o);
+        dgate[idx] = pack8_from(dg);
+        dup[idx] = pack8_from(du);
+    }
+}
+static __global__ void swiglu_bwd_rows_kernel(bf16 *h, bf16 *dgate, bf16 *dup, const bf16 *dh, const bf16 *gate,
+                                              const bf16 *up, const int *rows, int n, int F) {
+    const size_t total = (size_t)n * F;
+    for (size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += (size_t)gridDim.x * blockDim.x) {
+        const size_t i = idx / F, c = idx % F;
+        const size_t src = (size_t)(rows ? rows[i] : (int)i) * F + c;
+        const float g = __bfloat162float(gate[src]), u = __bfloat162float(up[src]);
+        float dg, du;
+        swiglu_grad(g, u, __bfloat162float(dh[idx]), &dg, &du);
+        h[idx] = __float2bfloat16_rn(g / (1.f + __expf(-g)) * u);
+        dgate[idx] = __float2bfloat16_rn(dg);
+        dup[idx] = __float2bfloat16_rn(du);
+    }
+}
+void cf_cuda_swiglu_bwd_rows(cf_backend *b, void *h, void *dgate, void *dup, const void *dh, const void *gate,
+                               const void *up, const int *rows, int n, int F) {
+    cf_cuda_ctx *ctx = cf_cuda_enter(b);
+    if (!ctx || n <= 0 || F <= 0) return;
+    if (F % 8 == 0 && cf_aligned16(h) && cf_aligned16(dgate) && cf_aligned16(dup) && cf_aligned16(dh) &&
+        cf_aligned16(gate) && cf_aligned16(up))
+        swiglu_bwd_rows_vec_kernel<<<cf_grid_for((size_t)n * (F / 8), 256), 256, 0, ctx->stream>>>(
+            (pack8 *)h, (pack8 *)dgate, (pack8 *)dup, (const pack8 *)dh, (const pack8 *)gate, (const pack8 *)up, rows,
+            n, F / 8);
+    else
+        swiglu_bwd_rows_kernel<<<cf_grid_for((size_t)n * F, 256), 256, 0, ctx->stream>>>(
+            (bf16 *)h, (bf16 *)dgate, (bf16 *)dup, (const bf16 *)dh, (const bf16 *)gate, (const bf16 *)up, rows, n,
+            F);
+    CF_CK_LAUNCH(ctx, "swiglu_bwd_rows");
+}
+void cf_cuda_swiglu_fwd(cf_backend *b, void *h, const void *gate, const void *up, size_t n) {
+    cf_cuda_ctx *ctx = cf_cuda_enter(b);
+    if (!ctx || !n) return;
+    if (n % 8 == 0 && cf_aligned16(h) && cf_aligned16(gate) && cf_aligned16(up))
+        swiglu_fwd_vec_kernel<<<cf_grid_for(n / 8, 256), 256, 0, ctx->stream>>>(
+            (pack8 *)h, (const pack8 *)gate, (const pack8 *)up, n / 8);
+    else
+        swiglu_fwd_kernel<<<cf_grid_for(n, 256), 256, 0, ctx->stream>>>(
+            (bf16 *)h, (const bf16 *)gate, (const bf16 *)up, n);
+    CF_CK_LAUNCH(ctx, "swiglu_fwd");
+}
+
+/* out = a + c */
+static __global__ void add_kernel(bf16 *out, const bf16 *a, const bf16 *c, size_t n) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        out[i] = __float2bfloat16_rn(__bfloat162float(a[i]) + __bfloat162float(c[i]));
+}
+static __global__ void add_vec_kernel(pack8 *out, const pack8 *a, const pack8 *c, size_t n8) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n8; i += (size_t)gridDim.x * blockDim.x) {
+        float x[8], y[8];
+        unpack8(a[i], x);
+        unpack8(c[i], y);
+        for (int k = 0; k < 8; k++) x[k] += y[k];
+        out[i] = pack8_from(x);
+    }
+}
+void cf_cuda_add(cf_backend *b, void *out, const void *a, const void *c, size_t n) {
+    cf_cuda_ctx *ctx = cf_cuda_enter(b);
+    if (!ctx || !n) return;
+    if (n % 8 == 0 && cf_aligned16(out) && cf_aligned16(a) && cf_aligned16(c))
+        add_vec_kernel<<<cf_grid_for(n / 8, 256), 256, 0, ctx->stream>>>(
+            (pack8 *)out, (const pack8 *)a, (const pack8 *)c, n / 8);
+    else
+        add_kernel<<<cf_grid_for(n, 256), 256, 0, ctx->stream>>>((bf16 *)out, (const bf16 *)a, (const bf16 *)c, n);
+    CF_CK_LAUNCH(ctx, "add");
+}

@@ -1,0 +1,242 @@
+/*
+ * bench.c — `centrifuge bench`: per-stage timings of a training step in each
+ * mode (forward, filter operator, backward, optimizer, step), as a table and
+ * as JSON lines, with sweeps over --keep and --seq.
+ *
+ * Method (docs/BENCHMARKS.md): all modes in one process on the same weights
+ * and data, their steps interleaved round by round; `--warmup` untimed
+ * rounds, then the median of `--steps` timed steps per stage and mode. Selection is random by default (the speed of the
+ * backward does not depend on which tokens are kept, only how many).
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cmd/cli.h"
+#include "cmd/commands.h"
+#include "base/common.h"
+#include "centrifuge.h"
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static double median(double *v, int n) {
+    qsort(v, (size_t)n, sizeof *v, cmp_double);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+/* Splits "a,b,c" into up to cap items (in place). */
+static int split_list(char *s, char **items, int cap) {
+    int n = 0;
+    for (char *tok = strtok(s, ","); tok && n < cap; tok = strtok(NULL, ",")) items[n++] = tok;
+    return n;
+}
+
+typedef struct { double fwd, filter, bwd, opt, step; } stage_times;
+
+/* FLOPs of one training step at T = B*S tokens in regular mode: GEMMs
+ * 2*params per token forward and twice that backward; causal attention
+ * 2*S*H*D per token per layer forward (QK^T and PV, half the square),
+ * 2.5x that backward. */
+static double step_flops(const cf_config *c, int B, int S) {
+    double C = c->hidden_size, F = c->intermediate_size, qd = (double)c->num_attention_heads * c->head_dim;
+    double kd = (double)c->num_key_value_heads * c->head_dim, L = c->num_hidden_layers;
+    double gemm_params = L * (C * (qd + 2 * kd) + qd * C + 3 * C * F) + (double)c->vocab_size * C;
+    double T = (double)B * S;
+    double gemm_fwd = 2 * T * gemm_params;
+    double attn_fwd = L * 2.0 * T * S * qd;
+    return 3 * gemm_fwd + 3.5 * attn_fwd;
+}
+
+static cf_trainer *make_trainer(cf_model *m, cf_mode mode, int B, int S, double keep, cf_select_kind sel,
+                               uint64_t seed) {
+    cf_train_opts o = {0};
+    o.mode = mode;
+    o.select.kind = sel;
+    o.select.keep = keep;
+    o.select.seed = seed;
+    o.batch = B;
+    o.seq = S;
+    o.grad_accum = 1;
+    /* lr 0: the weights stay the same across modes, only the time counts */
+    o.adamw = (cf_adamw_params){0.0f, 0.9f, 0.95f, 1e-8f, 0.0f, 1.0f};
+    return cf_trainer_create(m, &o);
+}
+
+/* One extra step with per-op-category synchronised timing. */
+static void print_profile(cf_model *m, cf_mode mode, int B, int S, double keep, cf_select_kind sel, uint64_t seed) {
+    int V = cf_model_config(m)->vocab_size;
+    int32_t *tokens = cf_malloc((size_t)B * (S + 1) * sizeof(int32_t));
+    cf_trainer *tr = make_trainer(m, mode, B, S, keep, sel, seed);
+    if (!tokens || !tr) { free(tokens); cf_trainer_free(tr); return; }
+    cf_rng rng;
+    cf_rng_seed(&rng, seed);
+    for (int i = 0; i < B * (S + 1); i++) tokens[i] = (int32_t)cf_rng_below(&rng, (uint32_t)V);
+    cf_model_set_profile(m, 1);
+    cf_micro_batch mb = {tokens, NULL};
+    cf_step_stats st;
+    if (cf_trainer_step(tr, &mb, 0.0f, &st) == 0) {
+        double prof[2][CF_PROF_N];
+        cf_model_profile(m, prof);
+        printf("      profile %-11s", cf_mode_name(mode));
+        for (int c = 0; c < CF_PROF_N; c++) printf(" %s %.2f/%.2f", cf_prof_name(c), prof[0][c] * 1e3, prof[1][c] * 1e3);
+        printf("  (ms fwd/bwd)\n");
+    }
+    cf_model_set_profile(m, 0);
+    cf_trainer_free(tr);
+    free(tokens);
+}
+
+/* Runs warmup + steps training steps of every mode, interleaved (one step
+ * of each mode per round), so slow drifts of the machine (clocks, other
+ * load) hit all modes alike; per-stage medians into out[mode]. */
+static int bench_point(cf_model *m, const cf_mode *modes, int nm, int B, int S, double keep, cf_select_kind sel,
+                       int warmup, int steps, uint64_t seed, stage_times *out, int *kept_out) {
+    int V = cf_model_config(m)->vocab_size;
+    int32_t *tokens = cf_malloc((size_t)B * (S + 1) * sizeof(int32_t));
+    double *v = cf_malloc(5 * (size_t)steps * nm * sizeof(double));
+    cf_trainer *tr[8] = {0};
+    int rc = tokens && v ? 0 : -1;
+    for (int mi = 0; mi < nm && rc == 0; mi++)
+        if (!(tr[mi] = make_trainer(m, modes[mi], B, S, keep, sel, seed))) rc = -1;
+    if (rc == 0) {
+        cf_rng rng;
+        cf_rng_seed(&rng, seed);
+        for (int i = 0; i < B * (S + 1); i++) tokens[i] = (int32_t)cf_rng_below(&rng, (uint32_t)V);
+    }
+    cf_micro_batch mb = {tokens, NULL};
+    for (int it = 0; it < warmup + steps && rc == 0; it++) {
+        for (int mi = 0; mi < nm && rc == 0; mi++) {
+            cf_step_stats st;
+            double t0 = cf_now();
+            if (cf_trainer_step(tr[mi], &mb, 0.0f, &st) != 0) { rc = -1; break; }
+            double step = cf_now() - t0;
+            kept_out[mi] = (int)st.kept;
+            if (it >= warmup) {
+                double *vm = v + (size_t)mi * 5 * steps;
+                int k = it - warmup;
+                vm[k] = st.t.forward; vm[steps + k] = st.t.filter; vm[2 * steps + k] = st.t.backward;
+                vm[3 * steps + k] = st.t.optimizer; vm[4 * steps + k] = step;
+            }
+        }
+    }
+    for (int mi = 0; rc == 0 && mi < nm; mi++) {
+        double *vm = v + (size_t)mi * 5 * steps;
+        out[mi].fwd = median(vm, steps);
+        out[mi].filter = median(vm + steps, steps);
+        out[mi].bwd = median(vm + 2 * steps, steps);
+        out[mi].opt = median(vm + 3 * steps, steps);
+        out[mi].step = median(vm + 4 * steps, steps);
+    }
+    for (int mi = 0; mi < nm; mi++) cf_trainer_free(tr[mi]);
+    free(tokens); free(v);
+    return rc;
+}
+
+int cmd_bench(int argc, char **argv) {
+    const char *config = "cpu-20m", *model_dir = NULL, *device = "cpu", *modes_s = "regular,loss-only,centrifuge";
+    const char *keeps_s = "0.5", *seqs_s = "512", *json = NULL, *select_s = "random";
+    long batch = 1, steps = 10, warmup = 2, seed = 1;
+    int profile = 0;
+    double peak_tflops = -1;
+    cf_opt opts[] = {
+        {"--config", CF_OPT_STR, &config, 0, 0, "built-in name or config.json (default cpu-20m)", 0},
+        {"--model", CF_OPT_STR, &model_dir, 0, 0, "or a model directory", 0},
+        {"--device", CF_OPT_STR, &device, 0, 0, "cpu or cuda", 0},
+        {"--modes", CF_OPT_STR, &modes_s, 0, 0, "comma list (default regular,loss-only,centrifuge)", 0},
+        {"--keep", CF_OPT_STR, &keeps_s, 0, 0, "comma list of keep fractions (default 0.5)", 0},
+        {"--seq", CF_OPT_STR, &seqs_s, 0, 0, "comma list of sequence lengths (default 512)", 0},
+        {"--batch", CF_OPT_INT, &batch, 1, 65536, "micro-batch (default 1)", 0},
+        {"--steps", CF_OPT_INT, &steps, 1, 100000, "timed steps per point (default 10)", 0},
+        {"--warmup", CF_OPT_INT, &warmup, 0, 100000, "untimed steps first (default 2)", 0},
+        {"--select", CF_OPT_STR, &select_s, 0, 0, "random (default) or self", 0},
+        {"--json", CF_OPT_STR, &json, 0, 0, "write JSON lines here", 0},
+        {"--seed", CF_OPT_INT, &seed, 0, 1L << 62, "seed", 0},
+        {"--profile", CF_OPT_FLAG, &profile, 0, 0, "also print time per op category (one synchronised step)", 0},
+        {"--peak-tflops", CF_OPT_FLOAT, &peak_tflops, 0, 1e6, "for MFU (default 989 on cuda: H100/H200 dense bf16)", 0},
+    };
+    int nopts = (int)(sizeof opts / sizeof *opts);
+    int pr = cf_cli_parse("bench", "[--config NAME] [--seq 512,1024] [--keep 0.5,0.4] [options]\n\n"
+                          "Per-stage step timings per mode (median of --steps after --warmup).",
+                          opts, nopts, argc, argv);
+    if (pr == 1) return 0;
+    if (pr < 0) return cf_cli_error("bench", 2);
+    if (opts[1].seen) config = NULL;
+
+    char mbuf[256], kbuf[256], sbuf[256];
+    char *mitems[8], *kitems[16], *sitems[16];
+    snprintf(mbuf, sizeof mbuf, "%s", modes_s);
+    snprintf(kbuf, sizeof kbuf, "%s", keeps_s);
+    snprintf(sbuf, sizeof sbuf, "%s", seqs_s);
+    int nm = split_list(mbuf, mitems, 8), nk = split_list(kbuf, kitems, 16), ns = split_list(sbuf, sitems, 16);
+    cf_mode modes[8];
+    double keeps[16];
+    long seqs[16];
+    cf_select_kind sel;
+    if (cf_select_parse(select_s, &sel) != 0 || sel == CF_SELECT_REF) {
+        if (sel == CF_SELECT_REF) cf_fail("--select: bench supports random or self");
+        return cf_cli_error("bench", 2);
+    }
+    for (int i = 0; i < nm; i++) if (cf_mode_parse(mitems[i], &modes[i]) != 0) return cf_cli_error("bench", 2);
+    for (int i = 0; i < nk; i++) if (cf_parse_float(kitems[i], 1e-6, 1.0, "--keep", &keeps[i]) != 0) return cf_cli_error("bench", 2);
+    for (int i = 0; i < ns; i++) if (cf_parse_int(sitems[i], 1, 1 << 20, "--seq", &seqs[i]) != 0) return cf_cli_error("bench", 2);
+    if (nm == 0 || nk == 0 || ns == 0) { cf_fail("empty --modes, --keep or --seq list"); return cf_cli_error("bench", 2); }
+
+    cf_model *m = cf_cli_open_model(config, model_dir, device, (uint64_t)seed, NULL);
+    if (!m) return cf_cli_error("bench", 1);
+    FILE *jf = NULL;
+    if (json && !(jf = fopen(json, "w"))) { cf_fail("%s: cannot create", json); cf_model_free(m); return cf_cli_error("bench", 1); }
+    const cf_config *c = cf_model_config(m);
+    if (peak_tflops < 0) peak_tflops = strcmp(device, "cuda") == 0 ? 989.0 : 0.0;
+    printf("bench: %s, %.1fM params, device %s, batch %ld, median of %ld steps after %ld warm-up\n",
+           config ? config : model_dir, cf_model_num_params(m) / 1e6, device, batch, steps, warmup);
+    printf("%6s %5s %-11s %8s %9s %9s %9s %9s %9s %8s %8s\n", "seq", "keep", "mode", "kept", "fwd ms",
+           "filter ms", "bwd ms", "opt ms", "step ms", "bwd/reg", "step/reg");
+    int rc = 0;
+    for (int si = 0; si < ns && rc == 0; si++) {
+        for (int ki = 0; ki < nk && rc == 0; ki++) {
+            stage_times reg = {0}, all[8];
+            int kepts[8];
+            if (bench_point(m, modes, nm, (int)batch, (int)seqs[si], keeps[ki], sel, (int)warmup, (int)steps,
+                            (uint64_t)seed, all, kepts) != 0) { rc = 1; break; }
+            for (int mi = 0; mi < nm; mi++)
+                if (modes[mi] == CF_MODE_REGULAR) reg = all[mi];
+            for (int mi = 0; mi < nm && rc == 0; mi++) {
+                stage_times st = all[mi];
+                int kept = kepts[mi];
+                double T = (double)batch * seqs[si];
+                printf("%6ld %5.2f %-11s %8d %9.2f %9.3f %9.2f %9.2f %9.2f", seqs[si], keeps[ki],
+                       cf_mode_name(modes[mi]), kept, st.fwd * 1e3, st.filter * 1e3, st.bwd * 1e3,
+                       st.opt * 1e3, st.step * 1e3);
+                if (reg.step > 0) printf(" %8.3f %8.3f", st.bwd / reg.bwd, st.step / reg.step);
+                else printf(" %8s %8s", "-", "-");
+                double mfu = 0;
+                if (modes[mi] == CF_MODE_REGULAR && peak_tflops > 0)
+                    mfu = step_flops(c, (int)batch, (int)seqs[si]) / st.step / (peak_tflops * 1e12);
+                size_t peak = cf_model_memory_peak(m);
+                printf(" %9.0f tok/s", T / st.step);
+                if (mfu > 0) printf(" MFU %.1f%%", 100 * mfu);
+                if (peak) printf(" peak %.2f GiB", peak / 1073741824.0);
+                printf("\n");
+                fflush(stdout);
+                if (profile) print_profile(m, modes[mi], (int)batch, (int)seqs[si], keeps[ki], sel, (uint64_t)seed);
+                if (jf) {
+                    fprintf(jf, "{\"model\":\"%s\",\"params\":%zu,\"device\":\"%s\",\"batch\":%ld,\"seq\":%ld,"
+                                "\"keep\":%.4f,\"mode\":\"%s\",\"kept\":%d,\"forward_s\":%.6f,\"filter_s\":%.6f,"
+                                "\"backward_s\":%.6f,\"optimizer_s\":%.6f,\"step_s\":%.6f,\"tokens_per_s\":%.1f,"
+                                "\"s_per_1M_tokens\":%.4f,\"layers\":%d,\"steps\":%ld,\"mfu\":%.4f,\"peak_bytes\":%zu}\n",
+                            config ? config : model_dir, cf_model_num_params(m), device, batch, seqs[si],
+                            keeps[ki], cf_mode_name(modes[mi]), kept, st.fwd, st.filter, st.bwd, st.opt,
+                            st.step, T / st.step, st.step / T * 1e6, c->num_hidden_layers, steps, mfu, peak);
+                    fflush(jf);
+                }
+            }
+        }
+    }
+    if (jf) fclose(jf);
+    cf_model_free(m);
+    return rc ? cf_cli_error("bench", 1) : 0;
+}

@@ -1,0 +1,38 @@
+/*
+ * cli.h — declarative flag parsing for the subcommands. Each subcommand
+ * lists its options in a table; cf_cli_parse fills them, rejecting unknown
+ * flags, missing values and out-of-range numbers with one clear line.
+ */
+#ifndef CF_CLI_H
+#define CF_CLI_H
+
+#include <stdint.h>
+
+typedef enum { CF_OPT_STR, CF_OPT_INT, CF_OPT_FLOAT, CF_OPT_FLAG, CF_OPT_COUNT } cf_opt_type;
+
+typedef struct {
+    const char *name;       /* "--keep" */
+    cf_opt_type type;
+    void *dst;              /* const char **, long *, double *, int * */
+    double lo, hi;          /* bounds for INT / FLOAT / COUNT */
+    const char *help;
+    int seen;               /* set by the parser */
+} cf_opt;
+
+/* Parses argv[1..argc) (argv[0] is the subcommand). Returns 0 on success,
+ * 1 if --help was printed, -1 on error (cf_last_error has the message). */
+int cf_cli_parse(const char *cmd, const char *usage, cf_opt *opts, int nopts, int argc, char **argv);
+void cf_cli_print_help(const char *cmd, const char *usage, const cf_opt *opts, int nopts);
+/* Parses a count with optional k/M/G suffix (powers of 1000). */
+int cf_parse_count(const char *s, long lo, long hi, const char *what, long *out);
+
+/* Prints "centrifuge <cmd>: error: <last error>" to stderr; returns code. */
+int cf_cli_error(const char *cmd, int code);
+
+/* Opens the model that --config/--model/--device/--seed/--freeze name
+ * (config and model_dir exclusive; neither: the built-in "tiny"). */
+struct cf_model;
+struct cf_model *cf_cli_open_model(const char *config, const char *model_dir, const char *device, uint64_t seed,
+                                   const char *freeze);
+
+#endif

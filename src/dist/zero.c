@@ -1,0 +1,339 @@
+/*
+ * zero.c — ZeRO-1 data parallelism: the public cf_dist_* API, the shard
+ * layout of the optimizer state and the gradient reduction hooks that the
+ * engine's training step calls (engine/model_internal.h, cf_grad_sync).
+ *
+ * One step on W ranks (plan.h for the buffers):
+ *   backward, last micro-batch: as each layer's gradients are final, its
+ *       bucket is reduce-scattered (sum) in place on the communication
+ *       stream, overlapping the backward of the earlier layers;
+ *   optimizer: the compute stream waits for the reductions; the squared
+ *       norm of the local shard and the loss sum are all-reduced (the host
+ *       waits here, with a deadline, so a dead peer cannot hang the run);
+ *       AdamW updates the local shard (fp32 master, m, v) and its bf16
+ *       compute weights; each bucket of bf16 weights is all-gathered in
+ *       place; the compute stream waits before the next forward.
+ * The gradient of every rank is the sum over ranks of its local gradient:
+ * with the trainer's loss weight 1/(counted tokens of all ranks) that is the
+ * one-process gradient of the global batch.
+ *
+ * Checkpoints: rank 0 writes the model (config.json + bf16 safetensors,
+ * which a one-GPU run or transformers can load); every rank writes its
+ * optimizer shard file (shardfile.h: master slice, m, v, steps, data
+ * position); after a barrier rank 0 moves `latest`. A rank killed during
+ * the save leaves `latest` on the previous complete checkpoint.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/common.h"
+#include "dist/comm.h"
+#include "dist/launch.h"
+#include "dist/plan.h"
+#include "dist/shardfile.h"
+#include "engine/model_internal.h"
+
+#ifdef CF_WITH_CUDA
+#include <cuda_runtime.h>
+#include "backend/cuda/context.h"
+#endif
+
+#define ZERO_ALIGN 8   /* elements: 16-byte bf16 and 32-byte fp32 slices */
+
+struct cf_dist {
+    cf_dist_env env;
+    cf_comm *comm;
+    int device;
+    double timeout_s;
+    char describe[512];
+    /* set by cf_dist_open_model */
+    cf_model *m;
+    cf_zero_plan plan;
+    int *tensor_of;        /* plan tensor -> model tensor index */
+};
+
+int cf_dist_rank(const cf_dist *d) { return d ? d->env.rank : 0; }
+int cf_dist_world(const cf_dist *d) { return d ? d->env.world_size : 1; }
+int cf_dist_device(const cf_dist *d) { return d ? d->device : 0; }
+const char *cf_dist_describe(const cf_dist *d) { return d ? d->describe : "single process"; }
+
+void cf_dist_free(cf_dist *d) {
+    if (!d) return;
+    cf_comm_destroy(d->comm);
+    cf_zero_plan_free(&d->plan);
+    free(d->tensor_of);
+    free(d);
+}
+
+void cf_dist_abort(cf_dist *d) {
+    if (d && d->comm) cf_comm_abort(d->comm);
+}
+
+int cf_dist_init(cf_dist **out, double timeout_s) {
+    *out = NULL;
+    cf_dist_env env;
+    if (cf_dist_env_parse(&env, NULL) != 0) return -1;
+    if (env.world_size <= 1) return 0;
+#ifndef CF_WITH_CUDA
+    return cf_fail("%s started %d ranks, but this binary was built without CUDA: data parallel training needs "
+                   "centrifuge-cuda (make cuda)", cf_launcher_name(env.launcher), env.world_size);
+#else
+    int visible = 0;
+    cudaError_t e = cudaGetDeviceCount(&visible);
+    if (e != cudaSuccess) {
+        return cf_fail("rank %d of %d: no usable GPU (%s)", env.rank, env.world_size, cudaGetErrorString(e));
+    }
+    cf_dist *d = cf_calloc(1, sizeof *d);
+    if (!d) return -1;
+    d->env = env;
+    d->timeout_s = timeout_s > 0 ? timeout_s : CF_COMM_DEFAULT_TIMEOUT_S;
+    if (cf_dist_pick_device(&env, visible, &d->device) != 0) { free(d); return -1; }
+    cf_dist_env_describe(&env, d->describe, (int)sizeof d->describe);
+    if (cf_comm_init(&d->comm, &env, d->device, d->timeout_s) != 0) { free(d); return -1; }
+    *out = d;
+    return 0;
+#endif
+}
+
+/* ------------------------------------------------------------- agreement */
+
+int cf_dist_agree(cf_dist *d, uint64_t value, const char *what) {
+    if (!d) return 0;
+#ifdef CF_WITH_CUDA
+    /* min and max of the value over ranks, as two int64 all-reduces */
+    int64_t host[2] = {(int64_t)(value >> 1), -(int64_t)(value >> 1)};
+    int64_t *dev = NULL;
+    if (cudaMalloc((void **)&dev, sizeof host) != cudaSuccess) return cf_fail("rank %d: cudaMalloc failed", d->env.rank);
+    int rc = cudaMemcpy(dev, host, sizeof host, cudaMemcpyHostToDevice) == cudaSuccess ? 0 : -1;
+    if (rc == 0) rc = cf_comm_all_reduce(d->comm, dev, dev, 2, CF_COMM_I64, CF_COMM_MAX, NULL);
+    if (rc == 0) rc = cf_comm_wait(d->comm, NULL, d->timeout_s);
+    if (rc == 0 && cudaMemcpy(host, dev, sizeof host, cudaMemcpyDeviceToHost) != cudaSuccess) rc = -1;
+    cudaFree(dev);
+    if (rc != 0) return -1;
+    int64_t hi = host[0], lo = -host[1];
+    if (hi != lo || (uint64_t)hi != value >> 1)
+        return cf_fail("rank %d of %d: the ranks disagree on %s (every rank must be started with the same "
+                       "arguments and files)", d->env.rank, d->env.world_size, what);
+    return 0;
+#else
+    (void)value; (void)what;
+    return cf_fail("data parallel: built without CUDA");
+#endif
+}
+
+/* ----------------------------------------------------------------- layout */
+
+#ifdef CF_WITH_CUDA
+/* The optimizer layout of this rank from the ZeRO-1 plan of the model's
+ * trainable tensors (bucket key = layer). */
+static int zero_layout(void *ctx, const cf_model *m, cf_optim_layout *lay) {
+    cf_dist *d = ctx;
+    int n = 0;
+    for (int i = 0; i < m->ntensors; i++) n += m->params[i].trainable;
+    int64_t *numel = cf_malloc((size_t)(n + 1) * sizeof *numel);
+    int *key = cf_malloc((size_t)(n + 1) * sizeof *key);
+    d->tensor_of = cf_malloc((size_t)(n + 1) * sizeof *d->tensor_of);
+    if (!numel || !key || !d->tensor_of) { free(numel); free(key); return -1; }
+    int j = 0;
+    for (int i = 0; i < m->ntensors; i++) {
+        if (!m->params[i].trainable) continue;
+        numel[j] = (int64_t)m->params[i].numel;
+        key[j] = m->params[i].layer;
+        d->tensor_of[j++] = i;
+    }
+    int rc = cf_zero_plan_build(&d->plan, numel, key, n, d->env.world_size, ZERO_ALIGN);
+    free(numel);
+    free(key);
+    if (rc != 0) return -1;
+    cf_zero_segment *seg = NULL;
+    int nseg = 0;
+    if (cf_zero_plan_segments(&d->plan, d->env.rank, &seg, &nseg) != 0) return -1;
+    memset(lay, 0, sizeof *lay);
+    lay->ngrad = (size_t)d->plan.total;
+    lay->nlocal = (size_t)d->plan.shard_numel;
+    lay->goff = cf_malloc((size_t)m->ntensors * sizeof(size_t));
+    lay->seg = cf_calloc((size_t)nseg + 1, sizeof(cf_segment));
+    if (!lay->goff || !lay->seg) { free(seg); cf_optim_layout_free(lay); return -1; }
+    for (int i = 0; i < m->ntensors; i++) lay->goff[i] = SIZE_MAX;
+    for (int t = 0; t < n; t++) lay->goff[d->tensor_of[t]] = (size_t)d->plan.offset[t];
+    for (int s = 0; s < nseg; s++) {
+        cf_segment *g = &lay->seg[s];
+        g->loff = (size_t)seg[s].local_off;
+        g->goff = g->woff = (size_t)seg[s].flat_off;
+        g->len = (size_t)seg[s].len;
+        g->tensor = d->tensor_of[seg[s].tensor];
+    }
+    lay->nseg = nseg;
+    free(seg);
+    return 0;
+}
+
+/* ------------------------------------------------------------------ hooks */
+
+static cf_cuda_ctx *ctx_of(cf_dist *d) { return (cf_cuda_ctx *)d->m->b->device_context(d->m->b); }
+
+static int hook_bucket_ready(void *p, int layer) {
+    cf_dist *d = p;
+    cf_cuda_ctx *cx = ctx_of(d);
+    if (cf_cuda_comm_wait_compute(cx) != 0) return -1;
+    float *grad = d->m->opt.grad;
+    for (int k = 0; k < d->plan.num_buckets; k++) {
+        const cf_zero_bucket *bk = &d->plan.buckets[k];
+        if (bk->key != layer) continue;
+        float *start = grad + bk->start;
+        if (cf_comm_reduce_scatter_f32(d->comm, start, start + (int64_t)d->env.rank * bk->shard_len,
+                                       (size_t)bk->shard_len, cx->comm_stream) != 0)
+            return -1;
+    }
+    return 0;
+}
+
+static int hook_finish(void *p) {
+    cf_dist *d = p;
+    return cf_cuda_compute_wait_comm(ctx_of(d));
+}
+
+static int hook_sum_scalars(void *p, cf_scalars *dev) {
+    cf_dist *d = p;
+    cf_cuda_ctx *cx = ctx_of(d);
+    if (cf_cuda_comm_wait_compute(cx) != 0) return -1;
+    if (cf_comm_all_reduce(d->comm, &dev->sumsq, &dev->sumsq, 1, CF_COMM_F64, CF_COMM_SUM, cx->comm_stream) != 0 ||
+        cf_comm_all_reduce(d->comm, &dev->loss_sum, &dev->loss_sum, 1, CF_COMM_F32, CF_COMM_SUM, cx->comm_stream) != 0)
+        return -1;
+    /* the host waits here, with a deadline: a dead peer fails the run */
+    if (cf_comm_wait(d->comm, cx->comm_stream, d->timeout_s) != 0) return -1;
+    return cf_cuda_compute_wait_comm(cx);
+}
+
+static int hook_weights_updated(void *p) {
+    cf_dist *d = p;
+    cf_cuda_ctx *cx = ctx_of(d);
+    if (cf_cuda_comm_wait_compute(cx) != 0) return -1;
+    char *w = d->m->w;
+    size_t A = d->m->b->act_size;
+    cf_comm_dtype dt = A == 2 ? CF_COMM_BF16 : CF_COMM_F32;
+    if (cf_comm_group_begin(d->comm) != 0) return -1;
+    for (int k = 0; k < d->plan.num_buckets; k++) {
+        const cf_zero_bucket *bk = &d->plan.buckets[k];
+        if (cf_comm_all_gather(d->comm, w + (size_t)bk->start * A, (size_t)bk->shard_len, dt, cx->comm_stream) != 0) {
+            cf_comm_group_end(d->comm);
+            return -1;
+        }
+    }
+    if (cf_comm_group_end(d->comm) != 0) return -1;
+    return cf_cuda_compute_wait_comm(cx);
+}
+#endif
+
+cf_model *cf_dist_open_model(cf_dist *d, const cf_model_opts *o) {
+    if (!d) return cf_model_open(o);
+#ifndef CF_WITH_CUDA
+    (void)o;
+    cf_fail("data parallel: built without CUDA");
+    return NULL;
+#else
+    if (o->backend != CF_BACKEND_CUDA) {
+        cf_fail("data parallel training runs on GPUs: add --device cuda (rank %d of %d)", d->env.rank,
+                d->env.world_size);
+        return NULL;
+    }
+    if (d->m) { cf_fail("data parallel: one model per run"); return NULL; }
+    cf_model_opts oo = *o;
+    oo.device = d->device;
+    cf_zero_plan_free(&d->plan);
+    free(d->tensor_of);
+    d->tensor_of = NULL;
+    cf_model *m = cf_model_open_with(&oo, zero_layout, d);
+    if (!m) return NULL;
+    if (!m->b->device_context) { cf_model_free(m); cf_fail("data parallel: backend without a device context"); return NULL; }
+    d->m = m;
+    cf_grad_sync *s = &m->opt.sync;
+    s->ctx = d;
+    s->rank = d->env.rank;
+    s->world = d->env.world_size;
+    s->bucket_ready = hook_bucket_ready;
+    s->finish = hook_finish;
+    s->sum_scalars = hook_sum_scalars;
+    s->weights_updated = hook_weights_updated;
+    /* Every rank initialised or loaded the same weights (deterministic in
+     * the seed and the files; cf_dist_agree on the arguments checks that
+     * the ranks were started alike). */
+    return m;
+#endif
+}
+
+/* ------------------------------------------------------------ checkpoints */
+
+/* Host copies of the local shard: master weights, m, v. */
+static int local_state(cf_model *m, float **master, float **am, float **av) {
+    size_t n = m->opt.lay.nlocal;
+    *master = cf_malloc(n * sizeof(float) + 1);
+    *am = cf_malloc(n * sizeof(float) + 1);
+    *av = cf_malloc(n * sizeof(float) + 1);
+    if (!*master || !*am || !*av) return -1;
+    if (m->b->download(m->b, *master, m->opt.master, n * sizeof(float)) != 0) return -1;
+    return cf_model_get_adam(m, *am, *av);
+}
+
+/* A barrier with a deadline that also agrees on success: every rank passes
+ * its local result; all fail if one did. */
+static int barrier_ok(cf_dist *d, int ok) {
+    if (cf_dist_agree(d, ok ? 2 : 4, "whether the checkpoint was written") != 0) return -1;
+    return ok ? 0 : cf_fail("rank %d: checkpoint not written", d->env.rank);
+}
+
+int cf_dist_checkpoint_save(cf_dist *d, cf_model *m, const char *dir, int64_t step, int64_t data_pos,
+                            int keep_last) {
+    if (!d) return cf_checkpoint_save(m, dir, step, data_pos, keep_last);
+    char path[4096];
+    int rc = cf_checkpoint_dir(dir, step, path, sizeof path);
+    if (rc == 0 && d->env.rank == 0) rc = cf_model_save(m, path, "bfloat16", 0);
+    float *master = NULL, *am = NULL, *av = NULL;
+    if (rc == 0) rc = local_state(m, &master, &am, &av);
+    if (rc == 0) {
+        cf_shard_meta meta = {d->env.world_size, d->env.rank, d->plan.hash, (int64_t)m->opt.lay.nlocal,
+                              m->opt.step, step, data_pos};
+        rc = cf_shardfile_write(path, &meta, master, am, av);
+    }
+    free(master); free(am); free(av);
+    char err[1024];
+    snprintf(err, sizeof err, "%s", cf_last_error());
+    if (barrier_ok(d, rc == 0) != 0) {
+        if (rc != 0) cf_fail("%s", err);
+        return -1;
+    }
+    if (d->env.rank == 0) {
+        if (cf_shardfile_check_set(path, d->env.world_size, d->plan.hash, NULL) != 0) return -1;
+        if (cf_checkpoint_commit(dir, step, keep_last) != 0) return -1;
+    }
+    return 0;
+}
+
+cf_model *cf_dist_checkpoint_load(cf_dist *d, const char *dir, const cf_model_opts *opts, int64_t *step,
+                                  int64_t *data_pos) {
+    if (!d) return cf_checkpoint_load(dir, opts, step, data_pos);
+    char path[4096];
+    if (cf_checkpoint_latest(dir, path, sizeof path) != 0) return NULL;
+    cf_shard_meta r0;
+    if (cf_shardfile_check_set(path, d->env.world_size, 0, &r0) != 0) return NULL;
+    cf_model_opts o = *opts;
+    o.config = NULL;
+    o.model_dir = path;
+    cf_model *m = cf_dist_open_model(d, &o);
+    if (!m) return NULL;
+    size_t n = m->opt.lay.nlocal;
+    float *master = cf_malloc(n * sizeof(float) + 1), *am = cf_malloc(n * sizeof(float) + 1),
+          *av = cf_malloc(n * sizeof(float) + 1);
+    cf_shard_meta want = {d->env.world_size, d->env.rank, d->plan.hash, (int64_t)n, 0, 0, 0}, got;
+    int rc = master && am && av ? cf_shardfile_read(path, &want, &got, master, am, av) : -1;
+    /* the exact fp32 master slice replaces the bf16 weights it was saved as */
+    if (rc == 0) rc = m->b->upload(m->b, m->opt.master, master, n * sizeof(float));
+    if (rc == 0) rc = cf_model_set_adam(m, am, av, got.opt_steps);
+    free(master); free(am); free(av);
+    if (rc != 0) { cf_model_free(m); d->m = NULL; return NULL; }
+    *step = got.step;
+    *data_pos = got.data_pos;
+    return m;
+}

@@ -1,0 +1,230 @@
+/*
+ * backward.c — the filter operator and the backward pass in the four modes
+ * of DESIGN §1, written once against the backend interface.
+ *
+ * Layer l backward (reverse of model.c's forward; n rows: all T, or the
+ * kept rows in the compact modes, where every saved activation but K and V
+ * has been gathered to those rows by the filter):
+ *   MLP:  dh = dx' Wd; (dgate, dup) = swiglu'(gate, up) dh; dln2 = dgate Wg + dup Wu
+ *         dx_mid = dx' + rmsnorm'(dln2)
+ *   attn: datt = dx_mid Wo; (dq, dk, dv) = attention'(...)   (centrifuge: dq of
+ *         kept queries over all keys, dk/dv of kept keys from kept queries)
+ *         rope', (qwen3) q/k-norm'; dln1 = dq Wq + dk Wk + dv Wv
+ *         dx = dx_mid + rmsnorm'(dln1)
+ * Every projection goes through the linear block (linear.c); a frozen
+ * tensor gets no gradient.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/common.h"
+#include "engine/model_internal.h"
+
+/* ------------------------------------------------------- filter operator */
+
+int cf_filter(cf_model *m, const cf_kept *kept) {
+    if (m->T == 0) return cf_fail("filter: no forward pass to filter");
+    if (cf_kept_check(m, kept) != 0) return -1;
+    if (m->filtered) return 0;
+    cf_backend *b = m->b;
+    cf_stage_begin(m, CF_STAGE_FILTER);
+    /* One pass over the registry: every saved token-major activation is
+     * gathered to the kept rows. K and V are not in the registry. */
+    void *dst[CF_MAX_SAVED];
+    const void *src[CF_MAX_SAVED];
+    size_t row_bytes[CF_MAX_SAVED];
+    int count = 0;
+    for (int i = 0; i < m->nsaved; i++) {
+        cf_saved *s = &m->saved[i];
+        if (!s->gather) continue;
+        if (!s->compact) {
+            s->compact = b->alloc(b, (size_t)m->cap_T * s->row_bytes);
+            if (!s->compact) return -1;
+        }
+        dst[count] = s->compact;
+        src[count] = s->full;
+        row_bytes[count++] = s->row_bytes;
+        s->cur = s->compact;
+    }
+    if (b->gather_rows_multi) {
+        b->gather_rows_multi(b, count, dst, src, row_bytes, m->rows, m->n_kept);
+    } else {
+        for (int i = 0; i < count; i++) b->gather_rows(b, dst[i], src[i], m->rows, m->n_kept, row_bytes[i]);
+    }
+    m->filtered = 1;
+    cf_stage_end(m, CF_STAGE_FILTER);
+    return b->check(b);
+}
+
+/* ------------------------------------------------------------- backward */
+
+void cf_zero_grad(cf_model *m) {
+    if (m->opt.grad) m->b->memzero(m->b, m->opt.grad, m->opt.lay.ngrad * sizeof(float));
+}
+
+/* Zeroes the rows of x [T, row_elems] whose keep flag is 0 (reference
+ * stop-gradient path only; goes through the host, so it is slow on purpose). */
+static int zero_filtered_rows(cf_model *m, void *x, size_t row_elems, const uint8_t *keep) {
+    cf_backend *b = m->b;
+    size_t n = (size_t)m->T * row_elems;
+    float *h = cf_malloc(n * sizeof(float));
+    if (!h) return -1;
+    b->act_to_f32(b, h, x, n);
+    for (int t = 0; t < m->T; t++)
+        if (!keep[t]) memset(h + (size_t)t * row_elems, 0, row_elems * sizeof(float));
+    b->act_from_f32(b, x, h, n);
+    free(h);
+    return b->check(b);
+}
+
+/* The gradient of bucket `layer` is final for this step: hand it to the
+ * data-parallel reduction, if any. */
+static int bucket_ready(cf_model *m, int layer) {
+    const cf_grad_sync *s = &m->opt.sync;
+    if (!s->bucket_ready || !m->opt.last_micro) return 0;
+    return s->bucket_ready(s->ctx, layer);
+}
+
+static int backward_impl(cf_model *m, cf_mode mode, const cf_kept *kept, float token_weight,
+                         const uint8_t *stopgrad_keep);
+
+int cf_backward(cf_model *m, cf_mode mode, const cf_kept *kept, float loss_scale, float *loss_out) {
+    if (m->T == 0) return cf_fail("backward: no forward pass");
+    int counted = mode == CF_MODE_REGULAR ? m->T : (kept ? kept->n : 0);
+    if (mode != CF_MODE_REGULAR && !kept) return cf_fail("backward: mode %s needs kept rows", cf_mode_name(mode));
+    if (counted <= 0) return cf_fail("backward: no position is kept");
+    if (loss_out) cf_model_clear_scalars(m);
+    if (backward_impl(m, mode, kept, loss_scale / counted, NULL) != 0) return -1;
+    if (loss_out) {
+        cf_scalars sc;
+        if (m->b->download(m->b, &sc, m->scalars, sizeof sc) != 0) return -1;
+        *loss_out = sc.loss_sum / counted;
+    }
+    return 0;
+}
+
+int cf_backward_weighted(cf_model *m, cf_mode mode, const cf_kept *kept, float token_weight) {
+    return backward_impl(m, mode, kept, token_weight, NULL);
+}
+
+int cf_backward_reference_stopgrad(cf_model *m, const cf_kept *kept, float loss_scale, float *loss_out) {
+    if (cf_kept_check(m, kept) != 0) return -1;
+    uint8_t *keep = cf_malloc((size_t)m->T);
+    if (!keep) return -1;
+    int rc = cf_kept_mask(m, kept, keep);
+    if (rc == 0 && loss_out) cf_model_clear_scalars(m);
+    if (rc == 0) rc = backward_impl(m, CF_MODE_LOSS_ONLY, kept, loss_scale / kept->n, keep);
+    free(keep);
+    if (rc == 0 && loss_out) {
+        cf_scalars sc;
+        if (m->b->download(m->b, &sc, m->scalars, sizeof sc) != 0) return -1;
+        *loss_out = sc.loss_sum / kept->n;
+    }
+    return rc;
+}
+
+int cf_mode_is_compact(cf_mode mode) { return mode == CF_MODE_CENTRIFUGE || mode == CF_MODE_STRAWMAN; }
+
+static int backward_impl(cf_model *m, cf_mode mode, const cf_kept *kept, float token_weight,
+                         const uint8_t *stopgrad_keep) {
+    if (m->T == 0) return cf_fail("backward: no forward pass");
+    if (!m->opt.grad) return cf_fail("backward: the model has no trainable parameter");
+    const cf_config *c = &m->cfg;
+    cf_backend *b = m->b;
+    int compact = cf_mode_is_compact(mode);
+    if (mode != CF_MODE_REGULAR && cf_kept_check(m, kept) != 0) return -1;
+    if (compact && cf_filter(m, kept) != 0) return -1;
+    if (!compact) cf_model_reset_filter(m);
+    cf_stage_begin(m, CF_STAGE_BACKWARD);
+    m->prof_phase = 1;
+    int T = m->T;
+    int n = compact ? m->n_kept : T;
+    const uint8_t *keep = mode == CF_MODE_REGULAR ? NULL : m->keep_dev;
+
+    /* Per-row loss weights d(loss)/d(l_t), and the loss sum of the counted
+     * rows, on the device. Compact: one weight per kept row. */
+    b->fill_dloss(b, m->dloss, compact ? NULL : keep, token_weight, n);
+    b->loss_sum(b, &m->scalars->loss_sum, m->losses, keep, T);
+
+    int L = c->num_hidden_layers, C = c->hidden_size, F = c->intermediate_size;
+    int H = c->num_attention_heads, Hkv = c->num_key_value_heads, D = c->head_dim;
+    int qd = H * D, kd = Hkv * D;
+    const int *pos = SAVED(m, m->s_pos);
+    cf_attn_shape shape = cf_model_attn_shape(m);
+    cf_rows rows = {m->n_kept, m->kept_max_len, m->rows, m->seq_start};
+    cf_attn_bwd_mode amode = mode == CF_MODE_CENTRIFUGE ? CF_ATTN_BWD_CENTRIFUGE
+                           : mode == CF_MODE_STRAWMAN   ? CF_ATTN_BWD_STRAWMAN
+                                                        : CF_ATTN_BWD_FULL;
+
+    /* LM head and final norm: dresid = d(loss)/d(x_L) */
+    OP(CF_PROF_LMHEAD, b->lmhead_loss_bwd(b, m->d_ln, cf_grad(m, m->p_lm_head), SAVED(m, m->s_lnf),
+                       cf_weight(m, m->p_lm_head), SAVED(m, m->s_targets), m->dloss, n, C,
+                       c->vocab_size));
+    OP(CF_PROF_NORM, b->rmsnorm_bwd(b, m->d_resid, cf_grad(m, m->p_norm), m->d_ln, SAVED(m, m->resid[L]),
+                   cf_weight(m, m->p_norm), SAVED(m, m->s_rstdf), n, C, 0));
+    if (bucket_ready(m, L) != 0) return -1;
+    for (int l = L - 1; l >= 0; l--) {
+        cf_layer_params *p = &m->lp[l];
+        cf_layer_acts *a = &m->la[l];
+        /* MLP: x' = x_mid + down(silu(gate(ln2)) * up(ln2)) */
+        OP(CF_PROF_GEMM, cf_linear_bwd_input(m, &p->down, m->d_h, m->d_resid, n, F, C, 0));
+        /* gate and up of the kept rows are read through the row index; the
+         * kernel also recomputes h for the down projection's weight gradient */
+        OP(CF_PROF_ELTWISE, b->swiglu_bwd_rows(b, m->tmp, m->d_gate, m->d_up, m->d_h, SAVED(m, a->gate),
+                                               SAVED(m, a->up), compact ? m->rows : NULL, n, F));
+        OP(CF_PROF_GEMM, cf_linear_bwd_weight(m, &p->down, m->d_resid, m->tmp, n, F, C));
+        OP(CF_PROF_GEMM, cf_linear_bwd(m, &p->gate, m->d_ln, m->d_gate, SAVED(m, a->ln2), n, C, F, 0));
+        OP(CF_PROF_GEMM, cf_linear_bwd(m, &p->up, m->d_ln, m->d_up, SAVED(m, a->ln2), n, C, F, 1));
+        OP(CF_PROF_NORM, b->rmsnorm_bwd(b, m->d_resid, cf_grad(m, p->ln2), m->d_ln, SAVED(m, a->x_mid),
+                       cf_weight(m, p->ln2), SAVED(m, a->rstd2), n, C, 1));
+        /* attention: x_mid = x + o(attn(q, k, v)) */
+        OP(CF_PROF_GEMM, cf_linear_bwd(m, &p->o, m->d_att, m->d_resid, SAVED(m, a->att), n, qd, C, 0));
+        OP(CF_PROF_ATTN, b->attention_bwd(b, m->d_q, m->d_k, m->d_v, m->d_att, SAVED(m, a->q), a->k, a->v,
+                         SAVED(m, a->att), SAVED(m, a->lse), &shape, compact ? &rows : NULL, amode));
+        if (stopgrad_keep &&
+            (zero_filtered_rows(m, m->d_k, (size_t)kd, stopgrad_keep) != 0 ||
+             zero_filtered_rows(m, m->d_v, (size_t)kd, stopgrad_keep) != 0))
+            return -1;
+        OP(CF_PROF_ROPE, b->rope_bwd(b, m->d_q, pos, m->inv_freq, n, H, D));
+        OP(CF_PROF_ROPE, b->rope_bwd(b, m->d_k, pos, m->inv_freq, n, Hkv, D));
+        void *dq = m->d_q, *dk = m->d_k;
+        if (c->qk_norm) {
+            OP(CF_PROF_NORM, b->rmsnorm_bwd(b, m->d_qn, cf_grad(m, p->qn), m->d_q, SAVED(m, a->qpre),
+                           cf_weight(m, p->qn), SAVED(m, a->rstdq), n * H, D, 0));
+            OP(CF_PROF_NORM, b->rmsnorm_bwd(b, m->d_kn, cf_grad(m, p->kn), m->d_k, SAVED(m, a->kpre),
+                           cf_weight(m, p->kn), SAVED(m, a->rstdk), n * Hkv, D, 0));
+            dq = m->d_qn;
+            dk = m->d_kn;
+        }
+        OP(CF_PROF_GEMM, cf_linear_bwd(m, &p->q, m->d_ln, dq, SAVED(m, a->ln1), n, C, qd, 0));
+        OP(CF_PROF_GEMM, cf_linear_bwd(m, &p->k, m->d_ln, dk, SAVED(m, a->ln1), n, C, kd, 1));
+        OP(CF_PROF_GEMM, cf_linear_bwd(m, &p->v, m->d_ln, m->d_v, SAVED(m, a->ln1), n, C, kd, 1));
+        OP(CF_PROF_NORM, b->rmsnorm_bwd(b, m->d_resid, cf_grad(m, p->ln1), m->d_ln, SAVED(m, m->resid[l]),
+                       cf_weight(m, p->ln1), SAVED(m, a->rstd1), n, C, 1));
+        if (bucket_ready(m, l) != 0) return -1;
+    }
+    float *dembed = cf_grad(m, m->p_embed);
+    if (dembed) OP(CF_PROF_ELTWISE, b->embedding_bwd(b, dembed, m->d_resid, SAVED(m, m->s_tokens), n, C));
+    if (bucket_ready(m, -1) != 0) return -1;
+    cf_stage_end(m, CF_STAGE_BACKWARD);
+    return b->check(b);
+}
+
+/* ---------------------------------------------------------------- names */
+
+const char *cf_mode_name(cf_mode md) {
+    switch (md) {
+    case CF_MODE_REGULAR: return "regular";
+    case CF_MODE_LOSS_ONLY: return "loss-only";
+    case CF_MODE_CENTRIFUGE: return "centrifuge";
+    case CF_MODE_STRAWMAN: return "strawman";
+    }
+    return "?";
+}
+
+int cf_mode_parse(const char *s, cf_mode *out) {
+    for (int i = 0; i <= CF_MODE_STRAWMAN; i++)
+        if (!strcmp(s, cf_mode_name((cf_mode)i))) { *out = (cf_mode)i; return 0; }
+    return cf_fail("--mode: unknown mode '%s' (regular, loss-only, centrifuge, strawman)", s);
+}

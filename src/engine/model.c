@@ -1,0 +1,715 @@
+/*
+ * model.c — the Llama-family model driver, written once against the backend
+ * interface (backend/backend.h): the parameter table, opening and saving a
+ * model, the activations and the forward pass. The filter and the backward
+ * are in backward.c, selection in kept.c, the optimizer in optim.c.
+ *
+ * Layer l (x = residual stream, token-major [T, C]):
+ *   ln1   = rmsnorm(x) * w_ln1
+ *   q,k,v = ln1 Wq^T (+bq), ln1 Wk^T (+bk), ln1 Wv^T (+bv)
+ *   (qwen3) q,k = per-head rmsnorm(q) * w_qn, rmsnorm(k) * w_kn
+ *   q,k   = rope(q), rope(k)
+ *   att   = causal_gqa_attention(q, k, v)          (saves lse)
+ *   x_mid = x + att Wo^T (+bo)
+ *   ln2   = rmsnorm(x_mid) * w_ln2
+ *   h     = silu(ln2 Wg^T) * (ln2 Wu^T)
+ *   x'    = x_mid + h Wd^T
+ * then lnf = rmsnorm(x_L) * w_norm and per-token cross-entropy of lnf Wlm^T.
+ *
+ * Filtering (DESIGN §1-2): after the full forward, cf_filter_backward
+ * gathers every saved activation except K and V to the kept rows, and the
+ * backward then runs with M = kept rows in every GEMM.
+ */
+#include "engine/model_internal.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/common.h"
+#include "formats/io.h"
+
+static void free_acts(cf_model *m);
+
+/* ----------------------------------------------------------- parameters */
+
+static int add_param(cf_model *m, int cap, int layer, const char *name, int64_t d0, int64_t d1) {
+    if (m->ntensors >= cap) return cf_fail("internal: parameter table overflow");
+    cf_param *p = &m->params[m->ntensors];
+    snprintf(p->name, sizeof p->name, "%s", name);
+    p->ndim = d1 > 0 ? 2 : 1;
+    p->shape[0] = d0;
+    p->shape[1] = d1 > 0 ? d1 : 0;
+    p->numel = (size_t)d0 * (size_t)(d1 > 0 ? d1 : 1);
+    p->layer = layer;
+    p->trainable = 1;
+    p->decay = p->ndim == 2;
+    p->woff = p->goff = SIZE_MAX;   /* assigned by cf_optim_init */
+    m->nparams += p->numel;
+    return m->ntensors++;
+}
+
+static int layer_param(cf_model *m, int cap, int l, const char *suffix, int64_t d0, int64_t d1) {
+    char name[96];
+    snprintf(name, sizeof name, "model.layers.%d.%s", l, suffix);
+    return add_param(m, cap, l, name, d0, d1);
+}
+
+static cf_linear layer_linear(cf_model *m, int cap, int l, const char *proj, int64_t out, int64_t in, int bias) {
+    char name[64];
+    cf_linear lin = {-1, -1};
+    snprintf(name, sizeof name, "%s.weight", proj);
+    lin.w = layer_param(m, cap, l, name, out, in);
+    if (bias) {
+        snprintf(name, sizeof name, "%s.bias", proj);
+        lin.b = layer_param(m, cap, l, name, out, 0);
+    }
+    return lin;
+}
+
+/* Builds the parameter table in HF order and naming. */
+static int build_param_table(cf_model *m) {
+    const cf_config *c = &m->cfg;
+    int L = c->num_hidden_layers, C = c->hidden_size, F = c->intermediate_size;
+    int qd = c->num_attention_heads * c->head_dim, kd = c->num_key_value_heads * c->head_dim;
+    int cap = 3 + L * 16;
+    m->params = cf_calloc((size_t)cap, sizeof(cf_param));
+    m->lp = cf_calloc((size_t)L, sizeof(cf_layer_params));
+    if (!m->params || !m->lp) return -1;
+    m->p_embed = add_param(m, cap, -1, "model.embed_tokens.weight", c->vocab_size, C);
+    for (int l = 0; l < L; l++) {
+        cf_layer_params *p = &m->lp[l];
+        p->qn = p->kn = -1;
+        p->ln1 = layer_param(m, cap, l, "input_layernorm.weight", C, 0);
+        p->q = layer_linear(m, cap, l, "self_attn.q_proj", qd, C, c->qkv_bias);
+        p->k = layer_linear(m, cap, l, "self_attn.k_proj", kd, C, c->qkv_bias);
+        p->v = layer_linear(m, cap, l, "self_attn.v_proj", kd, C, c->qkv_bias);
+        p->o = layer_linear(m, cap, l, "self_attn.o_proj", C, qd, c->o_bias);
+        if (c->qk_norm) {
+            p->qn = layer_param(m, cap, l, "self_attn.q_norm.weight", c->head_dim, 0);
+            p->kn = layer_param(m, cap, l, "self_attn.k_norm.weight", c->head_dim, 0);
+        }
+        p->ln2 = layer_param(m, cap, l, "post_attention_layernorm.weight", C, 0);
+        p->gate = layer_linear(m, cap, l, "mlp.gate_proj", F, C, 0);
+        p->up = layer_linear(m, cap, l, "mlp.up_proj", F, C, 0);
+        p->down = layer_linear(m, cap, l, "mlp.down_proj", C, F, 0);
+        if (p->down.w < 0) return -1;
+    }
+    m->p_norm = add_param(m, cap, L, "model.norm.weight", C, 0);
+    m->p_lm_head = c->tie_word_embeddings ? m->p_embed
+                                          : add_param(m, cap, L, "lm_head.weight", c->vocab_size, C);
+    return m->p_lm_head < 0 ? -1 : 0;
+}
+
+/* Marks the tensors whose names contain one of the comma-separated
+ * patterns as frozen; a pattern that matches nothing is an error. */
+static int apply_freeze(cf_model *m, const char *spec) {
+    if (!spec || !*spec) return 0;
+    char buf[1024];
+    if (strlen(spec) >= sizeof buf) return cf_fail("--freeze: list too long");
+    snprintf(buf, sizeof buf, "%s", spec);
+    for (char *save = NULL, *pat = strtok_r(buf, ",", &save); pat; pat = strtok_r(NULL, ",", &save)) {
+        int hits = 0;
+        for (int i = 0; i < m->ntensors; i++)
+            if (*pat && strstr(m->params[i].name, pat)) { m->params[i].trainable = 0; hits++; }
+        if (!hits) return cf_fail("--freeze: '%s' matches no parameter name (e.g. embed_tokens, lm_head, layers.0.)", pat);
+    }
+    int trainable = 0;
+    for (int i = 0; i < m->ntensors; i++) trainable += m->params[i].trainable;
+    if (!trainable) return cf_fail("--freeze: every parameter is frozen; nothing would train");
+    return 0;
+}
+
+void *cf_weight(cf_model *m, int i) {
+    if (i < 0) return NULL;
+    return (char *)m->w + m->params[i].woff * m->b->act_size;
+}
+
+float *cf_grad(cf_model *m, int i) {
+    if (i < 0 || !m->params[i].trainable) return NULL;
+    return m->opt.grad + m->params[i].goff;
+}
+
+/* Per-op-category profiling (bench --profile): each op is bracketed by a
+ * device synchronisation, so the sum is slightly above the unprofiled time. */
+double cf_prof_begin(cf_model *m) {
+    m->b->synchronize(m->b);
+    return cf_now();
+}
+
+void cf_prof_end(cf_model *m, int cat, double t0) {
+    m->b->synchronize(m->b);
+    m->prof[m->prof_phase][cat] += cf_now() - t0;
+}
+
+void cf_model_set_profile(cf_model *m, int on) { m->profile = on; }
+
+void cf_model_profile(const cf_model *m, double out[2][CF_PROF_N]) {
+    memcpy(out, m->prof, sizeof m->prof);
+}
+
+const char *cf_prof_name(int c) {
+    static const char *names[CF_PROF_N] = {"gemm", "attention", "lm-head+ce", "rmsnorm", "rope", "elementwise"};
+    return c >= 0 && c < CF_PROF_N ? names[c] : "?";
+}
+
+/* RoPE inverse frequencies, with Llama 3 frequency-dependent scaling:
+ * wavelengths longer than orig/low_freq_factor are divided by `factor`,
+ * shorter than orig/high_freq_factor are kept, in between interpolated. */
+static void rope_inv_freq(const cf_config *c, float *out) {
+    int D = c->head_dim;
+    for (int i = 0; i < D / 2; i++) {
+        double f = 1.0 / pow((double)c->rope_theta, (2.0 * i) / D);
+        if (c->rope_llama3) {
+            double low_wl = c->rope_original_max_pos / c->rope_low_freq_factor;
+            double high_wl = c->rope_original_max_pos / c->rope_high_freq_factor;
+            double wl = 2.0 * M_PI / f;
+            if (wl > low_wl) {
+                f = f / c->rope_factor;
+            } else if (wl >= high_wl) {
+                double smooth = (c->rope_original_max_pos / wl - c->rope_low_freq_factor) /
+                                (c->rope_high_freq_factor - c->rope_low_freq_factor);
+                f = (1.0 - smooth) * f / c->rope_factor + smooth * f;
+            }
+        }
+        out[i] = (float)f;
+    }
+}
+
+static cf_backend *make_backend(cf_backend_kind kind, int device) {
+    if (kind == CF_BACKEND_CPU) return cf_backend_cpu_create();
+    if (kind == CF_BACKEND_CUDA) return cf_backend_cuda_create(device);
+    cf_fail("unknown backend %d", (int)kind);
+    return NULL;
+}
+
+int cf_backend_parse(const char *s, cf_backend_kind *out, int *device) {
+    if (!strcmp(s, "cpu")) { *out = CF_BACKEND_CPU; return 0; }
+    if (!strncmp(s, "cuda", 4)) {
+        long d = 0;
+        if (s[4] == ':' && cf_parse_int(s + 5, 0, 1023, "--device cuda:N", &d) != 0) return -1;
+        if (s[4] != 0 && s[4] != ':') return cf_fail("--device: unknown device '%s' (cpu, cuda, cuda:N)", s);
+        *out = CF_BACKEND_CUDA;
+        if (device) *device = (int)d;
+        return 0;
+    }
+    return cf_fail("--device: unknown device '%s' (cpu, cuda, cuda:N)", s);
+}
+
+/* Allocates the model with uninitialised weights: the parameter table, the
+ * optimizer layout (whole, or the builder's), the compute weights and the
+ * optimizer state of the trainable tensors. */
+static cf_model *model_alloc(const cf_config *cfg, const cf_model_opts *o, cf_layout_fn layout, void *lctx) {
+    if (cf_config_validate(cfg) != 0) return NULL;
+    cf_model *m = cf_calloc(1, sizeof *m);
+    if (!m) return NULL;
+    m->cfg = *cfg;
+    m->doc_mask_bos = -1;
+    m->b = make_backend(o->backend, o->device);
+    if (!m->b || build_param_table(m) != 0 || apply_freeze(m, o->freeze) != 0) { cf_model_free(m); return NULL; }
+    cf_backend *b = m->b;
+    cf_optim_layout lay;
+    memset(&lay, 0, sizeof lay);
+    int rc = layout ? layout(lctx, m, &lay) : cf_optim_layout_whole(m, &lay);
+    if (rc != 0 || cf_optim_init(m, &lay) != 0) { cf_model_free(m); return NULL; }
+    m->inv_freq = b->alloc(b, (size_t)cfg->head_dim / 2 * sizeof(float));
+    m->scalars = b->alloc(b, sizeof(cf_scalars));
+    if (!m->inv_freq || !m->scalars) { cf_model_free(m); return NULL; }
+    float inv[1024];
+    if (cfg->head_dim / 2 > 1024) { cf_fail("head_dim %d too large", cfg->head_dim); cf_model_free(m); return NULL; }
+    rope_inv_freq(cfg, inv);
+    if (b->upload(b, m->inv_freq, inv, (size_t)cfg->head_dim / 2 * sizeof(float)) != 0) { cf_model_free(m); return NULL; }
+    cf_model_clear_scalars(m);
+    return m;
+}
+
+/* HF init: normal(0, 0.02) matrices, ones for norms, zeros for biases, in
+ * chunks of 2^20 elements, each with its own stream seeded by (seed,
+ * tensor, chunk): deterministic whatever the thread count, and fast enough
+ * for billions of parameters. */
+static int init_weights(cf_model *m, uint64_t seed) {
+    size_t maxn = 0;
+    for (int i = 0; i < m->ntensors; i++) maxn = CF_MAX(maxn, m->params[i].numel);
+    float *host = cf_malloc(maxn * sizeof(float));
+    if (!host) return -1;
+    const size_t CHUNK = (size_t)1 << 20;
+    int rc = 0;
+    for (int i = 0; i < m->ntensors && rc == 0; i++) {
+        cf_param *p = &m->params[i];
+        int is_norm = strstr(p->name, "norm") != NULL;
+        long nchunks = (long)((p->numel + CHUNK - 1) / CHUNK);
+#pragma omp parallel for schedule(dynamic)
+        for (long ch = 0; ch < nchunks; ch++) {
+            cf_rng rng;
+            cf_rng_seed(&rng, seed ^ ((uint64_t)(i + 1) << 40) ^ ((uint64_t)ch * 0x9e3779b97f4a7c15ULL));
+            size_t end = CF_MIN(p->numel, (size_t)(ch + 1) * CHUNK);
+            for (size_t j = (size_t)ch * CHUNK; j < end; j++)
+                host[j] = p->ndim == 2 ? 0.02f * cf_rng_normal(&rng) : (is_norm ? 1.0f : 0.0f);
+        }
+        rc = cf_optim_set_tensor(m, i, host);
+    }
+    free(host);
+    return rc;
+}
+
+/* Reads every tensor of a HF directory into the model. */
+static int load_weights(cf_model *m, const char *dir) {
+    cf_st_archive ar;
+    if (cf_st_open(&ar, dir) != 0) return -1;
+    size_t maxn = 0;
+    for (int i = 0; i < m->ntensors; i++) maxn = CF_MAX(maxn, m->params[i].numel);
+    float *host = cf_malloc(maxn * sizeof(float));
+    int rc = host ? 0 : -1;
+    for (int i = 0; rc == 0 && i < m->ntensors; i++) {
+        cf_param *p = &m->params[i];
+        int j = cf_st_find(&ar, p->name);
+        if (j < 0) { rc = cf_fail("%s: missing tensor '%s'", dir, p->name); break; }
+        const cf_st_tensor *t = &ar.tensors[j];
+        int ok = t->ndim == p->ndim && t->shape[0] == p->shape[0] &&
+                 (p->ndim == 1 || t->shape[1] == p->shape[1]);
+        if (!ok) {
+            rc = cf_fail("%s: tensor '%s' has shape [%lld%s%lld], config needs [%lld%s%lld]", dir,
+                         p->name, (long long)t->shape[0], t->ndim > 1 ? ", " : "",
+                         t->ndim > 1 ? (long long)t->shape[1] : 0LL, (long long)p->shape[0],
+                         p->ndim > 1 ? ", " : "", p->ndim > 1 ? (long long)p->shape[1] : 0LL);
+            break;
+        }
+        rc = cf_st_read_f32(&ar, j, host, p->numel);
+        if (rc == 0) rc = cf_optim_set_tensor(m, i, host);
+    }
+    cf_st_close(&ar);
+    free(host);
+    return rc;
+}
+
+cf_model *cf_model_open_with(const cf_model_opts *o, cf_layout_fn layout, void *lctx) {
+    if (o->config && o->model_dir) { cf_fail("give --config or --model, not both"); return NULL; }
+    cf_config cfg;
+    if (o->model_dir) {
+        char path[4096];
+        if (cf_path_join(path, sizeof path, o->model_dir, "config.json") != 0) return NULL;
+        if (cf_config_load(&cfg, path) != 0) return NULL;
+    } else {
+        const char *name = o->config ? o->config : "tiny";
+        if (strchr(name, '/') || strstr(name, ".json")) {
+            if (cf_config_load(&cfg, name) != 0) return NULL;
+        } else if (cf_config_builtin(&cfg, name) != 0) {
+            return NULL;
+        }
+    }
+    cf_model *m = model_alloc(&cfg, o, layout, lctx);
+    if (!m) return NULL;
+    int rc = o->model_dir ? load_weights(m, o->model_dir) : init_weights(m, o->seed);
+    if (rc != 0) { cf_model_free(m); return NULL; }
+    return m;
+}
+
+cf_model *cf_model_open(const cf_model_opts *o) { return cf_model_open_with(o, NULL, NULL); }
+
+cf_model *cf_model_create(const cf_config *cfg, cf_backend_kind kind, uint64_t seed) {
+    cf_model_opts o = {0};
+    o.backend = kind;
+    o.seed = seed;
+    cf_model *m = model_alloc(cfg, &o, NULL, NULL);
+    if (m && init_weights(m, seed) != 0) { cf_model_free(m); return NULL; }
+    return m;
+}
+
+cf_model *cf_model_load(const char *dir, cf_backend_kind kind) {
+    cf_model_opts o = {0};
+    o.model_dir = dir;
+    o.backend = kind;
+    return cf_model_open(&o);
+}
+
+int cf_model_save(cf_model *m, const char *dir, const char *dtype, size_t max_shard_bytes) {
+    cf_dtype dt;
+    if (!strcmp(dtype, "float32")) dt = CF_DT_F32;
+    else if (!strcmp(dtype, "bfloat16")) dt = CF_DT_BF16;
+    else return cf_fail("unsupported save dtype '%s' (float32 or bfloat16)", dtype);
+    if (cf_mkdir_p(dir) != 0) return -1;
+    float *host = cf_malloc(m->nparams * sizeof(float));
+    cf_st_item *items = cf_calloc((size_t)m->ntensors, sizeof *items);
+    if (!host || !items) { free(host); free(items); return -1; }
+    size_t off = 0;
+    int rc = 0;
+    for (int i = 0; i < m->ntensors && rc == 0; i++) {
+        cf_param *p = &m->params[i];
+        rc = cf_model_get_param(m, i, host + off);
+        items[i].name = p->name;
+        items[i].data = host + off;
+        items[i].ndim = p->ndim;
+        items[i].shape[0] = p->shape[0];
+        items[i].shape[1] = p->shape[1];
+        off += p->numel;
+    }
+    char path[4096];
+    if (rc == 0) rc = cf_st_write_dir(dir, items, m->ntensors, dt, max_shard_bytes);
+    if (rc == 0) rc = cf_path_join(path, sizeof path, dir, "config.json");
+    if (rc == 0) rc = cf_config_save_as(&m->cfg, path, dtype);
+    free(host);
+    free(items);
+    return rc;
+}
+
+void cf_model_free(cf_model *m) {
+    if (!m) return;
+    if (m->b) {
+        cf_backend *b = m->b;
+        free_acts(m);
+        cf_optim_free(m);
+        b->free(b, m->w);
+        b->free(b, m->inv_freq);
+        b->free(b, m->scalars);
+        b->destroy(b);
+    }
+    free(m->params);
+    free(m->lp);
+    free(m);
+}
+
+const cf_config *cf_model_config(const cf_model *m) { return &m->cfg; }
+int cf_model_num_tensors(const cf_model *m) { return m->ntensors; }
+const char *cf_model_tensor_name(const cf_model *m, int i) { return m->params[i].name; }
+size_t cf_model_tensor_numel(const cf_model *m, int i) { return m->params[i].numel; }
+int cf_model_tensor_trainable(const cf_model *m, int i) { return m->params[i].trainable; }
+size_t cf_model_num_params(const cf_model *m) { return m->nparams; }
+size_t cf_model_num_trainable(const cf_model *m) {
+    size_t n = 0;
+    for (int i = 0; i < m->ntensors; i++) n += m->params[i].trainable ? m->params[i].numel : 0;
+    return n;
+}
+cf_backend *cf_model_backend(cf_model *m) { return m->b; }
+
+/* ---------------------------------------------------------------- timing */
+
+void cf_stage_begin(cf_model *m, int stage) {
+    cf_backend *b = m->b;
+    if (m->npending >= (int)(sizeof m->pending / sizeof *m->pending)) {
+        cf_timings t;
+        cf_model_timings(m, &t);   /* resolve what is pending into m->timings */
+        m->timings.forward += t.forward; m->timings.filter += t.filter;
+        m->timings.backward += t.backward; m->timings.optimizer += t.optimizer;
+    }
+    int i = m->npending;
+    m->pending[i].stage = stage;
+    m->pending[i].a = b->mark ? b->mark(b) : -1;
+    m->pending[i].c = -1;
+    if (m->pending[i].a < 0) {
+        b->synchronize(b);
+        m->pending[i].host = cf_now();
+    }
+}
+
+void cf_stage_end(cf_model *m, int stage) {
+    cf_backend *b = m->b;
+    int i = m->npending;
+    if (m->pending[i].stage != stage) return;
+    if (m->pending[i].a >= 0) {
+        m->pending[i].c = b->mark(b);
+    } else {
+        b->synchronize(b);
+        m->pending[i].host = cf_now() - m->pending[i].host;
+    }
+    m->npending++;
+}
+
+/* Sums the stages recorded since the last call (waits for the last mark). */
+void cf_model_timings(cf_model *m, cf_timings *t) {
+    cf_backend *b = m->b;
+    cf_timings r = m->timings;
+    for (int i = 0; i < m->npending; i++) {
+        double s = m->pending[i].a < 0 ? m->pending[i].host
+                 : m->pending[i].c < 0 ? 0.0 : b->mark_elapsed(b, m->pending[i].a, m->pending[i].c);
+        switch (m->pending[i].stage) {
+        case CF_STAGE_FORWARD: r.forward += s; break;
+        case CF_STAGE_FILTER: r.filter += s; break;
+        case CF_STAGE_BACKWARD: r.backward += s; break;
+        default: r.optimizer += s; break;
+        }
+    }
+    m->npending = 0;
+    if (b->marks_reset) b->marks_reset(b);
+    memset(&m->timings, 0, sizeof m->timings);
+    *t = r;
+}
+void cf_model_set_doc_mask(cf_model *m, int bos) { m->doc_mask_bos = bos; }
+size_t cf_model_memory_peak(const cf_model *m) { return m->b->memory_peak ? m->b->memory_peak(m->b) : 0; }
+
+/* The values of a tensor: from the master weights where this process holds
+ * all of them (exact fp32), else from the compute copy. */
+int cf_model_get_param(cf_model *m, int i, float *out) {
+    if (i < 0 || i >= m->ntensors) return cf_fail("parameter index %d out of range", i);
+    cf_param *p = &m->params[i];
+    cf_backend *b = m->b;
+    if (p->trainable) {
+        /* the local segments of this tensor, in order */
+        size_t have = 0;
+        for (int s = 0; s < m->opt.lay.nseg; s++) {
+            const cf_segment *g = &m->opt.lay.seg[s];
+            if (g->tensor == i) have += g->len;
+        }
+        if (have == p->numel) {
+            for (int s = 0; s < m->opt.lay.nseg; s++) {
+                const cf_segment *g = &m->opt.lay.seg[s];
+                if (g->tensor != i) continue;
+                if (b->download(b, out + (g->goff - p->goff), m->opt.master + g->loff, g->len * sizeof(float)) != 0)
+                    return -1;
+            }
+            return 0;
+        }
+    }
+    b->act_to_f32(b, out, cf_weight(m, i), p->numel);
+    return b->check(b);
+}
+
+int cf_model_set_param(cf_model *m, int i, const float *in) {
+    if (i < 0 || i >= m->ntensors) return cf_fail("parameter index %d out of range", i);
+    return cf_optim_set_tensor(m, i, in);
+}
+
+int cf_model_get_grad(cf_model *m, int i, float *out) {
+    if (i < 0 || i >= m->ntensors) return cf_fail("parameter index %d out of range", i);
+    if (!m->params[i].trainable) return cf_fail("%s is frozen: it has no gradient", m->params[i].name);
+    return m->b->download(m->b, out, cf_grad(m, i), m->params[i].numel * sizeof(float));
+}
+
+/* ---------------------------------------------------------- activations */
+
+/* Registers a saved activation of T rows x row_bytes; returns its index. */
+static int save_slot_as(cf_model *m, const char *what, size_t row_bytes, int gather) {
+    if (m->nsaved >= CF_MAX_SAVED) return cf_fail("internal: too many saved activations");
+    cf_saved *s = &m->saved[m->nsaved];
+    s->what = what;
+    s->row_bytes = row_bytes;
+    s->full = m->b->alloc(m->b, (size_t)m->cap_T * row_bytes);
+    s->compact = NULL;   /* allocated by the first filter */
+    s->cur = s->full;
+    s->gather = gather;
+    if (!s->full) return -1;
+    return m->nsaved++;
+}
+
+static int save_slot(cf_model *m, const char *what, size_t row_bytes) { return save_slot_as(m, what, row_bytes, 1); }
+
+static void free_acts(cf_model *m) {
+    cf_backend *b = m->b;
+    for (int i = 0; i < m->nsaved; i++) {
+        b->free(b, m->saved[i].full);
+        b->free(b, m->saved[i].compact);
+    }
+    m->nsaved = 0;
+    if (m->la)
+        for (int l = 0; l < m->cfg.num_hidden_layers; l++) { b->free(b, m->la[l].k); b->free(b, m->la[l].v); }
+    free(m->la); m->la = NULL;
+    free(m->resid); m->resid = NULL;
+    void **bufs[] = {&m->d_resid, &m->d_ln, &m->d_att, &m->d_q, &m->d_qn, &m->d_k, &m->d_kn, &m->d_v, &m->d_h,
+                     &m->d_gate, &m->d_up, &m->tmp, (void **)&m->losses, (void **)&m->dloss, (void **)&m->doc,
+                     (void **)&m->ref_dev, (void **)&m->keep_dev, (void **)&m->rows, (void **)&m->seq_start};
+    for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) { b->free(b, *bufs[i]); *bufs[i] = NULL; }
+    free(m->host_losses); m->host_losses = NULL;
+    m->cap_T = 0;
+}
+
+static int alloc_acts(cf_model *m, int T) {
+    free_acts(m);
+    const cf_config *c = &m->cfg;
+    cf_backend *b = m->b;
+    size_t A = b->act_size, F4 = sizeof(float);
+    int L = c->num_hidden_layers, C = c->hidden_size, F = c->intermediate_size;
+    int H = c->num_attention_heads, Hkv = c->num_key_value_heads, D = c->head_dim;
+    size_t qd = (size_t)H * D, kd = (size_t)Hkv * D;
+    m->cap_T = T;
+    m->resid = cf_calloc((size_t)L + 1, sizeof(int));
+    m->la = cf_calloc((size_t)L, sizeof(cf_layer_acts));
+    if (!m->resid || !m->la) return -1;
+    int bad = 0;
+    for (int l = 0; l <= L; l++) bad |= (m->resid[l] = save_slot(m, "residual", C * A)) < 0;
+    for (int l = 0; l < L && !bad; l++) {
+        cf_layer_acts *a = &m->la[l];
+        memset(a, -1, sizeof *a);
+        a->k = a->v = NULL;
+        bad |= (a->x_mid = save_slot(m, "x_mid", C * A)) < 0;
+        bad |= (a->ln1 = save_slot(m, "ln1", C * A)) < 0;
+        bad |= (a->rstd1 = save_slot(m, "rstd1", F4)) < 0;
+        if (c->qk_norm) {
+            bad |= (a->qpre = save_slot(m, "q_pre_norm", qd * A)) < 0;
+            bad |= (a->rstdq = save_slot(m, "rstd_q", H * F4)) < 0;
+            bad |= (a->kpre = save_slot(m, "k_pre_norm", kd * A)) < 0;
+            bad |= (a->rstdk = save_slot(m, "rstd_k", Hkv * F4)) < 0;
+        }
+        bad |= (a->q = save_slot(m, "q", qd * A)) < 0;
+        bad |= (a->att = save_slot(m, "attn_out", qd * A)) < 0;
+        bad |= (a->lse = save_slot(m, "lse", H * F4)) < 0;
+        bad |= (a->ln2 = save_slot(m, "ln2", C * A)) < 0;
+        bad |= (a->rstd2 = save_slot(m, "rstd2", F4)) < 0;
+        /* read through the row index by swiglu_bwd_rows: never gathered */
+        bad |= (a->gate = save_slot_as(m, "gate", F * A, 0)) < 0;
+        bad |= (a->up = save_slot_as(m, "up", F * A, 0)) < 0;
+        a->k = b->alloc(b, (size_t)T * kd * A);
+        a->v = b->alloc(b, (size_t)T * kd * A);
+        bad |= !a->k || !a->v;
+    }
+    if (bad) return -1;
+    if ((m->s_lnf = save_slot(m, "lnf", C * A)) < 0) return -1;
+    if ((m->s_rstdf = save_slot(m, "rstdf", F4)) < 0) return -1;
+    if ((m->s_tokens = save_slot(m, "tokens", sizeof(int))) < 0) return -1;
+    if ((m->s_targets = save_slot(m, "targets", sizeof(int))) < 0) return -1;
+    if ((m->s_pos = save_slot(m, "positions", sizeof(int))) < 0) return -1;
+    size_t wide = CF_MAX((size_t)C, CF_MAX(qd, (size_t)F));
+    m->d_resid = b->alloc(b, (size_t)T * C * A);
+    m->d_ln = b->alloc(b, (size_t)T * C * A);
+    m->d_att = b->alloc(b, (size_t)T * qd * A);
+    m->d_q = b->alloc(b, (size_t)T * qd * A);
+    m->d_qn = b->alloc(b, (size_t)T * qd * A);
+    m->d_k = b->alloc(b, (size_t)T * kd * A);
+    m->d_kn = b->alloc(b, (size_t)T * kd * A);
+    m->d_v = b->alloc(b, (size_t)T * kd * A);
+    m->d_h = b->alloc(b, (size_t)T * F * A);
+    m->d_gate = b->alloc(b, (size_t)T * F * A);
+    m->d_up = b->alloc(b, (size_t)T * F * A);
+    m->tmp = b->alloc(b, (size_t)T * wide * A);
+    m->losses = b->alloc(b, (size_t)T * F4);
+    m->dloss = b->alloc(b, (size_t)T * F4);
+    m->ref_dev = b->alloc(b, (size_t)T * F4);
+    m->keep_dev = b->alloc(b, (size_t)T);
+    m->doc = b->alloc(b, (size_t)T * sizeof(int));
+    m->rows = b->alloc(b, (size_t)T * sizeof(int));
+    m->seq_start = b->alloc(b, ((size_t)T + 1) * sizeof(int));
+    m->host_losses = cf_malloc((size_t)T * F4);
+    if (!m->d_resid || !m->d_ln || !m->d_att || !m->d_q || !m->d_qn || !m->d_k || !m->d_kn ||
+        !m->d_v || !m->d_h || !m->d_gate || !m->d_up || !m->tmp || !m->losses || !m->dloss || !m->ref_dev || !m->keep_dev ||
+        !m->doc || !m->rows || !m->seq_start || !m->host_losses)
+        return -1;
+    return 0;
+}
+
+/* Un-compacts: the backward reads the full tensors again. */
+void cf_model_reset_filter(cf_model *m) {
+    for (int i = 0; i < m->nsaved; i++) m->saved[i].cur = m->saved[i].full;
+    m->filtered = 0;
+}
+
+/* -------------------------------------------------------------- forward */
+
+cf_attn_shape cf_model_attn_shape(cf_model *m) {
+    cf_attn_shape s;
+    s.B = m->B; s.S = m->S;
+    s.H = m->cfg.num_attention_heads; s.Hkv = m->cfg.num_key_value_heads; s.D = m->cfg.head_dim;
+    s.scale = 1.0f / sqrtf((float)s.D);
+    s.doc = m->doc_mask_bos >= 0 ? m->doc : NULL;
+    return s;
+}
+
+int cf_forward(cf_model *m, const int32_t *tokens, int B, int S, float *losses) {
+    const cf_config *c = &m->cfg;
+    if (B <= 0 || S <= 0) return cf_fail("forward: batch %d and sequence %d must be positive", B, S);
+    if ((int64_t)B * S > (1 << 28)) return cf_fail("forward: %d x %d tokens is too many", B, S);
+    if (c->sliding_window > 0 && S > c->sliding_window)
+        return cf_fail("sequence length %d exceeds the model's sliding_window %d (not supported)", S,
+                       c->sliding_window);
+    for (int64_t i = 0; i < (int64_t)B * (S + 1); i++)
+        if (tokens[i] < 0 || tokens[i] >= c->vocab_size)
+            return cf_fail("token id %d at position %lld is outside the vocabulary [0, %d)",
+                           tokens[i], (long long)i, c->vocab_size);
+    cf_backend *b = m->b;
+    int T = B * S;
+    memset(m->prof, 0, sizeof m->prof);
+    m->prof_phase = 0;
+    if (T > m->cap_T && alloc_acts(m, T) != 0) return -1;
+    cf_model_reset_filter(m);
+    m->B = B; m->S = S; m->T = T;
+    m->fwd_id++;               /* invalidates the kept rows of earlier forwards */
+    m->host_losses_fwd = 0;
+    cf_stage_begin(m, CF_STAGE_FORWARD);
+
+    /* inputs, targets, positions (and document ids) on the host, then upload */
+    int *hin = cf_malloc((size_t)T * 4 * sizeof(int));
+    if (!hin) return -1;
+    int *htg = hin + T, *hpos = hin + 2 * T, *hdoc = hin + 3 * T;
+    for (int bi = 0; bi < B; bi++) {
+        int doc = 0, start = 0;
+        for (int s = 0; s < S; s++) {
+            int t = bi * S + s;
+            hin[t] = tokens[bi * (S + 1) + s];
+            htg[t] = tokens[bi * (S + 1) + s + 1];
+            if (m->doc_mask_bos >= 0 && hin[t] == m->doc_mask_bos && s > 0) { doc++; start = s; }
+            hpos[t] = s - start;
+            hdoc[t] = doc;
+        }
+    }
+    int up = b->upload(b, m->saved[m->s_tokens].full, hin, (size_t)T * sizeof(int));
+    if (up == 0) up = b->upload(b, m->saved[m->s_targets].full, htg, (size_t)T * sizeof(int));
+    if (up == 0) up = b->upload(b, m->saved[m->s_pos].full, hpos, (size_t)T * sizeof(int));
+    if (up == 0) up = b->upload(b, m->doc, hdoc, (size_t)T * sizeof(int));
+    free(hin);
+    if (up != 0) return -1;
+
+    int L = c->num_hidden_layers, C = c->hidden_size, F = c->intermediate_size;
+    int H = c->num_attention_heads, Hkv = c->num_key_value_heads, D = c->head_dim;
+    int qd = H * D, kd = Hkv * D;
+    const int *pos = m->saved[m->s_pos].full;
+    cf_attn_shape shape = cf_model_attn_shape(m);
+
+    OP(CF_PROF_ELTWISE, b->embedding_fwd(b, m->saved[m->resid[0]].full, m->saved[m->s_tokens].full,
+                     cf_weight(m, m->p_embed), T, C));
+    for (int l = 0; l < L; l++) {
+        cf_layer_params *p = &m->lp[l];
+        cf_layer_acts *a = &m->la[l];
+        void *x = m->saved[m->resid[l]].full;
+        void *ln1 = m->saved[a->ln1].full, *q = m->saved[a->q].full;
+        void *xmid = m->saved[a->x_mid].full, *ln2 = m->saved[a->ln2].full;
+        /* h = silu(gate) * up is not saved: the backward recomputes it */
+        void *gate = m->saved[a->gate].full, *up = m->saved[a->up].full, *h = m->d_h;
+        OP(CF_PROF_NORM, b->rmsnorm_fwd(b, ln1, m->saved[a->rstd1].full, x, cf_weight(m, p->ln1), T, C, c->rms_norm_eps));
+        if (c->qk_norm) {
+            void *qpre = m->saved[a->qpre].full, *kpre = m->saved[a->kpre].full;
+            OP(CF_PROF_GEMM, cf_linear_fwd(m, &p->q, qpre, ln1, T, C, qd));
+            OP(CF_PROF_GEMM, cf_linear_fwd(m, &p->k, kpre, ln1, T, C, kd));
+            OP(CF_PROF_NORM, b->rmsnorm_fwd(b, q, m->saved[a->rstdq].full, qpre, cf_weight(m, p->qn), T * H, D, c->rms_norm_eps));
+            OP(CF_PROF_NORM, b->rmsnorm_fwd(b, a->k, m->saved[a->rstdk].full, kpre, cf_weight(m, p->kn), T * Hkv, D, c->rms_norm_eps));
+        } else {
+            OP(CF_PROF_GEMM, cf_linear_fwd(m, &p->q, q, ln1, T, C, qd));
+            OP(CF_PROF_GEMM, cf_linear_fwd(m, &p->k, a->k, ln1, T, C, kd));
+        }
+        OP(CF_PROF_GEMM, cf_linear_fwd(m, &p->v, a->v, ln1, T, C, kd));
+        OP(CF_PROF_ROPE, b->rope_fwd(b, q, pos, m->inv_freq, T, H, D));
+        OP(CF_PROF_ROPE, b->rope_fwd(b, a->k, pos, m->inv_freq, T, Hkv, D));
+        OP(CF_PROF_ATTN, b->attention_fwd(b, m->saved[a->att].full, m->saved[a->lse].full, q, a->k, a->v, &shape));
+        OP(CF_PROF_GEMM, cf_linear_fwd(m, &p->o, m->tmp, m->saved[a->att].full, T, qd, C));
+        OP(CF_PROF_ELTWISE, b->add(b, xmid, x, m->tmp, (size_t)T * C));
+        OP(CF_PROF_NORM, b->rmsnorm_fwd(b, ln2, m->saved[a->rstd2].full, xmid, cf_weight(m, p->ln2), T, C, c->rms_norm_eps));
+        OP(CF_PROF_GEMM, cf_linear_fwd(m, &p->gate, gate, ln2, T, C, F));
+        OP(CF_PROF_GEMM, cf_linear_fwd(m, &p->up, up, ln2, T, C, F));
+        OP(CF_PROF_ELTWISE, b->swiglu_fwd(b, h, gate, up, (size_t)T * F));
+        OP(CF_PROF_GEMM, cf_linear_fwd(m, &p->down, m->tmp, h, T, F, C));
+        OP(CF_PROF_ELTWISE, b->add(b, m->saved[m->resid[l + 1]].full, xmid, m->tmp, (size_t)T * C));
+    }
+    OP(CF_PROF_NORM, b->rmsnorm_fwd(b, m->saved[m->s_lnf].full, m->saved[m->s_rstdf].full, m->saved[m->resid[L]].full,
+                   cf_weight(m, m->p_norm), T, C, c->rms_norm_eps));
+    OP(CF_PROF_LMHEAD, b->lmhead_loss_fwd(b, m->losses, m->saved[m->s_lnf].full, cf_weight(m, m->p_lm_head),
+                       m->saved[m->s_targets].full, T, C, c->vocab_size));
+    cf_stage_end(m, CF_STAGE_FORWARD);
+    if (losses) {
+        const float *h = cf_model_host_losses(m);
+        if (!h) return -1;
+        memcpy(losses, h, (size_t)T * sizeof(float));
+    }
+    return b->check(b);
+}
+
+int cf_model_logits_row(cf_model *m, int t, float *out) {
+    if (t < 0 || t >= m->T) return cf_fail("logits: row %d outside the last forward's %d rows", t, m->T);
+    cf_backend *b = m->b;
+    const cf_config *c = &m->cfg;
+    size_t A = b->act_size;
+    /* logits[1, V] = lnf[t] Wlm^T into a buffer of its own (decoding only) */
+    void *buf = b->alloc(b, (size_t)c->vocab_size * A);
+    if (!buf) return -1;
+    b->matmul_fwd(b, buf, (char *)m->saved[m->s_lnf].full + (size_t)t * c->hidden_size * A,
+                  cf_weight(m, m->p_lm_head), NULL, 1, c->hidden_size, c->vocab_size);
+    b->act_to_f32(b, out, buf, (size_t)c->vocab_size);
+    b->free(b, buf);
+    return b->check(b);
+}
+

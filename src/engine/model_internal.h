@@ -1,0 +1,271 @@
+/*
+ * model_internal.h — the model's private state, shared by the files of the
+ * engine (model.c: parameters and forward; backward.c: filter and backward;
+ * kept.c: selection; optim.c: optimizer state and step; linear.c: the
+ * linear block; trainer.c: the training step). Not part of the public API:
+ * commands use include/centrifuge.h only.
+ *
+ * State by lifetime (llama2.c style): the config and the parameter table
+ * are fixed at open; the weights and optimizer state live as long as the
+ * model; the activations are sized by the largest forward so far; the kept
+ * rows live from one selection to the next forward.
+ */
+#ifndef CF_MODEL_INTERNAL_H
+#define CF_MODEL_INTERNAL_H
+
+#include "backend/backend.h"
+#include "centrifuge.h"
+
+/* ------------------------------------------------------------ parameters */
+
+/* One parameter tensor. Every tensor has a compute copy in m->w at woff
+ * (backend dtype). A trainable tensor also has an fp32 gradient at goff of
+ * the optimizer's gradient buffer, and its master weights and AdamW moments
+ * live in the optimizer's local shard (whole on one GPU). Trainable tensors
+ * come first in w, laid out exactly like the gradient buffer (woff == goff),
+ * so a data-parallel all-gather of updated weights can work in place. */
+typedef struct {
+    char name[96];
+    int ndim;
+    int64_t shape[2];
+    size_t numel;
+    int layer;          /* bucket key: -1 embedding, 0..L-1 layers, L final norm + lm head */
+    int trainable;      /* has gradient, master weights and optimizer state */
+    int decay;          /* AdamW weight decay applies (matrices only) */
+    size_t woff;        /* in elements, into m->w */
+    size_t goff;        /* in elements, into the gradient buffer (trainable only) */
+} cf_param;
+
+/* A linear layer y = x W^T (+ b): the parameter indices of its weight and
+ * bias (-1 = none). All linear layers of the model go through linear.c,
+ * which is where adapters and tensor-parallel collectives plug in. */
+typedef struct {
+    int w, b;
+} cf_linear;
+
+/* Parameters of one transformer layer (-1 = absent). */
+typedef struct {
+    int ln1, ln2, qn, kn;                /* norm weights */
+    cf_linear q, k, v, o, gate, up, down;
+} cf_layer_params;
+
+/* A contiguous piece of the optimizer's local shard: len elements at local
+ * offset loff of master/m/v, at goff of the gradient and woff of the
+ * compute weights, all of one tensor (so one weight-decay setting). */
+typedef struct {
+    size_t loff, goff, woff, len;
+    int tensor;
+} cf_segment;
+
+/* Where each trainable tensor's gradient lives and which pieces of it this
+ * process updates: whole (one process) or a ZeRO-1 shard plan. */
+typedef struct {
+    size_t ngrad;       /* gradient buffer length, elements (with padding) */
+    size_t nlocal;      /* local shard length (master, m, v) */
+    size_t *goff;       /* [ntensors], SIZE_MAX for frozen tensors */
+    int nseg;
+    cf_segment *seg;    /* the local shard, ascending loff */
+} cf_optim_layout;
+
+/* Device scalars read back once per step: the squared gradient norm and
+ * the loss sum of the micro-batches so far. */
+typedef struct {
+    double sumsq;
+    float loss_sum;
+    float pad_;
+} cf_scalars;
+
+/* Hooks of a gradient reduction (data parallel). NULL = one process. */
+typedef struct {
+    void *ctx;
+    int rank, world;    /* this process among the data-parallel ones (0, 1 alone) */
+    /* The gradients of bucket `layer` (cf_param.layer) are final for this
+     * step: start reducing them (asynchronously). */
+    int (*bucket_ready)(void *ctx, int layer);
+    /* Every bucket has been handed over: wait until the reduced gradient of
+     * the local shard is in place. */
+    int (*finish)(void *ctx);
+    /* Sum the device scalars (squared gradient norm, loss sum) over the
+     * processes. */
+    int (*sum_scalars)(void *ctx, cf_scalars *dev);
+    /* The local shard of the compute weights was updated: share it. */
+    int (*weights_updated)(void *ctx);
+} cf_grad_sync;
+
+typedef struct {
+    cf_optim_layout lay;
+    float *grad;        /* [ngrad]  */
+    float *master;      /* [nlocal] */
+    float *adam_m, *adam_v;
+    int64_t step;
+    cf_grad_sync sync;
+    int last_micro;     /* the backward in flight is the step's last micro-batch */
+} cf_optim;
+
+/* ----------------------------------------------------------- activations */
+
+/* A saved activation: T token rows of row_bytes each. The filter operator
+ * gathers `full` into `compact` (if `gather`); the backward reads `cur`.
+ * Tensors with gather = 0 are read by their backward kernel through the
+ * row index instead (the gather fused into that kernel). */
+typedef struct {
+    const char *what;
+    void *full;
+    void *compact;
+    void *cur;
+    size_t row_bytes;
+    int gather;
+} cf_saved;
+
+/* Saved activations of one layer (token-major, T rows). */
+typedef struct {
+    int x_mid, ln1, rstd1, qpre, rstdq, kpre, rstdk, q, att, lse, ln2, rstd2, gate, up;
+    void *k, *v;        /* full K (after norm and RoPE) and V: never compacted */
+} cf_layer_acts;
+
+#define CF_MAX_SAVED 1024
+
+struct cf_model {
+    cf_config cfg;
+    cf_backend *b;
+
+    /* parameters */
+    int ntensors;
+    cf_param *params;
+    size_t nparams;        /* real elements, all tensors */
+    size_t nw;             /* length of w (with padding) */
+    void *w;               /* compute copy, all tensors (backend dtype) */
+    cf_optim opt;
+    cf_layer_params *lp;
+    int p_embed, p_norm, p_lm_head;   /* lm_head == embed when tied */
+    float *inv_freq;       /* backend memory, D/2 */
+
+    /* activations, allocated for a capacity of T rows */
+    int B, S, T, cap_T;
+    int doc_mask_bos;      /* -1 off; else token id that starts a document */
+    int nsaved;
+    cf_saved saved[CF_MAX_SAVED];
+    int *resid;            /* [L+1] saved indices of the residual stream */
+    cf_layer_acts *la;
+    int s_lnf, s_rstdf, s_tokens, s_targets, s_pos;
+    int *doc;              /* backend [T] */
+    float *losses;         /* backend [T] */
+    float *dloss;          /* backend [T] */
+    float *ref_dev;        /* backend [T]: reference losses for device selection */
+    cf_scalars *scalars;   /* backend */
+    /* backward scratch */
+    void *d_resid, *d_ln, *d_att, *d_q, *d_qn, *d_k, *d_kn, *d_v, *d_h, *d_gate, *d_up, *tmp;
+
+    /* kept rows: one selection of one forward (kept.c) */
+    uint64_t fwd_id;       /* counts forwards */
+    uint64_t sel_id;       /* counts selections */
+    uint64_t sel_fwd;      /* the forward the current selection belongs to */
+    int n_kept, kept_max_len;
+    uint8_t *keep_dev;     /* backend [T] mask */
+    int *rows, *seq_start; /* backend [T], [B+1] */
+    int filtered;          /* saved tensors are compacted to the current selection */
+    float *host_losses;    /* [T], filled on demand (host selection, tests) */
+    int host_losses_fwd;   /* host_losses belong to the current forward */
+
+    /* stage timings: marks in stream order, resolved when read */
+    int npending;
+    struct { int stage, a, c; double host; } pending[64];
+    cf_timings timings;    /* resolved sums since the last cf_model_timings */
+    int profile, prof_phase;            /* phase 0 forward, 1 backward */
+    double prof[2][CF_PROF_N];
+};
+
+/* Pointer to parameter i's compute weights / fp32 gradient (NULL if i < 0
+ * or the tensor is frozen). */
+void *cf_weight(cf_model *m, int i);
+float *cf_grad(cf_model *m, int i);
+
+/* Saved activation as the backward reads it. */
+#define SAVED(m, idx) ((m)->saved[(idx)].cur)
+
+/* Per-op-category profiling: OP(cat, call) times `call` when profiling. */
+double cf_prof_begin(cf_model *m);
+void cf_prof_end(cf_model *m, int cat, double t0);
+#define OP(cat, call)                                       \
+    do {                                                    \
+        double t_ = (m)->profile ? cf_prof_begin(m) : 0.0;  \
+        call;                                               \
+        if ((m)->profile) cf_prof_end(m, cat, t_);          \
+    } while (0)
+
+cf_attn_shape cf_model_attn_shape(cf_model *m);
+
+/* Stage timing (forward, filter, backward, optimizer): marks in stream
+ * order, no synchronisation; cf_model_timings resolves them. */
+enum { CF_STAGE_FORWARD, CF_STAGE_FILTER, CF_STAGE_BACKWARD, CF_STAGE_OPTIMIZER };
+void cf_stage_begin(cf_model *m, int stage);
+void cf_stage_end(cf_model *m, int stage);
+/* Saved tensors read full again (after a backward of a non-compact mode). */
+void cf_model_reset_filter(cf_model *m);
+cf_backend *cf_model_backend(cf_model *m);
+
+/* ---- kept.c ---- */
+/* Fails unless kept is the current selection of the current forward. */
+int cf_kept_check(cf_model *m, const cf_kept *kept);
+/* Host copy of the last forward's losses (downloads once per forward). */
+const float *cf_model_host_losses(cf_model *m);
+
+/* ---- linear.c ---- */
+void cf_linear_fwd(cf_model *m, const cf_linear *l, void *out, const void *in, int T, int K, int N);
+/* din (=, or += if accumulate) dout W; din may be NULL. */
+void cf_linear_bwd_input(cf_model *m, const cf_linear *l, void *din, const void *dout, int T, int K, int N,
+                         int accumulate);
+/* dW += dout^T in, db += colsum(dout): only for trainable tensors. */
+void cf_linear_bwd_weight(cf_model *m, const cf_linear *l, const void *dout, const void *in, int T, int K, int N);
+/* Both, in one backend call where both are needed. */
+void cf_linear_bwd(cf_model *m, const cf_linear *l, void *din, const void *dout, const void *in, int T, int K,
+                   int N, int accumulate);
+
+/* ---- optim.c ---- */
+/* The whole-model layout (one process): trainable tensors packed in table
+ * order, padded to 16-byte boundaries. */
+int cf_optim_layout_whole(const cf_model *m, cf_optim_layout *lay);
+void cf_optim_layout_free(cf_optim_layout *lay);
+/* Allocates the optimizer state for a layout (takes ownership of lay) and
+ * assigns woff/goff of every tensor. Called once, before weights are set. */
+int cf_optim_init(cf_model *m, cf_optim_layout *lay);
+void cf_optim_free(cf_model *m);
+/* Uploads fp32 host weights of tensor i (numel floats) into the compute
+ * copy and, for the parts in the local shard, the master weights. */
+int cf_optim_set_tensor(cf_model *m, int i, const float *host);
+/* Optimizer state for checkpoints: the local shard's m and v (host fp32
+ * arrays of opt.lay.nlocal) and the master weights. */
+int cf_model_get_adam(cf_model *m, float *m_out, float *v_out);
+int cf_model_set_adam(cf_model *m, const float *m_in, const float *v_in, int64_t step);
+/* Zeroes the squared-norm and loss accumulators. */
+void cf_model_clear_scalars(cf_model *m);
+/* cf_step that also returns the loss sum accumulated since the scalars were
+ * cleared (same transfer as the norm: one host sync per step). */
+int cf_step_ex(cf_model *m, const cf_adamw_params *hp, float *grad_norm, double *loss_sum);
+
+/* ---- backward.c ---- */
+/* The backward with an explicit weight per counted token: d(loss)/d(l_t)
+ * = token_weight for every counted row t. loss_sum accumulates on the
+ * device (m->scalars). */
+int cf_backward_weighted(cf_model *m, cf_mode mode, const cf_kept *kept, float token_weight);
+/* Test reference for DESIGN §1 equivalence 2: the dense (all rows) backward
+ * of the kept-position loss in which the K and V rows of filtered tokens are
+ * constants (their dK, dV are zeroed). */
+int cf_backward_reference_stopgrad(cf_model *m, const cf_kept *kept, float loss_scale, float *loss_out);
+
+/* ---- checkpoint.c ---- */
+/* dir/step_NNNNNNNN created (stale temp files of a killed save removed). */
+int cf_checkpoint_dir(const char *dir, int64_t step, char *out, size_t cap);
+/* Points dir/latest at step (atomically) and removes checkpoints older
+ * than the newest keep_last. Call only when the checkpoint is complete. */
+int cf_checkpoint_commit(const char *dir, int64_t step, int keep_last);
+/* The directory that dir/latest names. */
+int cf_checkpoint_latest(const char *dir, char *out, size_t cap);
+
+/* ---- model.c ---- */
+/* Opens with an optional optimizer layout builder (data parallel); NULL =
+ * whole. The builder gets the parameter table and fills lay. */
+typedef int (*cf_layout_fn)(void *ctx, const cf_model *m, cf_optim_layout *lay);
+cf_model *cf_model_open_with(const cf_model_opts *o, cf_layout_fn layout, void *layout_ctx);
+
+#endif

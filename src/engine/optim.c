@@ -1,0 +1,211 @@
+/*
+ * optim.c — parameter groups and the optimizer: where each trainable
+ * tensor's gradient, master weights and AdamW moments live, and the step.
+ *
+ * Layout. The gradient buffer holds every trainable tensor at goff (with
+ * padding that no tensor uses); the compute weights w hold the trainable
+ * tensors at the same offsets, then the frozen ones. This process updates
+ * the segments of its local shard: with one process, all of them; with
+ * ZeRO-1 data parallelism (dist/), a 1/world slice of every bucket. The
+ * step walks those contiguous segments:
+ *   g' = g * clip_scale;  m = b1 m + (1-b1) g';  v = b2 v + (1-b2) g'^2
+ *   p -= lr * (m/(1-b1^t) / (sqrt(v/(1-b2^t)) + eps) + wd * p)
+ * with wd = 0 for vectors (norms, biases), then refreshes w from p.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/common.h"
+#include "engine/model_internal.h"
+
+/* Offsets padded to 8 elements: 32-byte aligned fp32, 16-byte bf16. */
+#define CF_ALIGN 8
+static size_t align_up(size_t n) { return (n + CF_ALIGN - 1) / CF_ALIGN * CF_ALIGN; }
+
+int cf_optim_layout_whole(const cf_model *m, cf_optim_layout *lay) {
+    memset(lay, 0, sizeof *lay);
+    lay->goff = cf_malloc((size_t)m->ntensors * sizeof(size_t));
+    lay->seg = cf_calloc((size_t)m->ntensors + 1, sizeof(cf_segment));
+    if (!lay->goff || !lay->seg) { cf_optim_layout_free(lay); return -1; }
+    size_t off = 0;
+    for (int i = 0; i < m->ntensors; i++) {
+        const cf_param *p = &m->params[i];
+        if (!p->trainable) { lay->goff[i] = SIZE_MAX; continue; }
+        lay->goff[i] = off;
+        cf_segment *s = &lay->seg[lay->nseg++];
+        s->loff = s->goff = s->woff = off;
+        s->len = p->numel;
+        s->tensor = i;
+        off = align_up(off + p->numel);
+    }
+    lay->ngrad = lay->nlocal = off;
+    return 0;
+}
+
+void cf_optim_layout_free(cf_optim_layout *lay) {
+    free(lay->goff);
+    free(lay->seg);
+    memset(lay, 0, sizeof *lay);
+}
+
+/* Checks a layout (a builder's, e.g. a shard plan) before trusting it. */
+static int layout_check(const cf_model *m, const cf_optim_layout *lay) {
+    for (int i = 0; i < m->ntensors; i++) {
+        const cf_param *p = &m->params[i];
+        if (!p->trainable) continue;
+        if (lay->goff[i] == SIZE_MAX || lay->goff[i] + p->numel > lay->ngrad)
+            return cf_fail("internal: optimizer layout puts %s outside the gradient buffer", p->name);
+    }
+    for (int s = 0; s < lay->nseg; s++) {
+        const cf_segment *g = &lay->seg[s];
+        if (g->tensor < 0 || g->tensor >= m->ntensors || !m->params[g->tensor].trainable ||
+            g->loff + g->len > lay->nlocal || g->goff < lay->goff[g->tensor] ||
+            g->goff + g->len > lay->goff[g->tensor] + m->params[g->tensor].numel)
+            return cf_fail("internal: optimizer layout segment %d is inconsistent", s);
+    }
+    return 0;
+}
+
+int cf_optim_init(cf_model *m, cf_optim_layout *lay) {
+    cf_backend *b = m->b;
+    cf_optim *o = &m->opt;
+    if (layout_check(m, lay) != 0) { cf_optim_layout_free(lay); return -1; }
+    o->lay = *lay;
+    memset(lay, 0, sizeof *lay);
+    /* w: the trainable region (as the gradient buffer), then frozen tensors */
+    size_t off = o->lay.ngrad;
+    for (int i = 0; i < m->ntensors; i++) {
+        cf_param *p = &m->params[i];
+        if (p->trainable) {
+            p->goff = p->woff = o->lay.goff[i];
+        } else {
+            p->goff = SIZE_MAX;
+            p->woff = off;
+            off = align_up(off + p->numel);
+        }
+    }
+    m->nw = off;
+    m->w = b->alloc(b, CF_MAX(m->nw, (size_t)1) * b->act_size);
+    if (!m->w) return -1;
+    b->memzero(b, m->w, m->nw * b->act_size);
+    if (o->lay.ngrad == 0) return 0;   /* everything frozen: inference only */
+    o->grad = b->alloc(b, o->lay.ngrad * sizeof(float));
+    o->adam_m = b->alloc(b, CF_MAX(o->lay.nlocal, (size_t)1) * sizeof(float));
+    o->adam_v = b->alloc(b, CF_MAX(o->lay.nlocal, (size_t)1) * sizeof(float));
+    if (!o->grad || !o->adam_m || !o->adam_v) return -1;
+    /* CPU computes in fp32: where the local shard is the whole trainable
+     * region in place, the compute weights are the master weights. */
+    int in_place = b->act_size == sizeof(float) && o->lay.nlocal == o->lay.ngrad;
+    for (int s = 0; in_place && s < o->lay.nseg; s++)
+        in_place = o->lay.seg[s].loff == o->lay.seg[s].woff;
+    o->master = in_place ? (float *)m->w : b->alloc(b, CF_MAX(o->lay.nlocal, (size_t)1) * sizeof(float));
+    if (!o->master) return -1;
+    b->memzero(b, o->grad, o->lay.ngrad * sizeof(float));
+    b->memzero(b, o->adam_m, o->lay.nlocal * sizeof(float));
+    b->memzero(b, o->adam_v, o->lay.nlocal * sizeof(float));
+    if (!in_place) b->memzero(b, o->master, o->lay.nlocal * sizeof(float));
+    return b->check(b);
+}
+
+void cf_optim_free(cf_model *m) {
+    cf_backend *b = m->b;
+    cf_optim *o = &m->opt;
+    if (o->master != (float *)m->w) b->free(b, o->master);
+    b->free(b, o->grad);
+    b->free(b, o->adam_m);
+    b->free(b, o->adam_v);
+    cf_optim_layout_free(&o->lay);
+    o->master = o->grad = o->adam_m = o->adam_v = NULL;
+}
+
+int cf_optim_set_tensor(cf_model *m, int i, const float *host) {
+    cf_backend *b = m->b;
+    cf_param *p = &m->params[i];
+    cf_optim *o = &m->opt;
+    /* master pieces of this tensor that are local */
+    for (int s = 0; p->trainable && s < o->lay.nseg; s++) {
+        const cf_segment *g = &o->lay.seg[s];
+        if (g->tensor != i) continue;
+        if (b->upload(b, o->master + g->loff, host + (g->goff - p->goff), g->len * sizeof(float)) != 0) return -1;
+    }
+    /* the compute copy of the whole tensor */
+    if (p->trainable && o->master == (float *)m->w) return b->check(b);
+    b->act_from_f32(b, cf_weight(m, i), host, p->numel);
+    return b->check(b);
+}
+
+int cf_model_get_adam(cf_model *m, float *m_out, float *v_out) {
+    cf_backend *b = m->b;
+    size_t n = m->opt.lay.nlocal * sizeof(float);
+    if (b->download(b, m_out, m->opt.adam_m, n) != 0) return -1;
+    return b->download(b, v_out, m->opt.adam_v, n);
+}
+
+int cf_model_set_adam(cf_model *m, const float *m_in, const float *v_in, int64_t step) {
+    cf_backend *b = m->b;
+    size_t n = m->opt.lay.nlocal * sizeof(float);
+    if (b->upload(b, m->opt.adam_m, m_in, n) != 0 || b->upload(b, m->opt.adam_v, v_in, n) != 0) return -1;
+    m->opt.step = step;
+    return 0;
+}
+
+int64_t cf_optimizer_steps(const cf_model *m) { return m->opt.step; }
+
+void cf_model_clear_scalars(cf_model *m) { m->b->memzero(m->b, m->scalars, sizeof(cf_scalars)); }
+
+/* ------------------------------------------------------------------ step */
+
+float cf_lr_schedule(int64_t step, int64_t warmup, int64_t total, float max_lr, float min_lr) {
+    if (warmup > 0 && step < warmup) return max_lr * (float)((double)(step + 1) / (double)warmup);
+    if (total <= warmup) return max_lr;
+    double progress = (double)(step - warmup) / (double)(total - warmup);
+    if (progress > 1.0) progress = 1.0;
+    return min_lr + 0.5f * (max_lr - min_lr) * (1.0f + (float)cos(M_PI * progress));
+}
+
+/* The step, also reporting the loss sum accumulated since the scalars were
+ * last cleared (read in the same transfer as the gradient norm: one host
+ * synchronisation per step). */
+int cf_step_ex(cf_model *m, const cf_adamw_params *hp, float *grad_norm, double *loss_sum) {
+    cf_backend *b = m->b;
+    cf_optim *o = &m->opt;
+    if (!o->grad) return cf_fail("step: the model has no trainable parameter");
+    cf_stage_begin(m, CF_STAGE_OPTIMIZER);
+    if (o->sync.finish && o->sync.finish(o->sync.ctx) != 0) return -1;
+    b->memzero(b, &m->scalars->sumsq, sizeof(double));
+    for (int s = 0; s < o->lay.nseg; s++) b->sumsq(b, &m->scalars->sumsq, o->grad + o->lay.seg[s].goff, o->lay.seg[s].len);
+    if (o->sync.sum_scalars && o->sync.sum_scalars(o->sync.ctx, m->scalars) != 0) return -1;
+    cf_scalars sc;
+    if (b->download(b, &sc, m->scalars, sizeof sc) != 0) return -1;
+    double norm = sqrt(sc.sumsq);
+    if (grad_norm) *grad_norm = (float)norm;
+    if (loss_sum) *loss_sum = sc.loss_sum;
+    if (!isfinite(norm) || !isfinite(sc.loss_sum)) {
+        cf_zero_grad(m);
+        cf_stage_end(m, CF_STAGE_OPTIMIZER);
+        return b->check(b) != 0 ? -1 : 1;
+    }
+    float scale = 1.0f;
+    if (hp->grad_clip > 0 && norm > hp->grad_clip) scale = (float)(hp->grad_clip / norm);
+    o->step++;
+    for (int s = 0; s < o->lay.nseg; s++) {
+        const cf_segment *g = &o->lay.seg[s];
+        const cf_param *p = &m->params[g->tensor];
+        /* one pass per segment: update, refresh the compute copy, zero the grad */
+        b->adamw(b, o->master + g->loff, (char *)m->w + g->woff * b->act_size, o->grad + g->goff,
+                 o->adam_m + g->loff, o->adam_v + g->loff, g->len, hp->lr, hp->beta1, hp->beta2, hp->eps,
+                 p->decay ? hp->weight_decay : 0.0f, scale, (int)o->step);
+    }
+    if (o->sync.weights_updated) {
+        /* the non-local parts of the gradient were reduced elsewhere */
+        cf_zero_grad(m);
+        if (o->sync.weights_updated(o->sync.ctx) != 0) return -1;
+    }
+    cf_stage_end(m, CF_STAGE_OPTIMIZER);
+    return b->check(b);
+}
+
+int cf_step(cf_model *m, const cf_adamw_params *hp, float *grad_norm) {
+    return cf_step_ex(m, hp, grad_norm, NULL);
+}
