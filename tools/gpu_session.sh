@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # gpu_session.sh — what one call on the lent GPU machine runs: binaries built
 # here (make cuda + the GPU tests), copied with their runtime libraries into
-# .gpucarry/ (Debian packages, unpacked there), then tests and benchmarks.
+# .gpucarry/ by tools/gpu_carry.sh, then tests and benchmarks.
 # Usage on the GPU machine: tools/gpu_session.sh PART...  (logs under $OUT)
-#   parts: tests sanitize bench-main bench-sweeps bench-3b pytorch parity
+#   parts: tests sanitize bench-main bench-old bench-sweeps bench-3b pytorch
+#          parity dp-check dp-bench
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G=$PWD/.gpucarry
-if [ ! -d "$G/root" ]; then for f in "$G"/*.deb; do dpkg -x "$f" "$G/root"; done; fi
-export LD_LIBRARY_PATH="$G/root/usr/lib/x86_64-linux-gnu/openblas-openmp:$G/root/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
+[ -f "$G/carry.tar.xz" ] && [ ! -f "$G/centrifuge-cuda" ] && tar xJf "$G/carry.tar.xz" -C "$G"
+export LD_LIBRARY_PATH="$G/lib:${LD_LIBRARY_PATH:-}"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-16}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 cat "$G/commit.txt" 2>/dev/null | tee "$OUT/commit.txt"
@@ -24,6 +25,25 @@ for part in "$@"; do
     bench-main)
       "$CF" bench --device cuda --config tinyllama-1.1b --seq 4096 --modes regular,loss-only,centrifuge,strawman --keep 0.5 --steps 10 --warmup 2 --profile --json "$OUT/bench_tinyllama_4096.jsonl" 2>&1 | tee "$OUT/bench_tinyllama_4096.txt"
       "$CF" bench --device cuda --config qwen2.5-1.5b --seq 2048 --modes regular,loss-only,centrifuge,strawman --keep 0.5 --steps 10 --warmup 2 --profile --json "$OUT/bench_qwen_2048.jsonl" 2>&1 | tee "$OUT/bench_qwen_2048.txt" ;;
+    bench-old)
+      # this build and the carried build of an earlier commit (centrifuge-cuda-old), alternating
+      for r in 1 2; do for v in old new; do
+        b="$CF"; [ $v = old ] && b="$G/centrifuge-cuda-old"
+        "$b" bench --device cuda --config tinyllama-1.1b --seq 4096 --modes regular,loss-only,centrifuge --keep 0.5 --steps 10 --warmup 2 --json "$OUT/ab_${v}_$r.jsonl" 2>&1 | tee "$OUT/ab_${v}_$r.txt" | tail -3
+      done; done ;;
+    dp-check)
+      bash tests/gpu/dp_check.sh "$CF" "$OUT/dp_check" 2>&1 | tee "$OUT/dp_check.txt" ;;
+    dp-8b)
+      # Llama3.1-8B full fine-tuning: one H200 (expected: out of memory), then ZeRO-1 on two
+      CUDA_VISIBLE_DEVICES=0 timeout 120 "$CF" train --device cuda --config llama3.1-8b --seq 2048 --batch 1 --steps 2 --quiet 2>&1 | tail -2
+      for mode in regular centrifuge; do
+        timeout 240 torchrun --nproc_per_node 2 --master_port $((29800 + RANDOM % 100)) --no-python "$CF" train --device cuda \
+          --config llama3.1-8b --seq 2048 --batch 1 --grad-accum 4 --steps 6 --warmup 1 --lr 1e-5 --select self --keep 0.5 \
+          --mode $mode --builtin-tokens 2M --log-file "$OUT/dp8b_$mode.jsonl" 2>&1 | grep -E "^train|step +[0-9]+\/|error" | tail -5
+        nvidia-smi --query-gpu=memory.used --format=csv,noheader | head -2
+      done ;;
+    dp-bench)
+      bash tools/dp_bench.sh "$CF" "$OUT/dp_bench" 2>&1 | tee "$OUT/dp_bench.txt" ;;
     bench-sweeps)
       "$CF" bench --device cuda --config tinyllama-1.1b --seq 1024,2048,3072,4096 --modes regular,loss-only,centrifuge --keep 0.5 --steps 10 --warmup 2 --json "$OUT/sweep_seq.jsonl" 2>&1 | tee "$OUT/sweep_seq.txt"
       "$CF" bench --device cuda --config tinyllama-1.1b --seq 4096 --modes regular,loss-only,centrifuge --keep 0.8,0.7,0.6,0.5,0.4 --steps 10 --warmup 2 --json "$OUT/sweep_keep.jsonl" 2>&1 | tee "$OUT/sweep_keep.txt" ;;

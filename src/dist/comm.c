@@ -171,6 +171,10 @@ static int probe_port(const char *comm_id) {
     int rc = 0;
     int fd = socket(res->ai_family, SOCK_STREAM, 0);
     if (fd >= 0) {
+        /* SO_REUSEADDR: a port left in TIME_WAIT by an earlier run is free;
+         * only a socket listening there makes the bind fail */
+        int one = 1;
+        setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
         if (bind(fd, res->ai_addr, res->ai_addrlen) != 0) {
             int e = errno;
             if (e == EADDRINUSE)

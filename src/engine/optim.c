@@ -174,7 +174,15 @@ int cf_step_ex(cf_model *m, const cf_adamw_params *hp, float *grad_norm, double 
     cf_stage_begin(m, CF_STAGE_OPTIMIZER);
     if (o->sync.finish && o->sync.finish(o->sync.ctx) != 0) return -1;
     b->memzero(b, &m->scalars->sumsq, sizeof(double));
-    for (int s = 0; s < o->lay.nseg; s++) b->sumsq(b, &m->scalars->sumsq, o->grad + o->lay.seg[s].goff, o->lay.seg[s].len);
+    /* one reduction per contiguous run of segments: a gap shorter than the
+     * alignment is padding between two tensors, always zero (a gap between
+     * two buckets' slices of one rank is at least the alignment long) */
+    for (int s = 0; s < o->lay.nseg;) {
+        size_t g0 = o->lay.seg[s].goff, g1 = g0 + o->lay.seg[s].len;
+        for (s++; s < o->lay.nseg && o->lay.seg[s].goff >= g1 && o->lay.seg[s].goff - g1 < CF_ALIGN; s++)
+            g1 = o->lay.seg[s].goff + o->lay.seg[s].len;
+        b->sumsq(b, &m->scalars->sumsq, o->grad + g0, g1 - g0);
+    }
     if (o->sync.sum_scalars && o->sync.sum_scalars(o->sync.ctx, m->scalars) != 0) return -1;
     cf_scalars sc;
     if (b->download(b, &sc, m->scalars, sizeof sc) != 0) return -1;

@@ -21,8 +21,9 @@
 static const char *TYPES[] = {"tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny"};
 #define NTYPES 5
 /* S = 256: several attention tiles per sequence (64-row tiles), so the
- * centrifuge backward's tile walk over kept rows is exercised */
-enum { B = 2, S = 256 };
+ * centrifuge backward's tile walk over kept rows is exercised. The first
+ * test also runs at S0 = 40 with the tolerances it has always had. */
+enum { B = 2, S = 256, S0 = 40 };
 
 /* Offset of tensor i in the packed host arrays of these tests. */
 static size_t toff(const cf_model *m, int i) {
@@ -88,8 +89,9 @@ static double worst_tensor_err(cf_model *m, const float *a, const float *ref, co
     return worst;
 }
 
-static float *run(cf_model *m, const int32_t *tok, cf_mode mode, const uint8_t *keep, int stopgrad, float *losses) {
-    cf_forward(m, tok, B, S, losses);
+static float *run_s(cf_model *m, const int32_t *tok, int Sq, cf_mode mode, const uint8_t *keep, int stopgrad,
+                    float *losses) {
+    cf_forward(m, tok, B, Sq, losses);
     cf_zero_grad(m);
     cf_kept kept;
     int rc = keep ? cf_kept_from_mask(m, keep, &kept) : 0;
@@ -100,7 +102,14 @@ static float *run(cf_model *m, const int32_t *tok, cf_mode mode, const uint8_t *
     return grads(m);
 }
 
-TEST(gpu_model_losses_and_gradients_match_cpu_in_every_mode) {
+static float *run(cf_model *m, const int32_t *tok, cf_mode mode, const uint8_t *keep, int stopgrad, float *losses) {
+    return run_s(m, tok, S, mode, keep, stopgrad, losses);
+}
+
+/* Losses: |gpu - cpu| <= ltol + 1e-2 |cpu|. At S = 256 the bf16 error of
+ * the longer softmax sums adds up: ltol 5e-2 there (seen: 0.030 for qwen3,
+ * whose q/k norms amplify it), 3e-2 at S = 40 as before. */
+static void model_matches_cpu(int Sq, double ltol) {
     for (int ti = 0; ti < NTYPES; ti++) {
         cf_model *mc = cpu_model(TYPES[ti], 11 + ti);
         cf_model *mg = cf_model_create(cf_model_config(mc), CF_BACKEND_CUDA, 1);
@@ -108,24 +117,24 @@ TEST(gpu_model_losses_and_gradients_match_cpu_in_every_mode) {
         if (!mc || !mg) { cf_model_free(mc); cf_model_free(mg); continue; }
         copy_weights(mg, mc);
         int V = cf_model_config(mc)->vocab_size;
-        int32_t tok[B * (S + 1)];
+        int32_t tok[B * (S + 1)];   /* room for the longest */
         cf_rng r;
         cf_rng_seed(&r, 77 + ti);
-        for (int i = 0; i < B * (S + 1); i++) tok[i] = (int32_t)cf_rng_below(&r, (uint32_t)V);
+        for (int i = 0; i < B * (Sq + 1); i++) tok[i] = (int32_t)cf_rng_below(&r, (uint32_t)V);
         float lc[B * S], lg[B * S];
         uint8_t keep[B * S];
-        cf_forward(mc, tok, B, S, lc);
-        cf_select(lc, NULL, B, S, 0.5f, CF_SELECT_SELF, 0, 1, keep);
-        /* uneven per-sequence counts: sequence 1 loses 37 of its kept rows */
-        for (int t = S, dropped = 0; t < 2 * S && dropped < 37; t++)
+        cf_forward(mc, tok, B, Sq, lc);
+        cf_select(lc, NULL, B, Sq, 0.5f, CF_SELECT_SELF, 0, 1, keep);
+        /* uneven per-sequence counts: sequence 1 loses Sq/7 of its kept rows */
+        for (int t = Sq, dropped = 0; t < 2 * Sq && dropped < Sq / 7; t++)
             if (keep[t]) { keep[t] = 0; dropped++; }
         const cf_mode modes[] = {CF_MODE_REGULAR, CF_MODE_LOSS_ONLY, CF_MODE_CENTRIFUGE, CF_MODE_STRAWMAN};
         for (int mi = 0; mi < 4; mi++) {
-            float *gc = run(mc, tok, modes[mi], mi ? keep : NULL, 0, lc);
-            float *gg = run(mg, tok, modes[mi], mi ? keep : NULL, 0, lg);
+            float *gc = run_s(mc, tok, Sq, modes[mi], mi ? keep : NULL, 0, lc);
+            float *gg = run_s(mg, tok, Sq, modes[mi], mi ? keep : NULL, 0, lg);
             double lerr = 0;
-            for (int t = 0; t < B * S; t++) lerr = fmax(lerr, fabs(lg[t] - lc[t]) - 1e-2 * fabs(lc[t]));
-            CHECK_MSG(lerr <= 3e-2, "%s %s: loss differs by %.3g", TYPES[ti], cf_mode_name(modes[mi]), lerr);
+            for (int t = 0; t < B * Sq; t++) lerr = fmax(lerr, fabs(lg[t] - lc[t]) - 1e-2 * fabs(lc[t]));
+            CHECK_MSG(lerr <= ltol, "%s %s: loss differs by %.3g", TYPES[ti], cf_mode_name(modes[mi]), lerr);
             const char *which = "";
             double gerr = worst_tensor_err(mc, gg, gc, &which);
             /* a bias gradient is a column sum of bf16 dq/dk/dv over all rows, with
@@ -133,13 +142,17 @@ TEST(gpu_model_losses_and_gradients_match_cpu_in_every_mode) {
              * 0.060 for a k_proj bias while every matrix stayed under 0.045) */
             double tol = strstr(which, ".bias") ? 1e-1 : 5e-2;
             CHECK_MSG(gerr <= tol, "%s %s: gradient of %s differs by %.3g", TYPES[ti], cf_mode_name(modes[mi]), which, gerr);
-            printf("    %-12s %-10s loss err %.2e, worst grad err %.2e (%s)\n", TYPES[ti], cf_mode_name(modes[mi]), lerr, gerr, which);
+            printf("    S=%-4d %-12s %-10s loss err %.2e, worst grad err %.2e (%s)\n", Sq, TYPES[ti], cf_mode_name(modes[mi]), lerr, gerr, which);
             free(gc); free(gg);
         }
         cf_model_free(mc);
         cf_model_free(mg);
     }
 }
+
+TEST(gpu_model_losses_and_gradients_match_cpu_in_every_mode) { model_matches_cpu(S0, 3e-2); }
+
+TEST(gpu_model_matches_cpu_over_several_attention_tiles_with_uneven_kept_counts) { model_matches_cpu(S, 5e-2); }
 
 TEST(gpu_equivalences_of_design_section_1_hold_with_bf16_tolerances) {
     for (int ti = 0; ti < NTYPES; ti++) {
@@ -384,6 +397,7 @@ int main(void) {
     RUN(gpu_adamw_refreshes_bf16_weights_and_zeroes_gradients_in_one_pass);
     RUN(gpu_batched_filter_gather_equals_per_tensor_gather);
     RUN(gpu_model_losses_and_gradients_match_cpu_in_every_mode);
+    RUN(gpu_model_matches_cpu_over_several_attention_tiles_with_uneven_kept_counts);
     RUN(gpu_equivalences_of_design_section_1_hold_with_bf16_tolerances);
     return test_summary();
 }

@@ -34,6 +34,29 @@ static int cu_synchronize(cf_backend *b) { return cf_cuda_ctx_synchronize((cf_cu
 static int cu_check(cf_backend *b) { return cf_cuda_ctx_check((cf_cuda_ctx *)b->state); }
 static void *cu_device_context(cf_backend *b) { return b->state; }
 
+/* Time marks: events recorded on the compute stream; the driver reads the
+ * elapsed times once per step, so timing costs no synchronisation. */
+static int cu_mark(cf_backend *b) {
+    cf_cuda_ctx *ctx = (cf_cuda_ctx *)b->state;
+    if (ctx->nmarks >= CF_CUDA_MARKS || cf_cuda_ctx_use(ctx) != 0) return -1;
+    int i = ctx->nmarks;
+    if (!ctx->marks[i] && !CF_CK(ctx, cudaEventCreate(&ctx->marks[i]))) return -1;
+    if (!CF_CK(ctx, cudaEventRecord(ctx->marks[i], ctx->stream))) return -1;
+    return ctx->nmarks++;
+}
+
+static double cu_mark_elapsed(cf_backend *b, int a, int c) {
+    cf_cuda_ctx *ctx = (cf_cuda_ctx *)b->state;
+    if (a < 0 || c < 0 || a >= ctx->nmarks || c >= ctx->nmarks || cf_cuda_ctx_use(ctx) != 0) return 0.0;
+    float ms = 0.0f;
+    if (!CF_CK(ctx, cudaEventSynchronize(ctx->marks[c])) ||
+        !CF_CK(ctx, cudaEventElapsedTime(&ms, ctx->marks[a], ctx->marks[c])))
+        return 0.0;
+    return ms * 1e-3;
+}
+
+static void cu_marks_reset(cf_backend *b) { ((cf_cuda_ctx *)b->state)->nmarks = 0; }
+
 static void cu_destroy(cf_backend *b) {
     if (!b) return;
     cf_cuda_ctx_destroy((cf_cuda_ctx *)b->state);
@@ -94,5 +117,8 @@ extern "C" cf_backend *cf_backend_cuda_create(int device) {
     b->memory_peak = cf_cuda_memory_peak;
     b->memory_info = cf_cuda_memory_info;
     b->device_context = cu_device_context;
+    b->mark = cu_mark;
+    b->mark_elapsed = cu_mark_elapsed;
+    b->marks_reset = cu_marks_reset;
     return b;
 }

@@ -175,6 +175,8 @@ void cf_cuda_ctx_destroy(cf_cuda_ctx *ctx) {
     if (ctx->ev_compute) cudaEventDestroy(ctx->ev_compute);
     if (ctx->ev_comm) cudaEventDestroy(ctx->ev_comm);
     if (ctx->ev_staging) cudaEventDestroy(ctx->ev_staging);
+    for (int i = 0; i < CF_CUDA_MARKS; i++)
+        if (ctx->marks[i]) cudaEventDestroy(ctx->marks[i]);
     if (ctx->stream) cudaStreamDestroy(ctx->stream);
     if (ctx->comm_stream) cudaStreamDestroy(ctx->comm_stream);
     cudaGetLastError();

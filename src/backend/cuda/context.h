@@ -103,6 +103,11 @@ typedef struct cf_cuda_ctx {
      * has been raised on this device (attention/launch.cu) */
     unsigned attn_attr_done;
 
+    /* time marks on the compute stream (backend.h: mark), created lazily */
+#define CF_CUDA_MARKS 128
+    cudaEvent_t marks[CF_CUDA_MARKS];
+    int nmarks;
+
     /* sticky error */
     int failed;
     char error[1024];

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# dp_check.sh — data parallel (ZeRO-1, 2 GPUs) against one GPU on the same
+# global batch, in every mode, and resume after a SIGKILL of the job.
+#
+#   tests/gpu/dp_check.sh ./centrifuge-cuda OUTDIR
+#
+# One GPU with --grad-accum 2 reads micro-batches 0,1 of every step; two ranks
+# with --grad-accum 1 read micro-batch r of each group of two: the same
+# tokens, so per-step losses must agree up to bf16 summation order.
+set -u
+BIN=$(readlink -f "$1"); OUT=$2; mkdir -p "$OUT"
+STEPS=${STEPS:-30}
+BASE="train --device cuda --config math-25m --builtin-tokens 2M --batch 4 --seq 256 --lr 2e-3 --warmup 3 --seed 7 --select self --keep 0.5 --quiet"
+COMMON="$BASE --steps $STEPS"
+fail=0
+compare() {  # compare two --log files: per-step loss within rel tolerance
+  python3 - "$1" "$2" "$3" <<'EOF'
+import json, sys
+a = [json.loads(l) for l in open(sys.argv[1])]
+b = [json.loads(l) for l in open(sys.argv[2])]
+tol = float(sys.argv[3])
+if len(a) != len(b) or not a:
+    print(f"    steps differ: {len(a)} vs {len(b)}"); sys.exit(1)
+worst = max(abs(x["loss"] - y["loss"]) / max(1e-6, abs(y["loss"])) for x, y in zip(a, b))
+kept = all(x["kept"] == y["kept"] and x["tokens"] == y["tokens"] for x, y in zip(a, b))
+print(f"    {len(a)} steps: loss {a[0]['loss']:.4f} -> {a[-1]['loss']:.4f} (1 GPU {b[0]['loss']:.4f} -> {b[-1]['loss']:.4f}), "
+      f"worst relative difference {worst:.2e}, kept/tokens equal: {kept}")
+sys.exit(0 if worst <= tol and kept else 1)
+EOF
+}
+for mode in regular loss-only centrifuge strawman; do
+  echo "== $mode: DP=2 vs 1 GPU, $STEPS steps"
+  CUDA_VISIBLE_DEVICES=0 "$BIN" $COMMON --mode $mode --grad-accum 2 --log-file "$OUT/one_$mode.jsonl" 2>"$OUT/one_$mode.err" || { echo "    1 GPU failed"; tail -3 "$OUT/one_$mode.err"; fail=1; continue; }
+  torchrun --nproc_per_node 2 --master_port 29640 --no-python "$BIN" $COMMON --mode $mode --grad-accum 1 --log-file "$OUT/dp_$mode.jsonl" >"$OUT/dp_$mode.err" 2>&1 || { echo "    DP=2 failed"; tail -5 "$OUT/dp_$mode.err"; fail=1; continue; }
+  compare "$OUT/dp_$mode.jsonl" "$OUT/one_$mode.jsonl" 2e-2 || { echo "    FAIL"; fail=1; }
+done
+
+echo "== resume after SIGKILL of the DP=2 job (centrifuge)"
+R=$OUT/resume; rm -rf "$R"; mkdir -p "$R"
+torchrun --nproc_per_node 2 --master_port 29650 --no-python "$BIN" $BASE --steps 200 --mode centrifuge --out "$R/run" --save-every 50 --log-file "$R/full.jsonl" >/dev/null 2>&1 || { echo "    uninterrupted run failed"; fail=1; }
+rm -rf "$R/run"
+( torchrun --nproc_per_node 2 --master_port 29660 --no-python "$BIN" $BASE --steps 200 --mode centrifuge --out "$R/run" --save-every 50 --log-file "$R/part.jsonl" >"$R/part.err" 2>&1 & echo $! >"$R/pid"; wait ) &
+# kill the whole job once the step-20 checkpoint exists
+for i in $(seq 1 600); do [ -f "$R/run/step_00000100/optim-rank-00001-of-00002.bin" ] && break; sleep 0.05; done
+pkill -KILL -f "centrifuge-cuda train" ; pkill -KILL -f torchrun; wait 2>/dev/null
+echo "    killed; latest = $(cat "$R/run/latest" 2>/dev/null)"
+torchrun --nproc_per_node 2 --master_port 29670 --no-python "$BIN" $BASE --steps 200 --mode centrifuge --out "$R/run" --save-every 50 --resume --log-file "$R/resumed.jsonl" >"$R/resume.err" 2>&1 || { echo "    resume failed"; tail -5 "$R/resume.err"; fail=1; }
+python3 - "$R/full.jsonl" "$R/resumed.jsonl" <<'EOF' || fail=1
+import json, sys
+full = {r["step"]: r["loss"] for r in map(json.loads, open(sys.argv[1]))}
+res = {r["step"]: r["loss"] for r in map(json.loads, open(sys.argv[2]))}
+common = sorted(set(full) & set(res))
+if not common: print("    no common steps"); sys.exit(1)
+worst = max(abs(full[s] - res[s]) / full[s] for s in common)
+print(f"    resumed steps {common[0]}..{common[-1]}: worst relative difference to the uninterrupted run {worst:.2e}")
+sys.exit(0 if worst <= 2e-2 else 1)
+EOF
+
+echo "== launchers: mpirun and a bad environment"
+mpirun --allow-run-as-root -np 2 -x MASTER_PORT=29680 "$BIN" $BASE --steps 3 --mode centrifuge >"$OUT/mpirun.err" 2>&1 && echo "    mpirun: ok" || { echo "    mpirun failed"; tail -5 "$OUT/mpirun.err"; fail=1; }
+WORLD_SIZE=2 "$BIN" $BASE --steps 3 >"$OUT/badenv.err" 2>&1; rc=$?
+echo "    WORLD_SIZE without RANK: rc=$rc: $(tail -1 "$OUT/badenv.err")"; [ $rc -ne 0 ] || fail=1
+RANK=3 WORLD_SIZE=4 LOCAL_RANK=3 LOCAL_WORLD_SIZE=4 timeout 60 "$BIN" $BASE --steps 3 >"$OUT/toomany.err" 2>&1; rc=$?
+echo "    more ranks than GPUs: rc=$rc: $(tail -1 "$OUT/toomany.err")"; [ $rc -ne 0 ] && [ $rc -ne 124 ] || fail=1
+
+rm -rf "$R/run"   # checkpoints: too large to bring back
+echo "== dp_check: $([ $fail -eq 0 ] && echo PASS || echo FAIL)"
+exit $fail
