@@ -107,7 +107,7 @@ test-example: $(BIN) lib
 	@set -e; for e in examples/*.c; do \
 	  b=$(BUILD)/examples/$$(basename $$e .c); mkdir -p $(BUILD)/examples; \
 	  echo "== $$e (installed library, pkg-config)"; \
-	  $(CC) -std=c11 -Wall -Wextra -Werror $$e -o $$b \
+	  $(CC) -std=c11 -Wall -Wextra -Werror $(filter -fsanitize=% -fno-sanitize-recover=%,$(CFLAGS)) $$e -o $$b \
 	    $$(PKG_CONFIG_PATH=$(EXAMPLE_PREFIX)/lib/pkgconfig pkg-config --cflags --libs centrifuge) \
 	    -Wl,-rpath,$(EXAMPLE_PREFIX)/lib; \
 	  OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $$b; \

@@ -90,16 +90,19 @@ typedef enum { CF_BACKEND_CPU = 0, CF_BACKEND_CUDA = 1 } cf_backend_kind;
 /* "cpu" or "cuda" (also "cuda:N", setting *device to N when device != NULL). */
 int cf_backend_parse(const char *s, cf_backend_kind *out, int *device);
 
-/* The four backward modes of DESIGN §1. */
+/* The backward modes of DESIGN §1. */
 typedef enum {
     CF_MODE_REGULAR = 0,   /* loss over all positions, full backward            */
     CF_MODE_LOSS_ONLY,     /* loss over kept positions, full dense backward     */
     CF_MODE_CENTRIFUGE,    /* loss over kept, backward on kept rows only        */
     CF_MODE_STRAWMAN,      /* as centrifuge, attention renormalised over kept   */
+    CF_MODE_CENTRIFUGE_KV, /* as centrifuge, plus the K/V projection gradients  */
+                           /* of filtered rows (stop-gradient at their input)   */
 } cf_mode;
 const char *cf_mode_name(cf_mode m);
 int cf_mode_parse(const char *s, cf_mode *out);
-/* Modes whose backward runs on the kept rows only (centrifuge, strawman). */
+/* Modes whose backward runs on the kept rows only (centrifuge, strawman,
+ * centrifuge-kv). */
 int cf_mode_is_compact(cf_mode m);
 
 typedef enum { CF_SELECT_REF = 0, CF_SELECT_SELF, CF_SELECT_RANDOM } cf_select_kind;
@@ -107,6 +110,24 @@ const char *cf_select_name(cf_select_kind k);
 int cf_select_parse(const char *s, cf_select_kind *out);
 
 typedef struct cf_model cf_model;
+
+/* LoRA adapters (PEFT's LoRA): on each targeted projection W [out, in],
+ * y = x W^T + scale * (x A^T) B^T with A [rank, in], B [out, rank],
+ * scale = alpha / rank (alpha / sqrt(rank) with rslora). Base weights are
+ * then frozen (compute copy only); A starts kaiming-uniform, B at zero. */
+enum {
+    CF_LORA_Q = 1 << 0, CF_LORA_K = 1 << 1, CF_LORA_V = 1 << 2, CF_LORA_O = 1 << 3,
+    CF_LORA_GATE = 1 << 4, CF_LORA_UP = 1 << 5, CF_LORA_DOWN = 1 << 6,
+};
+typedef struct {
+    int rank;          /* 0 = no adapters                                   */
+    float alpha;
+    unsigned targets;  /* CF_LORA_* bits                                    */
+    float dropout;     /* PEFT's lora_dropout on the adapter input (training) */
+    int rslora;
+} cf_lora_opts;
+/* "q,k,v,o" or "q_proj,v_proj,..." (also "all") -> CF_LORA_* bits. */
+int cf_lora_parse_targets(const char *s, unsigned *out);
 
 /* How to open a model: from a built-in name or config.json (fresh weights
  * from seed), or from a HF model directory. */
@@ -119,6 +140,10 @@ typedef struct {
     /* Comma-separated substrings of parameter names to freeze (no master
      * copy, gradient or optimizer state), e.g. "embed_tokens,lm_head"; or NULL. */
     const char *freeze;
+    cf_lora_opts lora;         /* rank > 0: LoRA adapters, everything else frozen   */
+    /* A PEFT adapter directory (adapter_config.json + adapter_model.safetensors)
+     * to load onto the model; its config sets `lora` (which must then be unset). */
+    const char *adapter_dir;
 } cf_model_opts;
 
 /* Opens a model as opts says; config and model_dir exclusive (neither:
@@ -131,8 +156,23 @@ cf_model *cf_model_create(const cf_config *cfg, cf_backend_kind backend, uint64_
 cf_model *cf_model_load(const char *dir, cf_backend_kind backend);
 /* Writes config.json and model.safetensors (dtype "float32" or "bfloat16"),
  * atomically. If max_shard_bytes > 0 the weights are split into shards
- * with an index file. */
+ * with an index file. The base model only: adapters are saved apart. */
 int cf_model_save(cf_model *m, const char *dir, const char *dtype, size_t max_shard_bytes);
+/* The model's LoRA settings (rank 0 without adapters). */
+const cf_lora_opts *cf_model_lora(const cf_model *m);
+/* PEFT adapter files: adapter_config.json + adapter_model.safetensors with
+ * PEFT's names (base_model.model.<module>.lora_A.weight, [rank, in]) and
+ * shapes, loadable by PeftModel.from_pretrained. base_name goes into
+ * base_model_name_or_path (may be NULL). */
+int cf_lora_save(cf_model *m, const char *dir, const char *base_name);
+/* Reads adapter_config.json of dir into *lora (rank, alpha, targets, ...). */
+int cf_lora_read_config(const char *dir, cf_lora_opts *lora);
+/* Loads the adapter weights of dir into a model opened with the same LoRA
+ * settings. */
+int cf_lora_load(cf_model *m, const char *dir);
+/* Folds every adapter into its base weight (W += scale * B A) and removes
+ * nothing else: cf_model_save then writes the merged HF model. */
+int cf_model_merge_lora(cf_model *m);
 void cf_model_free(cf_model *m);
 const cf_config *cf_model_config(const cf_model *m);
 
@@ -241,6 +281,44 @@ size_t cf_model_memory_peak(const cf_model *m);
 
 /* Logits of row t of the last forward into host out[vocab_size] (fp32). */
 int cf_model_logits_row(cf_model *m, int t, float *out);
+
+/* ------------------------------------------------------ memory estimate */
+/* (issue 12, src/engine/memest.c) What a run will allocate, computed from
+ * the config before anything is allocated, and a check against the free
+ * memory of the device (the host's MemAvailable for the CPU backend), so a
+ * run too large for the machine fails with one line instead of being
+ * killed by the OOM killer. Sizes in bytes. */
+typedef struct {
+    int64_t batch, seq;      /* micro-batch B x S                                */
+    int64_t grad_accum;      /* micro-batches per step (host token buffers)      */
+    int train;               /* 1: gradients and optimizer state; 0: inference   */
+    int compact;             /* centrifuge/strawman: compact activation copies   */
+    double keep;             /* fraction kept in compact modes (0: all)          */
+    int world;               /* data-parallel ranks (ZeRO-1 shards the state)    */
+    int checkpoint;          /* host buffers of checkpoint saves (CPU backend)   */
+    const char *freeze;      /* as cf_model_opts.freeze (frozen: no state)       */
+    const cf_lora_opts *lora;/* adapters (rank > 0): only they are trained       */
+} cf_memory_opts;
+
+typedef struct {
+    uint64_t weights;        /* compute copy of every parameter                  */
+    uint64_t optimizer;      /* fp32 gradients, master weights, AdamW m and v    */
+    uint64_t activations;    /* saved activations and backward scratch, B x S    */
+    uint64_t other;          /* LM-head chunk, host buffers, checkpoint buffers  */
+    uint64_t total;
+    uint64_t available;      /* free memory of the device (0: unknown)           */
+    uint64_t device_total;
+} cf_memory_estimate;
+
+/* The estimate for a config on a backend (available is not filled). */
+int cf_memory_estimate_config(const cf_config *cfg, cf_backend_kind backend, const cf_memory_opts *o,
+                              cf_memory_estimate *est);
+/* Reads the config that mo names (as cf_model_open would), estimates, asks
+ * the backend for its free memory and fails with one line (the estimate,
+ * what is available, what to try) when the estimate exceeds it. est may be
+ * NULL. The environment variable CENTRIFUGE_NO_MEMORY_CHECK=1 skips the
+ * comparison. */
+int cf_memory_check(const cf_model_opts *mo, const cf_memory_opts *o, cf_memory_estimate *est);
 
 /* ------------------------------------------------------------- training */
 
@@ -392,6 +470,81 @@ int cf_loader_set_rank(cf_loader *ld, int rank, int world);
 /* Fills tokens[B*(S+1)] and, if ref_out, ref_out[B*S] (ref loss of each
  * target), then advances. */
 void cf_loader_next(cf_loader *ld, int32_t *tokens, float *ref_out);
+
+/* A training set: one or more token shards (with their reference-loss
+ * shards) read as micro-batches of B rows of S+1 tokens, in order or in a
+ * seeded shuffle. Its whole reading state is one int64 position
+ * (cf_dataset_tell / cf_dataset_seek), which checkpoints save, so a resumed
+ * run reads exactly what the uninterrupted one would have read.
+ *
+ *   sequential (shuffle = 0): the shards one after the other; inside a
+ *     shard, micro-batches of B*S consecutive tokens plus the next one (rows
+ *     overlap by one token, as in llm.c); a shard's tail too short for a
+ *     whole group of `world` micro-batches is skipped, and after the last
+ *     shard reading starts again at the first. Position = token offset in
+ *     the shards laid end to end. With one shard this reads exactly what
+ *     cf_loader reads, and the position means the same.
+ *   shuffled (shuffle = 1): the unit is a row of S+1 tokens at stride S
+ *     (row j of a shard starts at token j*S). Every epoch visits every row
+ *     of every shard once, in an order that a keyed bijection of the row
+ *     index gives (new key each epoch, from seed and epoch): no index table,
+ *     so any position is reached in O(1). Position = rows read so far.
+ *
+ * Data parallel (cf_dataset_set_rank): as cf_loader, rank r reads the r-th
+ * micro-batch of each group of `world` consecutive ones. */
+typedef struct cf_dataset cf_dataset;
+
+typedef struct {
+    int B, S;            /* micro-batch shape                               */
+    int shuffle;         /* 0 sequential, 1 shuffled rows                   */
+    uint64_t seed;       /* of the shuffle                                  */
+} cf_dataset_opts;
+
+/* Opens the token shards that `tokens` names: a comma-separated list of
+ * paths and glob patterns (each pattern's matches in byte order; files
+ * ending in .ref.bin are never token shards and are skipped by patterns).
+ * `ref` names their reference-loss shards: NULL for none; "auto" for X.ref.bin
+ * beside every X.bin; or a list/patterns with one ref shard per token shard,
+ * in the same order. Each ref shard must belong to its token shard (count
+ * and hash). vocab_size > 0 refuses ids >= vocab_size. A shard too short
+ * for one row (sequential: one group of micro-batches) is never read; if no
+ * shard can be read, opening fails. */
+cf_dataset *cf_dataset_open(const char *tokens, const char *ref, int vocab_size, const cf_dataset_opts *o);
+/* A dataset over one shard already open (not owned: keep tok and ref open
+ * while the dataset lives), e.g. tokens generated in memory. */
+cf_dataset *cf_dataset_wrap(const cf_tokens *tok, const cf_refloss *ref, const cf_dataset_opts *o);
+void cf_dataset_free(cf_dataset *d);
+/* Makes this dataset rank `rank` of `world` (fails if the data holds less
+ * than one micro-batch per rank). */
+int cf_dataset_set_rank(cf_dataset *d, int rank, int world);
+/* Fills tokens[B*(S+1)] and, if ref_out, ref_out[B*S] (the reference loss
+ * of each target), then advances. Fails only if ref_out is asked of a
+ * dataset without ref shards. */
+int cf_dataset_next(cf_dataset *d, int32_t *tokens, float *ref_out);
+int64_t cf_dataset_tell(const cf_dataset *d);
+/* Sets the position (a value cf_dataset_tell returned, or 0). */
+int cf_dataset_seek(cf_dataset *d, int64_t pos);
+
+int cf_dataset_num_shards(const cf_dataset *d);
+const cf_tokens *cf_dataset_shard(const cf_dataset *d, int i);
+/* Path of ref shard i, or NULL without ref shards. */
+const char *cf_dataset_ref_path(const cf_dataset *d, int i);
+int cf_dataset_has_ref(const cf_dataset *d);
+int64_t cf_dataset_num_tokens(const cf_dataset *d);
+/* Largest token id over all shards, and the shard holding it. */
+uint32_t cf_dataset_max_id(const cf_dataset *d, int *shard);
+/* Tokens that one pass (epoch) reads: every row in shuffled mode; in
+ * sequential mode the tokens of the groups that fit in each shard. */
+int64_t cf_dataset_epoch_tokens(const cf_dataset *d);
+/* A hash of what the reading depends on: the shards' contents in order,
+ * B, S, shuffle, seed and world (for resume checks). */
+uint64_t cf_dataset_fingerprint(const cf_dataset *d);
+
+/* Expands a comma-separated list of paths and glob patterns into paths
+ * (patterns: matches in byte order, *.ref.bin skipped unless want_ref).
+ * A pattern that matches nothing, or a missing plain path, fails. *out is
+ * an array of malloc'd strings (free each, then the array). */
+int cf_expand_paths(const char *spec, int want_ref, char ***out, int *n);
 
 /* ---------------------------------------------------------- checkpoints */
 

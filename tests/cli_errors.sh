@@ -68,7 +68,7 @@ expect_error "resume without out" "needs --out" -- train --resume
 expect_error "unknown config name" "tiny" -- train --config no-such-model --steps 1
 expect_error "unknown device" "unknown device" -- train --device tpu
 expect_error "eval without data" "required" -- eval --model "$MODEL"
-expect_error "score without out" "required" -- score --model "$MODEL" --data "$T/good.bin"
+expect_error "score without data" "required" -- score --model "$MODEL"
 expect_error "gen-data zero tokens" "tokens" -- gen-data --source clean --tokens 0 --out "$T/x.bin"
 expect_error "gen-data bad source" "source" -- gen-data --source dirty --tokens 10 --out "$T/x.bin"
 expect_error "bench bad keep list" "keep" -- bench --keep 0.5,2 --steps 1

@@ -8,7 +8,10 @@
 # embedding makes exactly the steps whose batch holds that token non-finite
 # (the token, id 300, is unused by the corpus and written into the data at
 # chosen places). --lr alone cannot do it: it is capped at 10, and AdamW's
-# update is bounded by lr, so losses stay finite.
+# update is bounded by lr, so losses stay finite. Runs that save checkpoints
+# freeze the poisoned embedding (--freeze embed_tokens): non-finite *trained*
+# weights never become a checkpoint (tests/cli_checkpoints.sh); frozen ones
+# are the model's as given.
 # Usage: tests/cli_nonfinite.sh ./centrifuge
 set -u
 BIN=$(realpath "${1:-./centrifuge}")
@@ -53,6 +56,9 @@ poke "$T/nan_row/model.safetensors" $((emb + 300 * 64 * 4)) "${NAN[@]}"
 # tokens [64(k-1), 64k]); uint16 300 = 0x012c
 cp "$T/data.bin" "$T/poisoned.bin"
 for k in 4 7 8; do poke "$T/poisoned.bin" $((1024 + 2 * (64 * (k - 1) + 10))) 0x2c 0x01; done
+# and in steps 1 and 2 (every step of a 2-step run)
+cp "$T/data.bin" "$T/poisoned12.bin"
+for k in 1 2; do poke "$T/poisoned12.bin" $((1024 + 2 * (64 * (k - 1) + 10))) 0x2c 0x01; done
 
 COMMON=(--data "$T/poisoned.bin" --batch 2 --seq 32 --warmup 0)
 
@@ -70,10 +76,11 @@ grep -q 'step 4' "$T/err" && fail "a 4th step ran after the stop" || ok "no step
 [ -e "$T/stopped" ] && fail "the stopped run left an --out directory" || ok "the stopped run leaves no --out directory"
 
 echo "== a skipped step changes nothing"
-"$BIN" train --model "$T/nan_norm" "${COMMON[@]}" --steps 2 --max-bad-steps 5 --out "$T/skipped" \
+"$BIN" train --model "$T/nan_row" --data "$T/poisoned12.bin" --batch 2 --seq 32 --warmup 0 --steps 2 --max-bad-steps 5 \
+  --out "$T/skipped" --freeze embed_tokens \
   >"$T/out" 2>"$T/err"; rc=$?
 [ $rc -eq 0 ] && ok "2 non-finite steps under --max-bad-steps 5: the run completes" || fail "exit $rc: $(tail -1 "$T/err")"
-if cmp -s "$T/nan_norm/model.safetensors" "$T/skipped/step_00000002/model.safetensors"; then
+if cmp -s "$T/nan_row/model.safetensors" "$T/skipped/step_00000002/model.safetensors"; then
   ok "weights after two skipped steps are byte-identical to the start (no update, no weight decay)"
 else fail "skipped steps changed the weights"; fi
 st="$T/skipped/step_00000002/state.bin"
@@ -96,7 +103,7 @@ echo "== resume after skipped steps is exact"
 # 12-step run share their first 6 steps. The checkpoint at step 6 follows one
 # skipped step: 6 training steps but 5 optimizer steps (Adam's bias
 # correction counts the latter).
-CONST=(--lr 1e-3 --min-lr 1e-3)
+CONST=(--lr 1e-3 --min-lr 1e-3 --freeze embed_tokens)
 "$BIN" train --model "$T/nan_row" "${COMMON[@]}" "${CONST[@]}" --steps 12 --log "$T/full.log" --quiet 2>/dev/null ||
   fail "uninterrupted run failed"
 "$BIN" train --model "$T/nan_row" "${COMMON[@]}" "${CONST[@]}" --steps 6 --out "$T/res" --quiet 2>/dev/null ||

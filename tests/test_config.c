@@ -371,7 +371,7 @@ TEST(config_fuzzed_json_never_crashes) {
 /* --------------------------------------------------------------- builtins */
 
 static const char *ALL_BUILTINS[] = {"tiny", "cpu-20m", "math-25m", "tinyllama-1.1b", "qwen2.5-1.5b", "llama3.2-3b",
-                                     "qwen2.5-7b", "llama3.1-8b", "tiny-llama", "tiny-mistral", "tiny-qwen2",
+                                     "qwen2.5-7b", "llama3.1-8b", "qwen3-14b", "qwen3-32b", "alia-40b", "tiny-llama", "tiny-mistral", "tiny-qwen2",
                                      "tiny-qwen3"};
 #define NUM_ALL ((int)(sizeof ALL_BUILTINS / sizeof ALL_BUILTINS[0]))
 

@@ -564,6 +564,48 @@ TEST(data_source_parse_and_family_names) {
     CHECK(strcmp(cf_family_name(-1), "unknown") == 0 && strcmp(cf_family_name(4), "unknown") == 0);
 }
 
+/* The demo's small world: the same format and checks, one-digit operands,
+ * short questions; setting it back restores the standard world exactly. */
+typedef struct { int docs, bad, wrong, big, family[CF_NUM_FAMILIES], max_q; } small_stats;
+static void small_visit(const char *doc, void *ctx) {
+    small_stats *st = ctx;
+    parsed p;
+    st->docs++;
+    if (parse_problem(doc, &p) != 0 || !p.numbers_match) { st->bad++; return; }
+    if (!p.steps_right) st->wrong++;
+    if (p.x[0] > 6 || p.y[0] > 6 || (p.nsteps == 2 && p.y[1] > 5)) st->big++;
+    if (p.question_len > st->max_q) st->max_q = p.question_len;
+    st->family[p.family]++;
+}
+
+TEST(small_world_has_one_digit_operands_short_questions_and_leaves_the_standard_world_alone) {
+    const int64_t n = 200000;
+    uint32_t *std0 = gen(CF_DATA_NOISY, 5, n);
+    CHECK(cf_datagen_world() == CF_WORLD_STANDARD);
+    cf_datagen_set_world(CF_WORLD_SMALL);
+    uint32_t *t = gen(CF_DATA_CLEAN, 1, n);
+    small_stats st;
+    memset(&st, 0, sizeof st);
+    int bad;
+    for_each_doc(t, n, small_visit, &st, &bad);
+    CHECK(bad == 0 && st.bad == 0 && st.wrong == 0 && st.big == 0);
+    CHECK(st.docs > 2500);
+    CHECK(st.max_q < 80);
+    for (int f = 0; f < CF_NUM_FAMILIES; f++) CHECK(st.family[f] > st.docs / 6);
+    cf_problem ps[16];
+    cf_datagen_eval_problems(1, 16, ps);
+    for (int i = 0; i < 16; i++) CHECK(ps[i].answer >= 0 && ps[i].answer <= 64 && strlen(ps[i].prompt) < 80);
+    free(t);
+    cf_datagen_set_world(CF_WORLD_STANDARD);
+    uint32_t *std1 = gen(CF_DATA_NOISY, 5, n);
+    CHECK(memcmp(std0, std1, (size_t)n * sizeof *std0) == 0);
+    free(std0);
+    free(std1);
+    cf_world w;
+    CHECK(cf_world_parse("small", &w) == 0 && w == CF_WORLD_SMALL);
+    CHECK(cf_world_parse("big", &w) == -1 && strstr(cf_last_error(), "world"));
+}
+
 int main(void) {
     RUN(tokenizer_round_trips_every_byte_and_decode_skips_bos_eos);
     RUN(tokenizer_respects_caps_and_always_nul_terminates);
@@ -580,5 +622,6 @@ int main(void) {
     RUN(eval_questions_never_appear_in_training_streams_of_any_seed);
     RUN(parse_answer_takes_the_first_well_formed_integer_answer);
     RUN(data_source_parse_and_family_names);
+    RUN(small_world_has_one_digit_operands_short_questions_and_leaves_the_standard_world_alone);
     return test_summary();
 }

@@ -1016,6 +1016,203 @@ TEST(attention_centrifuge_equals_masked_full_on_random_larger_problem) {
     free(fv); free(cq1); free(ck1); free(cv1);
 }
 
+/* centrifuge-kv from its formula, in double: for each kept query i (row
+ * rows[a]) and head h, the softmax of the full forward over all visible keys,
+ *   P_ij = exp(s_ij - lse_i), dP_ij = R_i . v_j, D_i = sum_j P_ij dP_ij,
+ *   dS_ij = P_ij (dP_ij - D_i);
+ *   dq[a] = scale sum_j dS_ij k_j;  for EVERY key j (kept or filtered):
+ *   dk[j] += scale dS_ij q_i,  dv[j] += P_ij R_i.
+ * dq is [n, H, D], dk and dv are [T, Hkv, D]. */
+static void attn_kv_formula(double *dq, double *dk, double *dv, const attn_prob *p, const kept_set *K) {
+    const int group = AH / AHKV;
+    const double scale = p->s.scale;
+    double *sc = dnew(AT), *dp = dnew(AT);
+    for (int a = 0; a < K->n; a++) {
+        const int i = K->rows[a];
+        for (int h = 0; h < AH; h++) {
+            const int g = h / group;
+            const float *qi = p->q + ((size_t)i * AH + h) * AD, *Ri = p->R + ((size_t)i * AH + h) * AD;
+            double m = -INFINITY, sum = 0;
+            for (int j = 0; j < AT; j++) {
+                int vis = p->seq[j] == p->seq[i] && p->pos[j] <= p->pos[i] && p->doc[j] == p->doc[i];
+                double s = 0;
+                for (int d = 0; d < AD; d++) s += (double)qi[d] * p->k[((size_t)j * AHKV + g) * AD + d];
+                sc[j] = vis ? scale * s : -INFINITY;
+                m = fmax(m, sc[j]);
+            }
+            for (int j = 0; j < AT; j++) sum += exp(sc[j] - m);
+            const double lse = m + log(sum);
+            double Di = 0;
+            for (int j = 0; j < AT; j++) {
+                sc[j] = exp(sc[j] - lse); /* P_ij, 0 when invisible */
+                double s = 0;
+                for (int d = 0; d < AD; d++) s += (double)Ri[d] * p->v[((size_t)j * AHKV + g) * AD + d];
+                dp[j] = s;
+                Di += sc[j] * dp[j];
+            }
+            for (int j = 0; j < AT; j++) {
+                const double dS = sc[j] * (dp[j] - Di);
+                for (int d = 0; d < AD; d++) {
+                    dq[((size_t)a * AH + h) * AD + d] += scale * dS * p->k[((size_t)j * AHKV + g) * AD + d];
+                    dk[((size_t)j * AHKV + g) * AD + d] += scale * dS * qi[d];
+                    dv[((size_t)j * AHKV + g) * AD + d] += sc[j] * Ri[d];
+                }
+            }
+        }
+    }
+    free(sc); free(dp);
+}
+
+/* CENTRIFUGE_KV: dq of the kept queries and dk, dv of EVERY key, against
+ * the brute-force formula above and against the definition (finite
+ * differences of L = sum over kept i of R_i . out_i with respect to q of
+ * kept rows and k, v of all rows). */
+TEST(attention_centrifuge_kv_matches_brute_force_formula_and_definition) {
+    for (int use_doc = 0; use_doc < 2; use_doc++)
+        for (int ks = 0; ks < N_KEPT_SETS; ks++) {
+            const kept_set *K = &kept_sets[ks];
+            attn_prob p;
+            attn_prob_init(&p, 801 + 10 * use_doc + ks, use_doc, K);
+            attn_bwd(&p, CF_ATTN_BWD_CENTRIFUGE_KV);
+            const size_t wq = (size_t)AH * AD, wkv = (size_t)AHKV * AD;
+            const size_t nq = AT * wq, nkv = AT * wkv;
+            double *bq = dnew(K->n * wq), *bk = dnew(nkv), *bv = dnew(nkv);
+            attn_kv_formula(bq, bk, bv, &p, K);
+            double eq = rel_err_d(p.dq, bq, K->n * wq), ek = rel_err_d(p.dk, bk, nkv), ev = rel_err_d(p.dv, bv, nkv);
+            CHECK_MSG(eq < FWD_TOL && ek < FWD_TOL && ev < FWD_TOL, "doc=%d set=%d formula: dq %g dk %g dv %g",
+                      use_doc, ks, eq, ek, ev);
+            unsigned char in_loss[AT] = {0};
+            for (int a = 0; a < K->n; a++) in_loss[K->rows[a]] = 1;
+            attn_ctx c = {AT, AH, AHKV, AD, p.s.scale, p.seq, p.pos, p.doc, in_loss,
+                          to_double(p.q, nq), to_double(p.k, nkv), to_double(p.v, nkv),
+                          to_double(p.R, nq), dnew(nq), dnew(AT * AH)};
+            double *gq = dnew(nq), *gk = dnew(nkv), *gv = dnew(nkv);
+            fd_grad(gq, c.q, nq, attn_loss, &c);
+            fd_grad(gk, c.k, nkv, attn_loss, &c);
+            fd_grad(gv, c.v, nkv, attn_loss, &c);
+            double *rq = gather_d(gq, K->rows, K->n, wq);
+            eq = rel_err_d(p.dq, rq, K->n * wq);
+            ek = rel_err_d(p.dk, gk, nkv);
+            ev = rel_err_d(p.dv, gv, nkv);
+            CHECK_MSG(eq < GRAD_TOL && ek < GRAD_TOL && ev < GRAD_TOL, "doc=%d set=%d definition: dq %g dk %g dv %g",
+                      use_doc, ks, eq, ek, ev);
+            /* a filtered key that a kept query sees gets gradient (what
+             * centrifuge drops); one that none sees gets exactly zero */
+            for (int j = 0; j < AT; j++) {
+                if (in_loss[j]) continue;
+                int seen = 0;
+                for (int i = 0; i < AT; i++)
+                    seen |= in_loss[i] && p.seq[j] == p.seq[i] && p.pos[j] <= p.pos[i] && p.doc[j] == p.doc[i];
+                double mk = max_abs(p.dk + j * wkv, wkv), mv = max_abs(p.dv + j * wkv, wkv);
+                CHECK_MSG(seen ? mk > 0 && mv > 0 : mk == 0 && mv == 0,
+                          "doc=%d set=%d: filtered key %d (seen %d) dk %g dv %g", use_doc, ks, j, seen, mk, mv);
+            }
+            free(bq); free(bk); free(bv); free(rq);
+            free(c.q); free(c.k); free(c.v); free(c.R); free(c.out); free(c.lse);
+            free(gq); free(gk); free(gv);
+            attn_prob_free(&p);
+        }
+}
+
+/* CENTRIFUGE_KV and CENTRIFUGE agree bitwise on dq and on the kept keys'
+ * dk, dv (same loops, same order); with every row kept both equal FULL. */
+TEST(attention_centrifuge_kv_agrees_with_centrifuge_on_kept_rows_and_with_full_when_all_kept) {
+    const size_t wq = (size_t)AH * AD, wkv = (size_t)AHKV * AD;
+    for (int use_doc = 0; use_doc < 2; use_doc++)
+        for (int ks = 0; ks < N_KEPT_SETS; ks++) {
+            const kept_set *K = &kept_sets[ks];
+            attn_prob p;
+            attn_prob_init(&p, 831 + 10 * use_doc + ks, use_doc, K);
+            attn_bwd(&p, CF_ATTN_BWD_CENTRIFUGE);
+            float *cq = fnew(K->n * wq), *ck = fnew(K->n * wkv), *cv = fnew(K->n * wkv);
+            memcpy(cq, p.dq, K->n * wq * sizeof(float));
+            memcpy(ck, p.dk, K->n * wkv * sizeof(float));
+            memcpy(cv, p.dv, K->n * wkv * sizeof(float));
+            attn_bwd(&p, CF_ATTN_BWD_CENTRIFUGE_KV);
+            float *kk = fnew(K->n * wkv), *kv = fnew(K->n * wkv);
+            be->gather_rows(be, kk, p.dk, K->rows, K->n, wkv * sizeof(float));
+            be->gather_rows(be, kv, p.dv, K->rows, K->n, wkv * sizeof(float));
+            CHECK(memcmp(p.dq, cq, K->n * wq * sizeof(float)) == 0);
+            CHECK(memcmp(kk, ck, K->n * wkv * sizeof(float)) == 0);
+            CHECK(memcmp(kv, cv, K->n * wkv * sizeof(float)) == 0);
+            free(cq); free(ck); free(cv); free(kk); free(kv);
+            attn_prob_free(&p);
+        }
+    kept_set all = {AT, {0}, {0, AS, AT}};
+    for (int i = 0; i < AT; i++) all.rows[i] = i;
+    attn_prob p;
+    attn_prob_init(&p, 851, 1, &all);
+    const size_t nq = AT * wq, nkv = AT * wkv;
+    attn_bwd(&p, CF_ATTN_BWD_FULL);
+    float *fq = fnew(nq), *fk = fnew(nkv), *fv = fnew(nkv);
+    memcpy(fq, p.dq, nq * sizeof(float));
+    memcpy(fk, p.dk, nkv * sizeof(float));
+    memcpy(fv, p.dv, nkv * sizeof(float));
+    attn_bwd(&p, CF_ATTN_BWD_CENTRIFUGE_KV);
+    CHECK(rel_err(p.dq, fq, nq) < 1e-6);
+    CHECK(rel_err(p.dk, fk, nkv) < 1e-6);
+    CHECK(rel_err(p.dv, fv, nkv) < 1e-6);
+    free(fq); free(fk); free(fv);
+    attn_prob_free(&p);
+}
+
+/* A larger random problem (B=3, S=33, H=4, Hkv=1, random docs, about half
+ * the rows kept): CENTRIFUGE_KV equals the full backward with dout zero on
+ * filtered rows (dq on kept rows, dk and dv on all rows), and is bitwise
+ * the same with one thread. */
+TEST(attention_centrifuge_kv_equals_masked_full_on_random_larger_problem) {
+    enum { B = 3, S = 33, H = 4, Hkv = 1, D = 16, T = B * S };
+    cf_rng r;
+    cf_rng_seed(&r, 861);
+    static int doc[T], rows[T], seq_start[B + 1];
+    int n = 0, d = 0;
+    for (int b = 0; b < B; b++) {
+        seq_start[b] = n;
+        for (int s = 0; s < S; s++) {
+            if (s == 0 || cf_rng_uniform(&r) < 0.15f) d++;
+            doc[b * S + s] = d;
+            if (cf_rng_uniform(&r) < 0.5f) rows[n++] = b * S + s;
+        }
+    }
+    seq_start[B] = n;
+    cf_attn_shape sh = {B, S, H, Hkv, D, 0.25f, doc};
+    const size_t wq = H * D, wkv = Hkv * D;
+    float *q = fnew(T * wq), *k = fnew(T * wkv), *v = fnew(T * wkv), *R = fnew(T * wq);
+    float *out = fnew(T * wq), *lse = fnew(T * H);
+    fill_normal(q, T * wq, &r, 1.5f);
+    fill_normal(k, T * wkv, &r, 1);
+    fill_normal(v, T * wkv, &r, 1);
+    for (int a = 0; a < n; a++) fill_normal(R + rows[a] * wq, wq, &r, 1); /* zero on filtered */
+    be->attention_fwd(be, out, lse, q, k, v, &sh);
+    float *dq = fnew(T * wq), *dk = fnew(T * wkv), *dv = fnew(T * wkv);
+    be->attention_bwd(be, dq, dk, dv, R, q, k, v, out, lse, &sh, NULL, CF_ATTN_BWD_FULL);
+    float *qc = fnew(n * wq), *oc = fnew(n * wq), *Rc = fnew(n * wq), *lc = fnew(n * H);
+    be->gather_rows(be, qc, q, rows, n, wq * sizeof(float));
+    be->gather_rows(be, oc, out, rows, n, wq * sizeof(float));
+    be->gather_rows(be, Rc, R, rows, n, wq * sizeof(float));
+    be->gather_rows(be, lc, lse, rows, n, H * sizeof(float));
+    cf_rows kept = {n, kept_max_len(seq_start, B), rows, seq_start};
+    float *cq = fnew(n * wq), *ck = fnew(T * wkv), *cv = fnew(T * wkv), *fq = fnew(n * wq);
+    /* NaN-filled outputs: every row must be written */
+    for (size_t i = 0; i < T * wkv; i++) ck[i] = cv[i] = NAN;
+    be->attention_bwd(be, cq, ck, cv, Rc, qc, k, v, oc, lc, &sh, &kept, CF_ATTN_BWD_CENTRIFUGE_KV);
+    be->gather_rows(be, fq, dq, rows, n, wq * sizeof(float));
+    CHECK(rel_err(cq, fq, n * wq) < 1e-5);
+    CHECK(rel_err(ck, dk, T * wkv) < 1e-5);
+    CHECK(rel_err(cv, dv, T * wkv) < 1e-5);
+    int nt = omp_get_max_threads();
+    omp_set_num_threads(1);
+    float *cq1 = fnew(n * wq), *ck1 = fnew(T * wkv), *cv1 = fnew(T * wkv);
+    be->attention_bwd(be, cq1, ck1, cv1, Rc, qc, k, v, oc, lc, &sh, &kept, CF_ATTN_BWD_CENTRIFUGE_KV);
+    omp_set_num_threads(nt);
+    CHECK(memcmp(cq, cq1, n * wq * sizeof(float)) == 0);
+    CHECK(memcmp(ck, ck1, T * wkv * sizeof(float)) == 0);
+    CHECK(memcmp(cv, cv1, T * wkv * sizeof(float)) == 0);
+    free(q); free(k); free(v); free(R); free(out); free(lse); free(dq); free(dk); free(dv);
+    free(qc); free(oc); free(Rc); free(lc); free(cq); free(ck); free(cv); free(fq);
+    free(cq1); free(ck1); free(cv1);
+}
+
 /* ------------------------------------------------------ gather/sumsq/adamw */
 
 TEST(gather_rows_copies_selected_rows_of_any_width) {
@@ -1167,14 +1364,14 @@ TEST(attention_bwd_rejects_kept_rows_that_break_the_contract) {
         {4, {1, 4, 3, 6, 12}, "not ascending"},
         {4, {1, 3, 4, 6, 2}, "outside its sequence"},
     };
-    for (int c = 0; c < 3; c++) {
+    for (int c = 0; c < 6; c++) {
         cf_backend *e = cf_backend_cpu_create();
         if (!e) { CHECK(0); break; }
-        cf_rows kept = {5, cases[c].max_len, cases[c].rows, kept_sets[0].seq_start};
+        cf_rows kept = {5, cases[c % 3].max_len, cases[c % 3].rows, kept_sets[0].seq_start};
         e->attention_bwd(e, p.dq, p.dk, p.dv, p.Rc, p.qc, p.k, p.v, p.outc, p.lsec, &p.s, &kept,
-                         CF_ATTN_BWD_CENTRIFUGE);
+                         c < 3 ? CF_ATTN_BWD_CENTRIFUGE : CF_ATTN_BWD_CENTRIFUGE_KV);
         CHECK(e->check(e) == -1);
-        CHECK_MSG(strstr(cf_last_error(), cases[c].msg) != NULL, "case %d: %s", c, cf_last_error());
+        CHECK_MSG(strstr(cf_last_error(), cases[c % 3].msg) != NULL, "case %d: %s", c, cf_last_error());
         e->destroy(e);
     }
     /* a loose max_len (an upper bound) is fine */
@@ -1308,6 +1505,9 @@ int main(void) {
     RUN(attention_strawman_is_exact_backward_of_attention_on_compacted_sequence);
     RUN(attention_strawman_differs_from_centrifuge_when_rows_are_filtered);
     RUN(attention_centrifuge_equals_masked_full_on_random_larger_problem);
+    RUN(attention_centrifuge_kv_matches_brute_force_formula_and_definition);
+    RUN(attention_centrifuge_kv_agrees_with_centrifuge_on_kept_rows_and_with_full_when_all_kept);
+    RUN(attention_centrifuge_kv_equals_masked_full_on_random_larger_problem);
     RUN(gather_rows_copies_selected_rows_of_any_width);
     RUN(sumsq_accumulates_into_the_double_and_is_thread_count_independent);
     RUN(keep_to_rows_lists_kept_rows_ascending_with_sequence_starts);

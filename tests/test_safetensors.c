@@ -685,6 +685,9 @@ TEST(safetensors_index_detects_shard_from_another_save) {
     char *old = cf_read_file(s1, &len, 1 << 20);
     CHECK(old != NULL);
     CHECK(cf_st_write_dir(d, t.items, 3, CF_DT_F32, 30) == 0);
+    /* that save did not overwrite the files of the first (its shards carry
+     * its id in their names); a third one uses HF's names again */
+    CHECK(cf_st_write_dir(d, t.items, 3, CF_DT_F32, 30) == 0);
     cf_st_archive a;
     CHECK(cf_st_open(&a, d) == 0);
     cf_st_close(&a);

@@ -266,6 +266,49 @@ TEST(directory_and_tokenizer_config) {
     rmdir(dir);
 }
 
+/* bytelevel.json with another pre-tokenizer, written to a temp file. */
+static cf_tokenizer *with_pre_tokenizer(const char *pre_json) {
+    size_t len;
+    char *text = cf_read_file(DATA "bytelevel.json", &len, 1 << 24);
+    cJSON *root = text ? cJSON_Parse(text) : NULL;
+    free(text);
+    if (!root) return NULL;
+    cJSON_ReplaceItemInObjectCaseSensitive(root, "pre_tokenizer", cJSON_Parse(pre_json));
+    cJSON_ReplaceItemInObjectCaseSensitive(cJSON_GetObjectItemCaseSensitive(root, "model"), "ignore_merges",
+                                           cJSON_CreateFalse());
+    char *out = cJSON_PrintUnformatted(root);
+    cJSON_Delete(root);
+    char path[] = "/tmp/cf_tok_pre_XXXXXX";
+    int fd = mkstemp(path);
+    if (fd < 0 || !out) { free(out); return NULL; }
+    ssize_t w = write(fd, out, strlen(out));
+    close(fd);
+    free(out);
+    cf_tokenizer *t = w > 0 ? cf_tokenizer_load(path) : NULL;
+    unlink(path);
+    return t;
+}
+
+TEST(regex_classes_mean_what_they_mean_in_oniguruma) {
+    /* tokenizers runs its regexes on Oniguruma: \w has marks and Alphabetic
+     * symbols, \s has U+0085, \h is a hex digit. Removing \h|\w|\s leaves
+     * only "-" and "!" of this text (ids from tokenizers 0.23.3). */
+    cf_tokenizer *t = with_pre_tokenizer(
+        "{\"type\": \"Sequence\", \"pretokenizers\": ["
+        "{\"type\": \"Split\", \"pattern\": {\"Regex\": \"\\\\h|\\\\w|\\\\s\"}, \"behavior\": \"Removed\", \"invert\": false},"
+        "{\"type\": \"ByteLevel\", \"add_prefix_space\": false, \"trim_offsets\": true, \"use_regex\": false}]}");
+    CHECK_MSG(t, "load: %s", cf_last_error());
+    if (t) CHECK(enc_is(t, "cafe\xCC\x81 x\xC2\x85y \xE2\x92\xB6-0xZ\xC2\xB2!", 0, IDS(14, 2)));
+    cf_tokenizer_free(t);
+    /* forms that Oniguruma reads differently and PCRE2 cannot express */
+    t = with_pre_tokenizer("{\"type\": \"Split\", \"pattern\": {\"Regex\": \"\\\\pL\"}, \"behavior\": \"Isolated\"}");
+    CHECK(t == NULL && err_has("without braces is not supported"));
+    t = with_pre_tokenizer("{\"type\": \"Split\", \"pattern\": {\"Regex\": \"[\\\\Sa]\"}, \"behavior\": \"Isolated\"}");
+    CHECK(t == NULL && err_has("\\S inside a character class is not supported"));
+    t = with_pre_tokenizer("{\"type\": \"Split\", \"pattern\": {\"Regex\": \"(\"}, \"behavior\": \"Isolated\"}");
+    CHECK_MSG(t == NULL && err_has("does not compile"), "%s", cf_last_error());
+}
+
 /* ------------------------------------------------------------ driver mode */
 
 static int driver(const char *tok_path, const char *docs, int special) {
@@ -326,5 +369,6 @@ int main(int argc, char **argv) {
     RUN(bad_input_fails_with_a_clear_line);
     RUN(unsupported_features_are_named);
     RUN(directory_and_tokenizer_config);
+    RUN(regex_classes_mean_what_they_mean_in_oniguruma);
     return test_summary();
 }

@@ -42,6 +42,14 @@ for part in "$@"; do
           --mode $mode --builtin-tokens 2M --log-file "$OUT/dp8b_$mode.jsonl" 2>&1 | grep -E "^train|step +[0-9]+\/|error" | tail -5
         nvidia-smi --query-gpu=memory.used --format=csv,noheader | head -2
       done ;;
+    lora-bench)
+      # paper Table 2's LoRA row: Llama3.2-3B, rank 64 on q,k,v,o, keep 0.5
+      "$CF" bench --device cuda --config llama3.2-3b --seq 2048 --modes regular,loss-only,centrifuge --keep 0.5 \
+        --lora-rank 64 --lora-alpha 128 --lora-targets q,k,v,o --steps 10 --warmup 2 --json "$OUT/bench_lora3b_2048.jsonl" 2>&1 | tee "$OUT/bench_lora3b_2048.txt" ;;
+    kv-bench)
+      # issue 18: what centrifuge-kv costs against centrifuge (TinyLlama @4096)
+      "$CF" bench --device cuda --config tinyllama-1.1b --seq 4096 --modes regular,centrifuge,centrifuge-kv --keep 0.5 \
+        --steps 10 --warmup 2 --json "$OUT/bench_kv_tinyllama.jsonl" 2>&1 | tee "$OUT/bench_kv_tinyllama.txt" ;;
     dp-bench)
       bash tools/dp_bench.sh "$CF" "$OUT/dp_bench" 2>&1 | tee "$OUT/dp_bench.txt" ;;
     bench-sweeps)

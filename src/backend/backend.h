@@ -63,6 +63,14 @@ typedef enum {
      * renormalised over kept keys only: the exact backward of attention on
      * the compacted sequence, so dq misses the filtered keys (wrong).       */
     CF_ATTN_BWD_STRAWMAN = 2,
+    /* Queries as centrifuge (q, out, dout, lse, dq compacted [n, ...], dq
+     * exact over all visible keys with the full-forward lse), but dk, dv
+     * are [T, Hkv, D] for ALL rows, indexed by original row: every key j,
+     * kept or filtered, gets the contributions of the kept queries,
+     *   dk_j = scale sum_{kept i} dS_ij q_i,  dv_j = sum_{kept i} P_ij do_i.
+     * On kept rows these are centrifuge's dk, dv; a key no kept query sees
+     * gets 0. (The centrifuge-kv mode: DESIGN §1.)                         */
+    CF_ATTN_BWD_CENTRIFUGE_KV = 3,
 } cf_attn_bwd_mode;
 
 struct cf_backend {
@@ -129,6 +137,8 @@ struct cf_backend {
                             const void *up, const int *rows, int n, int F);
     /* out = a + c (out may alias a) */
     void (*add)(cf_backend *b, void *out, const void *a, const void *c, size_t n);
+    /* x = s * x over n elements (LoRA's scale on its rank-r activations) */
+    void (*scale)(cf_backend *b, void *x, float s, size_t n);
     /* Causal GQA attention. q[T,H,D] k,v[T,Hkv,D] -> out[T,H,D], lse[T,H]
      * (natural log of the softmax denominator of the scaled scores). */
     void (*attention_fwd)(cf_backend *b, void *out, float *lse, const void *q, const void *k,

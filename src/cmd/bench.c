@@ -138,6 +138,9 @@ static int bench_point(cf_model *m, const cf_mode *modes, int nm, int B, int S, 
 
 int cmd_bench(int argc, char **argv) {
     const char *config = "cpu-20m", *model_dir = NULL, *device = "cpu", *modes_s = "regular,loss-only,centrifuge";
+    const char *lora_targets = "q,k,v,o";
+    long lora_rank = 0;
+    double lora_alpha = -1;
     const char *keeps_s = "0.5", *seqs_s = "512", *json = NULL, *select_s = "random";
     long batch = 1, steps = 10, warmup = 2, seed = 1;
     int profile = 0;
@@ -156,6 +159,9 @@ int cmd_bench(int argc, char **argv) {
         {"--json", CF_OPT_STR, &json, 0, 0, "write JSON lines here", 0},
         {"--seed", CF_OPT_INT, &seed, 0, 1L << 62, "seed", 0},
         {"--profile", CF_OPT_FLAG, &profile, 0, 0, "also print time per op category (one synchronised step)", 0},
+        {"--lora-rank", CF_OPT_INT, &lora_rank, 1, 4096, "LoRA adapters of this rank (base frozen)", 0},
+        {"--lora-alpha", CF_OPT_FLOAT, &lora_alpha, 1e-6, 1e6, "LoRA alpha (default: the rank)", 0},
+        {"--lora-targets", CF_OPT_STR, &lora_targets, 0, 0, "LoRA modules (default q,k,v,o)", 0},
         {"--peak-tflops", CF_OPT_FLOAT, &peak_tflops, 0, 1e6, "for MFU (default 989 on cuda: H100/H200 dense bf16)", 0},
     };
     int nopts = (int)(sizeof opts / sizeof *opts);
@@ -185,7 +191,31 @@ int cmd_bench(int argc, char **argv) {
     for (int i = 0; i < ns; i++) if (cf_parse_int(sitems[i], 1, 1 << 20, "--seq", &seqs[i]) != 0) return cf_cli_error("bench", 2);
     if (nm == 0 || nk == 0 || ns == 0) { cf_fail("empty --modes, --keep or --seq list"); return cf_cli_error("bench", 2); }
 
-    cf_model *m = cf_cli_open_model(config, model_dir, device, (uint64_t)seed, NULL);
+    {   /* the memory estimate of the largest point, before anything is allocated */
+        cf_model_opts mo = {0};
+        cf_memory_opts mem = {0};
+        if (cf_backend_parse(device, &mo.backend, &mo.device) != 0) return cf_cli_error("bench", 2);
+        mo.config = config;
+        mo.model_dir = model_dir;
+        mem.batch = batch;
+        mem.grad_accum = 1;
+        mem.train = 1;
+        for (int i = 0; i < ns; i++) mem.seq = seqs[i] > mem.seq ? seqs[i] : mem.seq;
+        for (int i = 0; i < nm; i++) mem.compact |= cf_mode_is_compact(modes[i]);
+        for (int i = 0; i < nk; i++) mem.keep = keeps[i] > mem.keep ? keeps[i] : mem.keep;
+        if (cf_memory_check(&mo, &mem, NULL) != 0) return cf_cli_error("bench", 1);
+    }
+    cf_model_opts mo = {0};
+    if (cf_backend_parse(device, &mo.backend, &mo.device) != 0) return cf_cli_error("bench", 2);
+    mo.config = config;
+    mo.model_dir = model_dir;
+    mo.seed = (uint64_t)seed;
+    if (lora_rank > 0) {
+        mo.lora.rank = (int)lora_rank;
+        mo.lora.alpha = lora_alpha > 0 ? (float)lora_alpha : (float)lora_rank;
+        if (cf_lora_parse_targets(lora_targets, &mo.lora.targets) != 0) return cf_cli_error("bench", 2);
+    }
+    cf_model *m = cf_model_open(&mo);
     if (!m) return cf_cli_error("bench", 1);
     FILE *jf = NULL;
     if (json && !(jf = fopen(json, "w"))) { cf_fail("%s: cannot create", json); cf_model_free(m); return cf_cli_error("bench", 1); }

@@ -6,6 +6,7 @@
 
 #include "base/common.h"
 #include "centrifuge.h"
+#include "cmd/runfiles.h"
 
 int cf_parse_count(const char *s, long lo, long hi, const char *what, long *out) {
     char buf[64];
@@ -58,6 +59,9 @@ int cf_cli_parse(const char *cmd, const char *usage, cf_opt *opts, int nopts, in
         for (int j = 0; j < nopts; j++)
             if (!strcmp(opts[j].name, name)) o = &opts[j];
         if (!o) {
+            if (a[0] != '-' && i >= 2 && argv[i - 2][0] == '-' && strchr(a, '.'))
+                return cf_fail("unexpected argument '%s' after %s %s: did the shell expand a pattern? quote it, "
+                               "e.g. %s 'data/web_*.bin'", a, argv[i - 2], argv[i - 1], argv[i - 2]);
             if (a[0] != '-') return cf_fail("unexpected argument '%s' (see centrifuge %s --help)", a, cmd);
             return cf_fail("unknown option '%s' (see centrifuge %s --help)", name, cmd);
         }
@@ -101,9 +105,27 @@ cf_model *cf_cli_open_model(const char *config, const char *model_dir, const cha
                             const char *freeze) {
     cf_model_opts o = {0};
     if (cf_backend_parse(device, &o.backend, &o.device) != 0) return NULL;
+    char ckpt[4096];   /* a run directory stands for its newest checkpoint */
+    if (model_dir && !(model_dir = cf_resolve_model_dir(model_dir, ckpt, sizeof ckpt))) return NULL;
     o.config = config;
     o.model_dir = model_dir;
     o.seed = seed;
     o.freeze = freeze;
+    return cf_model_open(&o);
+}
+
+cf_model *cf_cli_open_model_adapter(const char *config, const char *model_dir, const char *device, uint64_t seed,
+                                    const char *adapter) {
+    if (!adapter) return cf_cli_open_model(config, model_dir, device, seed, NULL);
+    cf_model_opts o = {0};
+    if (cf_backend_parse(device, &o.backend, &o.device) != 0) return NULL;
+    char ckpt[4096], actk[4096];
+    if (model_dir && !(model_dir = cf_resolve_model_dir(model_dir, ckpt, sizeof ckpt))) return NULL;
+    /* a LoRA run directory stands for its newest checkpoint's adapters */
+    if (!(adapter = cf_resolve_model_dir(adapter, actk, sizeof actk))) return NULL;
+    o.config = config;
+    o.model_dir = model_dir;
+    o.seed = seed;
+    o.adapter_dir = adapter;
     return cf_model_open(&o);
 }

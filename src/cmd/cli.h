@@ -34,5 +34,9 @@ int cf_cli_error(const char *cmd, int code);
 struct cf_model;
 struct cf_model *cf_cli_open_model(const char *config, const char *model_dir, const char *device, uint64_t seed,
                                    const char *freeze);
+/* The same with a PEFT LoRA adapter directory (or a LoRA run directory:
+ * its newest checkpoint) on top; adapter NULL = none. */
+struct cf_model *cf_cli_open_model_adapter(const char *config, const char *model_dir, const char *device,
+                                           uint64_t seed, const char *adapter);
 
 #endif

@@ -31,7 +31,7 @@ static const char *const USAGE =
     "The same seed gives the same tokens; evaluation problems are never in the output.";
 
 int cmd_gen_data(int argc, char **argv) {
-    const char *source = NULL, *out = NULL;
+    const char *source = NULL, *out = NULL, *world = "standard";
     long tokens = 0, seed = 1;
     cf_opt opts[] = {
         {"--source", CF_OPT_STR, &source, 0, 0, "clean or noisy (required)", 0},
@@ -39,6 +39,7 @@ int cmd_gen_data(int argc, char **argv) {
          "token count, suffixes k/M/G are powers of 1000, e.g. 50M (required, at most 500M)", 0},
         {"--seed", CF_OPT_INT, &seed, 0, 1e18, "random seed, >= 0 (default 1)", 0},
         {"--out", CF_OPT_STR, &out, 0, 0, "output token shard (required)", 0},
+        {"--world", CF_OPT_STR, &world, 0, 0, "standard (operands up to 99) or small (one-digit, the demo's)", 0},
     };
     const int nopts = (int)(sizeof opts / sizeof opts[0]);
 
@@ -46,6 +47,9 @@ int cmd_gen_data(int argc, char **argv) {
     if (rc == 1) return 0;   /* --help */
     if (rc != 0) return cf_cli_error(CMD, 2);
 
+    cf_world w;
+    if (cf_world_parse(world, &w) != 0) return cf_cli_error(CMD, 2);
+    cf_datagen_set_world(w);
     cf_data_source src;
     if (!source) {
         cf_fail("--source is required (clean or noisy)");
@@ -86,7 +90,12 @@ int cmd_gen_data(int argc, char **argv) {
     long docs = 0;   /* documents begun, the last one possibly cut */
     for (long i = 0; i < tokens; i++) docs += buf[i] == CF_TOK_BOS;
 
-    if (cf_tokens_write(out, buf, tokens, 0) != 0) {
+    /* the output's directory is made if it is missing, as tokenize does */
+    char dir[4096];
+    snprintf(dir, sizeof dir, "%s", out);
+    char *slash = strrchr(dir, '/');
+    if (slash && slash != dir) *slash = 0;
+    if ((slash && slash != dir && cf_mkdir_p(dir) != 0) || cf_tokens_write(out, buf, tokens, 0) != 0) {
         free(buf);
         return cf_cli_error(CMD, 1);
     }

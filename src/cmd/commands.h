@@ -12,4 +12,5 @@ int cmd_demo(int argc, char **argv);
 int cmd_gen_data(int argc, char **argv);
 int cmd_math_eval(int argc, char **argv);
 int cmd_convert(int argc, char **argv);
+int cmd_tokenize(int argc, char **argv);
 #endif

@@ -63,6 +63,15 @@ int cf_tok_decode(const uint32_t *ids, int n, char *out, int cap) {
     return len;
 }
 
+static cf_world g_world = CF_WORLD_STANDARD;
+void cf_datagen_set_world(cf_world w) { g_world = w; }
+cf_world cf_datagen_world(void) { return g_world; }
+int cf_world_parse(const char *s, cf_world *out) {
+    if (s && strcmp(s, "standard") == 0) { *out = CF_WORLD_STANDARD; return 0; }
+    if (s && strcmp(s, "small") == 0) { *out = CF_WORLD_SMALL; return 0; }
+    return cf_fail("unknown world '%s' (expected standard or small)", s ? s : "(null)");
+}
+
 int cf_data_source_parse(const char *s, cf_data_source *out) {
     if (s && strcmp(s, "clean") == 0) { *out = CF_DATA_CLEAN; return 0; }
     if (s && strcmp(s, "noisy") == 0) { *out = CF_DATA_NOISY; return 0; }
@@ -218,6 +227,25 @@ static const twostep_tpl TWO_T[] = {
 
 #define N_OF(a) ((int)(sizeof(a) / sizeof((a)[0])))
 
+/* The small world's questions: short, so that a tiny model sees many
+ * problems per token and finds the operands near the answer. */
+static const char *const ADD_S[] = {
+    "{N} has {a} {o} and gets {b} more. How many?",
+    "{a} {o} and {b} {o}. How many?",
+};
+static const char *const SUB_S[] = {
+    "{N} has {a} {o} and loses {b}. How many?",
+    "{a} {o}, {b} taken. How many left?",
+};
+static const char *const MUL_S[] = {
+    "{a} bags of {b} {o}. How many?",
+    "{N} has {a} boxes of {b} {o}. How many?",
+};
+static const twostep_tpl TWO_S[] = {
+    {"{a} bags of {b} {o} and {c} more. How many?", '*', '+'},
+    {"{N} has {a} {o}, gets {b} and loses {c}. How many?", '+', '-'},
+};
+
 typedef struct {
     int family;
     int nsteps;              /* 1 or 2                               */
@@ -254,32 +282,38 @@ static void gen_question(cf_rng *r, int family, textbuf *tb, solution *sol) {
     sol->nsteps = 1;
 
     const char *text;
+    int small = g_world == CF_WORLD_SMALL;
     switch (family) {
     case CF_FAM_ADD:
-        text = ADD_T[cf_rng_below(r, N_OF(ADD_T))];
-        s.a = small_or_two_digit(r);
-        s.b = small_or_two_digit(r);
+        text = small ? ADD_S[cf_rng_below(r, N_OF(ADD_S))] : ADD_T[cf_rng_below(r, N_OF(ADD_T))];
+        s.a = small ? range(r, 1, 5) : small_or_two_digit(r);
+        s.b = small ? range(r, 1, 5) : small_or_two_digit(r);
         sol->op[0] = '+';
         break;
     case CF_FAM_SUB:
-        text = SUB_T[cf_rng_below(r, N_OF(SUB_T))];
-        s.a = cf_rng_below(r, 5) == 0 ? range(r, 3, 9) : range(r, 10, 99);
+        text = small ? SUB_S[cf_rng_below(r, N_OF(SUB_S))] : SUB_T[cf_rng_below(r, N_OF(SUB_T))];
+        s.a = small ? range(r, 2, 6) : cf_rng_below(r, 5) == 0 ? range(r, 3, 9) : range(r, 10, 99);
         s.b = range(r, 1, s.a - 1);
         sol->op[0] = '-';
         break;
     case CF_FAM_MUL:
-        text = MUL_T[cf_rng_below(r, N_OF(MUL_T))];
-        s.a = range(r, 2, 9);
-        s.b = cf_rng_below(r, 2) == 0 ? range(r, 2, 9) : range(r, 10, 19);
+        text = small ? MUL_S[cf_rng_below(r, N_OF(MUL_S))] : MUL_T[cf_rng_below(r, N_OF(MUL_T))];
+        s.a = small ? range(r, 2, 4) : range(r, 2, 9);
+        s.b = small ? range(r, 2, 4) : cf_rng_below(r, 2) == 0 ? range(r, 2, 9) : range(r, 10, 19);
         sol->op[0] = '*';
         break;
     default: {   /* CF_FAM_TWOSTEP */
-        const twostep_tpl *t = &TWO_T[cf_rng_below(r, N_OF(TWO_T))];
+        const twostep_tpl *t = small ? &TWO_S[cf_rng_below(r, N_OF(TWO_S))] : &TWO_T[cf_rng_below(r, N_OF(TWO_T))];
         text = t->text;
         sol->nsteps = 2;
         sol->op[0] = t->op1;
         sol->op[1] = t->op2;
-        if (t->op1 == '*') {                       /* a*b then +/- c   */
+        if (small) {                               /* one-digit steps  */
+            s.a = range(r, 2, 4);
+            s.b = range(r, 2, 4);
+            long z = apply(t->op1, s.a, s.b);
+            s.c = t->op2 == '-' ? range(r, 1, z - 1 < 5 ? z - 1 : 5) : t->op2 == '*' ? range(r, 2, 3) : range(r, 1, 5);
+        } else if (t->op1 == '*') {                /* a*b then +/- c   */
             s.a = range(r, 2, 9);
             s.b = range(r, 2, 9);
             s.c = t->op2 == '+' ? range(r, 2, 20) : range(r, 1, s.a * s.b - 1);

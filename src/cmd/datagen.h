@@ -27,6 +27,18 @@ int cf_tok_encode(const char *text, uint32_t *out, int cap);
 int cf_tok_decode(const uint32_t *ids, int n, char *out, int cap);
 
 typedef enum { CF_DATA_CLEAN = 0, CF_DATA_NOISY = 1 } cf_data_source;
+
+/* Which problems the world makes. standard: operands up to 99 and the full
+ * question templates (the utility experiment's world). small: the world of
+ * `centrifuge demo`, where a tiny model on a CPU learns the facts in about a
+ * minute: short questions (two templates per family) and one-digit operands
+ * (add 1..5 + 1..5, sub 2..6 - smaller, mul 2..4 x 2..4, two-step from those).
+ * Same answer format, noise mix and held-out split. The setting is
+ * process-wide (default standard); the standard world's output is unchanged. */
+typedef enum { CF_WORLD_STANDARD = 0, CF_WORLD_SMALL = 1 } cf_world;
+void cf_datagen_set_world(cf_world w);
+cf_world cf_datagen_world(void);
+int cf_world_parse(const char *s, cf_world *out);   /* "standard", "small" */
 int cf_data_source_parse(const char *s, cf_data_source *out);   /* "clean", "noisy" */
 
 enum { CF_FAM_ADD = 0, CF_FAM_SUB, CF_FAM_MUL, CF_FAM_TWOSTEP, CF_NUM_FAMILIES };

@@ -287,23 +287,39 @@ static int barrier_ok(cf_dist *d, int ok) {
 int cf_dist_checkpoint_save(cf_dist *d, cf_model *m, const char *dir, int64_t step, int64_t data_pos,
                             int keep_last) {
     if (!d) return cf_checkpoint_save(m, dir, step, data_pos, keep_last);
-    char path[4096];
-    int rc = cf_checkpoint_dir(dir, step, path, sizeof path);
-    if (rc == 0 && d->env.rank == 0) rc = cf_model_save(m, path, "bfloat16", 0);
+    char path[4096], err[1024], what[128];
+    /* 1. every rank checks its shard (non-finite weights or moments never
+     *    become a checkpoint) and rank 0 prepares the step directory (new
+     *    or this run's, with its marker), before anyone writes a file */
     float *master = NULL, *am = NULL, *av = NULL;
-    if (rc == 0) rc = local_state(m, &master, &am, &av);
+    int rc = local_state(m, &master, &am, &av);
+    snprintf(what, sizeof what, "rank %d: step %lld: checkpoint refused", d->env.rank, (long long)step);
+    if (rc == 0 && cf_checkpoint_check_state(m, master, am, av, what) != 0) {
+        cf_fail("%s (the run diverged: lower --lr, check the data); %s/latest still names the last good checkpoint",
+                cf_last_error(), dir);
+        rc = -1;
+    }
+    if (rc == 0) rc = cf_checkpoint_dir(dir, step, path, sizeof path, d->env.rank == 0);
+    snprintf(err, sizeof err, "%s", cf_last_error());
+    if (barrier_ok(d, rc == 0) != 0) {
+        if (rc != 0) cf_fail("%s", err);
+        free(master); free(am); free(av);
+        return -1;
+    }
+    /* 2. rank 0 the model, every rank its optimizer shard */
+    if (d->env.rank == 0) rc = m->lora.rank > 0 ? cf_lora_save(m, path, NULL) : cf_model_save(m, path, "bfloat16", 0);
     if (rc == 0) {
         cf_shard_meta meta = {d->env.world_size, d->env.rank, d->plan.hash, (int64_t)m->opt.lay.nlocal,
                               m->opt.step, step, data_pos};
         rc = cf_shardfile_write(path, &meta, master, am, av);
     }
     free(master); free(am); free(av);
-    char err[1024];
     snprintf(err, sizeof err, "%s", cf_last_error());
     if (barrier_ok(d, rc == 0) != 0) {
         if (rc != 0) cf_fail("%s", err);
         return -1;
     }
+    /* 3. every shard is on disk: rank 0 moves `latest` */
     if (d->env.rank == 0) {
         if (cf_shardfile_check_set(path, d->env.world_size, d->plan.hash, NULL) != 0) return -1;
         if (cf_checkpoint_commit(dir, step, keep_last) != 0) return -1;
@@ -319,8 +335,13 @@ cf_model *cf_dist_checkpoint_load(cf_dist *d, const char *dir, const cf_model_op
     cf_shard_meta r0;
     if (cf_shardfile_check_set(path, d->env.world_size, 0, &r0) != 0) return NULL;
     cf_model_opts o = *opts;
-    o.config = NULL;
-    o.model_dir = path;
+    if (opts->lora.rank > 0) {
+        o.lora.rank = 0;
+        o.adapter_dir = path;
+    } else {
+        o.config = NULL;
+        o.model_dir = path;
+    }
     cf_model *m = cf_dist_open_model(d, &o);
     if (!m) return NULL;
     size_t n = m->opt.lay.nlocal;
@@ -329,6 +350,11 @@ cf_model *cf_dist_checkpoint_load(cf_dist *d, const char *dir, const cf_model_op
     cf_shard_meta want = {d->env.world_size, d->env.rank, d->plan.hash, (int64_t)n, 0, 0, 0}, got;
     int rc = master && am && av ? cf_shardfile_read(path, &want, &got, master, am, av) : -1;
     /* the exact fp32 master slice replaces the bf16 weights it was saved as */
+    /* a shard whose state is not finite would poison every later update */
+    if (rc == 0 && cf_checkpoint_check_state(m, master, am, av, path) != 0) {
+        cf_fail("%s; the checkpoint is damaged, not resuming from it", cf_last_error());
+        rc = -1;
+    }
     if (rc == 0) rc = m->b->upload(m->b, m->opt.master, master, n * sizeof(float));
     if (rc == 0) rc = cf_model_set_adam(m, am, av, got.opt_steps);
     free(master); free(am); free(av);

@@ -1,6 +1,6 @@
 /*
- * backward.c — the filter operator and the backward pass in the four modes
- * of DESIGN §1, written once against the backend interface.
+ * backward.c — the filter operator and the backward pass in the modes of
+ * DESIGN §1, written once against the backend interface.
  *
  * Layer l backward (reverse of model.c's forward; n rows: all T, or the
  * kept rows in the compact modes, where every saved activation but K and V
@@ -11,6 +11,11 @@
  *         kept queries over all keys, dk/dv of kept keys from kept queries)
  *         rope', (qwen3) q/k-norm'; dln1 = dq Wq + dk Wk + dv Wv
  *         dx = dx_mid + rmsnorm'(dln1)
+ * centrifuge-kv: as centrifuge, but attention gives dk, dv of EVERY key
+ * (from the kept queries); rope' and k-norm' run on all T rows, the K/V
+ * weight gradients take all T rows (dW += dk^T ln1 with the full ln1, which
+ * the filter leaves intact), and only the kept rows of dk, dv go on into
+ * dln1: the filtered rows' residual stream still gets nothing.
  * Every projection goes through the linear block (linear.c); a frozen
  * tensor gets no gradient.
  */
@@ -86,8 +91,20 @@ static int bucket_ready(cf_model *m, int layer) {
     return s->bucket_ready(s->ctx, layer);
 }
 
+/* A dense stop-gradient reference (tests only). keep: the kept mask on the
+ * host. input_only = 0: the K and V rows of filtered tokens are constants
+ * (dK, dV of filtered rows zeroed right after attention: centrifuge's
+ * definition). input_only = 1: only the input of the K and V projections
+ * at filtered rows is a constant (dK, dV of filtered rows still reach the
+ * K/V weights, biases and k-norm, and are zeroed just before the input
+ * GEMM: centrifuge-kv's definition). */
+typedef struct {
+    const uint8_t *keep;
+    int input_only;
+} stopgrad;
+
 static int backward_impl(cf_model *m, cf_mode mode, const cf_kept *kept, float token_weight,
-                         const uint8_t *stopgrad_keep);
+                         const stopgrad *sg);
 
 int cf_backward(cf_model *m, cf_mode mode, const cf_kept *kept, float loss_scale, float *loss_out) {
     if (m->T == 0) return cf_fail("backward: no forward pass");
@@ -108,13 +125,15 @@ int cf_backward_weighted(cf_model *m, cf_mode mode, const cf_kept *kept, float t
     return backward_impl(m, mode, kept, token_weight, NULL);
 }
 
-int cf_backward_reference_stopgrad(cf_model *m, const cf_kept *kept, float loss_scale, float *loss_out) {
+static int reference_stopgrad(cf_model *m, const cf_kept *kept, float loss_scale, float *loss_out,
+                              int input_only) {
     if (cf_kept_check(m, kept) != 0) return -1;
     uint8_t *keep = cf_malloc((size_t)m->T);
     if (!keep) return -1;
     int rc = cf_kept_mask(m, kept, keep);
     if (rc == 0 && loss_out) cf_model_clear_scalars(m);
-    if (rc == 0) rc = backward_impl(m, CF_MODE_LOSS_ONLY, kept, loss_scale / kept->n, keep);
+    stopgrad sg = {keep, input_only};
+    if (rc == 0) rc = backward_impl(m, CF_MODE_LOSS_ONLY, kept, loss_scale / kept->n, &sg);
     free(keep);
     if (rc == 0 && loss_out) {
         cf_scalars sc;
@@ -124,16 +143,74 @@ int cf_backward_reference_stopgrad(cf_model *m, const cf_kept *kept, float loss_
     return rc;
 }
 
-int cf_mode_is_compact(cf_mode mode) { return mode == CF_MODE_CENTRIFUGE || mode == CF_MODE_STRAWMAN; }
+int cf_backward_reference_stopgrad(cf_model *m, const cf_kept *kept, float loss_scale, float *loss_out) {
+    return reference_stopgrad(m, kept, loss_scale, loss_out, 0);
+}
+
+int cf_backward_reference_stopgrad_kv(cf_model *m, const cf_kept *kept, float loss_scale, float *loss_out) {
+    return reference_stopgrad(m, kept, loss_scale, loss_out, 1);
+}
+
+int cf_mode_is_compact(cf_mode mode) {
+    return mode == CF_MODE_CENTRIFUGE || mode == CF_MODE_STRAWMAN || mode == CF_MODE_CENTRIFUGE_KV;
+}
+
+/* The K and V projections' backward when dk (after rope' and k-norm') and
+ * m->d_v hold every row [T, kd] (centrifuge-kv, and its dense reference):
+ * the weight and bias gradients over all T rows, with the full ln1 (the
+ * filter leaves saved[].full intact); then the input gradient of the rows
+ * that get one into m->d_ln [n, C] (accumulated): in centrifuge-kv the
+ * kept rows (dk, dv gathered to them), in the reference all rows with the
+ * filtered rows' dk, dv zeroed (the stop-gradient at the input). */
+static int kv_proj_bwd(cf_model *m, const cf_layer_params *p, const cf_layer_acts *a, void *dk, int n,
+                       const stopgrad *sg) {
+    cf_backend *b = m->b;
+    const cf_config *c = &m->cfg;
+    int T = m->T, C = c->hidden_size, kd = c->num_key_value_heads * c->head_dim;
+    const void *ln1 = m->saved[a->ln1].full;
+    OP(CF_PROF_GEMM, cf_linear_bwd_weight(m, &p->k, dk, ln1, T, C, kd));
+    OP(CF_PROF_GEMM, cf_linear_bwd_weight(m, &p->v, m->d_v, ln1, T, C, kd));
+    void *gk = dk, *gv = m->d_v;
+    if (sg) {
+        if (zero_filtered_rows(m, dk, (size_t)kd, sg->keep) != 0 ||
+            zero_filtered_rows(m, m->d_v, (size_t)kd, sg->keep) != 0)
+            return -1;
+    } else {
+        /* free here: tmp (the MLP's h) and d_att (attention's dout) */
+        gk = m->tmp;
+        gv = m->d_att;
+        size_t rb = (size_t)kd * b->act_size;
+        if (b->gather_rows_multi) {
+            void *dst[2] = {gk, gv};
+            const void *src[2] = {dk, m->d_v};
+            size_t rbs[2] = {rb, rb};
+            OP(CF_PROF_ELTWISE, b->gather_rows_multi(b, 2, dst, src, rbs, m->rows, n));
+        } else {
+            OP(CF_PROF_ELTWISE, b->gather_rows(b, gk, dk, m->rows, n, rb));
+            OP(CF_PROF_ELTWISE, b->gather_rows(b, gv, m->d_v, m->rows, n, rb));
+        }
+    }
+    OP(CF_PROF_GEMM, cf_linear_bwd_input(m, &p->k, m->d_ln, gk, n, C, kd, 1));
+    OP(CF_PROF_GEMM, cf_linear_bwd_input(m, &p->v, m->d_ln, gv, n, C, kd, 1));
+    return 0;
+}
 
 static int backward_impl(cf_model *m, cf_mode mode, const cf_kept *kept, float token_weight,
-                         const uint8_t *stopgrad_keep) {
+                         const stopgrad *sg) {
     if (m->T == 0) return cf_fail("backward: no forward pass");
     if (!m->opt.grad) return cf_fail("backward: the model has no trainable parameter");
     const cf_config *c = &m->cfg;
     cf_backend *b = m->b;
     int compact = cf_mode_is_compact(mode);
+    /* dk, dv of every row: centrifuge-kv and its reference */
+    int kv_all = mode == CF_MODE_CENTRIFUGE_KV || (sg && sg->input_only);
     if (mode != CF_MODE_REGULAR && cf_kept_check(m, kept) != 0) return -1;
+    if (kv_all)
+        for (int l = 0; l < c->num_hidden_layers; l++)
+            if (m->lp[l].k.la >= 0 || m->lp[l].v.la >= 0)
+                return cf_fail("mode %s: LoRA adapters on k_proj/v_proj are not supported (their filtered-row "
+                               "gradient needs the adapter's input of every row); use centrifuge, or adapters "
+                               "on other projections", cf_mode_name(CF_MODE_CENTRIFUGE_KV));
     if (compact && cf_filter(m, kept) != 0) return -1;
     if (!compact) cf_model_reset_filter(m);
     cf_stage_begin(m, CF_STAGE_BACKWARD);
@@ -153,9 +230,15 @@ static int backward_impl(cf_model *m, cf_mode mode, const cf_kept *kept, float t
     const int *pos = SAVED(m, m->s_pos);
     cf_attn_shape shape = cf_model_attn_shape(m);
     cf_rows rows = {m->n_kept, m->kept_max_len, m->rows, m->seq_start};
-    cf_attn_bwd_mode amode = mode == CF_MODE_CENTRIFUGE ? CF_ATTN_BWD_CENTRIFUGE
-                           : mode == CF_MODE_STRAWMAN   ? CF_ATTN_BWD_STRAWMAN
-                                                        : CF_ATTN_BWD_FULL;
+    cf_attn_bwd_mode amode = mode == CF_MODE_CENTRIFUGE    ? CF_ATTN_BWD_CENTRIFUGE
+                           : mode == CF_MODE_STRAWMAN      ? CF_ATTN_BWD_STRAWMAN
+                           : mode == CF_MODE_CENTRIFUGE_KV ? CF_ATTN_BWD_CENTRIFUGE_KV
+                                                           : CF_ATTN_BWD_FULL;
+    /* rows of dk, dv and the saved tensors read with them: the rows of the
+     * backward, or every row (centrifuge-kv) */
+    int nk = kv_all ? T : n;
+    const int *kpos = kv_all ? m->saved[m->s_pos].full : pos;
+#define KSAVED(idx) (kv_all ? m->saved[(idx)].full : SAVED(m, (idx)))
 
     /* LM head and final norm: dresid = d(loss)/d(x_L) */
     OP(CF_PROF_LMHEAD, b->lmhead_loss_bwd(b, m->d_ln, cf_grad(m, m->p_lm_head), SAVED(m, m->s_lnf),
@@ -182,24 +265,28 @@ static int backward_impl(cf_model *m, cf_mode mode, const cf_kept *kept, float t
         OP(CF_PROF_GEMM, cf_linear_bwd(m, &p->o, m->d_att, m->d_resid, SAVED(m, a->att), n, qd, C, 0));
         OP(CF_PROF_ATTN, b->attention_bwd(b, m->d_q, m->d_k, m->d_v, m->d_att, SAVED(m, a->q), a->k, a->v,
                          SAVED(m, a->att), SAVED(m, a->lse), &shape, compact ? &rows : NULL, amode));
-        if (stopgrad_keep &&
-            (zero_filtered_rows(m, m->d_k, (size_t)kd, stopgrad_keep) != 0 ||
-             zero_filtered_rows(m, m->d_v, (size_t)kd, stopgrad_keep) != 0))
+        if (sg && !sg->input_only &&
+            (zero_filtered_rows(m, m->d_k, (size_t)kd, sg->keep) != 0 ||
+             zero_filtered_rows(m, m->d_v, (size_t)kd, sg->keep) != 0))
             return -1;
         OP(CF_PROF_ROPE, b->rope_bwd(b, m->d_q, pos, m->inv_freq, n, H, D));
-        OP(CF_PROF_ROPE, b->rope_bwd(b, m->d_k, pos, m->inv_freq, n, Hkv, D));
+        OP(CF_PROF_ROPE, b->rope_bwd(b, m->d_k, kpos, m->inv_freq, nk, Hkv, D));
         void *dq = m->d_q, *dk = m->d_k;
         if (c->qk_norm) {
             OP(CF_PROF_NORM, b->rmsnorm_bwd(b, m->d_qn, cf_grad(m, p->qn), m->d_q, SAVED(m, a->qpre),
                            cf_weight(m, p->qn), SAVED(m, a->rstdq), n * H, D, 0));
-            OP(CF_PROF_NORM, b->rmsnorm_bwd(b, m->d_kn, cf_grad(m, p->kn), m->d_k, SAVED(m, a->kpre),
-                           cf_weight(m, p->kn), SAVED(m, a->rstdk), n * Hkv, D, 0));
+            OP(CF_PROF_NORM, b->rmsnorm_bwd(b, m->d_kn, cf_grad(m, p->kn), m->d_k, KSAVED(a->kpre),
+                           cf_weight(m, p->kn), KSAVED(a->rstdk), nk * Hkv, D, 0));
             dq = m->d_qn;
             dk = m->d_kn;
         }
         OP(CF_PROF_GEMM, cf_linear_bwd(m, &p->q, m->d_ln, dq, SAVED(m, a->ln1), n, C, qd, 0));
-        OP(CF_PROF_GEMM, cf_linear_bwd(m, &p->k, m->d_ln, dk, SAVED(m, a->ln1), n, C, kd, 1));
-        OP(CF_PROF_GEMM, cf_linear_bwd(m, &p->v, m->d_ln, m->d_v, SAVED(m, a->ln1), n, C, kd, 1));
+        if (kv_all) {
+            if (kv_proj_bwd(m, p, a, dk, n, sg) != 0) return -1;
+        } else {
+            OP(CF_PROF_GEMM, cf_linear_bwd(m, &p->k, m->d_ln, dk, SAVED(m, a->ln1), n, C, kd, 1));
+            OP(CF_PROF_GEMM, cf_linear_bwd(m, &p->v, m->d_ln, m->d_v, SAVED(m, a->ln1), n, C, kd, 1));
+        }
         OP(CF_PROF_NORM, b->rmsnorm_bwd(b, m->d_resid, cf_grad(m, p->ln1), m->d_ln, SAVED(m, m->resid[l]),
                        cf_weight(m, p->ln1), SAVED(m, a->rstd1), n, C, 1));
         if (bucket_ready(m, l) != 0) return -1;
@@ -209,6 +296,7 @@ static int backward_impl(cf_model *m, cf_mode mode, const cf_kept *kept, float t
     if (bucket_ready(m, -1) != 0) return -1;
     cf_stage_end(m, CF_STAGE_BACKWARD);
     return b->check(b);
+#undef KSAVED
 }
 
 /* ---------------------------------------------------------------- names */
@@ -219,12 +307,13 @@ const char *cf_mode_name(cf_mode md) {
     case CF_MODE_LOSS_ONLY: return "loss-only";
     case CF_MODE_CENTRIFUGE: return "centrifuge";
     case CF_MODE_STRAWMAN: return "strawman";
+    case CF_MODE_CENTRIFUGE_KV: return "centrifuge-kv";
     }
     return "?";
 }
 
 int cf_mode_parse(const char *s, cf_mode *out) {
-    for (int i = 0; i <= CF_MODE_STRAWMAN; i++)
+    for (int i = 0; i <= CF_MODE_CENTRIFUGE_KV; i++)
         if (!strcmp(s, cf_mode_name((cf_mode)i))) { *out = (cf_mode)i; return 0; }
-    return cf_fail("--mode: unknown mode '%s' (regular, loss-only, centrifuge, strawman)", s);
+    return cf_fail("--mode: unknown mode '%s' (regular, loss-only, centrifuge, strawman, centrifuge-kv)", s);
 }

@@ -1,37 +1,69 @@
 /*
  * linear.c — the linear block: every projection of the model (q, k, v, o,
- * gate, up, down) goes through these three functions, so what a linear
- * layer does beyond y = x W^T + b is written once:
+ * gate, up, down) goes through these functions, so what a linear layer
+ * does beyond y = x W^T + b is written once:
  *   - a frozen weight or bias gets no gradient (its weight-gradient GEMM is
  *     never run);
- *   - a low-rank adapter adds its term here (forward and backward);
- *   - a tensor-parallel layer adds its collective here.
+ *   - a LoRA adapter adds s (x A^T) B^T (forward and backward, below);
+ *   - a tensor-parallel layer would add its collective here.
  *
- * Shapes: in [T, K], out [T, N], W [N, K] (HF nn.Linear layout).
+ * Shapes: in [T, K], out [T, N], W [N, K] (HF nn.Linear layout); adapter
+ * A [r, K], B [N, r], s = alpha / r (alpha / sqrt(r) with rslora).
+ *
+ * LoRA, with u = s x A^T [T, r] saved (the filter gathers it like every
+ * other saved activation, so the centrifuge backward runs on kept rows):
+ *   forward   y  = x W^T + u B^T
+ *   backward  g  = s dy B             [n, r]   (kept in m->lora_du)
+ *             dB += dy^T u,  dA += g^T x,  dx += dy W + g A
+ * W itself is frozen: only its input gradient dy W is computed.
  */
 #include "engine/model_internal.h"
 
 void cf_linear_fwd(cf_model *m, const cf_linear *l, void *out, const void *in, int T, int K, int N) {
     cf_backend *b = m->b;
     b->matmul_fwd(b, out, in, cf_weight(m, l->w), cf_weight(m, l->b), T, K, N);
+    if (l->la < 0) return;
+    int r = m->lora.rank;
+    void *u = m->saved[l->su].full;
+    b->matmul_fwd(b, u, in, cf_weight(m, l->la), NULL, T, K, r);
+    b->scale(b, u, m->lora_scale, (size_t)T * r);
+    b->matmul_fwd(b, m->lora_v, u, cf_weight(m, l->lb), NULL, T, r, N);
+    b->add(b, out, out, m->lora_v, (size_t)T * N);
 }
 
 void cf_linear_bwd_input(cf_model *m, const cf_linear *l, void *din, const void *dout, int T, int K, int N,
                          int accumulate) {
-    if (!din) return;
     cf_backend *b = m->b;
+    if (l->la >= 0) {
+        int r = m->lora.rank;
+        /* g = s dy B, for dA (bwd_weight) and the adapter's input gradient */
+        b->matmul_bwd(b, m->lora_du, NULL, NULL, dout, NULL, cf_weight(m, l->lb), T, r, N, 0);
+        b->scale(b, m->lora_du, m->lora_scale, (size_t)T * r);
+    }
+    if (!din) return;
     b->matmul_bwd(b, din, NULL, NULL, dout, NULL, cf_weight(m, l->w), T, K, N, accumulate);
+    if (l->la >= 0) b->matmul_bwd(b, din, NULL, NULL, m->lora_du, NULL, cf_weight(m, l->la), T, K, m->lora.rank, 1);
 }
 
 void cf_linear_bwd_weight(cf_model *m, const cf_linear *l, const void *dout, const void *in, int T, int K, int N) {
-    float *dw = cf_grad(m, l->w), *db = cf_grad(m, l->b);
-    if (!dw && !db) return;   /* frozen: no weight-gradient GEMM at all */
     cf_backend *b = m->b;
-    b->matmul_bwd(b, NULL, dw, db, dout, in, cf_weight(m, l->w), T, K, N, 0);
+    float *dw = cf_grad(m, l->w), *db = cf_grad(m, l->b);
+    if (dw || db) b->matmul_bwd(b, NULL, dw, db, dout, in, cf_weight(m, l->w), T, K, N, 0);
+    if (l->la < 0) return;
+    int r = m->lora.rank;
+    /* dB += dy^T u (u read as the backward sees it: compacted in centrifuge) */
+    b->matmul_bwd(b, NULL, cf_grad(m, l->lb), NULL, dout, SAVED(m, l->su), cf_weight(m, l->lb), T, r, N, 0);
+    /* dA += g^T x */
+    b->matmul_bwd(b, NULL, cf_grad(m, l->la), NULL, m->lora_du, in, cf_weight(m, l->la), T, K, r, 0);
 }
 
 void cf_linear_bwd(cf_model *m, const cf_linear *l, void *din, const void *dout, const void *in, int T, int K,
                    int N, int accumulate) {
+    if (l->la >= 0) {
+        cf_linear_bwd_input(m, l, din, dout, T, K, N, accumulate);
+        cf_linear_bwd_weight(m, l, dout, in, T, K, N);
+        return;
+    }
     float *dw = cf_grad(m, l->w), *db = cf_grad(m, l->b);
     cf_backend *b = m->b;
     if (!dw && !db) {

@@ -57,7 +57,7 @@ static int layer_param(cf_model *m, int cap, int l, const char *suffix, int64_t 
 
 static cf_linear layer_linear(cf_model *m, int cap, int l, const char *proj, int64_t out, int64_t in, int bias) {
     char name[64];
-    cf_linear lin = {-1, -1};
+    cf_linear lin = {-1, -1, -1, -1, -1};
     snprintf(name, sizeof name, "%s.weight", proj);
     lin.w = layer_param(m, cap, l, name, out, in);
     if (bias) {
@@ -100,6 +100,71 @@ static int build_param_table(cf_model *m) {
                                           : add_param(m, cap, L, "lm_head.weight", c->vocab_size, C);
     return m->p_lm_head < 0 ? -1 : 0;
 }
+
+int cf_lora_parse_targets(const char *s, unsigned *out) {
+    static const struct { const char *name; unsigned bit; } T[] = {
+        {"q", CF_LORA_Q}, {"k", CF_LORA_K}, {"v", CF_LORA_V}, {"o", CF_LORA_O},
+        {"gate", CF_LORA_GATE}, {"up", CF_LORA_UP}, {"down", CF_LORA_DOWN}};
+    char buf[256];
+    if (!s || !*s || strlen(s) >= sizeof buf) return cf_fail("--lora-targets: give a list such as q,k,v,o");
+    snprintf(buf, sizeof buf, "%s", s);
+    unsigned bits = 0;
+    for (char *save = NULL, *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
+        if (!strcmp(t, "all")) { bits |= 0x7f; continue; }
+        size_t n = strlen(t);
+        if (n > 5 && !strcmp(t + n - 5, "_proj")) t[n - 5] = 0;   /* q_proj -> q */
+        unsigned bit = 0;
+        for (size_t i = 0; i < sizeof T / sizeof *T; i++)
+            if (!strcmp(t, T[i].name)) bit = T[i].bit;
+        if (!bit) return cf_fail("--lora-targets: unknown module '%s' (q, k, v, o, gate, up, down, all)", t);
+        bits |= bit;
+    }
+    *out = bits;
+    return 0;
+}
+
+/* LoRA: appends adapters A [r, in], B [out, r] for every targeted
+ * projection (named as PEFT names them, without PEFT's "base_model.model."
+ * prefix) and freezes every base tensor. */
+static int add_adapters(cf_model *m, const cf_lora_opts *lo) {
+    if (lo->rank <= 0) return 0;
+    const cf_config *c = &m->cfg;
+    if (lo->rank > 4096) return cf_fail("--lora-rank %d is out of range", lo->rank);
+    if (!(lo->alpha > 0)) return cf_fail("--lora-alpha must be positive");
+    if (!lo->targets) return cf_fail("--lora-targets: no module targeted");
+    if (!(lo->dropout >= 0 && lo->dropout < 1)) return cf_fail("--lora-dropout %g is outside [0, 1)", lo->dropout);
+    if (lo->dropout > 0)
+        return cf_fail("--lora-dropout %g: only 0 is implemented (PEFT's default for inference-equivalent "
+                       "training is 0; dropout on the adapter input is not supported yet)", lo->dropout);
+    int L = c->num_hidden_layers;
+    int cap = m->ntensors + L * 14;
+    cf_param *np = realloc(m->params, (size_t)cap * sizeof(cf_param));
+    if (!np) return cf_fail("out of memory for the parameter table");
+    m->params = np;
+    for (int i = 0; i < m->ntensors; i++) m->params[i].trainable = 0;
+    static const char *names[7] = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                                   "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"};
+    for (int l = 0; l < L; l++) {
+        cf_layer_params *p = &m->lp[l];
+        cf_linear *lin[7] = {&p->q, &p->k, &p->v, &p->o, &p->gate, &p->up, &p->down};
+        for (int t = 0; t < 7; t++) {
+            if (!(lo->targets & (1u << t))) continue;
+            const cf_param *w = &m->params[lin[t]->w];
+            char name[64];
+            snprintf(name, sizeof name, "%s.lora_A.weight", names[t]);
+            lin[t]->la = layer_param(m, cap, l, name, lo->rank, w->shape[1]);
+            snprintf(name, sizeof name, "%s.lora_B.weight", names[t]);
+            lin[t]->lb = layer_param(m, cap, l, name, w->shape[0], lo->rank);
+            if (lin[t]->lb < 0) return -1;
+            m->params[lin[t]->la].adapter = m->params[lin[t]->lb].adapter = 1;
+        }
+    }
+    m->lora = *lo;
+    m->lora_scale = lo->rslora ? lo->alpha / sqrtf((float)lo->rank) : lo->alpha / (float)lo->rank;
+    return 0;
+}
+
+const cf_lora_opts *cf_model_lora(const cf_model *m) { return &m->lora; }
 
 /* Marks the tensors whose names contain one of the comma-separated
  * patterns as frozen; a pattern that matches nothing is an error. */
@@ -206,7 +271,10 @@ static cf_model *model_alloc(const cf_config *cfg, const cf_model_opts *o, cf_la
     m->cfg = *cfg;
     m->doc_mask_bos = -1;
     m->b = make_backend(o->backend, o->device);
-    if (!m->b || build_param_table(m) != 0 || apply_freeze(m, o->freeze) != 0) { cf_model_free(m); return NULL; }
+    if (!m->b || build_param_table(m) != 0 || apply_freeze(m, o->freeze) != 0 || add_adapters(m, &o->lora) != 0) {
+        cf_model_free(m);
+        return NULL;
+    }
     cf_backend *b = m->b;
     cf_optim_layout lay;
     memset(&lay, 0, sizeof lay);
@@ -236,6 +304,7 @@ static int init_weights(cf_model *m, uint64_t seed) {
     int rc = 0;
     for (int i = 0; i < m->ntensors && rc == 0; i++) {
         cf_param *p = &m->params[i];
+        if (p->adapter) continue;   /* init_adapters */
         int is_norm = strstr(p->name, "norm") != NULL;
         long nchunks = (long)((p->numel + CHUNK - 1) / CHUNK);
 #pragma omp parallel for schedule(dynamic)
@@ -252,6 +321,27 @@ static int init_weights(cf_model *m, uint64_t seed) {
     return rc;
 }
 
+/* PEFT's init: A ~ kaiming_uniform(a = sqrt(5)) = U(-1/sqrt(in), 1/sqrt(in)),
+ * B = 0, so the adapted model starts as the base model. */
+static int init_adapters(cf_model *m, uint64_t seed) {
+    int rc = 0;
+    for (int i = 0; i < m->ntensors && rc == 0; i++) {
+        cf_param *p = &m->params[i];
+        if (!p->adapter) continue;
+        float *host = cf_calloc(p->numel, sizeof(float));
+        if (!host) return -1;
+        if (strstr(p->name, "lora_A")) {
+            cf_rng rng;
+            cf_rng_seed(&rng, seed ^ 0x10a1ULL ^ ((uint64_t)(i + 1) << 32));
+            float bound = 1.0f / sqrtf((float)p->shape[1]);
+            for (size_t j = 0; j < p->numel; j++) host[j] = bound * (2.0f * cf_rng_uniform(&rng) - 1.0f);
+        }
+        rc = cf_optim_set_tensor(m, i, host);
+        free(host);
+    }
+    return rc;
+}
+
 /* Reads every tensor of a HF directory into the model. */
 static int load_weights(cf_model *m, const char *dir) {
     cf_st_archive ar;
@@ -262,6 +352,7 @@ static int load_weights(cf_model *m, const char *dir) {
     int rc = host ? 0 : -1;
     for (int i = 0; rc == 0 && i < m->ntensors; i++) {
         cf_param *p = &m->params[i];
+        if (p->adapter) continue;
         int j = cf_st_find(&ar, p->name);
         if (j < 0) { rc = cf_fail("%s: missing tensor '%s'", dir, p->name); break; }
         const cf_st_tensor *t = &ar.tensors[j];
@@ -297,9 +388,16 @@ cf_model *cf_model_open_with(const cf_model_opts *o, cf_layout_fn layout, void *
             return NULL;
         }
     }
+    cf_model_opts oo = *o;
+    if (o->adapter_dir) {
+        if (o->lora.rank > 0) { cf_fail("give an adapter directory or LoRA settings, not both"); return NULL; }
+        if (cf_lora_read_config(o->adapter_dir, &oo.lora) != 0) return NULL;
+    }
+    o = &oo;
     cf_model *m = model_alloc(&cfg, o, layout, lctx);
     if (!m) return NULL;
     int rc = o->model_dir ? load_weights(m, o->model_dir) : init_weights(m, o->seed);
+    if (rc == 0 && m->lora.rank > 0) rc = o->adapter_dir ? cf_lora_load(m, o->adapter_dir) : init_adapters(m, o->seed);
     if (rc != 0) { cf_model_free(m); return NULL; }
     return m;
 }
@@ -332,19 +430,21 @@ int cf_model_save(cf_model *m, const char *dir, const char *dtype, size_t max_sh
     cf_st_item *items = cf_calloc((size_t)m->ntensors, sizeof *items);
     if (!host || !items) { free(host); free(items); return -1; }
     size_t off = 0;
-    int rc = 0;
+    int rc = 0, n = 0;
     for (int i = 0; i < m->ntensors && rc == 0; i++) {
         cf_param *p = &m->params[i];
+        if (p->adapter) continue;   /* cf_lora_save */
         rc = cf_model_get_param(m, i, host + off);
-        items[i].name = p->name;
-        items[i].data = host + off;
-        items[i].ndim = p->ndim;
-        items[i].shape[0] = p->shape[0];
-        items[i].shape[1] = p->shape[1];
+        items[n].name = p->name;
+        items[n].data = host + off;
+        items[n].ndim = p->ndim;
+        items[n].shape[0] = p->shape[0];
+        items[n].shape[1] = p->shape[1];
         off += p->numel;
+        n++;
     }
     char path[4096];
-    if (rc == 0) rc = cf_st_write_dir(dir, items, m->ntensors, dt, max_shard_bytes);
+    if (rc == 0) rc = cf_st_write_dir(dir, items, n, dt, max_shard_bytes);
     if (rc == 0) rc = cf_path_join(path, sizeof path, dir, "config.json");
     if (rc == 0) rc = cf_config_save_as(&m->cfg, path, dtype);
     free(host);
@@ -505,7 +605,8 @@ static void free_acts(cf_model *m) {
     free(m->resid); m->resid = NULL;
     void **bufs[] = {&m->d_resid, &m->d_ln, &m->d_att, &m->d_q, &m->d_qn, &m->d_k, &m->d_kn, &m->d_v, &m->d_h,
                      &m->d_gate, &m->d_up, &m->tmp, (void **)&m->losses, (void **)&m->dloss, (void **)&m->doc,
-                     (void **)&m->ref_dev, (void **)&m->keep_dev, (void **)&m->rows, (void **)&m->seq_start};
+                     (void **)&m->ref_dev, (void **)&m->keep_dev, (void **)&m->rows, (void **)&m->seq_start,
+                     &m->lora_v, &m->lora_du};
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) { b->free(b, *bufs[i]); *bufs[i] = NULL; }
     free(m->host_losses); m->host_losses = NULL;
     m->cap_T = 0;
@@ -557,6 +658,19 @@ static int alloc_acts(cf_model *m, int T) {
     if ((m->s_targets = save_slot(m, "targets", sizeof(int))) < 0) return -1;
     if ((m->s_pos = save_slot(m, "positions", sizeof(int))) < 0) return -1;
     size_t wide = CF_MAX((size_t)C, CF_MAX(qd, (size_t)F));
+    if (m->lora.rank > 0) {
+        /* LoRA: u = scale * x A^T of every adapted projection, saved (and
+         * gathered by the filter); the adapter's output and input gradient */
+        for (int l = 0; l < L; l++) {
+            cf_layer_params *p = &m->lp[l];
+            cf_linear *lin[7] = {&p->q, &p->k, &p->v, &p->o, &p->gate, &p->up, &p->down};
+            for (int t = 0; t < 7; t++)
+                if (lin[t]->la >= 0 && (lin[t]->su = save_slot(m, "lora_u", (size_t)m->lora.rank * A)) < 0) return -1;
+        }
+        m->lora_v = b->alloc(b, (size_t)T * wide * A);
+        m->lora_du = b->alloc(b, (size_t)T * m->lora.rank * A);
+        if (!m->lora_v || !m->lora_du) return -1;
+    }
     m->d_resid = b->alloc(b, (size_t)T * C * A);
     m->d_ln = b->alloc(b, (size_t)T * C * A);
     m->d_att = b->alloc(b, (size_t)T * qd * A);

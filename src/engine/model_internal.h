@@ -32,15 +32,20 @@ typedef struct {
     int layer;          /* bucket key: -1 embedding, 0..L-1 layers, L final norm + lm head */
     int trainable;      /* has gradient, master weights and optimizer state */
     int decay;          /* AdamW weight decay applies (matrices only) */
+    int adapter;        /* a LoRA adapter (saved in PEFT's files, not the model's) */
     size_t woff;        /* in elements, into m->w */
     size_t goff;        /* in elements, into the gradient buffer (trainable only) */
 } cf_param;
 
-/* A linear layer y = x W^T (+ b): the parameter indices of its weight and
- * bias (-1 = none). All linear layers of the model go through linear.c,
- * which is where adapters and tensor-parallel collectives plug in. */
+/* A linear layer y = x W^T (+ b) [+ scale (x A^T) B^T]: the parameter
+ * indices of its weight, bias and LoRA adapter A, B (-1 = none), and the
+ * saved activation holding scale * x A^T for the adapter's backward. All
+ * linear layers of the model go through linear.c, which is where adapters
+ * and tensor-parallel collectives plug in. */
 typedef struct {
     int w, b;
+    int la, lb;     /* LoRA A [rank, in], B [out, rank] */
+    int su;         /* saved slot of u = scale * x A^T  [T, rank] */
 } cf_linear;
 
 /* Parameters of one transformer layer (-1 = absent). */
@@ -138,6 +143,8 @@ struct cf_model {
     cf_optim opt;
     cf_layer_params *lp;
     int p_embed, p_norm, p_lm_head;   /* lm_head == embed when tied */
+    cf_lora_opts lora;     /* rank 0: no adapters */
+    float lora_scale;      /* alpha / rank, or alpha / sqrt(rank) */
     float *inv_freq;       /* backend memory, D/2 */
 
     /* activations, allocated for a capacity of T rows */
@@ -153,6 +160,9 @@ struct cf_model {
     float *dloss;          /* backend [T] */
     float *ref_dev;        /* backend [T]: reference losses for device selection */
     cf_scalars *scalars;   /* backend */
+    /* LoRA scratch: the adapter's output [T, widest out] and its input
+     * gradient scale * dy B [T, rank] (kept from bwd_input to bwd_weight) */
+    void *lora_v, *lora_du;
     /* backward scratch */
     void *d_resid, *d_ln, *d_att, *d_q, *d_qn, *d_k, *d_kn, *d_v, *d_h, *d_gate, *d_up, *tmp;
 
@@ -252,10 +262,25 @@ int cf_backward_weighted(cf_model *m, cf_mode mode, const cf_kept *kept, float t
  * of the kept-position loss in which the K and V rows of filtered tokens are
  * constants (their dK, dV are zeroed). */
 int cf_backward_reference_stopgrad(cf_model *m, const cf_kept *kept, float loss_scale, float *loss_out);
+/* Test reference of centrifuge-kv (DESIGN §1): the same dense backward, but
+ * only the INPUT of the K and V projections at filtered rows is a constant:
+ * dK, dV of filtered rows reach the K/V weights, biases and k-norm weight,
+ * and are zeroed before they would flow on into ln1. */
+int cf_backward_reference_stopgrad_kv(cf_model *m, const cf_kept *kept, float loss_scale, float *loss_out);
 
 /* ---- checkpoint.c ---- */
-/* dir/step_NNNNNNNN created (stale temp files of a killed save removed). */
-int cf_checkpoint_dir(const char *dir, int64_t step, char *out, size_t cap);
+/* dir/step_NNNNNNNN created (stale temp files of a killed save removed).
+ * With mark (one writer per checkpoint: rank 0), the directory must be new
+ * or this run's, and gets this run's marker (run id from dir/run.json,
+ * created if missing) before anything else is written. */
+int cf_checkpoint_dir(const char *dir, int64_t step, char *out, size_t cap, int mark);
+/* The run id of dir/run.json into id ("" if none); create: make one. */
+int cf_checkpoint_run_id(const char *dir, char *id, size_t cap, int create);
+/* 0 if the local optimizer shard's master weights, AdamW m and v (any may
+ * be NULL; host arrays of opt.lay.nlocal) are finite and v >= 0; else
+ * cf_fail("<what>: AdamW v of <tensor>[i] is nan"). */
+int cf_checkpoint_check_state(const cf_model *m, const float *master, const float *am, const float *av,
+                              const char *what);
 /* Points dir/latest at step (atomically) and removes checkpoints older
  * than the newest keep_last. Call only when the checkpoint is complete. */
 int cf_checkpoint_commit(const char *dir, int64_t step, int keep_last);

@@ -323,13 +323,10 @@ static int parse_file(cf_st_archive *a, int fi, char *save_id, size_t save_id_ca
     char *buf = NULL;
     cJSON *root = NULL;
     int rc = -1;
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return cf_fail("%s: cannot open: %s", path, strerror(errno));
-
-    struct stat st;
-    if (fstat(fd, &st) != 0) { cf_fail("%s: cannot stat: %s", path, strerror(errno)); goto done; }
-    if (!S_ISREG(st.st_mode)) { cf_fail("%s: not a regular file", path); goto done; }
-    uint64_t size = (uint64_t)st.st_size;
+    int64_t fsize = 0;
+    int fd = cf_open_input(path, &fsize);   /* a regular file; registered while parsed */
+    if (fd < 0) return -1;
+    uint64_t size = (uint64_t)fsize;
     if (size < 8) {
         cf_fail("%s: file has %llu bytes, too short for a safetensors header", path, (unsigned long long)size);
         goto done;
@@ -356,6 +353,8 @@ static int parse_file(cf_st_archive *a, int fi, char *save_id, size_t save_id_ca
     if (buf[0] != '{') { cf_fail("%s: header does not start with '{'; not a safetensors file", path); goto done; }
     root = parse_json(path, "header", buf, (size_t)n);
     if (!root) goto done;
+    /* cJSON cuts a string at a NUL: "a\u0000b" would load as tensor "a" */
+    if (cf_json_check_nul(path, "header", buf, (size_t)n) != 0) goto done;
 
     uint64_t data_size = size - 8 - n;
     a->data_offset[fi] = 8 + n;
@@ -387,6 +386,7 @@ done:
     cJSON_Delete(root);
     free(buf);
     close(fd);
+    cf_input_release(path);
     return rc;
 }
 
@@ -440,9 +440,13 @@ static const char *base_name(const char *path) {
 
 static int open_index(cf_st_archive *a, const char *index_path) {
     size_t len = 0;
-    char *buf = cf_read_file(index_path, &len, ST_MAX_INDEX);
+    char *buf = cf_read_input(index_path, &len, ST_MAX_INDEX);
     if (!buf) return -1;
     cJSON *root = parse_json(index_path, "index", buf, len);
+    if (root && cf_json_check_nul(index_path, "index", buf, len) != 0) {
+        cJSON_Delete(root);
+        root = NULL;
+    }
     st_entry *ents = NULL, *byfile = NULL;
     int rc = -1;
     if (!root) goto done;
@@ -598,8 +602,8 @@ int cf_st_read_f32(const cf_st_archive *a, int i, float *out, size_t numel) {
     if (numel == 0) return 0;
     if (!out) return cf_fail("%s: tensor '%s': NULL output buffer", path, t->name);
 
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return cf_fail("%s: cannot open: %s", path, strerror(errno));
+    int fd = cf_open_input(path, NULL);
+    if (fd < 0) return -1;
     uint64_t off = a->data_offset[t->file] + t->begin;
     int rc = 0;
     errno = 0;
@@ -608,7 +612,7 @@ int cf_st_read_f32(const cf_st_archive *a, int i, float *out, size_t numel) {
         if (r != (ssize_t)(numel * 4)) rc = -1;
     } else {
         uint16_t *tmp = cf_malloc(ST_CHUNK * sizeof *tmp);
-        if (!tmp) { close(fd); return -1; }
+        if (!tmp) { close(fd); cf_input_release(path); return -1; }
         for (size_t done = 0; done < numel && rc == 0; done += ST_CHUNK) {
             size_t m = CF_MIN((size_t)ST_CHUNK, numel - done);
             if (pread_full(fd, tmp, m * 2, off + done * 2) != (ssize_t)(m * 2)) { rc = -1; break; }
@@ -619,6 +623,7 @@ int cf_st_read_f32(const cf_st_archive *a, int i, float *out, size_t numel) {
     }
     int e = errno;
     close(fd);
+    cf_input_release(path);
     if (rc != 0)
         return cf_fail("%s: tensor '%s': cannot read its data (%s); was the file truncated after opening?",
                        path, t->name, e ? strerror(e) : "short read");
@@ -755,11 +760,21 @@ int cf_st_write(const char *path, const cf_st_item *items, int n, cf_dtype dtype
     return write_file(path, items, n, dtype, NULL);
 }
 
-/* "model-00001-of-00003.safetensors": returns 1 and sets k, total. */
+/* "model-00001-of-00003.safetensors" (HF's names) or, when a re-save into
+ * the same directory must not overwrite the files the current index names,
+ * "model-00001-of-00003-<8 hex>.safetensors": returns 1 and sets k, total. */
 static int is_shard_name(const char *name, int *k, int *total) {
     const char *pre = "model-", *mid = "-of-", *suf = ".safetensors";
-    if (strlen(name) != 6 + 5 + 4 + 5 + 12) return 0;
-    if (strncmp(name, pre, 6) != 0 || strncmp(name + 11, mid, 4) != 0 || strcmp(name + 20, suf) != 0) return 0;
+    size_t len = strlen(name), base = 6 + 5 + 4 + 5;
+    if (len != base + 12 && len != base + 9 + 12) return 0;
+    if (strncmp(name, pre, 6) != 0 || strncmp(name + 11, mid, 4) != 0 || strcmp(name + len - 12, suf) != 0) return 0;
+    if (len == base + 9 + 12) {
+        if (name[base] != '-') return 0;
+        for (int i = 1; i <= 8; i++) {
+            char c = name[base + i];
+            if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) return 0;
+        }
+    }
     int a = 0, b = 0;
     for (int i = 0; i < 5; i++) {
         if (name[6 + i] < '0' || name[6 + i] > '9' || name[15 + i] < '0' || name[15 + i] > '9') return 0;
@@ -771,17 +786,25 @@ static int is_shard_name(const char *name, int *k, int *total) {
     return 1;
 }
 
-/* Removes shard files that do not belong to a layout of keep_total shards
- * (keep_total 0 removes every shard). Best effort: a leftover file is
- * harmless because the index, or model.safetensors, says what to load. */
-static void remove_stale_shards(const char *dir, int keep_total) {
+/* The shard file name of shard s of n: HF's, or with the save id when
+ * `alt` (see is_shard_name). */
+static void shard_name(char *out, size_t cap, int s, int n, int alt, const char *save_id) {
+    if (alt) snprintf(out, cap, "model-%05d-of-%05d-%.8s.safetensors", s + 1, n, save_id);
+    else snprintf(out, cap, "model-%05d-of-%05d.safetensors", s + 1, n);
+}
+
+/* Removes shard files other than the nkeep names in keep (nkeep 0 removes
+ * every shard). Best effort: a leftover file is harmless because the
+ * index, or model.safetensors, says what to load. */
+static void remove_stale_shards(const char *dir, char (*keep)[64], int nkeep) {
     DIR *d = opendir(dir);
     if (!d) return;
     struct dirent *e;
     while ((e = readdir(d)) != NULL) {
-        int k, total;
+        int k, total, kept = 0;
         if (!is_shard_name(e->d_name, &k, &total)) continue;
-        if (keep_total > 0 && total == keep_total && k >= 1 && k <= keep_total) continue;
+        for (int i = 0; i < nkeep && !kept; i++) kept = strcmp(keep[i], e->d_name) == 0;
+        if (kept) continue;
         char p[4096 + 256];
         if (cf_path_join(p, sizeof p, dir, e->d_name) == 0) unlink(p);
     }
@@ -809,7 +832,7 @@ static int cmp_named_index(const void *a, const void *b) {
 }
 
 static int write_index(const char *path, const cf_st_item *items, int n, const int *shard_of, int nshards,
-                       uint64_t total, const char *save_id) {
+                       uint64_t total, const char *save_id, char (*names)[64]) {
     /* HF sorts the weight_map by tensor name. */
     named_index *order = cf_malloc((size_t)(n ? n : 1) * sizeof *order);
     if (!order) return -1;
@@ -820,11 +843,9 @@ static int write_index(const char *path, const cf_st_item *items, int n, const i
                   "  \"weight_map\": {\n", save_id, (unsigned long long)total);
     for (int i = 0; i < n; i++) {
         int j = order[i].idx;
-        char fname[64];
-        snprintf(fname, sizeof fname, "model-%05d-of-%05d.safetensors", shard_of[j] + 1, nshards);
         cf_sb_printf(&b, "    ");
         sb_json_string(&b, items[j].name);
-        cf_sb_printf(&b, ": \"%s\"%s\n", fname, i + 1 < n ? "," : "");
+        cf_sb_printf(&b, ": \"%s\"%s\n", names[shard_of[j]], i + 1 < n ? "," : "");
     }
     cf_sb_printf(&b, "  }\n}\n");
     free(order);
@@ -870,28 +891,54 @@ int cf_st_write_dir(const char *dir, const cf_st_item *items, int n, cf_dtype dt
         if (rc == 0) {
             if (unlink(index) != 0 && errno != ENOENT)
                 rc = cf_fail("%s: cannot remove the stale index: %s", index, strerror(errno));
-            remove_stale_shards(dir, 0);
+            remove_stale_shards(dir, NULL, 0);
         }
     } else {
         char save_id[32];
         make_save_id(save_id, sizeof save_id, items, n);
+        char (*names)[64] = cf_calloc((size_t)nshards, sizeof *names);
+        if (!names) { free(shard_of); return -1; }
+        /* The files the current layout uses are never overwritten: if a
+         * shard of HF's name is there (say, rewriting a model in place with
+         * as many shards), this save's shards carry its id in their names,
+         * and until the new index is renamed into place the old layout
+         * stays complete. */
+        int alt = 0;
+        for (int s = 0; s < nshards && !alt; s++) {
+            char path[4096 + 64];
+            shard_name(names[s], sizeof names[s], s, nshards, 0, save_id);
+            struct stat st;
+            alt = cf_path_join(path, sizeof path, dir, names[s]) == 0 && lstat(path, &st) == 0;
+        }
+        for (int s = 0; s < nshards; s++) shard_name(names[s], sizeof names[s], s, nshards, alt, save_id);
+        int written = 0;
         for (int s = 0, first = 0; s < nshards && rc == 0; s++) {
             int last = first;
             while (last < n && shard_of[last] == s) last++;
-            char name[64], path[4096 + 64];
-            snprintf(name, sizeof name, "model-%05d-of-%05d.safetensors", s + 1, nshards);
-            rc = cf_path_join(path, sizeof path, dir, name);
+            char path[4096 + 64];
+            rc = cf_path_join(path, sizeof path, dir, names[s]);
             if (rc == 0) rc = write_file(path, items + first, last - first, dtype, save_id);
+            if (rc == 0) written++;
             first = last;
         }
         /* The index last: until it is renamed into place the old layout
          * (single file or old index) is what a loader sees. */
-        if (rc == 0) rc = write_index(index, items, n, shard_of, nshards, total, save_id);
+        if (rc == 0) rc = write_index(index, items, n, shard_of, nshards, total, save_id, names);
         if (rc == 0) {
             if (unlink(single) != 0 && errno != ENOENT)
                 rc = cf_fail("%s: cannot remove the stale single file: %s", single, strerror(errno));
-            remove_stale_shards(dir, nshards);
+            remove_stale_shards(dir, names, nshards);
+        } else {
+            /* the new shards are this save's own files: nothing names them */
+            char err[1024];
+            snprintf(err, sizeof err, "%s", cf_last_error());
+            for (int s = 0; s < written; s++) {
+                char path[4096 + 64];
+                if (cf_path_join(path, sizeof path, dir, names[s]) == 0) unlink(path);
+            }
+            cf_fail("%s", err);
         }
+        free(names);
     }
     free(shard_of);
     return rc;

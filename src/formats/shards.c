@@ -62,43 +62,51 @@ static char *dup_str(const char *s) {
     return p;
 }
 
-/* Opens path, checks it is a regular file with a full header, and reads
- * the header. Returns the fd (caller closes) or -1. */
+/* Opens path as an input (cf_open_input: a regular file, registered until
+ * cf_input_release; no hang on a FIFO) with a full header, and reads the
+ * header. Returns the fd (caller closes) or -1. */
 static int open_with_header(const char *path, int32_t hdr[HEADER_INTS], int64_t *size) {
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return cf_fail("%s: cannot open: %s", path, strerror(errno));
-    struct stat st;
-    if (fstat(fd, &st) != 0) {
-        int e = errno;
+    int64_t sz = 0;
+    int fd = cf_open_input(path, &sz);
+    if (fd < 0) return -1;
+    if (sz < HEADER_BYTES) {
         close(fd);
-        return cf_fail("%s: cannot stat: %s", path, strerror(e));
-    }
-    if (!S_ISREG(st.st_mode)) { close(fd); return cf_fail("%s: not a regular file", path); }
-    if (st.st_size < HEADER_BYTES) {
-        close(fd);
-        return cf_fail("%s: file has %lld bytes, too short for the %d-byte header", path, (long long)st.st_size,
+        return cf_fail("%s: file has %lld bytes, too short for the %d-byte header", path, (long long)sz,
                        HEADER_BYTES);
     }
     if (pread_full(fd, hdr, HEADER_BYTES, 0) != HEADER_BYTES) {
         close(fd);
         return cf_fail("%s: cannot read the header", path);
     }
-    *size = (int64_t)st.st_size;
+    *size = sz;
     return fd;
 }
 
 /* ----------------------------------------------------------- token shards */
 
-void cf_tokens_close(cf_tokens *t) {
-    if (!t) return;
+static void tokens_free(cf_tokens *t) {
     if (t->map && t->map_len) munmap(t->map, t->map_len);   /* data points into the map */
     free(t->path);
     memset(t, 0, sizeof *t);
 }
 
+void cf_tokens_close(cf_tokens *t) {
+    if (!t) return;
+    if (t->path) cf_input_release(t->path);
+    tokens_free(t);
+}
+
+static int tokens_open(cf_tokens *t, const char *path, int vocab_size);
+
 int cf_tokens_open(cf_tokens *t, const char *path, int vocab_size) {
     if (!t || !path) return cf_fail("tokens: NULL argument");
     memset(t, 0, sizeof *t);
+    int rc = tokens_open(t, path, vocab_size);
+    if (rc != 0) cf_input_release(path);   /* registered by open_with_header */
+    return rc;
+}
+
+static int tokens_open(cf_tokens *t, const char *path, int vocab_size) {
     int32_t hdr[HEADER_INTS];
     int64_t size;
     int fd = open_with_header(path, hdr, &size);
@@ -155,7 +163,7 @@ int cf_tokens_open(cf_tokens *t, const char *path, int vocab_size) {
         int64_t i = 0;
         while (cf_tokens_get(t, i) < (uint32_t)vocab_size) i++;   /* terminates: some id is >= vocab */
         uint32_t id = cf_tokens_get(t, i);
-        cf_tokens_close(t);
+        tokens_free(t);
         return cf_fail("%s: token id %u at position %lld is >= vocab_size %d", path, id, (long long)i, vocab_size);
     }
     t->hash = cf_fnv1a(CF_FNV_INIT, t->data, (size_t)n * (size_t)width);
@@ -213,8 +221,15 @@ int cf_tokens_write(const char *path, const uint32_t *tokens, int64_t n, int wid
 
 /* --------------------------------------------------- reference-loss shards */
 
+static void refloss_free(cf_refloss *r) {
+    free(r->loss);
+    free(r->path);
+    memset(r, 0, sizeof *r);
+}
+
 void cf_refloss_close(cf_refloss *r) {
     if (!r) return;
+    if (r->path) cf_input_release(r->path);
     free(r->loss);
     free(r->path);
     memset(r, 0, sizeof *r);
@@ -288,7 +303,10 @@ int cf_refloss_open(cf_refloss *r, const char *path, const cf_tokens *tokens) {
     rc = 0;
 done:
     close(fd);
-    if (rc != 0) cf_refloss_close(r);
+    if (rc != 0) {
+        refloss_free(r);
+        cf_input_release(path);   /* registered by open_with_header */
+    }
     return rc;
 }
 

@@ -578,7 +578,7 @@ static int load_added(cf_tokenizer *t, const cJSON *list) {
         snprintf(where, sizeof where, "added_tokens[%zu]", k);
         if (!cJSON_IsObject(e)) return cf_fail("%s: %s must be an object", t->path, where);
         const char *content;
-        long id;
+        long id = 0;
         tk_added a;
         memset(&a, 0, sizeof a);
         if (jstr(t->path, where, e, "content", &content) != 0) return -1;
@@ -824,7 +824,7 @@ static int load_decoder(cf_tokenizer *t, const cJSON *o, const char *where) {
     if (!strcmp(type, "Strip")) {
         char c[8];
         size_t n;
-        long start, stop;
+        long start = 0, stop = 0;
         d.kind = D_STRIP;
         if (jchar(t->path, where, o, "content", NULL, c, &n) != 0) return -1;
         size_t i = 0;

@@ -218,7 +218,9 @@ static tk_merge heap_pop(tk_merge *h, size_t *n) {
 /* ---------------------------------------------------------------------- BPE */
 
 #define CACHE_MAX_WORD 256            /* longer words are not cached         */
-#define CACHE_MAX_ENTRIES (1u << 20)  /* the cache is emptied past this      */
+#define CACHE_MAX_ENTRIES (1u << 20)  /* the cache is emptied past this, ... */
+#define CACHE_MAX_IDS (1u << 24)      /* ... or past 64 MB of ids            */
+#define CACHE_MAX_KEYS (64u << 20)    /* ... or past 64 MB of words          */
 
 static int sym_reserve(tk_bpe *m, size_t n) {
     if (n <= m->sym_cap) return 0;
@@ -329,7 +331,8 @@ static void merge_all(tk_bpe *m, size_t ns) {
 }
 
 static int cache_store(tk_bpe *m, const char *w, size_t n, const uint32_t *ids, size_t k) {
-    if (m->cache.n >= CACHE_MAX_ENTRIES || m->cache_nids + k + 1 > UINT32_MAX / 2) {
+    if (m->cache.n >= CACHE_MAX_ENTRIES || m->cache_nids + k + 1 > CACHE_MAX_IDS ||
+        m->cache.keys.len + n + 1 > CACHE_MAX_KEYS) {
         tk_strmap_free(&m->cache);
         m->cache_nids = 0;
     }

@@ -233,7 +233,7 @@ static const char *new_code_points(const char *name, size_t n) {
 
 /* Oniguruma (the regex engine of `tokenizers`) and PCRE2 differ on a few
  * Unicode escapes; they are rewritten to Oniguruma's meaning:
- *   \s  also matches U+0085 (NEL)           -> [\s\x{85}]
+ *   \s  is White_Space less U+180E, with U+0085 (PCRE2: U+180E, no U+0085)
  *   \w  is Alphabetic, marks, Nd, Pc and ¹²³¼½¾ (PCRE2's \w has no marks)
  *   \h  is a hex digit (PCRE2: horizontal space) -> [0-9a-fA-F]
  *   \d \p{L} \p{N} ... also take the code points of NEW_CODE_POINTS
@@ -257,6 +257,10 @@ static const char *word_class(void) {
     return cls;
 }
 
+/* Oniguruma's \s, spelled out: PCRE2's also has U+180E and lacks U+0085. */
+static const char SPACE[] = "\\t\\n\\x{B}\\f\\r\\x{20}\\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}"
+                            "\\x{202F}\\x{205F}\\x{3000}";
+
 static int put_str(tk_buf *out, const char *s) { return tk_buf_put(out, s, strlen(s)); }
 
 /* \p{Name}, \pN, \P{Name}, \PN at re[i] ('\\'): writes the rewritten form
@@ -274,9 +278,10 @@ static size_t unicode_property(const char *re, size_t i, size_t n, int in_class,
         nlen = (size_t)(close - name);
         len = (size_t)(close + 1 - (re + i));
     } else {
-        name = re + i + 2;
-        nlen = 1;
-        len = 3;
+        /* Oniguruma (Ruby syntax) does not read \pL as a property */
+        *err = cf_fail("%s: \\%c%c without braces is not supported (write \\%c{%c})", where, kind, re[i + 2], kind,
+                       re[i + 2]);
+        return 0;
     }
     const char *extra = new_code_points(name, nlen);
     if (!extra) return 0;
@@ -300,8 +305,10 @@ static int translate_regex(const char *re, tk_buf *out, const char *where) {
     snprintf(wneg, sizeof wneg, "[^%s]", W);
     snprintf(dpos, sizeof dpos, "[\\p{Nd}%s]", Nd);
     snprintf(dneg, sizeof dneg, "[^\\p{Nd}%s]", Nd);
-    char din[512];
+    char din[512], spos[128], sneg[128];
     snprintf(din, sizeof din, "\\p{Nd}%s", Nd);
+    snprintf(spos, sizeof spos, "[%s]", SPACE);
+    snprintf(sneg, sizeof sneg, "[^%s]", SPACE);
     out->len = 0;
     int rc = 0;
     for (size_t i = 0; i < n && rc == 0; i++) {
@@ -315,7 +322,7 @@ static int translate_regex(const char *re, tk_buf *out, const char *where) {
                 if (k) { i += k - 1; continue; }
             }
             if (in_class) {
-                if (d == 's') rep = "\\s\\x{85}";
+                if (d == 's') rep = SPACE;
                 else if (d == 'w') rep = W;
                 else if (d == 'h') rep = "0-9a-fA-F";
                 else if (d == 'd') rep = din;
@@ -324,8 +331,8 @@ static int translate_regex(const char *re, tk_buf *out, const char *where) {
                     break;
                 }
             } else {
-                if (d == 's') rep = "[\\s\\x{85}]";
-                else if (d == 'S') rep = "[^\\s\\x{85}]";
+                if (d == 's') rep = spos;
+                else if (d == 'S') rep = sneg;
                 else if (d == 'w') rep = wpos;
                 else if (d == 'W') rep = wneg;
                 else if (d == 'h') rep = "[0-9a-fA-F]";

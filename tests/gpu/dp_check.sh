@@ -35,6 +35,12 @@ for mode in regular loss-only centrifuge strawman; do
   compare "$OUT/dp_$mode.jsonl" "$OUT/one_$mode.jsonl" 2e-2 || { echo "    FAIL"; fail=1; }
 done
 
+echo "== LoRA (rank 8, q,k,v,o) with ZeRO-1 and filtering: DP=2 vs 1 GPU, centrifuge"
+LORA="--lora-rank 8 --lora-targets q,k,v,o --mode centrifuge"
+CUDA_VISIBLE_DEVICES=0 "$BIN" $COMMON $LORA --grad-accum 2 --log-file "$OUT/one_lora.jsonl" 2>"$OUT/one_lora.err" || { echo "    1 GPU failed"; tail -3 "$OUT/one_lora.err"; fail=1; }
+torchrun --nproc_per_node 2 --master_port 29645 --no-python "$BIN" $COMMON $LORA --grad-accum 1 --log-file "$OUT/dp_lora.jsonl" >"$OUT/dp_lora.err" 2>&1 || { echo "    DP=2 failed"; tail -5 "$OUT/dp_lora.err"; fail=1; }
+[ -s "$OUT/dp_lora.jsonl" ] && { compare "$OUT/dp_lora.jsonl" "$OUT/one_lora.jsonl" 2e-2 || { echo "    FAIL"; fail=1; }; }
+
 echo "== resume after SIGKILL of the DP=2 job (centrifuge)"
 R=$OUT/resume; rm -rf "$R"; mkdir -p "$R"
 torchrun --nproc_per_node 2 --master_port 29650 --no-python "$BIN" $BASE --steps 200 --mode centrifuge --out "$R/run" --save-every 50 --log-file "$R/full.jsonl" >/dev/null 2>&1 || { echo "    uninterrupted run failed"; fail=1; }

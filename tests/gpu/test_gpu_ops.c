@@ -656,6 +656,8 @@ static grads attn_bwd_both(attn_problem *p, cf_attn_bwd_mode mode, int *rows, in
     const attn_case c = p->c;
     const int full = mode == CF_ATTN_BWD_FULL;
     const size_t nq = full ? p->T : (size_t)n;
+    /* rows of dk, dv: the q side's, or every row (CENTRIFUGE_KV) */
+    const size_t nkr = mode == CF_ATTN_BWD_CENTRIFUGE_KV ? p->T : nq;
     const size_t wq = (size_t)c.H * c.D, wk = (size_t)c.Hkv * c.D;
     const float *q = full ? p->q : hgather(p->q, rows, n, wq);
     const float *out = full ? p->out : hgather(p->out, rows, n, wq);
@@ -668,21 +670,34 @@ static grads attn_bwd_both(attn_problem *p, cf_attn_bwd_mode mode, int *rows, in
         gk.seq_start = gi32(seq_start, c.B + 1);
         if (loose_max_len) gk.max_len = c.S;
     }
-    float *rdq = HOLD(hnew(nq * wq)), *rdk = HOLD(hnew(nq * wk)), *rdv = HOLD(hnew(nq * wk));
+    float *rdq = HOLD(hnew(nq * wq)), *rdk = HOLD(hnew(nkr * wk)), *rdv = HOLD(hnew(nkr * wk));
     cpu->attention_bwd(cpu, rdq, rdk, rdv, dout, q, p->k, p->v, out, lse, &p->cs, full ? NULL : &ck, mode);
-    void *gdq = gact_nan(nq * wq), *gdk = gact_nan(nq * wk), *gdv = gact_nan(nq * wk);
+    void *gdq = gact_nan(nq * wq), *gdk = gact_nan(nkr * wk), *gdv = gact_nan(nkr * wk);
     gpu->attention_bwd(gpu, gdq, gdk, gdv, gact(dout, nq * wq), gact(q, nq * wq), gact(p->k, p->T * wk),
                        gact(p->v, p->T * wk), gact(out, nq * wq), gf32(lse, nq * c.H), &p->gs,
                        full ? NULL : &gk, mode);
-    grads g = {get_act(gdq, nq * wq), get_act(gdk, nq * wk), get_act(gdv, nq * wk)};
+    grads g = {get_act(gdq, nq * wq), get_act(gdk, nkr * wk), get_act(gdv, nkr * wk)};
     if (compare) {
         char what[256];
         snprintf(what, sizeof what, "%s dq", label);
         cmp(what, g.dq, rdq, nq * wq, tol);
         snprintf(what, sizeof what, "%s dk", label);
-        cmp(what, g.dk, rdk, nq * wk, tol);
+        cmp(what, g.dk, rdk, nkr * wk, tol);
         snprintf(what, sizeof what, "%s dv", label);
-        cmp(what, g.dv, rdv, nq * wk, tol);
+        cmp(what, g.dv, rdv, nkr * wk, tol);
+        if (mode == CF_ATTN_BWD_CENTRIFUGE_KV && (size_t)n < p->T) {
+            /* the filtered keys' rows (what centrifuge drops), on their own scale */
+            int *filt = HOLD(inew(p->T - n));
+            int nf = 0;
+            for (int t = 0, a = 0; t < (int)p->T; t++) {
+                if (a < n && rows[a] == t) a++;
+                else filt[nf++] = t;
+            }
+            snprintf(what, sizeof what, "%s dk filtered rows", label);
+            cmp(what, hgather(g.dk, filt, nf, wk), hgather(rdk, filt, nf, wk), (size_t)nf * wk, tol);
+            snprintf(what, sizeof what, "%s dv filtered rows", label);
+            cmp(what, hgather(g.dv, filt, nf, wk), hgather(rdv, filt, nf, wk), (size_t)nf * wk, tol);
+        }
     }
     return g;
 }
@@ -775,6 +790,64 @@ TEST(attention_centrifuge_bwd_matches_cpu_several_tiles_uneven_kept) {
             free_all();
         }
     }
+}
+
+/* CENTRIFUGE_KV (dq of kept queries as centrifuge; dk, dv of EVERY key
+ * from the kept queries, [T, Hkv, D]) against the CPU on sequences of
+ * several tiles (S >= 200) with uneven kept counts per sequence (about
+ * half, one token, about 20%, none, ...), D = 64 and 128, with and without
+ * GQA, a document mask, the zero-padded head dim, exact and loose max_len.
+ * On the GPU its dq and kept-row dk, dv must also agree with CENTRIFUGE's
+ * (different kernels: dq by atomics here), and with every row kept it must
+ * equal FULL. */
+TEST(attention_centrifuge_kv_bwd_matches_cpu_several_tiles_uneven_kept) {
+    const attn_case cc[] = {
+        {5, 260, 4, 2, 64, 0},
+        {4, 333, 8, 2, 128, 3},
+        {3, 256, 8, 8, 64, 0},
+        {2, 300, 4, 1, 128, 0},
+        {4, 200, 4, 2, 8, 2},
+    };
+    char nm[128], label[200];
+    for (int ci = 0; ci < (int)(sizeof cc / sizeof cc[0]); ci++) {
+        for (int loose = 0; loose < 2; loose++) {
+            attn_problem p;
+            attn_setup(&p, cc[ci]);
+            int *rows, n, *ss = HOLD(inew(cc[ci].B + 1));
+            make_kept(cc[ci], &rows, ss, &n, 0.5);
+            char counts[64] = "";
+            for (int b = 0; b < cc[ci].B; b++)
+                snprintf(counts + strlen(counts), sizeof counts - strlen(counts), "%s%d", b ? "/" : "",
+                         ss[b + 1] - ss[b]);
+            case_name(p.c, nm, sizeof nm);
+            snprintf(label, sizeof label, "CENTRIFUGE_KV %s kept %s%s", nm, counts, loose ? " max_len=S" : "");
+            loose_max_len = loose;
+            grads gk = attn_bwd_both(&p, CF_ATTN_BWD_CENTRIFUGE_KV, rows, ss, n, label, TOL_GRAD, 1);
+            grads gc = attn_bwd_both(&p, CF_ATTN_BWD_CENTRIFUGE, rows, ss, n, "", 0, 0);
+            loose_max_len = 0;
+            const size_t wq = (size_t)p.c.H * p.c.D, wk = (size_t)p.c.Hkv * p.c.D;
+            if (!loose) {
+                cmp("  kv vs centrifuge dq (GPU)", gk.dq, gc.dq, (size_t)n * wq, TOL_GRAD);
+                cmp("  kv vs centrifuge kept-row dk (GPU)", hgather(gk.dk, rows, n, wk), gc.dk, (size_t)n * wk,
+                    TOL_GRAD);
+                cmp("  kv vs centrifuge kept-row dv (GPU)", hgather(gk.dv, rows, n, wk), gc.dv, (size_t)n * wk,
+                    TOL_GRAD);
+            }
+            free_all();
+        }
+    }
+    const attn_case c = {2, 260, 8, 2, 64, 2};
+    attn_problem p;
+    attn_setup(&p, c);
+    int *rows, n, *ss = HOLD(inew(c.B + 1));
+    make_kept(c, &rows, ss, &n, 1.0);
+    grads gf = attn_bwd_both(&p, CF_ATTN_BWD_FULL, NULL, NULL, 0, "", 0, 0);
+    grads gk = attn_bwd_both(&p, CF_ATTN_BWD_CENTRIFUGE_KV, rows, ss, n, "", 0, 0);
+    const size_t nq = p.T * c.H * c.D, nk = p.T * c.Hkv * c.D;
+    cmp("keep=1 centrifuge-kv dq vs full", gk.dq, gf.dq, nq, TOL_BF16);
+    cmp("keep=1 centrifuge-kv dk vs full", gk.dk, gf.dk, nk, 0);
+    cmp("keep=1 centrifuge-kv dv vs full", gk.dv, gf.dv, nk, 0);
+    free_all();
 }
 
 /* A larger problem: 16 tiles, keep 0.5 at random. */
@@ -941,6 +1014,7 @@ int main(void) {
     RUN_IF(attention_all_rows_kept_equals_full_on_gpu);
     RUN_IF(attention_centrifuge_bwd_matches_cpu_several_tiles_uneven_kept);
     RUN_IF(attention_centrifuge_matches_cpu_on_larger_problem);
+    RUN_IF(attention_centrifuge_kv_bwd_matches_cpu_several_tiles_uneven_kept);
     RUN_IF(errors_are_sticky_and_a_second_context_is_independent);
     RUN_IF(two_contexts_interleaved_give_the_same_results);
     CHECK_MSG(gpu->check(gpu) == 0, "the shared GPU backend failed: %s", cf_last_error());

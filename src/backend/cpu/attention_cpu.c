@@ -1,6 +1,7 @@
 /*
  * attention_cpu.c — fp32 causal grouped-query attention, forward and the
- * three backward modes (full, centrifuge, strawman), memory-efficient.
+ * four backward modes (full, centrifuge, strawman, centrifuge-kv),
+ * memory-efficient.
  *
  * Notation (one sequence b, one query head h, kv head g = h / (H/Hkv)):
  *   s_ij  = scale * q_i . k_j            for visible keys j of query i
@@ -18,7 +19,7 @@
  *   dk_j  = scale * sum_i dS_ij q_i     (summed over the query heads of g)
  *   dv_j  = sum_i P_ij do_i             (summed over the query heads of g)
  *
- * The three modes differ only in which queries and keys take part:
+ * The modes differ only in which queries and keys take part:
  *   FULL       queries: all rows;  keys: all rows, all receive dk/dv.
  *   CENTRIFUGE queries: kept rows; keys: all rows (exact dq, with the saved
  *              full-forward lse and D_i = do_i . o_i), but only kept keys
@@ -26,6 +27,8 @@
  *   STRAWMAN   queries: kept rows; keys: kept rows only. lse and D are
  *              recomputed over the kept keys (softmax renormalised), i.e. the
  *              exact backward of attention run on the compacted sequence.
+ *   CENTRIFUGE_KV  as CENTRIFUGE, but every key receives dk/dv (from the
+ *              kept queries), written at its original row of [T, Hkv, D].
  * So the centrifuge backward loops over kept queries only and costs about
  * keep x the full one.
  *
@@ -186,7 +189,13 @@ static void attn_bwd_task(float *dq, float *dk, float *dv, const float *dout, co
             w->q_row[nq] = kept->rows[a];
             nq++;
         }
-        if (mode == CF_ATTN_BWD_CENTRIFUGE) {
+        if (mode == CF_ATTN_BWD_CENTRIFUGE_KV) {
+            /* all keys, each receiving dk/dv at its original row */
+            for (int t = 0; t < S; t++) {
+                w->k_row[nk] = w->k_dst[nk] = seq0 + t;
+                nk++;
+            }
+        } else if (mode == CF_ATTN_BWD_CENTRIFUGE) {
             /* all keys; walk the (ascending) kept list alongside */
             int a = a0;
             for (int t = 0; t < S; t++) {
@@ -269,18 +278,20 @@ int cf_cpu_attention_bwd(float *dq, float *dk, float *dv, const float *dout, con
                          const cf_attn_shape *s, const cf_rows *kept, cf_attn_bwd_mode mode) {
     if (check_shape(s) != 0) return -1;
     const int B = s->B, S = s->S, H = s->H, Hkv = s->Hkv, D = s->D;
-    size_t rows;
+    size_t rows, krows; /* rows of dq; rows of dk and dv */
     if (mode == CF_ATTN_BWD_FULL) {
-        rows = (size_t)B * S;
-    } else if (mode == CF_ATTN_BWD_CENTRIFUGE || mode == CF_ATTN_BWD_STRAWMAN) {
+        rows = krows = (size_t)B * S;
+    } else if (mode == CF_ATTN_BWD_CENTRIFUGE || mode == CF_ATTN_BWD_STRAWMAN ||
+               mode == CF_ATTN_BWD_CENTRIFUGE_KV) {
         if (check_kept(kept, B, S) != 0) return -1;
         rows = (size_t)kept->n;
+        krows = mode == CF_ATTN_BWD_CENTRIFUGE_KV ? (size_t)B * S : rows;
     } else {
         return cf_fail("attention (cpu): unknown backward mode %d", (int)mode);
     }
     memset(dq, 0, rows * H * D * sizeof(float));
-    memset(dk, 0, rows * Hkv * D * sizeof(float));
-    memset(dv, 0, rows * Hkv * D * sizeof(float));
+    memset(dk, 0, krows * Hkv * D * sizeof(float));
+    memset(dv, 0, krows * Hkv * D * sizeof(float));
     if (rows == 0) return 0;
 
     int failed = 0;

@@ -272,6 +272,7 @@ static void cpu_rmsnorm_bwd(cf_backend *b, void *dinp_, float *dw, const void *d
             dx[c] = accumulate ? dx[c] + g : g;
         }
     }
+    if (!dw) return;   /* a frozen norm weight */
     const int CB = 64;
 #pragma omp parallel for schedule(static)
     for (int c0 = 0; c0 < C; c0 += CB) {
@@ -369,6 +370,14 @@ static void cpu_add(cf_backend *b, void *out_, const void *a_, const void *c_, s
     const float *a = a_, *c = c_;
 #pragma omp parallel for schedule(static)
     for (size_t i = 0; i < n; i++) out[i] = a[i] + c[i];
+}
+
+/* x = s * x */
+static void cpu_scale(cf_backend *b, void *x_, float s, size_t n) {
+    if (cpu_failed(b)) return;
+    float *x = x_;
+#pragma omp parallel for schedule(static)
+    for (size_t i = 0; i < n; i++) x[i] *= s;
 }
 
 /* --------------------------------------------------------------- attention */
@@ -482,8 +491,9 @@ static void cpu_lmhead_loss_bwd(cf_backend *b, void *dx_, float *dwlm, const voi
         }
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, C, V, 1.0f, logits, V, wlm, C,
                     0.0f, dxs, C);
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, V, C, n, 1.0f, logits, V, xs, C, 1.0f,
-                    dwlm, C);
+        if (dwlm)   /* NULL: a frozen LM head */
+            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, V, C, n, 1.0f, logits, V, xs, C, 1.0f,
+                        dwlm, C);
         for (int r = 0; r < n; r++)
             memcpy(dx + (size_t)idx[r] * C, dxs + (size_t)r * C, (size_t)C * sizeof(float));
     }
@@ -616,6 +626,7 @@ cf_backend *cf_backend_cpu_create(void) {
     b->swiglu_fwd = cpu_swiglu_fwd;
     b->swiglu_bwd_rows = cpu_swiglu_bwd_rows;
     b->add = cpu_add;
+    b->scale = cpu_scale;
     b->attention_fwd = cpu_attention_fwd;
     b->attention_bwd = cpu_attention_bwd;
     b->lmhead_loss_fwd = cpu_lmhead_loss_fwd;

@@ -100,6 +100,7 @@ extern "C" cf_backend *cf_backend_cuda_create(int device) {
     b->swiglu_fwd = cf_cuda_swiglu_fwd;
     b->swiglu_bwd_rows = cf_cuda_swiglu_bwd_rows;
     b->add = cf_cuda_add;
+    b->scale = cf_cuda_scale;
     b->attention_fwd = cf_cuda_attention_fwd;
     b->attention_bwd = cf_cuda_attention_bwd;
     b->lmhead_loss_fwd = cf_cuda_lmhead_loss_fwd;

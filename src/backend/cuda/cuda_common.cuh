@@ -144,6 +144,7 @@ void cf_cuda_swiglu_fwd(cf_backend *b, void *h, const void *gate, const void *up
 void cf_cuda_swiglu_bwd_rows(cf_backend *b, void *h, void *dgate, void *dup, const void *dh, const void *gate,
                              const void *up, const int *rows, int n, int F);
 void cf_cuda_add(cf_backend *b, void *out, const void *a, const void *c, size_t n);
+void cf_cuda_scale(cf_backend *b, void *x, float s, size_t n);
 /* embedding.cu */
 void cf_cuda_embedding_fwd(cf_backend *b, void *out, const int *tokens, const void *wte, int T, int C);
 void cf_cuda_embedding_bwd(cf_backend *b, float *dwte, const void *dout, const int *tokens, int T, int C);

@@ -113,6 +113,6 @@ void cf_cuda_rmsnorm_bwd(cf_backend *b, void *dinp, float *dw, const void *dout,
         rmsnorm_bwd_kernel<false><<<blocks, 256, 0, ctx->stream>>>((bf16 *)dinp, (const bf16 *)dout, (const bf16 *)inp,
                                                    (const bf16 *)w, rstd, T, C, accumulate);
     if (!CF_CK_LAUNCH(ctx, "rmsnorm_bwd")) return;
-    /* dw[c] += sum_t dout[t,c] * x[t,c] * rstd[t] */
-    cf_cuda_colsum(ctx, dw, (const bf16 *)dout, (const bf16 *)inp, rstd, T, C);
+    /* dw[c] += sum_t dout[t,c] * x[t,c] * rstd[t]; dw NULL: a frozen norm weight */
+    if (dw) cf_cuda_colsum(ctx, dw, (const bf16 *)dout, (const bf16 *)inp, rstd, T, C);
 }

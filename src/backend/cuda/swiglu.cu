@@ -115,3 +115,15 @@ void cf_cuda_add(cf_backend *b, void *out, const void *a, const void *c, size_t 
         add_kernel<<<cf_grid_for(n, 256), 256, 0, ctx->stream>>>((bf16 *)out, (const bf16 *)a, (const bf16 *)c, n);
     CF_CK_LAUNCH(ctx, "add");
 }
+
+/* x = s * x (bf16, in place) */
+static __global__ void scale_kernel(bf16 *x, float s, size_t n) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        x[i] = __float2bfloat16_rn(s * __bfloat162float(x[i]));
+}
+void cf_cuda_scale(cf_backend *b, void *x, float s, size_t n) {
+    cf_cuda_ctx *ctx = cf_cuda_enter(b);
+    if (!ctx || !n) return;
+    scale_kernel<<<cf_grid_for(n, 256), 256, 0, ctx->stream>>>((bf16 *)x, s, n);
+    CF_CK_LAUNCH(ctx, "scale");
+}

@@ -36,12 +36,20 @@
  *   CENTRIFUGE  kept rows          kept rows         prep, bwd (part 1: dk, dv, kept-key dq)
  *               kept rows          filtered rows     bwd_dq (part 2: filtered-key dq, + part 1)
  *   STRAWMAN    kept rows          kept rows         fwd (kept-only lse and out), prep, bwd, convert
+ *   CENTRIFUGE_KV kept rows        all rows          prep, bwd (dk, dv of every key from the kept
+ *                                                    queries, dq by atomics), dq convert
  *
  * Part 1 of centrifuge is exact for the kept-key terms because compaction
  * keeps order (the causal structure among kept rows is the compacted causal
  * mask) and it uses the full-forward lse and D_i = dO_i . out_i of the full
  * output, so P_ij and dS_ij are the full-attention values. Part 2 adds the
  * terms of filtered keys to dq; nothing flows to filtered keys.
+ * CENTRIFUGE_KV runs the main kernel once over kept queries and every key
+ * (no kept-list on the k side, so dk, dv land at original rows [T, Hkv, D]):
+ * the kept x kept work of part 1 plus the kept x filtered work of part 2,
+ * with dK, dV formed for the filtered keys too (two more mma groups per
+ * tile than part 2's dq-only pass). The kernels of the other modes are
+ * unchanged.
  *
  * Tiles: 4 warps per block, 64 rows per tile, each warp owns 16 rows (one m16
  * fragment). Shared-memory rows are padded by 16 bytes so that ldmatrix and

@@ -151,8 +151,8 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
                      cf_attn_bwd_mode mode) {
     if (!check_shape(ctx, s)) return;
     const int D = s->D, H = s->H, Hkv = s->Hkv, B = s->B, S = s->S, T = B * S;
-    const bool full = mode == CF_ATTN_BWD_FULL;
-    if (mode != CF_ATTN_BWD_FULL && mode != CF_ATTN_BWD_CENTRIFUGE && mode != CF_ATTN_BWD_STRAWMAN) {
+    const bool full = mode == CF_ATTN_BWD_FULL, kv = mode == CF_ATTN_BWD_CENTRIFUGE_KV;
+    if (mode != CF_ATTN_BWD_FULL && mode != CF_ATTN_BWD_CENTRIFUGE && mode != CF_ATTN_BWD_STRAWMAN && !kv) {
         cf_cuda_ctx_fail(ctx, "attention_bwd (cuda): unknown mode %d", (int)mode);
         return;
     }
@@ -167,7 +167,15 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
         }
     }
     const int n = full ? T : kept->n; /* rows on the q side and on the k side of part 1 */
-    if (n <= 0) return;
+    const int nk = kv ? T : n;        /* rows of dk, dv (centrifuge-kv: every row) */
+    if (n <= 0) {
+        if (kv) {
+            /* no query: every key's gradient is zero */
+            CF_CK(ctx, cudaMemsetAsync(dk, 0, (size_t)T * Hkv * D * sizeof(bf16), ctx->stream));
+            CF_CK(ctx, cudaMemsetAsync(dv, 0, (size_t)T * Hkv * D * sizeof(bf16), ctx->stream));
+        }
+        return;
+    }
     const int Dp = kernel_dim(D);
     if (Dp != D) {
         cf_attn_shape sp = *s;
@@ -178,15 +186,17 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
         bf16 *kp = dop ? pad(ctx, CF_SCR_ATTN_PAD_K, k, (size_t)T * Hkv, D, Dp) : NULL;
         bf16 *vp = kp ? pad(ctx, CF_SCR_ATTN_PAD_V, v, (size_t)T * Hkv, D, Dp) : NULL;
         bf16 *dqp = (bf16 *)cf_cuda_scratch(ctx, CF_SCR_ATTN_PAD_DQ, (size_t)n * H * Dp * sizeof(bf16));
-        bf16 *dkp = (bf16 *)cf_cuda_scratch(ctx, CF_SCR_ATTN_PAD_DK, (size_t)n * Hkv * Dp * sizeof(bf16));
-        bf16 *dvp = (bf16 *)cf_cuda_scratch(ctx, CF_SCR_ATTN_PAD_DV, (size_t)n * Hkv * Dp * sizeof(bf16));
+        bf16 *dkp = (bf16 *)cf_cuda_scratch(ctx, CF_SCR_ATTN_PAD_DK, (size_t)nk * Hkv * Dp * sizeof(bf16));
+        bf16 *dvp = (bf16 *)cf_cuda_scratch(ctx, CF_SCR_ATTN_PAD_DV, (size_t)nk * Hkv * Dp * sizeof(bf16));
         if (!vp || !dqp || !dkp || !dvp) return;
         attn_bwd(ctx, dqp, dkp, dvp, dop, qp, kp, vp, op, lse, &sp, kept, mode);
-        if (!ctx->failed && unpad(ctx, dq, dqp, (size_t)n * H, D, Dp) && unpad(ctx, dk, dkp, (size_t)n * Hkv, D, Dp))
-            unpad(ctx, dv, dvp, (size_t)n * Hkv, D, Dp);
+        if (!ctx->failed && unpad(ctx, dq, dqp, (size_t)n * H, D, Dp) && unpad(ctx, dk, dkp, (size_t)nk * Hkv, D, Dp))
+            unpad(ctx, dv, dvp, (size_t)nk * Hkv, D, Dp);
         return;
     }
+    /* rows of one sequence on the q side, and on the k side of the main kernel */
     const int maxlen = full ? S : kept->max_len;
+    const int kmaxlen = full || kv ? S : kept->max_len;
 
     AttnArgs a = base_args(s);
     a.q = (const bf16 *)q;
@@ -198,6 +208,12 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
     if (!full) {
         a.qstart = a.kstart = kept->seq_start;
         a.qrow = a.krow = kept->rows;
+    }
+    if (kv) {
+        /* the main kernel over kept queries and ALL keys: dk, dv of every
+         * key from the kept queries, dq over all keys by atomics */
+        a.kstart = NULL;
+        a.krow = NULL;
     }
 
     if (mode == CF_ATTN_BWD_STRAWMAN) {
@@ -221,15 +237,15 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
     attn_bwd_prep(ctx->stream, a.dout, a.o, Dvec, dq_acc, n * H, D);
     if (!CF_CK_LAUNCH(ctx, "attention bwd prep")) return;
     if (H != Hkv) {
-        a.dkx = (float *)cf_cuda_scratch(ctx, CF_SCR_ATTN_DKX, (size_t)n * H * D * sizeof(float));
-        a.dvx = (float *)cf_cuda_scratch(ctx, CF_SCR_ATTN_DVX, (size_t)n * H * D * sizeof(float));
+        a.dkx = (float *)cf_cuda_scratch(ctx, CF_SCR_ATTN_DKX, (size_t)nk * H * D * sizeof(float));
+        a.dvx = (float *)cf_cuda_scratch(ctx, CF_SCR_ATTN_DVX, (size_t)nk * H * D * sizeof(float));
         if (!a.dkx || !a.dvx) return;
     } else {
         a.dk = (bf16 *)dk;
         a.dv = (bf16 *)dv;
     }
     /* part 1 / the whole backward: dk, dv, and dq over the k side */
-    if (!launch(ctx, K_BWD, a, D, (maxlen + TILE - 1) / TILE)) return;
+    if (!launch(ctx, K_BWD, a, D, (kmaxlen + TILE - 1) / TILE)) return;
 
     if (mode == CF_ATTN_BWD_CENTRIFUGE) {
         /* part 2: dq over the filtered keys, plus dq_acc, to bf16 */
@@ -249,7 +265,7 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
         if (!CF_CK_LAUNCH(ctx, "attention dq to bf16")) return;
     }
     if (H != Hkv) {
-        attn_gqa_reduce(ctx->stream, (bf16 *)dk, (bf16 *)dv, a.dkx, a.dvx, (size_t)n, Hkv, H / Hkv, D);
+        attn_gqa_reduce(ctx->stream, (bf16 *)dk, (bf16 *)dv, a.dkx, a.dvx, (size_t)nk, Hkv, H / Hkv, D);
         CF_CK_LAUNCH(ctx, "attention GQA reduce");
     }
 }
