@@ -34,6 +34,7 @@ Examples:
   python3 tools/bench_pytorch.py --sdpa-attention --heads 32 --kv-heads 4 --head-dim 64 --seq 4096
 """
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -220,6 +221,74 @@ def bench_training(args, torch):
     return rows
 
 
+def bench_ddp(args, torch):
+    """PyTorch's own data parallel under torchrun: DDP + ZeroRedundancyOptimizer
+    (AdamW state sharded, as centrifuge's ZeRO-1), micro-batch --batch,
+    --grad-accum micro-batches per step (no_sync on all but the last),
+    regular and loss-only (keep per sequence). Rank 0 prints tokens/s of all
+    ranks; median over --steps after --warmup."""
+    import os
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    dev = "cuda:%d" % local
+    cfgd = config_dict(args.config)
+    model, cfg = build_model(cfgd, torch.bfloat16, dev, torch)
+    model = DDP(model, device_ids=[local])
+    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=args.lr,
+                                  betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    V, B, A = cfg.vocab_size, args.batch, args.grad_accum
+    gen = torch.Generator(device="cpu").manual_seed(args.seed + rank)
+    rows = []
+    for S in args.seq:
+        for mode in args.modes:
+            k = max(1, int(round(args.keep[0] * S))) if mode == "loss-only" else S
+            times = []
+            for it in range(args.warmup + args.steps):
+                batches = []
+                for _ in range(A):
+                    tok = torch.randint(0, V, (B, S + 1), generator=gen).to(dev)
+                    mask = None
+                    if mode == "loss-only":
+                        idx = torch.rand(B, S, generator=gen).argsort(dim=1)[:, :k]
+                        mask = torch.zeros(B, S).scatter_(1, idx, 1.0).view(-1).to(dev)
+                    batches.append((tok, mask))
+                torch.cuda.synchronize()
+                dist.barrier()
+                t0 = time.perf_counter()
+                for mi, (tok, mask) in enumerate(batches):
+                    ctx = model.no_sync() if mi < A - 1 else contextlib.nullcontext()
+                    with ctx:
+                        logits = model(input_ids=tok[:, :-1]).logits
+                        per_tok = F.cross_entropy(logits.float().view(B * S, -1), tok[:, 1:].reshape(-1),
+                                                  reduction="none")
+                        loss = per_tok.mean() if mask is None else (per_tok * mask).sum() / mask.sum()
+                        (loss / A).backward()
+                    del logits, per_tok, loss
+                if args.grad_clip > 0:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip, foreach=True)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                torch.cuda.synchronize()
+                if it >= args.warmup:
+                    times.append(time.perf_counter() - t0)
+            step = statistics.median(times)
+            tps = world * A * B * S / step
+            if rank == 0:
+                print("ddp %-16s seq %5d %-10s world %d  step %8.1f ms  %10.0f tok/s  peak %.1f GiB" % (
+                    args.config, S, mode, world, step * 1e3, tps, torch.cuda.max_memory_allocated() / 2**30))
+                sys.stdout.flush()
+            rows.append({"engine": "pytorch-ddp-zero", "model": args.config, "seq": S, "mode": mode, "world": world,
+                         "grad_accum": A, "step_s": step, "tokens_per_s": round(tps, 1)})
+    dist.destroy_process_group()
+    return rows if rank == 0 else []
+
+
 def sdpa_flops(B, H, S, D):
     fwd = 4.0 * B * H * S * S * D / 2.0  # causal: half of the S x S scores
     return fwd, 2.5 * fwd
@@ -393,6 +462,9 @@ def main(argv=None):
     ap.add_argument("--lr", type=float, default=1e-5, help="AdamW lr (default 1e-5; timing only)")
     ap.add_argument("--device", default=None, help="torch device (default cuda if available, else cpu)")
     ap.add_argument("--seed", type=int, default=1, help="seed (default 1)")
+    ap.add_argument("--ddp", action="store_true", help="PyTorch data parallel (DDP + ZeroRedundancyOptimizer) "
+                    "under torchrun; with --grad-accum")
+    ap.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (--ddp; default 1)")
     ap.add_argument("--json", help="write JSON lines here (centrifuge bench schema + engine, peak_mem_bytes)")
     ap.add_argument("--centrifuge-json", help="JSON lines of `centrifuge bench --json`: print tokens/s ratios")
     g = ap.add_argument_group("attention only (--sdpa-attention)")
@@ -450,7 +522,8 @@ def main(argv=None):
         print("bench_pytorch: note: running on %s: a smoke test, not a baseline" % args.device)
     torch.manual_seed(args.seed)
 
-    rows = bench_attention(args, torch) if args.sdpa_attention else bench_training(args, torch)
+    rows = (bench_attention(args, torch) if args.sdpa_attention else bench_ddp(args, torch) if args.ddp
+            else bench_training(args, torch))
     if args.json:
         tmp = args.json + ".tmp"
         with open(tmp, "w") as f:

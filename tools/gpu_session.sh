@@ -50,6 +50,13 @@ for part in "$@"; do
       # issue 18: what centrifuge-kv costs against centrifuge (TinyLlama @4096)
       "$CF" bench --device cuda --config tinyllama-1.1b --seq 4096 --modes regular,centrifuge,centrifuge-kv --keep 0.5 \
         --steps 10 --warmup 2 --json "$OUT/bench_kv_tinyllama.jsonl" 2>&1 | tee "$OUT/bench_kv_tinyllama.txt" ;;
+    ddp-baseline)
+      # PyTorch's own data parallel (DDP + ZeroRedundancyOptimizer), the same shapes as dp-bench
+      for w in 1 2; do
+        timeout 200 torchrun --nproc_per_node $w --master_port $((29900 + w)) tools/bench_pytorch.py --ddp \
+          --config tinyllama-1.1b --seq 4096 --batch 1 --grad-accum 4 --modes regular,loss-only --keep 0.5 \
+          --steps 5 --warmup 2 2>&1 | grep -E "^ddp|Error|error" | tail -4
+      done ;;
     dp-bench)
       bash tools/dp_bench.sh "$CF" "$OUT/dp_bench" 2>&1 | tee "$OUT/dp_bench.txt" ;;
     bench-sweeps)
