@@ -73,7 +73,7 @@ $(BUILD)/tests/%: tests/%.c tests/test.h $(TEST_LINK)
 test: test-unit test-cli test-example
 
 test-unit: $(TEST_BIN)
-	@set -e; for t in $(TEST_BIN); do echo "== $$t"; OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $$t; done
+	@set -e; for t in $(TEST_BIN); do echo "== $$t"; OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-passive} $$t; done
 
 test-cli: $(BIN)
 	@set -e; for t in tests/cli_*.sh; do [ -f "$$t" ] || continue; echo "== $$t"; bash $$t ./$(BIN); done

@@ -12,7 +12,7 @@ static const struct {
     int (*fn)(int, char **);
     const char *what;
 } COMMANDS[] = {
-    {"demo", cmd_demo, "the whole pipeline on a synthetic math world, in about 90 s on 2 cores"},
+    {"demo", cmd_demo, "the whole pipeline on a synthetic math world, in about 75 s on 2 cores"},
     {"train", cmd_train, "train a model (regular, loss-only, centrifuge, centrifuge-kv, strawman; LoRA; data parallel)"},
     {"score", cmd_score, "reference-model losses for a token shard"},
     {"eval", cmd_eval, "mean loss and perplexity over a token shard"},
