@@ -9,6 +9,9 @@ MARCH   ?= $(if $(shell grep -m1 -ow avx2 /proc/cpuinfo 2>/dev/null),-march=x86-
 OPT     ?= -O3
 CFLAGS  ?= $(OPT) -g $(MARCH)
 # -fPIC: the same objects make the static and the shared library
+# the commit, for benchmark and log records (stamped into engine/model.o)
+GIT_COMMIT := $(or $(shell git rev-parse --short HEAD 2>/dev/null),unknown)
+CFLAGS  += -DCF_GIT_COMMIT='"$(GIT_COMMIT)"'
 CFLAGS  += -std=c11 -D_GNU_SOURCE -Wall -Wextra -Wno-unused-parameter -fopenmp -fPIC -Iinclude -Isrc
 # OpenBLAS built on OpenMP: its threads and ours share one pool (the pthread
 # build fights OpenMP's spinning threads for the cores and runs ~2x slower).

@@ -276,6 +276,10 @@ const char *cf_prof_name(int category);
 void cf_model_set_profile(cf_model *m, int on);
 /* Seconds per category of the last forward (out[0]) and backward (out[1]). */
 void cf_model_profile(const cf_model *m, double out[2][CF_PROF_N]);
+/* The device the model runs on ("NVIDIA H200", "cpu"), for records. */
+const char *cf_model_device_name(const cf_model *m);
+/* The commit this library was built from ("unknown" outside a git checkout). */
+const char *cf_build_commit(void);
 /* Peak device bytes allocated (0 where the backend does not track it). */
 size_t cf_model_memory_peak(const cf_model *m);
 

@@ -75,6 +75,7 @@ typedef enum {
 
 struct cf_backend {
     const char *name;
+    const char *device_name;  /* e.g. "NVIDIA H200" or "cpu", for records */
     size_t act_size;  /* bytes per activation element */
     void *state;      /* backend-private (cublas handles, streams, ...) */
 

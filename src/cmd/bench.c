@@ -218,7 +218,7 @@ int cmd_bench(int argc, char **argv) {
     cf_model *m = cf_model_open(&mo);
     if (!m) return cf_cli_error("bench", 1);
     FILE *jf = NULL;
-    if (json && !(jf = fopen(json, "w"))) { cf_fail("%s: cannot create", json); cf_model_free(m); return cf_cli_error("bench", 1); }
+    if (json && !(jf = cf_output_stream(json, 0))) { cf_model_free(m); return cf_cli_error("bench", 1); }
     const cf_config *c = cf_model_config(m);
     if (peak_tflops < 0) peak_tflops = strcmp(device, "cuda") == 0 ? 989.0 : 0.0;
     printf("bench: %s, %.1fM params, device %s, batch %ld, median of %ld steps after %ld warm-up\n",
@@ -257,16 +257,18 @@ int cmd_bench(int argc, char **argv) {
                     fprintf(jf, "{\"model\":\"%s\",\"params\":%zu,\"device\":\"%s\",\"batch\":%ld,\"seq\":%ld,"
                                 "\"keep\":%.4f,\"mode\":\"%s\",\"kept\":%d,\"forward_s\":%.6f,\"filter_s\":%.6f,"
                                 "\"backward_s\":%.6f,\"optimizer_s\":%.6f,\"step_s\":%.6f,\"tokens_per_s\":%.1f,"
-                                "\"s_per_1M_tokens\":%.4f,\"layers\":%d,\"steps\":%ld,\"mfu\":%.4f,\"peak_bytes\":%zu}\n",
+                                "\"s_per_1M_tokens\":%.4f,\"layers\":%d,\"steps\":%ld,\"mfu\":%.4f,\"peak_bytes\":%zu,"
+                                "\"gpu\":\"%s\",\"commit\":\"%s\",\"world_size\":1,\"tp\":1,\"lora_rank\":%ld}\n",
                             config ? config : model_dir, cf_model_num_params(m), device, batch, seqs[si],
                             keeps[ki], cf_mode_name(modes[mi]), kept, st.fwd, st.filter, st.bwd, st.opt,
-                            st.step, T / st.step, st.step / T * 1e6, c->num_hidden_layers, steps, mfu, peak);
+                            st.step, T / st.step, st.step / T * 1e6, c->num_hidden_layers, steps, mfu, peak,
+                            cf_model_device_name(m), cf_build_commit(), lora_rank);
                     fflush(jf);
                 }
             }
         }
     }
-    if (jf) fclose(jf);
+    if (jf && cf_stream_close(jf, json) != 0 && rc == 0) rc = 1;
     cf_model_free(m);
     return rc ? cf_cli_error("bench", 1) : 0;
 }

@@ -413,8 +413,11 @@ static int is_jsonl(const tk_run *r, const char *path) {
 
 static int process_file(tk_run *r, const char *path) {
     if (is_jsonl(r, path) || r->split == SPLIT_LINE || r->split == SPLIT_BLANK) {
-        FILE *f = fopen(path, "rb");
-        if (!f) return cf_fail("%s: cannot open: %s", path, strerror(errno));
+        /* opened as an input: a FIFO or device is refused, not waited on */
+        int fd = cf_open_input(path, NULL);
+        if (fd < 0) return -1;
+        FILE *f = fdopen(fd, "rb");
+        if (!f) { close(fd); return cf_fail("%s: cannot open: %s", path, strerror(errno)); }
         int rc;
         if (is_jsonl(r, path)) {
             rc = for_lines(r, path, f, jsonl_cb, NULL);

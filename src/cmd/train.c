@@ -775,7 +775,9 @@ int cmd_train(int argc, char **argv) {
                     cf_json_num(jt, sizeof jt, "%.1f", tps), acc.forward, acc.filter, acc.backward, acc.optimizer, dt,
                     skipped);
             if (!isnan(val_loss)) fprintf(logf, ",\"val_loss\":%s", cf_json_num(jv, sizeof jv, "%.6f", val_loss));
-            fprintf(logf, "}\n");
+            /* what ran: every record names the device, commit, mode and parallelism */
+            fprintf(logf, ",\"mode\":\"%s\",\"gpu\":\"%s\",\"commit\":\"%s\",\"world_size\":%d,\"tp\":1,\"lora_rank\":%d}\n",
+                    cf_mode_name(mode), cf_model_device_name(m), cf_build_commit(), world, lora.rank);
             /* a full disk must not cut the log silently */
             if (cf_stream_check(logf, log_path) != 0) goto fail;
         }

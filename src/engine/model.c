@@ -534,6 +534,15 @@ void cf_model_timings(cf_model *m, cf_timings *t) {
     *t = r;
 }
 void cf_model_set_doc_mask(cf_model *m, int bos) { m->doc_mask_bos = bos; }
+const char *cf_model_device_name(const cf_model *m) {
+    return m->b->device_name ? m->b->device_name : m->b->name;
+}
+
+#ifndef CF_GIT_COMMIT
+#define CF_GIT_COMMIT "unknown"
+#endif
+const char *cf_build_commit(void) { return CF_GIT_COMMIT; }
+
 size_t cf_model_memory_peak(const cf_model *m) { return m->b->memory_peak ? m->b->memory_peak(m->b) : 0; }
 
 /* The values of a tensor: from the master weights where this process holds

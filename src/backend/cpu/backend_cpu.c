@@ -599,6 +599,7 @@ cf_backend *cf_backend_cpu_create(void) {
         return NULL;
     }
     b->name = "cpu";
+    b->device_name = "cpu";
     b->act_size = sizeof(float);
     b->state = st;
 

@@ -74,6 +74,7 @@ extern "C" cf_backend *cf_backend_cuda_create(int device) {
     }
     b->state = ctx;
     b->name = "cuda";
+    b->device_name = ctx->device_name;
     b->act_size = sizeof(bf16);
 
     b->alloc = cf_cuda_alloc;
