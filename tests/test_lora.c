@@ -16,6 +16,7 @@
 
 #include "base/common.h"
 #include "engine/model_internal.h"
+#include "model_helpers.h"
 #include "test.h"
 
 enum { B = 2, S = 9 };
@@ -29,50 +30,6 @@ static cf_model *lora_model(const char *config, uint64_t seed, unsigned targets,
     cf_model *m = cf_model_open(&o);
     if (!m) { printf("    %s\n", cf_last_error()); return NULL; }
     return m;
-}
-
-/* Gives every tensor signal: larger base weights and non-zero B. */
-static void randomize(cf_model *m, uint64_t seed) {
-    cf_rng r;
-    cf_rng_seed(&r, seed);
-    for (int i = 0; i < cf_model_num_tensors(m); i++) {
-        size_t n = cf_model_tensor_numel(m, i);
-        float *w = malloc(n * sizeof(float));
-        cf_model_get_param(m, i, w);
-        int matrix = m->params[i].ndim == 2;
-        for (size_t j = 0; j < n; j++) w[j] = matrix ? 0.3f * cf_rng_normal(&r) : w[j] + 0.2f * cf_rng_normal(&r);
-        cf_model_set_param(m, i, w);
-        free(w);
-    }
-}
-
-static void random_tokens(int32_t *tok, int n, int V, uint64_t seed) {
-    cf_rng r;
-    cf_rng_seed(&r, seed);
-    for (int i = 0; i < n; i++) tok[i] = (int32_t)cf_rng_below(&r, (uint32_t)V);
-}
-
-static size_t toff(const cf_model *m, int i) {
-    size_t o = 0;
-    for (int j = 0; j < i; j++) o += cf_model_tensor_numel(m, j);
-    return o;
-}
-
-static float *grads(cf_model *m) {
-    float *g = calloc(cf_model_num_params(m), sizeof(float));
-    for (int i = 0; i < cf_model_num_tensors(m); i++)
-        if (cf_model_tensor_trainable(m, i)) cf_model_get_grad(m, i, g + toff(m, i));
-    return g;
-}
-
-static double max_rel(const cf_model *m, const float *a, const float *b) {
-    double worst = 0;
-    for (int i = 0; i < cf_model_num_tensors(m); i++) {
-        if (!cf_model_tensor_trainable(m, i)) continue;
-        double e = rel_l2(a + toff(m, i), b + toff(m, i), cf_model_tensor_numel(m, i));
-        if (!(e <= worst)) worst = e;
-    }
-    return worst;
 }
 
 static double masked_loss(cf_model *m, const int32_t *tok, const uint8_t *keep) {
@@ -94,7 +51,7 @@ static float *run(cf_model *m, const int32_t *tok, cf_mode mode, const uint8_t *
         rc = stopgrad ? cf_backward_reference_stopgrad(m, &kept, 1.0f, NULL)
                       : cf_backward(m, mode, keep ? &kept : NULL, 1.0f, NULL);
     CHECK_MSG(rc == 0, "backward: %s", cf_last_error());
-    return grads(m);
+    return all_grads(m);
 }
 
 TEST(lora_adapter_gradients_match_finite_differences_and_base_has_none) {
@@ -102,7 +59,7 @@ TEST(lora_adapter_gradients_match_finite_differences_and_base_has_none) {
     for (int ti = 0; ti < 3; ti++) {
         cf_model *m = lora_model(types[ti], 3 + ti, 0x7f, ti == 2);
         if (!m) { CHECK(0); continue; }
-        randomize(m, 11 + ti);
+        randomize_weights(m, 11 + ti, 0.3f, 0.2f);
         int32_t tok[B * (S + 1)];
         random_tokens(tok, B * (S + 1), cf_model_config(m)->vocab_size, 20 + ti);
         uint8_t keep[B * S];
@@ -149,7 +106,7 @@ TEST(lora_adapter_gradients_match_finite_differences_and_base_has_none) {
 TEST(lora_centrifuge_equals_stopgrad_reference_and_regular_at_keep_1) {
     cf_model *m = lora_model("tiny-qwen2", 7, CF_LORA_Q | CF_LORA_K | CF_LORA_V | CF_LORA_O | CF_LORA_DOWN, 0);
     if (!m) { CHECK(0); return; }
-    randomize(m, 8);
+    randomize_weights(m, 8, 0.3f, 0.2f);
     int32_t tok[B * (S + 1)];
     random_tokens(tok, B * (S + 1), cf_model_config(m)->vocab_size, 9);
     uint8_t all[B * S], half[B * S], uneven[B * S];
@@ -157,14 +114,14 @@ TEST(lora_centrifuge_equals_stopgrad_reference_and_regular_at_keep_1) {
     for (int t = 0; t < B * S; t++) { half[t] = t % 2; uneven[t] = t < S ? 0 : (t % 3 == 0); }
     float *reg = run(m, tok, CF_MODE_REGULAR, NULL, 0);
     float *cf1 = run(m, tok, CF_MODE_CENTRIFUGE, all, 0);
-    CHECK_MSG(max_rel(m, cf1, reg) < 1e-5, "keep 1: centrifuge vs regular %.3g", max_rel(m, cf1, reg));
+    CHECK_MSG(max_rel(m, cf1, reg, NULL) < 1e-5, "keep 1: centrifuge vs regular %.3g", max_rel(m, cf1, reg, NULL));
     const uint8_t *masks[2] = {half, uneven};
     for (int k = 0; k < 2; k++) {
         float *cf = run(m, tok, CF_MODE_CENTRIFUGE, masks[k], 0);
         float *sg = run(m, tok, CF_MODE_LOSS_ONLY, masks[k], 1);
         float *lo = run(m, tok, CF_MODE_LOSS_ONLY, masks[k], 0);
-        CHECK_MSG(max_rel(m, cf, sg) < 1e-5, "mask %d: centrifuge vs stop-grad reference %.3g", k, max_rel(m, cf, sg));
-        CHECK_MSG(max_rel(m, lo, cf) > 1e-4, "mask %d: loss-only equals centrifuge", k);
+        CHECK_MSG(max_rel(m, cf, sg, NULL) < 1e-5, "mask %d: centrifuge vs stop-grad reference %.3g", k, max_rel(m, cf, sg, NULL));
+        CHECK_MSG(max_rel(m, lo, cf, NULL) > 1e-4, "mask %d: loss-only equals centrifuge", k);
         free(cf); free(sg); free(lo);
     }
     free(reg); free(cf1);
@@ -192,7 +149,7 @@ TEST(fresh_adapters_leave_the_base_losses_unchanged) {
 TEST(peft_files_round_trip_and_merge_gives_the_adapted_losses) {
     cf_model *m = lora_model("tiny-qwen3", 13, CF_LORA_Q | CF_LORA_V | CF_LORA_GATE | CF_LORA_UP, 1);
     if (!m) { CHECK(0); return; }
-    randomize(m, 14);
+    randomize_weights(m, 14, 0.3f, 0.2f);
     char dir[] = "/tmp/cf_test_lora_XXXXXX";
     CHECK(mkdtemp(dir) != NULL);
     char base_dir[256], ad_dir[256];

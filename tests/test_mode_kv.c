@@ -28,6 +28,7 @@
 
 #include "base/common.h"
 #include "engine/model_internal.h"
+#include "model_helpers.h"
 #include "test.h"
 
 static const char *TYPES[] = {"tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3"};
@@ -36,57 +37,8 @@ enum { B = 2, S = 9, T = B * S };
 #define REF_CF ((cf_mode)-1) /* centrifuge's stop-gradient reference */
 #define REF_KV ((cf_mode)-2) /* centrifuge-kv's stop-gradient reference */
 
-static cf_model *make_model(const char *name, uint64_t seed) {
-    cf_config c;
-    if (cf_config_builtin(&c, name) != 0) { printf("    %s\n", cf_last_error()); return NULL; }
-    cf_model *m = cf_model_create(&c, CF_BACKEND_CPU, seed);
-    if (!m) { printf("    %s\n", cf_last_error()); return NULL; }
-    /* larger weights than the 0.02 init, so every path carries signal */
-    cf_rng r;
-    cf_rng_seed(&r, seed ^ 0x5eed);
-    for (int i = 0; i < cf_model_num_tensors(m); i++) {
-        size_t n = cf_model_tensor_numel(m, i);
-        float *w = malloc(n * sizeof(float));
-        cf_model_get_param(m, i, w);
-        int is_matrix = m->params[i].ndim == 2;
-        for (size_t j = 0; j < n; j++) w[j] = is_matrix ? 0.25f * cf_rng_normal(&r) : w[j] + 0.2f * cf_rng_normal(&r);
-        cf_model_set_param(m, i, w);
-        free(w);
-    }
-    return m;
-}
-
-static void random_tokens(int32_t *tok, int n, int V, uint64_t seed) {
-    cf_rng r;
-    cf_rng_seed(&r, seed);
-    for (int i = 0; i < n; i++) tok[i] = (int32_t)cf_rng_below(&r, (uint32_t)V);
-}
-
-static size_t toff(const cf_model *m, int i) {
-    size_t o = 0;
-    for (int j = 0; j < i; j++) o += cf_model_tensor_numel(m, j);
-    return o;
-}
-
-static float *all_grads(cf_model *m) {
-    float *g = calloc(cf_model_num_params(m), sizeof(float));
-    for (int i = 0; i < cf_model_num_tensors(m); i++)
-        if (cf_model_tensor_trainable(m, i)) cf_model_get_grad(m, i, g + toff(m, i));
-    return g;
-}
-
 static double trel(const cf_model *m, int i, const float *a, const float *b) {
     return rel_l2(a + toff(m, i), b + toff(m, i), cf_model_tensor_numel(m, i));
-}
-
-/* Largest per-tensor relative L2 error, and the tensor it is in. */
-static double max_rel(const cf_model *m, const float *a, const float *b, const char **where) {
-    double worst = 0;
-    for (int i = 0; i < cf_model_num_tensors(m); i++) {
-        double e = trel(m, i, a, b);
-        if (!(e <= worst)) { worst = e; if (where) *where = cf_model_tensor_name(m, i); }
-    }
-    return worst;
 }
 
 /* The tensors that centrifuge-kv's extra gradient reaches: the K and V

@@ -17,62 +17,12 @@
 
 #include "base/common.h"
 #include "engine/model_internal.h"
+#include "model_helpers.h"
 #include "test.h"
 
 static const char *TYPES[] = {"tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3"};
 #define NTYPES 4
 enum { B = 2, S = 9 };
-
-static cf_model *make_model(const char *name, uint64_t seed) {
-    cf_config c;
-    if (cf_config_builtin(&c, name) != 0) { printf("    %s\n", cf_last_error()); return NULL; }
-    cf_model *m = cf_model_create(&c, CF_BACKEND_CPU, seed);
-    if (!m) { printf("    %s\n", cf_last_error()); return NULL; }
-    /* Larger weights than the 0.02 init, so every path carries signal and
-     * finite differences are well above fp32 rounding. */
-    cf_rng r;
-    cf_rng_seed(&r, seed ^ 0x5eed);
-    for (int i = 0; i < cf_model_num_tensors(m); i++) {
-        size_t n = cf_model_tensor_numel(m, i);
-        float *w = malloc(n * sizeof(float));
-        cf_model_get_param(m, i, w);
-        int is_matrix = m->params[i].ndim == 2;
-        for (size_t j = 0; j < n; j++) w[j] = is_matrix ? 0.25f * cf_rng_normal(&r) : w[j] + 0.2f * cf_rng_normal(&r);
-        cf_model_set_param(m, i, w);
-        free(w);
-    }
-    return m;
-}
-
-static void random_tokens(int32_t *tok, int n, int V, uint64_t seed) {
-    cf_rng r;
-    cf_rng_seed(&r, seed);
-    for (int i = 0; i < n; i++) tok[i] = (int32_t)cf_rng_below(&r, (uint32_t)V);
-}
-
-/* Offset of tensor i in the packed host arrays of these tests. */
-static size_t toff(const cf_model *m, int i) {
-    size_t o = 0;
-    for (int j = 0; j < i; j++) o += cf_model_tensor_numel(m, j);
-    return o;
-}
-
-static float *all_grads(cf_model *m) {
-    float *g = calloc(cf_model_num_params(m), sizeof(float));
-    for (int i = 0; i < cf_model_num_tensors(m); i++)
-        if (cf_model_tensor_trainable(m, i)) cf_model_get_grad(m, i, g + toff(m, i));
-    return g;
-}
-
-/* Largest per-tensor relative L2 error between two packed gradient sets. */
-static double max_rel(const cf_model *m, const float *a, const float *b) {
-    double worst = 0;
-    for (int i = 0; i < cf_model_num_tensors(m); i++) {
-        double e = rel_l2(a + toff(m, i), b + toff(m, i), cf_model_tensor_numel(m, i));
-        if (!(e <= worst)) worst = e;
-    }
-    return worst;
-}
 
 /* Backward of the last forward with kept rows given as a host mask. */
 static int backward_mask(cf_model *m, cf_mode mode, const uint8_t *keep, float *loss) {
@@ -232,11 +182,11 @@ TEST(equivalences_of_design_section_1_hold_for_every_model_type) {
             CHECK_CLOSE(l_sw, l_lo, 1e-6);
             if (nkept == B * S) {
                 /* 1. keep = 1: loss-only = centrifuge = regular */
-                CHECK_MSG(max_rel(m, lo, reg) < 1e-5, "%s %s: loss-only vs regular %.3g", TYPES[ti], names[k], max_rel(m, lo, reg));
-                CHECK_MSG(max_rel(m, cf, reg) < 1e-5, "%s %s: centrifuge vs regular %.3g", TYPES[ti], names[k], max_rel(m, cf, reg));
+                CHECK_MSG(max_rel(m, lo, reg, NULL) < 1e-5, "%s %s: loss-only vs regular %.3g", TYPES[ti], names[k], max_rel(m, lo, reg, NULL));
+                CHECK_MSG(max_rel(m, cf, reg, NULL) < 1e-5, "%s %s: centrifuge vs regular %.3g", TYPES[ti], names[k], max_rel(m, cf, reg, NULL));
             }
             /* 2. centrifuge = dense backward with stop-gradient on filtered K/V */
-            CHECK_MSG(max_rel(m, cf, sg) < 1e-5, "%s %s: centrifuge vs stop-grad reference %.3g", TYPES[ti], names[k], max_rel(m, cf, sg));
+            CHECK_MSG(max_rel(m, cf, sg, NULL) < 1e-5, "%s %s: centrifuge vs stop-grad reference %.3g", TYPES[ti], names[k], max_rel(m, cf, sg, NULL));
             /* 4. embedding rows of tokens seen only at filtered positions get
              * exactly zero gradient (untied: the tied LM head touches all rows) */
             if (!cf_model_config(m)->tie_word_embeddings) {
@@ -255,10 +205,10 @@ TEST(equivalences_of_design_section_1_hold_for_every_model_type) {
             }
             /* 5. strawman differs from centrifuge when something is filtered */
             if (nkept < B * S && nkept > B)
-                CHECK_MSG(max_rel(m, sw, cf) > 1e-3, "%s %s: strawman equals centrifuge (%.3g)", TYPES[ti], names[k], max_rel(m, sw, cf));
+                CHECK_MSG(max_rel(m, sw, cf, NULL) > 1e-3, "%s %s: strawman equals centrifuge (%.3g)", TYPES[ti], names[k], max_rel(m, sw, cf, NULL));
             /* and loss-only (dense) differs from centrifuge when filtering */
             if (nkept < B * S)
-                CHECK_MSG(max_rel(m, lo, cf) > 1e-4, "%s %s: loss-only equals centrifuge", TYPES[ti], names[k]);
+                CHECK_MSG(max_rel(m, lo, cf, NULL) > 1e-4, "%s %s: loss-only equals centrifuge", TYPES[ti], names[k]);
             free(lo); free(cf); free(sg); free(sw);
         }
         free(reg);
@@ -372,7 +322,7 @@ TEST(doc_mask_gradients_match_finite_differences_and_centrifuge_equals_stopgrad_
         cf_select(losses, NULL, B, S, 0.5f, CF_SELECT_SELF, 0, 1, keep);
         float *cf = grads_of(m, tok, CF_MODE_CENTRIFUGE, keep, NULL);
         float *sg = grads_of(m, tok, (cf_mode)-1, keep, NULL);
-        CHECK_MSG(max_rel(m, cf, sg) < 1e-5, "%s: centrifuge vs stop-grad with doc mask", types[ti]);
+        CHECK_MSG(max_rel(m, cf, sg, NULL) < 1e-5, "%s: centrifuge vs stop-grad with doc mask", types[ti]);
         free(cf); free(sg);
         cf_model_free(m);
     }
@@ -536,8 +486,8 @@ TEST(trainer_gradient_accumulation_equals_the_whole_batch) {
             cf_model_get_param(a, i, wa + toff(a, i));
             cf_model_get_param(b, i, wb + toff(b, i));
         }
-        CHECK_MSG(max_rel(a, wb, wa) < 1e-5, "%s: weights after one step differ (%.3g)", cf_mode_name(modes[mi]),
-                  max_rel(a, wb, wa));
+        CHECK_MSG(max_rel(a, wb, wa, NULL) < 1e-5, "%s: weights after one step differ (%.3g)", cf_mode_name(modes[mi]),
+                  max_rel(a, wb, wa, NULL));
         free(wa); free(wb);
         cf_trainer_free(ta); cf_trainer_free(tb);
         cf_model_free(a); cf_model_free(b);

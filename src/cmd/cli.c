@@ -101,31 +101,30 @@ int cf_cli_error(const char *cmd, int code) {
     return code;
 }
 
-cf_model *cf_cli_open_model(const char *config, const char *model_dir, const char *device, uint64_t seed,
-                            const char *freeze) {
-    cf_model_opts o = {0};
-    if (cf_backend_parse(device, &o.backend, &o.device) != 0) return NULL;
-    char ckpt[4096];   /* a run directory stands for its newest checkpoint */
-    if (model_dir && !(model_dir = cf_resolve_model_dir(model_dir, ckpt, sizeof ckpt))) return NULL;
-    o.config = config;
-    o.model_dir = model_dir;
-    o.seed = seed;
-    o.freeze = freeze;
-    return cf_model_open(&o);
-}
-
-cf_model *cf_cli_open_model_adapter(const char *config, const char *model_dir, const char *device, uint64_t seed,
-                                    const char *adapter) {
-    if (!adapter) return cf_cli_open_model(config, model_dir, device, seed, NULL);
+/* --config/--model/--device/--seed/--freeze/--adapter to a model; a run
+ * directory (as --model or --adapter) stands for its newest checkpoint. */
+static cf_model *open_model(const char *config, const char *model_dir, const char *device, uint64_t seed,
+                            const char *freeze, const char *adapter) {
     cf_model_opts o = {0};
     if (cf_backend_parse(device, &o.backend, &o.device) != 0) return NULL;
     char ckpt[4096], actk[4096];
     if (model_dir && !(model_dir = cf_resolve_model_dir(model_dir, ckpt, sizeof ckpt))) return NULL;
-    /* a LoRA run directory stands for its newest checkpoint's adapters */
-    if (!(adapter = cf_resolve_model_dir(adapter, actk, sizeof actk))) return NULL;
+    if (adapter && !(adapter = cf_resolve_model_dir(adapter, actk, sizeof actk))) return NULL;
     o.config = config;
     o.model_dir = model_dir;
     o.seed = seed;
+    o.freeze = freeze;
     o.adapter_dir = adapter;
     return cf_model_open(&o);
 }
+
+cf_model *cf_cli_open_model(const char *config, const char *model_dir, const char *device, uint64_t seed,
+                            const char *freeze) {
+    return open_model(config, model_dir, device, seed, freeze, NULL);
+}
+
+cf_model *cf_cli_open_model_adapter(const char *config, const char *model_dir, const char *device, uint64_t seed,
+                                    const char *adapter) {
+    return open_model(config, model_dir, device, seed, NULL, adapter);
+}
+
