@@ -429,7 +429,7 @@ TEST(embedding_fwd_copies_token_rows) {
     cf_rng_seed(&r, 501);
     float *wte = fnew(EMB_V * EMB_C), *out = fnew(EMB_T * EMB_C);
     fill_normal(wte, EMB_V * EMB_C, &r, 1);
-    be->embedding_fwd(be, out, emb_tokens, wte, EMB_T, EMB_C);
+    be->embedding_fwd(be, out, emb_tokens, wte, EMB_T, EMB_C, 0, EMB_V);
     for (int t = 0; t < EMB_T; t++)
         CHECK(memcmp(out + t * EMB_C, wte + emb_tokens[t] * EMB_C, EMB_C * sizeof(float)) == 0);
     free(wte); free(out);
@@ -448,7 +448,7 @@ TEST(embedding_bwd_sums_repeated_tokens_in_row_order_bitwise) {
             expect[emb_tokens[t] * EMB_C + c] += dout[t * EMB_C + c];
             exact[emb_tokens[t] * EMB_C + c] += dout[t * EMB_C + c];
         }
-    be->embedding_bwd(be, dwte, dout, emb_tokens, EMB_T, EMB_C);
+    be->embedding_bwd(be, dwte, dout, emb_tokens, EMB_T, EMB_C, 0, EMB_V);
     CHECK(memcmp(dwte, expect, EMB_V * EMB_C * sizeof(float)) == 0);
     CHECK(rel_err_d(dwte, exact, EMB_V * EMB_C) < 1e-6);
     free(dwte); free(expect); free(dout); free(exact);
@@ -525,7 +525,7 @@ TEST(lmhead_loss_fwd_and_bwd_are_stable_for_large_logits) {
     CHECK(finite);
     CHECK(zmax > 200); /* the logits are large indeed */
     CHECK_MSG(worst < 1e-6, "loss error / max|logit| = %g", worst);
-    be->lmhead_loss_bwd(be, dx, dW, x, W, tg, dl, LM_T, LM_C, LM_V);
+    be->lmhead_loss_bwd(be, dx, dW, x, W, tg, dl, NULL, LM_T, LM_C, LM_V, 0);
     finite = 1;
     for (int i = 0; i < LM_T * LM_C; i++) finite &= isfinite(dx[i]);
     for (int i = 0; i < LM_V * LM_C; i++) finite &= isfinite(dW[i]);
@@ -548,7 +548,7 @@ TEST(lmhead_loss_bwd_matches_finite_differences) {
     CHECK(nonzero > 256); /* the gathered nonzero rows span two chunks */
     fill_normal(dW0, LM_V * LM_C, &r, 1);
     memcpy(dW, dW0, LM_V * LM_C * sizeof(float));
-    be->lmhead_loss_bwd(be, dx, dW, x, W, tg, dl, LM_T, LM_C, LM_V);
+    be->lmhead_loss_bwd(be, dx, dW, x, W, tg, dl, NULL, LM_T, LM_C, LM_V, 0);
     for (int i = 0; i < LM_V * LM_C; i++) dW[i] -= dW0[i];
 
     lm_ctx c = {LM_T, LM_C, LM_V, tg, to_double(x, LM_T * LM_C), to_double(W, LM_V * LM_C),
@@ -573,6 +573,55 @@ TEST(lmhead_loss_bwd_matches_finite_differences) {
     free(gW); free(gx);
 }
 
+/* Tensor parallelism splits the vocabulary: three slices' statistics,
+ * combined, give the whole vocabulary's losses; each slice's backward with
+ * the combined log-sum-exp gives its rows of dW exactly as the whole
+ * backward does, and the slices' dx sum to the whole dx. The embedding of
+ * a slice gives zero rows for the other slices' tokens. */
+TEST(vocab_parallel_slices_reproduce_whole_vocabulary_loss_and_gradients) {
+    cf_rng r;
+    cf_rng_seed(&r, 605);
+    enum { P = 3 };
+    const int Vp = (LM_V + P - 1) / P;   /* the last slice is shorter */
+    float *x = fnew(LM_T * LM_C), *W = fnew(LM_V * LM_C), *dl = fnew(LM_T), *loss = fnew(LM_T);
+    float *dx = fnew(LM_T * LM_C), *dW = fnew(LM_V * LM_C), *lse = fnew(LM_T), *ploss = fnew(LM_T);
+    float *parts = fnew(P * LM_T * 3), *pdx = fnew(LM_T * LM_C), *sdx = fnew(LM_T * LM_C), *pdW = fnew(LM_V * LM_C);
+    int tg[LM_T];
+    lm_inputs(&r, x, W, tg, 1);
+    for (int t = 0; t < LM_T; t++) dl[t] = t % 5 == 2 ? 0.0f : cf_rng_normal(&r);
+    be->lmhead_loss_fwd(be, loss, x, W, tg, LM_T, LM_C, LM_V);
+    be->lmhead_loss_bwd(be, dx, dW, x, W, tg, dl, NULL, LM_T, LM_C, LM_V, 0);
+    for (int p = 0; p < P; p++) {
+        int v0 = p * Vp, vl = CF_MIN(Vp, LM_V - v0);
+        be->lmhead_stats_fwd(be, parts + (size_t)p * LM_T * 3, x, W + (size_t)v0 * LM_C, tg, LM_T, LM_C, vl, v0);
+    }
+    be->xent_combine(be, ploss, lse, parts, tg, LM_T, P, LM_V);
+    double lerr = 0;
+    for (int t = 0; t < LM_T; t++) lerr = fmax(lerr, fabs(ploss[t] - loss[t]));
+    CHECK_MSG(lerr < 1e-5, "combined loss err %g", lerr);
+    for (int p = 0; p < P; p++) {
+        int v0 = p * Vp, vl = CF_MIN(Vp, LM_V - v0);
+        be->lmhead_loss_bwd(be, pdx, pdW + (size_t)v0 * LM_C, x, W + (size_t)v0 * LM_C, tg, dl, lse, LM_T, LM_C, vl,
+                            v0);
+        for (int i = 0; i < LM_T * LM_C; i++) sdx[i] += pdx[i];
+    }
+    CHECK_MSG(rel_err(sdx, dx, LM_T * LM_C) < 1e-5, "dx %g", rel_err(sdx, dx, LM_T * LM_C));
+    CHECK_MSG(rel_err(pdW, dW, LM_V * LM_C) < 1e-5, "dW %g", rel_err(pdW, dW, LM_V * LM_C));
+    CHECK(max_abs(dx, LM_T * LM_C) > 0);
+    /* the embedding of slice 1: its tokens' rows, zeros elsewhere */
+    float *emb = fnew(LM_T * LM_C);
+    be->embedding_fwd(be, emb, tg, W + (size_t)Vp * LM_C, LM_T, LM_C, Vp, Vp);
+    int ok = 1;
+    for (int t = 0; t < LM_T; t++) {
+        int in = tg[t] >= Vp && tg[t] < 2 * Vp;
+        for (int c = 0; c < LM_C; c++)
+            ok &= emb[t * LM_C + c] == (in ? W[(size_t)tg[t] * LM_C + c] : 0.0f);
+    }
+    CHECK(ok);
+    free(x); free(W); free(dl); free(loss); free(dx); free(dW); free(lse); free(ploss); free(parts); free(pdx);
+    free(sdx); free(pdW); free(emb);
+}
+
 TEST(lmhead_loss_bwd_zero_dloss_rows_give_zero_dx_and_no_dwlm) {
     cf_rng r;
     cf_rng_seed(&r, 604);
@@ -584,13 +633,13 @@ TEST(lmhead_loss_bwd_zero_dloss_rows_give_zero_dx_and_no_dwlm) {
     /* all zero: dx is overwritten with zeros, dwlm untouched */
     memcpy(dW, dW0, LM_V * LM_C * sizeof(float));
     for (int i = 0; i < LM_T * LM_C; i++) dx[i] = 5.0f;
-    be->lmhead_loss_bwd(be, dx, dW, x, W, tg, dl, LM_T, LM_C, LM_V);
+    be->lmhead_loss_bwd(be, dx, dW, x, W, tg, dl, NULL, LM_T, LM_C, LM_V, 0);
     CHECK(max_abs(dx, LM_T * LM_C) == 0.0);
     CHECK(memcmp(dW, dW0, LM_V * LM_C * sizeof(float)) == 0);
     /* some zero: exactly those dx rows are zero, the others are not */
     for (int t = 0; t < LM_T; t++) dl[t] = (t % 3 == 1) ? 0.0f : 1.0f / LM_T;
     for (int i = 0; i < LM_T * LM_C; i++) dx[i] = 5.0f;
-    be->lmhead_loss_bwd(be, dx, dW, x, W, tg, dl, LM_T, LM_C, LM_V);
+    be->lmhead_loss_bwd(be, dx, dW, x, W, tg, dl, NULL, LM_T, LM_C, LM_V, 0);
     int ok = 1;
     for (int t = 0; t < LM_T; t++) {
         double m = max_abs(dx + t * LM_C, LM_C);
@@ -1436,7 +1485,7 @@ TEST(reductions_are_bitwise_identical_for_one_and_many_threads) {
         omp_set_num_threads(pass == 0 ? 1 : (nt > 1 ? nt : 4));
         dx[pass] = fnew(T * C); dw[pass] = fnew(C); dwte[pass] = fnew(7 * C);
         be->rmsnorm_bwd(be, dx[pass], dw[pass], dout, x, w, rstd, T, C, 0);
-        be->embedding_bwd(be, dwte[pass], dout, tok, T, C);
+        be->embedding_bwd(be, dwte[pass], dout, tok, T, C, 0, 7);
     }
     omp_set_num_threads(nt);
     CHECK(memcmp(dx[0], dx[1], T * C * sizeof(float)) == 0);
@@ -1496,6 +1545,7 @@ int main(void) {
     RUN(lmhead_loss_fwd_and_bwd_are_stable_for_large_logits);
     RUN(lmhead_loss_bwd_matches_finite_differences);
     RUN(lmhead_loss_bwd_zero_dloss_rows_give_zero_dx_and_no_dwlm);
+    RUN(vocab_parallel_slices_reproduce_whole_vocabulary_loss_and_gradients);
     RUN(attention_fwd_matches_naive_reference_causal_gqa_with_and_without_doc_ids);
     RUN(attention_full_bwd_matches_finite_differences_with_and_without_doc_ids);
     RUN(attention_centrifuge_dq_is_exact_over_all_keys);

@@ -100,13 +100,14 @@ struct cf_backend {
     void (*destroy)(cf_backend *b);
 
     /* ---- ops ---- */
-    /* out[t,:] = wte[tokens[t],:] */
+    /* out[t,:] = wte[tokens[t] - vstart,:] for tokens in [vstart, vstart+vlen),
+     * else 0 (a vocab-parallel slice of the table; vstart 0, vlen V whole) */
     void (*embedding_fwd)(cf_backend *b, void *out, const int *tokens, const void *wte,
-                          int T, int C);
-    /* dwte[tokens[t],:] += dout[t,:]  (deterministic: rows with equal token
-     * are summed in row order) */
+                          int T, int C, int vstart, int vlen);
+    /* dwte[tokens[t]-vstart,:] += dout[t,:] for tokens in the slice
+     * (deterministic: rows with equal token are summed in row order) */
     void (*embedding_bwd)(cf_backend *b, float *dwte, const void *dout, const int *tokens,
-                          int T, int C);
+                          int T, int C, int vstart, int vlen);
     /* out[T,N] = inp[T,K] W[N,K]^T (+ bias[N]) */
     void (*matmul_fwd)(cf_backend *b, void *out, const void *inp, const void *w,
                        const void *bias, int T, int K, int N);
@@ -156,9 +157,25 @@ struct cf_backend {
                             const int *targets, int T, int C, int V);
     /* For rows t with dloss[t] != 0 contribution:
      * dlogits = dloss[t] * (softmax - onehot); dx[T,C] = dlogits W (overwrite);
-     * dwlm[V,C] += dlogits^T x. Rows with dloss 0 give dx 0. */
+     * dwlm[V,C] += dlogits^T x. Rows with dloss 0 give dx 0.
+     * Vocab-parallel (lse != NULL): W holds the vocabulary rows [vstart,
+     * vstart+V) of a larger table and softmax_j = exp(logit_j - lse[t]) with
+     * the whole vocabulary's log-sum-exp; the one-hot term applies only when
+     * the target is in the slice; dx is this slice's partial sum. lse NULL:
+     * vstart must be 0. */
     void (*lmhead_loss_bwd)(cf_backend *b, void *dx, float *dwlm, const void *x, const void *wlm,
-                            const int *targets, const float *dloss, int T, int C, int V);
+                            const int *targets, const float *dloss, const float *lse, int T, int C,
+                            int V, int vstart);
+    /* Vocab-parallel forward, first half: for the slice [vstart, vstart+V)
+     * held in wlm, stats[t] = {max_j z_tj, sum_j exp(z_tj - max), z_t,target
+     * if the target is in the slice else 0} (z = x W^T). */
+    void (*lmhead_stats_fwd)(cf_backend *b, float *stats, const void *x, const void *wlm,
+                             const int *targets, int T, int C, int V, int vstart);
+    /* Second half, after the slices' stats were gathered: parts [parts, T, 3]
+     * -> lse[t] = M + log(sum_p s_p exp(m_p - M)), M = max_p m_p, and
+     * losses[t] = lse[t] - sum_p target_p (NaN for a target outside [0, V)). */
+    void (*xent_combine)(cf_backend *b, float *losses, float *lse, const float *parts, const int *targets,
+                         int T, int nparts, int V);
     /* dst[i,:] = src[rows[i],:] for i < n; row_bytes bytes per row (the
      * filter operator's primitive). */
     void (*gather_rows)(cf_backend *b, void *dst, const void *src, const int *rows, int n,

@@ -241,9 +241,14 @@ static int backward_impl(cf_model *m, cf_mode mode, const cf_kept *kept, float t
 #define KSAVED(idx) (kv_all ? m->saved[(idx)].full : SAVED(m, (idx)))
 
     /* LM head and final norm: dresid = d(loss)/d(x_L) */
+    /* TP: the rank's vocabulary slice with the whole vocabulary's lse; its
+     * input gradient is a partial sum */
+    const int tp = cf_tp_on(m);
+    const int v0 = tp ? m->tp.vocab_start : 0, vn = tp ? m->tp.vocab_len : c->vocab_size;
     OP(CF_PROF_LMHEAD, b->lmhead_loss_bwd(b, m->d_ln, cf_grad(m, m->p_lm_head), SAVED(m, m->s_lnf),
-                       cf_weight(m, m->p_lm_head), SAVED(m, m->s_targets), m->dloss, n, C,
-                       c->vocab_size));
+                       cf_weight(m, m->p_lm_head), SAVED(m, m->s_targets), m->dloss,
+                       tp ? SAVED(m, m->s_lse) : NULL, n, C, vn, v0));
+    if (tp && cf_tp_allreduce(m, m->d_ln, (size_t)n * C, CF_TP_ACT, CF_TP_BWD) != 0) return -1;
     OP(CF_PROF_NORM, b->rmsnorm_bwd(b, m->d_resid, cf_grad(m, m->p_norm), m->d_ln, SAVED(m, m->resid[L]),
                    cf_weight(m, m->p_norm), SAVED(m, m->s_rstdf), n, C, 0));
     if (bucket_ready(m, L) != 0) return -1;
@@ -257,8 +262,19 @@ static int backward_impl(cf_model *m, cf_mode mode, const cf_kept *kept, float t
         OP(CF_PROF_ELTWISE, b->swiglu_bwd_rows(b, m->tmp, m->d_gate, m->d_up, m->d_h, SAVED(m, a->gate),
                                                SAVED(m, a->up), compact ? m->rows : NULL, n, F));
         OP(CF_PROF_GEMM, cf_linear_bwd_weight(m, &p->down, m->d_resid, m->tmp, n, F, C));
-        OP(CF_PROF_GEMM, cf_linear_bwd(m, &p->gate, m->d_ln, m->d_gate, SAVED(m, a->ln2), n, C, F, 0));
-        OP(CF_PROF_GEMM, cf_linear_bwd(m, &p->up, m->d_ln, m->d_up, SAVED(m, a->ln2), n, C, F, 1));
+        if (tp) {
+            /* column-parallel gate/up: their input gradient is a partial sum;
+             * its all-reduce runs while the weight gradients are computed */
+            OP(CF_PROF_GEMM, cf_linear_bwd_input(m, &p->gate, m->d_ln, m->d_gate, n, C, F, 0));
+            OP(CF_PROF_GEMM, cf_linear_bwd_input(m, &p->up, m->d_ln, m->d_up, n, C, F, 1));
+            if (m->tp.allreduce_start(m->tp.ctx, m->d_ln, (size_t)n * C, CF_TP_ACT, CF_TP_BWD) != 0) return -1;
+            OP(CF_PROF_GEMM, cf_linear_bwd_weight(m, &p->gate, m->d_gate, SAVED(m, a->ln2), n, C, F));
+            OP(CF_PROF_GEMM, cf_linear_bwd_weight(m, &p->up, m->d_up, SAVED(m, a->ln2), n, C, F));
+            if (m->tp.wait(m->tp.ctx) != 0) return -1;
+        } else {
+            OP(CF_PROF_GEMM, cf_linear_bwd(m, &p->gate, m->d_ln, m->d_gate, SAVED(m, a->ln2), n, C, F, 0));
+            OP(CF_PROF_GEMM, cf_linear_bwd(m, &p->up, m->d_ln, m->d_up, SAVED(m, a->ln2), n, C, F, 1));
+        }
         OP(CF_PROF_NORM, b->rmsnorm_bwd(b, m->d_resid, cf_grad(m, p->ln2), m->d_ln, SAVED(m, a->x_mid),
                        cf_weight(m, p->ln2), SAVED(m, a->rstd2), n, C, 1));
         /* attention: x_mid = x + o(attn(q, k, v)) */
@@ -280,10 +296,22 @@ static int backward_impl(cf_model *m, cf_mode mode, const cf_kept *kept, float t
             dq = m->d_qn;
             dk = m->d_kn;
         }
-        OP(CF_PROF_GEMM, cf_linear_bwd(m, &p->q, m->d_ln, dq, SAVED(m, a->ln1), n, C, qd, 0));
         if (kv_all) {
+            OP(CF_PROF_GEMM, cf_linear_bwd(m, &p->q, m->d_ln, dq, SAVED(m, a->ln1), n, C, qd, 0));
             if (kv_proj_bwd(m, p, a, dk, n, sg) != 0) return -1;
+            if (tp && cf_tp_allreduce(m, m->d_ln, (size_t)n * C, CF_TP_ACT, CF_TP_BWD) != 0) return -1;
+        } else if (tp) {
+            /* column-parallel q/k/v, as gate/up above */
+            OP(CF_PROF_GEMM, cf_linear_bwd_input(m, &p->q, m->d_ln, dq, n, C, qd, 0));
+            OP(CF_PROF_GEMM, cf_linear_bwd_input(m, &p->k, m->d_ln, dk, n, C, kd, 1));
+            OP(CF_PROF_GEMM, cf_linear_bwd_input(m, &p->v, m->d_ln, m->d_v, n, C, kd, 1));
+            if (m->tp.allreduce_start(m->tp.ctx, m->d_ln, (size_t)n * C, CF_TP_ACT, CF_TP_BWD) != 0) return -1;
+            OP(CF_PROF_GEMM, cf_linear_bwd_weight(m, &p->q, dq, SAVED(m, a->ln1), n, C, qd));
+            OP(CF_PROF_GEMM, cf_linear_bwd_weight(m, &p->k, dk, SAVED(m, a->ln1), n, C, kd));
+            OP(CF_PROF_GEMM, cf_linear_bwd_weight(m, &p->v, m->d_v, SAVED(m, a->ln1), n, C, kd));
+            if (m->tp.wait(m->tp.ctx) != 0) return -1;
         } else {
+            OP(CF_PROF_GEMM, cf_linear_bwd(m, &p->q, m->d_ln, dq, SAVED(m, a->ln1), n, C, qd, 0));
             OP(CF_PROF_GEMM, cf_linear_bwd(m, &p->k, m->d_ln, dk, SAVED(m, a->ln1), n, C, kd, 1));
             OP(CF_PROF_GEMM, cf_linear_bwd(m, &p->v, m->d_ln, m->d_v, SAVED(m, a->ln1), n, C, kd, 1));
         }
@@ -292,7 +320,7 @@ static int backward_impl(cf_model *m, cf_mode mode, const cf_kept *kept, float t
         if (bucket_ready(m, l) != 0) return -1;
     }
     float *dembed = cf_grad(m, m->p_embed);
-    if (dembed) OP(CF_PROF_ELTWISE, b->embedding_bwd(b, dembed, m->d_resid, SAVED(m, m->s_tokens), n, C));
+    if (dembed) OP(CF_PROF_ELTWISE, b->embedding_bwd(b, dembed, m->d_resid, SAVED(m, m->s_tokens), n, C, v0, vn));
     if (bucket_ready(m, -1) != 0) return -1;
     cf_stage_end(m, CF_STAGE_BACKWARD);
     return b->check(b);

@@ -5,7 +5,8 @@
  *   - a frozen weight or bias gets no gradient (its weight-gradient GEMM is
  *     never run);
  *   - a LoRA adapter adds s (x A^T) B^T (forward and backward, below);
- *   - a tensor-parallel layer would add its collective here.
+ *   - a row-parallel layer under tensor parallelism (o, down) gives a partial
+ *     sum that the caller all-reduces, so only TP rank 0 adds the bias.
  *
  * Shapes: in [T, K], out [T, N], W [N, K] (HF nn.Linear layout); adapter
  * A [r, K], B [N, r], s = alpha / r (alpha / sqrt(r) with rslora).
@@ -21,7 +22,8 @@
 
 void cf_linear_fwd(cf_model *m, const cf_linear *l, void *out, const void *in, int T, int K, int N) {
     cf_backend *b = m->b;
-    b->matmul_fwd(b, out, in, cf_weight(m, l->w), cf_weight(m, l->b), T, K, N);
+    const void *bias = l->row_tp && m->tp.rank != 0 ? NULL : cf_weight(m, l->b);
+    b->matmul_fwd(b, out, in, cf_weight(m, l->w), bias, T, K, N);
     if (l->la < 0) return;
     int r = m->lora.rank;
     void *u = m->saved[l->su].full;

@@ -27,6 +27,7 @@
 #include <string.h>
 
 #include "base/common.h"
+#include "dist/tp_plan.h"
 #include "formats/io.h"
 
 static void free_acts(cf_model *m);
@@ -57,7 +58,7 @@ static int layer_param(cf_model *m, int cap, int l, const char *suffix, int64_t 
 
 static cf_linear layer_linear(cf_model *m, int cap, int l, const char *proj, int64_t out, int64_t in, int bias) {
     char name[64];
-    cf_linear lin = {-1, -1, -1, -1, -1};
+    cf_linear lin = {-1, -1, -1, -1, -1, 0};
     snprintf(name, sizeof name, "%s.weight", proj);
     lin.w = layer_param(m, cap, l, name, out, in);
     if (bias) {
@@ -264,14 +265,54 @@ int cf_backend_parse(const char *s, cf_backend_kind *out, int *device) {
 /* Allocates the model with uninitialised weights: the parameter table, the
  * optimizer layout (whole, or the builder's), the compute weights and the
  * optimizer state of the trainable tensors. */
-static cf_model *model_alloc(const cf_config *cfg, const cf_model_opts *o, cf_layout_fn layout, void *lctx) {
+/* Tensor parallel: the local config of the rank (its heads, FFN slice and
+ * vocabulary rows), the split kinds in the parameter table. */
+static int tp_setup(cf_model *m, const cf_config *full, const cf_tp_sync *tp) {
+    cf_tp_local loc;
+    if (cf_tp_check(full, tp->size) != 0 || cf_tp_local_config(full, tp->size, tp->rank, &loc) != 0) return -1;
+    if (loc.vocab_len < 1)
+        return cf_fail("--tp %d: rank %d would hold no vocabulary row (vocabulary %d)", tp->size, tp->rank,
+                       full->vocab_size);
+    m->tp = *tp;
+    m->tp.full = *full;
+    m->tp.vocab_start = loc.vocab_start;
+    m->tp.vocab_len = loc.vocab_len;
+    m->cfg.num_attention_heads = loc.heads;
+    m->cfg.num_key_value_heads = loc.kv_heads;
+    m->cfg.intermediate_size = loc.intermediate;
+    m->cfg.vocab_size = loc.vocab_local;
+    return 0;
+}
+
+static int tp_mark_params(cf_model *m) {
+    for (int i = 0; i < m->ntensors; i++) {
+        cf_tp_slice sl;
+        if (cf_tp_split(&m->tp.full, m->tp.size, m->params[i].name, m->tp.rank, &sl) != 0) return -1;
+        m->params[i].tp_replicated = sl.kind == CF_TP_REPLICATED;
+    }
+    for (int l = 0; l < m->cfg.num_hidden_layers; l++) m->lp[l].o.row_tp = m->lp[l].down.row_tp = 1;
+    return 0;
+}
+
+static cf_model *model_alloc(const cf_config *cfg, const cf_model_opts *o, const cf_tp_sync *tp,
+                             cf_layout_fn layout, void *lctx) {
     if (cf_config_validate(cfg) != 0) return NULL;
     cf_model *m = cf_calloc(1, sizeof *m);
     if (!m) return NULL;
     m->cfg = *cfg;
     m->doc_mask_bos = -1;
+    m->s_lse = -1;
+    if (tp && tp->size > 1) {
+        if (o->lora.rank > 0 || o->adapter_dir) {
+            cf_fail("--tp with LoRA adapters is not supported yet: use data parallelism (ZeRO-1) for LoRA");
+            free(m);
+            return NULL;
+        }
+        if (tp_setup(m, cfg, tp) != 0) { free(m); return NULL; }
+    }
     m->b = make_backend(o->backend, o->device);
-    if (!m->b || build_param_table(m) != 0 || apply_freeze(m, o->freeze) != 0 || add_adapters(m, &o->lora) != 0) {
+    if (!m->b || build_param_table(m) != 0 || (cf_tp_on(m) && tp_mark_params(m) != 0) ||
+        apply_freeze(m, o->freeze) != 0 || add_adapters(m, &o->lora) != 0) {
         cf_model_free(m);
         return NULL;
     }
@@ -295,29 +336,56 @@ static cf_model *model_alloc(const cf_config *cfg, const cf_model_opts *o, cf_la
  * chunks of 2^20 elements, each with its own stream seeded by (seed,
  * tensor, chunk): deterministic whatever the thread count, and fast enough
  * for billions of parameters. */
+/* Tensor parallel: rank's slice of tensor i (its whole HF shape in *sl). */
+static int tp_slice(cf_model *m, int i, cf_tp_slice *sl) {
+    return cf_tp_split(&m->tp.full, m->tp.size, m->params[i].name, m->tp.rank, sl);
+}
+
+/* Elements of tensor i as the whole model has it (TP: before the split). */
+static size_t whole_numel(cf_model *m, int i) {
+    cf_tp_slice sl;
+    if (!cf_tp_on(m) || m->params[i].adapter) return m->params[i].numel;
+    if (tp_slice(m, i, &sl) != 0) return 0;
+    return (size_t)sl.shape[0] * (size_t)(sl.ndim == 2 ? sl.shape[1] : 1);
+}
+
+/* Sets tensor i from its whole values: split first under TP (local is
+ * scratch of the local size). */
+static int set_whole(cf_model *m, int i, const float *whole, float *local) {
+    if (!cf_tp_on(m)) return cf_optim_set_tensor(m, i, whole);
+    cf_tp_slice sl;
+    if (tp_slice(m, i, &sl) != 0) return -1;
+    cf_tp_extract(&sl, whole, local, sizeof(float));
+    return cf_optim_set_tensor(m, i, local);
+}
+
 static int init_weights(cf_model *m, uint64_t seed) {
     size_t maxn = 0;
-    for (int i = 0; i < m->ntensors; i++) maxn = CF_MAX(maxn, m->params[i].numel);
+    for (int i = 0; i < m->ntensors; i++) maxn = CF_MAX(maxn, whole_numel(m, i));
     float *host = cf_malloc(maxn * sizeof(float));
-    if (!host) return -1;
+    float *local = cf_tp_on(m) ? cf_malloc(maxn * sizeof(float)) : NULL;
+    if (!host || (cf_tp_on(m) && !local)) { free(host); return -1; }
     const size_t CHUNK = (size_t)1 << 20;
     int rc = 0;
     for (int i = 0; i < m->ntensors && rc == 0; i++) {
         cf_param *p = &m->params[i];
         if (p->adapter) continue;   /* init_adapters */
         int is_norm = strstr(p->name, "norm") != NULL;
-        long nchunks = (long)((p->numel + CHUNK - 1) / CHUNK);
+        /* TP: the whole tensor from the same streams, then the rank's slice */
+        size_t numel = whole_numel(m, i);
+        long nchunks = (long)((numel + CHUNK - 1) / CHUNK);
 #pragma omp parallel for schedule(dynamic)
         for (long ch = 0; ch < nchunks; ch++) {
             cf_rng rng;
             cf_rng_seed(&rng, seed ^ ((uint64_t)(i + 1) << 40) ^ ((uint64_t)ch * 0x9e3779b97f4a7c15ULL));
-            size_t end = CF_MIN(p->numel, (size_t)(ch + 1) * CHUNK);
+            size_t end = CF_MIN(numel, (size_t)(ch + 1) * CHUNK);
             for (size_t j = (size_t)ch * CHUNK; j < end; j++)
                 host[j] = p->ndim == 2 ? 0.02f * cf_rng_normal(&rng) : (is_norm ? 1.0f : 0.0f);
         }
-        rc = cf_optim_set_tensor(m, i, host);
+        rc = set_whole(m, i, host, local);
     }
     free(host);
+    free(local);
     return rc;
 }
 
@@ -343,37 +411,47 @@ static int init_adapters(cf_model *m, uint64_t seed) {
 }
 
 /* Reads every tensor of a HF directory into the model. */
+/* Reads every tensor of a HF directory into the model (TP: the whole
+ * tensor, then the rank's slice). */
 static int load_weights(cf_model *m, const char *dir) {
     cf_st_archive ar;
     if (cf_st_open(&ar, dir) != 0) return -1;
     size_t maxn = 0;
-    for (int i = 0; i < m->ntensors; i++) maxn = CF_MAX(maxn, m->params[i].numel);
+    for (int i = 0; i < m->ntensors; i++) maxn = CF_MAX(maxn, whole_numel(m, i));
     float *host = cf_malloc(maxn * sizeof(float));
-    int rc = host ? 0 : -1;
+    float *local = cf_tp_on(m) ? cf_malloc(maxn * sizeof(float)) : NULL;
+    int rc = host && (local || !cf_tp_on(m)) ? 0 : -1;
     for (int i = 0; rc == 0 && i < m->ntensors; i++) {
         cf_param *p = &m->params[i];
         if (p->adapter) continue;
+        int64_t shape[2] = {p->shape[0], p->shape[1]};
+        cf_tp_slice sl;
+        if (cf_tp_on(m)) {
+            if (tp_slice(m, i, &sl) != 0) { rc = -1; break; }
+            shape[0] = sl.shape[0];
+            shape[1] = sl.shape[1];
+        }
         int j = cf_st_find(&ar, p->name);
         if (j < 0) { rc = cf_fail("%s: missing tensor '%s'", dir, p->name); break; }
         const cf_st_tensor *t = &ar.tensors[j];
-        int ok = t->ndim == p->ndim && t->shape[0] == p->shape[0] &&
-                 (p->ndim == 1 || t->shape[1] == p->shape[1]);
+        int ok = t->ndim == p->ndim && t->shape[0] == shape[0] && (p->ndim == 1 || t->shape[1] == shape[1]);
         if (!ok) {
             rc = cf_fail("%s: tensor '%s' has shape [%lld%s%lld], config needs [%lld%s%lld]", dir,
                          p->name, (long long)t->shape[0], t->ndim > 1 ? ", " : "",
-                         t->ndim > 1 ? (long long)t->shape[1] : 0LL, (long long)p->shape[0],
-                         p->ndim > 1 ? ", " : "", p->ndim > 1 ? (long long)p->shape[1] : 0LL);
+                         t->ndim > 1 ? (long long)t->shape[1] : 0LL, (long long)shape[0],
+                         p->ndim > 1 ? ", " : "", p->ndim > 1 ? (long long)shape[1] : 0LL);
             break;
         }
-        rc = cf_st_read_f32(&ar, j, host, p->numel);
-        if (rc == 0) rc = cf_optim_set_tensor(m, i, host);
+        rc = cf_st_read_f32(&ar, j, host, (size_t)shape[0] * (size_t)(p->ndim > 1 ? shape[1] : 1));
+        if (rc == 0) rc = set_whole(m, i, host, local);
     }
     cf_st_close(&ar);
     free(host);
+    free(local);
     return rc;
 }
 
-cf_model *cf_model_open_with(const cf_model_opts *o, cf_layout_fn layout, void *lctx) {
+static cf_model *model_open(const cf_model_opts *o, const cf_tp_sync *tp, cf_layout_fn layout, void *lctx) {
     if (o->config && o->model_dir) { cf_fail("give --config or --model, not both"); return NULL; }
     cf_config cfg;
     if (o->model_dir) {
@@ -394,12 +472,20 @@ cf_model *cf_model_open_with(const cf_model_opts *o, cf_layout_fn layout, void *
         if (cf_lora_read_config(o->adapter_dir, &oo.lora) != 0) return NULL;
     }
     o = &oo;
-    cf_model *m = model_alloc(&cfg, o, layout, lctx);
+    cf_model *m = model_alloc(&cfg, o, tp, layout, lctx);
     if (!m) return NULL;
     int rc = o->model_dir ? load_weights(m, o->model_dir) : init_weights(m, o->seed);
     if (rc == 0 && m->lora.rank > 0) rc = o->adapter_dir ? cf_lora_load(m, o->adapter_dir) : init_adapters(m, o->seed);
     if (rc != 0) { cf_model_free(m); return NULL; }
     return m;
+}
+
+cf_model *cf_model_open_with(const cf_model_opts *o, cf_layout_fn layout, void *lctx) {
+    return model_open(o, NULL, layout, lctx);
+}
+
+cf_model *cf_model_open_tp(const cf_model_opts *o, const cf_tp_sync *sync, cf_layout_fn layout, void *lctx) {
+    return model_open(o, sync, layout, lctx);
 }
 
 cf_model *cf_model_open(const cf_model_opts *o) { return cf_model_open_with(o, NULL, NULL); }
@@ -408,7 +494,7 @@ cf_model *cf_model_create(const cf_config *cfg, cf_backend_kind kind, uint64_t s
     cf_model_opts o = {0};
     o.backend = kind;
     o.seed = seed;
-    cf_model *m = model_alloc(cfg, &o, NULL, NULL);
+    cf_model *m = model_alloc(cfg, &o, NULL, NULL, NULL);
     if (m && init_weights(m, seed) != 0) { cf_model_free(m); return NULL; }
     return m;
 }
@@ -421,6 +507,7 @@ cf_model *cf_model_load(const char *dir, cf_backend_kind kind) {
 }
 
 int cf_model_save(cf_model *m, const char *dir, const char *dtype, size_t max_shard_bytes) {
+    if (cf_tp_on(m)) return cf_fail("internal: a tensor-parallel model is saved by every rank (cf_model_save_tp)");
     cf_dtype dt;
     if (!strcmp(dtype, "float32")) dt = CF_DT_F32;
     else if (!strcmp(dtype, "bfloat16")) dt = CF_DT_BF16;
@@ -452,6 +539,68 @@ int cf_model_save(cf_model *m, const char *dir, const char *dtype, size_t max_sh
     return rc;
 }
 
+int cf_tp_allreduce(cf_model *m, void *x, size_t count, int type, int phase) {
+    if (!cf_tp_on(m)) return 0;
+    if (m->tp.allreduce_start(m->tp.ctx, x, count, type, phase) != 0) return -1;
+    return m->tp.wait(m->tp.ctx);
+}
+
+/* Every rank: its slice of each tensor (fp32) is gathered over the TP group;
+ * the writing rank puts the slices in place (tp_plan's insert) and writes
+ * the whole model with the whole config. */
+int cf_model_save_tp(cf_model *m, const char *dir, const char *dtype, int write) {
+    if (!cf_tp_on(m)) return write ? cf_model_save(m, dir, dtype, 0) : 0;
+    cf_dtype dt;
+    if (!strcmp(dtype, "float32")) dt = CF_DT_F32;
+    else if (!strcmp(dtype, "bfloat16")) dt = CF_DT_BF16;
+    else return cf_fail("unsupported save dtype '%s' (float32 or bfloat16)", dtype);
+    cf_backend *b = m->b;
+    const int P = m->tp.size;
+    size_t maxl = 0, total = 0;
+    for (int i = 0; i < m->ntensors; i++) {
+        maxl = CF_MAX(maxl, m->params[i].numel);
+        total += whole_numel(m, i);
+    }
+    float *dev = b->alloc(b, (size_t)P * maxl * sizeof(float));
+    float *parts = cf_malloc((size_t)P * maxl * sizeof(float));
+    float *whole = write ? cf_malloc(total * sizeof(float) + 1) : NULL;
+    cf_st_item *items = write ? cf_calloc((size_t)m->ntensors, sizeof *items) : NULL;
+    int rc = dev && parts && (!write || (whole && items)) ? 0 : -1;
+    size_t off = 0;
+    int n = 0;
+    for (int i = 0; i < m->ntensors && rc == 0; i++) {
+        cf_param *p = &m->params[i];
+        size_t ln = p->numel;
+        rc = cf_model_get_param(m, i, parts);
+        if (rc == 0) rc = b->upload(b, dev + (size_t)m->tp.rank * ln, parts, ln * sizeof(float));
+        if (rc == 0) rc = m->tp.allgather_f32(m->tp.ctx, dev, ln);
+        if (rc == 0) rc = b->download(b, parts, dev, (size_t)P * ln * sizeof(float));
+        if (rc != 0 || !write) continue;
+        cf_tp_slice sl;
+        for (int r = 0; r < P && rc == 0; r++) {
+            rc = cf_tp_split(&m->tp.full, P, p->name, r, &sl);
+            if (rc == 0) cf_tp_insert(&sl, parts + (size_t)r * ln, whole + off, sizeof(float));
+        }
+        items[n].name = p->name;
+        items[n].data = whole + off;
+        items[n].ndim = sl.ndim;
+        items[n].shape[0] = sl.shape[0];
+        items[n].shape[1] = sl.ndim == 2 ? sl.shape[1] : 0;
+        off += whole_numel(m, i);
+        n++;
+    }
+    char path[4096];
+    if (rc == 0 && write) rc = cf_mkdir_p(dir);
+    if (rc == 0 && write) rc = cf_st_write_dir(dir, items, n, dt, 0);
+    if (rc == 0 && write) rc = cf_path_join(path, sizeof path, dir, "config.json");
+    if (rc == 0 && write) rc = cf_config_save_as(&m->tp.full, path, dtype);
+    b->free(b, dev);
+    free(parts);
+    free(whole);
+    free(items);
+    return rc;
+}
+
 void cf_model_free(cf_model *m) {
     if (!m) return;
     if (m->b) {
@@ -468,7 +617,8 @@ void cf_model_free(cf_model *m) {
     free(m);
 }
 
-const cf_config *cf_model_config(const cf_model *m) { return &m->cfg; }
+/* The model's config (under TP the whole model's, not the rank's slice). */
+const cf_config *cf_model_config(const cf_model *m) { return cf_tp_on(m) ? &m->tp.full : &m->cfg; }
 int cf_model_num_tensors(const cf_model *m) { return m->ntensors; }
 const char *cf_model_tensor_name(const cf_model *m, int i) { return m->params[i].name; }
 size_t cf_model_tensor_numel(const cf_model *m, int i) { return m->params[i].numel; }
@@ -615,7 +765,7 @@ static void free_acts(cf_model *m) {
     void **bufs[] = {&m->d_resid, &m->d_ln, &m->d_att, &m->d_q, &m->d_qn, &m->d_k, &m->d_kn, &m->d_v, &m->d_h,
                      &m->d_gate, &m->d_up, &m->tmp, (void **)&m->losses, (void **)&m->dloss, (void **)&m->doc,
                      (void **)&m->ref_dev, (void **)&m->keep_dev, (void **)&m->rows, (void **)&m->seq_start,
-                     &m->lora_v, &m->lora_du};
+                     &m->lora_v, &m->lora_du, (void **)&m->tp_stats};
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) { b->free(b, *bufs[i]); *bufs[i] = NULL; }
     free(m->host_losses); m->host_losses = NULL;
     m->cap_T = 0;
@@ -666,6 +816,11 @@ static int alloc_acts(cf_model *m, int T) {
     if ((m->s_tokens = save_slot(m, "tokens", sizeof(int))) < 0) return -1;
     if ((m->s_targets = save_slot(m, "targets", sizeof(int))) < 0) return -1;
     if ((m->s_pos = save_slot(m, "positions", sizeof(int))) < 0) return -1;
+    if (cf_tp_on(m)) {
+        if ((m->s_lse = save_slot(m, "xent_lse", F4)) < 0) return -1;
+        m->tp_stats = b->alloc(b, (size_t)m->tp.size * T * 3 * F4);
+        if (!m->tp_stats) return -1;
+    }
     size_t wide = CF_MAX((size_t)C, CF_MAX(qd, (size_t)F));
     if (m->lora.rank > 0) {
         /* LoRA: u = scale * x A^T of every adapted projection, saved (and
@@ -731,10 +886,11 @@ int cf_forward(cf_model *m, const int32_t *tokens, int B, int S, float *losses) 
     if (c->sliding_window > 0 && S > c->sliding_window)
         return cf_fail("sequence length %d exceeds the model's sliding_window %d (not supported)", S,
                        c->sliding_window);
+    const int V = cf_model_config(m)->vocab_size;   /* the whole vocabulary (TP) */
     for (int64_t i = 0; i < (int64_t)B * (S + 1); i++)
-        if (tokens[i] < 0 || tokens[i] >= c->vocab_size)
+        if (tokens[i] < 0 || tokens[i] >= V)
             return cf_fail("token id %d at position %lld is outside the vocabulary [0, %d)",
-                           tokens[i], (long long)i, c->vocab_size);
+                           tokens[i], (long long)i, V);
     cf_backend *b = m->b;
     int T = B * S;
     memset(m->prof, 0, sizeof m->prof);
@@ -774,8 +930,13 @@ int cf_forward(cf_model *m, const int32_t *tokens, int B, int S, float *losses) 
     const int *pos = m->saved[m->s_pos].full;
     cf_attn_shape shape = cf_model_attn_shape(m);
 
+    /* TP: each rank looks up its vocabulary rows (zero elsewhere); the sum
+     * over ranks is the embedding. Row-parallel o and down likewise give
+     * partial sums that are all-reduced before the residual add. */
+    const int tp = cf_tp_on(m), v0 = tp ? m->tp.vocab_start : 0, vn = tp ? m->tp.vocab_len : V;
     OP(CF_PROF_ELTWISE, b->embedding_fwd(b, m->saved[m->resid[0]].full, m->saved[m->s_tokens].full,
-                     cf_weight(m, m->p_embed), T, C));
+                     cf_weight(m, m->p_embed), T, C, v0, vn));
+    if (tp && cf_tp_allreduce(m, m->saved[m->resid[0]].full, (size_t)T * C, CF_TP_ACT, CF_TP_FWD) != 0) return -1;
     for (int l = 0; l < L; l++) {
         cf_layer_params *p = &m->lp[l];
         cf_layer_acts *a = &m->la[l];
@@ -800,18 +961,33 @@ int cf_forward(cf_model *m, const int32_t *tokens, int B, int S, float *losses) 
         OP(CF_PROF_ROPE, b->rope_fwd(b, a->k, pos, m->inv_freq, T, Hkv, D));
         OP(CF_PROF_ATTN, b->attention_fwd(b, m->saved[a->att].full, m->saved[a->lse].full, q, a->k, a->v, &shape));
         OP(CF_PROF_GEMM, cf_linear_fwd(m, &p->o, m->tmp, m->saved[a->att].full, T, qd, C));
+        if (tp && cf_tp_allreduce(m, m->tmp, (size_t)T * C, CF_TP_ACT, CF_TP_FWD) != 0) return -1;
         OP(CF_PROF_ELTWISE, b->add(b, xmid, x, m->tmp, (size_t)T * C));
         OP(CF_PROF_NORM, b->rmsnorm_fwd(b, ln2, m->saved[a->rstd2].full, xmid, cf_weight(m, p->ln2), T, C, c->rms_norm_eps));
         OP(CF_PROF_GEMM, cf_linear_fwd(m, &p->gate, gate, ln2, T, C, F));
         OP(CF_PROF_GEMM, cf_linear_fwd(m, &p->up, up, ln2, T, C, F));
         OP(CF_PROF_ELTWISE, b->swiglu_fwd(b, h, gate, up, (size_t)T * F));
         OP(CF_PROF_GEMM, cf_linear_fwd(m, &p->down, m->tmp, h, T, F, C));
+        if (tp && cf_tp_allreduce(m, m->tmp, (size_t)T * C, CF_TP_ACT, CF_TP_FWD) != 0) return -1;
         OP(CF_PROF_ELTWISE, b->add(b, m->saved[m->resid[l + 1]].full, xmid, m->tmp, (size_t)T * C));
     }
     OP(CF_PROF_NORM, b->rmsnorm_fwd(b, m->saved[m->s_lnf].full, m->saved[m->s_rstdf].full, m->saved[m->resid[L]].full,
                    cf_weight(m, m->p_norm), T, C, c->rms_norm_eps));
-    OP(CF_PROF_LMHEAD, b->lmhead_loss_fwd(b, m->losses, m->saved[m->s_lnf].full, cf_weight(m, m->p_lm_head),
-                       m->saved[m->s_targets].full, T, C, c->vocab_size));
+    if (tp) {
+        /* vocab-parallel cross-entropy: each rank's (max, sum of exp, target
+         * logit) of its slice, gathered; every rank then combines the same
+         * numbers in the same order, so all hold identical losses and select
+         * identical rows */
+        float *mine = m->tp_stats + (size_t)m->tp.rank * T * 3;
+        OP(CF_PROF_LMHEAD, b->lmhead_stats_fwd(b, mine, m->saved[m->s_lnf].full, cf_weight(m, m->p_lm_head),
+                           m->saved[m->s_targets].full, T, C, vn, v0));
+        if (m->tp.allgather_f32(m->tp.ctx, m->tp_stats, (size_t)T * 3) != 0) return -1;
+        OP(CF_PROF_LMHEAD, b->xent_combine(b, m->losses, m->saved[m->s_lse].full, m->tp_stats,
+                           m->saved[m->s_targets].full, T, m->tp.size, V));
+    } else {
+        OP(CF_PROF_LMHEAD, b->lmhead_loss_fwd(b, m->losses, m->saved[m->s_lnf].full, cf_weight(m, m->p_lm_head),
+                           m->saved[m->s_targets].full, T, C, c->vocab_size));
+    }
     cf_stage_end(m, CF_STAGE_FORWARD);
     if (losses) {
         const float *h = cf_model_host_losses(m);
@@ -822,6 +998,7 @@ int cf_forward(cf_model *m, const int32_t *tokens, int B, int S, float *losses) 
 }
 
 int cf_model_logits_row(cf_model *m, int t, float *out) {
+    if (cf_tp_on(m)) return cf_fail("logits: not available under tensor parallelism (each rank holds a slice)");
     if (t < 0 || t >= m->T) return cf_fail("logits: row %d outside the last forward's %d rows", t, m->T);
     cf_backend *b = m->b;
     const cf_config *c = &m->cfg;

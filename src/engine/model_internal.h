@@ -32,6 +32,8 @@ typedef struct {
     int layer;          /* bucket key: -1 embedding, 0..L-1 layers, L final norm + lm head */
     int trainable;      /* has gradient, master weights and optimizer state */
     int decay;          /* AdamW weight decay applies (matrices only) */
+    int tp_replicated;  /* tensor parallel: every TP rank holds all of it (norms,
+                           the o bias); its gradient counts once in the norm */
     int adapter;        /* a LoRA adapter (saved in PEFT's files, not the model's) */
     size_t woff;        /* in elements, into m->w */
     size_t goff;        /* in elements, into the gradient buffer (trainable only) */
@@ -46,6 +48,8 @@ typedef struct {
     int w, b;
     int la, lb;     /* LoRA A [rank, in], B [out, rank] */
     int su;         /* saved slot of u = scale * x A^T  [T, rank] */
+    int row_tp;     /* tensor parallel, row-parallel (o, down): the output is a
+                       partial sum, so only TP rank 0 adds the bias */
 } cf_linear;
 
 /* Parameters of one transformer layer (-1 = absent). */
@@ -96,6 +100,28 @@ typedef struct {
     /* The local shard of the compute weights was updated: share it. */
     int (*weights_updated)(void *ctx);
 } cf_grad_sync;
+
+/* Tensor parallelism (Megatron-style, dist/tp_plan.h says which rank holds
+ * what; dist/tp.c supplies the collectives). size <= 1: none. m->cfg is
+ * the rank's local model (its heads, FFN slice and vocabulary rows); full
+ * is the whole model's config. Collectives run in stream order: start
+ * enqueues on the communication stream once the compute stream has
+ * produced x, the compute stream goes on, wait makes it wait for every
+ * started collective. */
+enum { CF_TP_ACT = 0, CF_TP_F32, CF_TP_F64 };            /* element types   */
+enum { CF_TP_FWD = 0, CF_TP_BWD, CF_TP_STEP };          /* for the counters */
+typedef struct {
+    void *ctx;
+    int rank, size;
+    cf_config full;
+    int vocab_start, vocab_len;     /* this rank's real vocabulary rows */
+    /* x [count] summed over the TP group, in place */
+    int (*allreduce_start)(void *ctx, void *x, size_t count, int type, int phase);
+    int (*wait)(void *ctx);
+    /* buf [size x count] fp32: this rank's piece at rank x count reaches every
+     * rank (in stream order; the compute stream waits for it) */
+    int (*allgather_f32)(void *ctx, float *buf, size_t count);
+} cf_tp_sync;
 
 typedef struct {
     cf_optim_layout lay;
@@ -157,6 +183,9 @@ struct cf_model {
     int s_lnf, s_rstdf, s_tokens, s_targets, s_pos;
     int *doc;              /* backend [T] */
     float *losses;         /* backend [T] */
+    cf_tp_sync tp;         /* tensor parallelism (size <= 1: none) */
+    float *tp_stats;       /* backend [tp, T, 3]: the vocab slices' cross-entropy statistics */
+    int s_lse;             /* saved [T] fp32: the whole vocabulary's log-sum-exp (TP) */
     float *dloss;          /* backend [T] */
     float *ref_dev;        /* backend [T]: reference losses for device selection */
     cf_scalars *scalars;   /* backend */
@@ -219,6 +248,22 @@ cf_backend *cf_model_backend(cf_model *m);
 int cf_kept_check(cf_model *m, const cf_kept *kept);
 /* Host copy of the last forward's losses (downloads once per forward). */
 const float *cf_model_host_losses(cf_model *m);
+
+typedef int (*cf_layout_fn)(void *ctx, const cf_model *m, cf_optim_layout *lay);
+
+/* ---- tensor parallelism (model.c) ---- */
+static inline int cf_tp_on(const cf_model *m) { return m->tp.size > 1; }
+/* Sums x [count] of the given type over the TP group and makes the compute
+ * stream wait for it (no-op without TP); 0 or -1 (cf_fail). */
+int cf_tp_allreduce(cf_model *m, void *x, size_t count, int type, int phase);
+/* Opens the local model of TP rank `rank` of `size`, with the collectives
+ * in *sync (ctx and functions): m->cfg is the local config, weights are
+ * loaded from the whole HF tensors (or initialised as the whole model
+ * would be) and split. The trainable tensors' layout comes from `layout`. */
+cf_model *cf_model_open_tp(const cf_model_opts *o, const cf_tp_sync *sync, cf_layout_fn layout, void *lctx);
+/* Writes the whole model (HF layout) to dir: every TP rank must call it
+ * (the tensors are gathered); write = 1 on the one rank that writes. */
+int cf_model_save_tp(cf_model *m, const char *dir, const char *dtype, int write);
 
 /* ---- linear.c ---- */
 void cf_linear_fwd(cf_model *m, const cf_linear *l, void *out, const void *in, int T, int K, int N);
@@ -290,7 +335,6 @@ int cf_checkpoint_latest(const char *dir, char *out, size_t cap);
 /* ---- model.c ---- */
 /* Opens with an optional optimizer layout builder (data parallel); NULL =
  * whole. The builder gets the parameter table and fills lay. */
-typedef int (*cf_layout_fn)(void *ctx, const cf_model *m, cf_optim_layout *lay);
 cf_model *cf_model_open_with(const cf_model_opts *o, cf_layout_fn layout, void *layout_ctx);
 
 #endif

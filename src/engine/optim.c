@@ -174,15 +174,34 @@ int cf_step_ex(cf_model *m, const cf_adamw_params *hp, float *grad_norm, double 
     cf_stage_begin(m, CF_STAGE_OPTIMIZER);
     if (o->sync.finish && o->sync.finish(o->sync.ctx) != 0) return -1;
     b->memzero(b, &m->scalars->sumsq, sizeof(double));
+    const int tp = cf_tp_on(m);
+    if (tp && m->cfg.qk_norm) {
+        /* qwen3's q/k norm weights act on every head: each TP rank's gradient
+         * is the sum over its own heads, the whole gradient their sum */
+        for (int l = 0; l < m->cfg.num_hidden_layers; l++) {
+            float *gq = cf_grad(m, m->lp[l].qn), *gk = cf_grad(m, m->lp[l].kn);
+            size_t D = (size_t)m->cfg.head_dim;
+            if ((gq && m->tp.allreduce_start(m->tp.ctx, gq, D, CF_TP_F32, CF_TP_STEP) != 0) ||
+                (gk && m->tp.allreduce_start(m->tp.ctx, gk, D, CF_TP_F32, CF_TP_STEP) != 0))
+                return -1;
+        }
+        if (m->tp.wait(m->tp.ctx) != 0) return -1;
+    }
     /* one reduction per contiguous run of segments: a gap shorter than the
      * alignment is padding between two tensors, always zero (a gap between
-     * two buckets' slices of one rank is at least the alignment long) */
+     * two buckets' slices of one rank is at least the alignment long).
+     * TP: a replicated tensor's gradient is the same on every TP rank, so
+     * only TP rank 0 counts it; the split ones are summed over the group. */
+    const int skip_replicated = tp && m->tp.rank != 0;
     for (int s = 0; s < o->lay.nseg;) {
+        if (skip_replicated && m->params[o->lay.seg[s].tensor].tp_replicated) { s++; continue; }
         size_t g0 = o->lay.seg[s].goff, g1 = g0 + o->lay.seg[s].len;
-        for (s++; s < o->lay.nseg && o->lay.seg[s].goff >= g1 && o->lay.seg[s].goff - g1 < CF_ALIGN; s++)
+        for (s++; s < o->lay.nseg && o->lay.seg[s].goff >= g1 && o->lay.seg[s].goff - g1 < CF_ALIGN &&
+                  !(skip_replicated && m->params[o->lay.seg[s].tensor].tp_replicated); s++)
             g1 = o->lay.seg[s].goff + o->lay.seg[s].len;
         b->sumsq(b, &m->scalars->sumsq, o->grad + g0, g1 - g0);
     }
+    if (tp && cf_tp_allreduce(m, &m->scalars->sumsq, 1, CF_TP_F64, CF_TP_STEP) != 0) return -1;
     if (o->sync.sum_scalars && o->sync.sum_scalars(o->sync.ctx, m->scalars) != 0) return -1;
     cf_scalars sc;
     if (b->download(b, &sc, m->scalars, sizeof sc) != 0) return -1;

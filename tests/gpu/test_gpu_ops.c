@@ -172,9 +172,9 @@ TEST(embedding_fwd_copies_rows_exactly) {
         int *tok = HOLD(inew(T));
         for (int t = 0; t < T; t++) tok[t] = (int)cf_rng_below(&rng, V);
         float *ref = HOLD(hnew((size_t)T * C));
-        cpu->embedding_fwd(cpu, ref, tok, wte, T, C);
+        cpu->embedding_fwd(cpu, ref, tok, wte, T, C, 0, V);
         void *out = gact_nan((size_t)T * C);
-        gpu->embedding_fwd(gpu, out, gi32(tok, T), gact(wte, (size_t)V * C), T, C);
+        gpu->embedding_fwd(gpu, out, gi32(tok, T), gact(wte, (size_t)V * C), T, C, 0, V);
         cmp(ci ? "embedding_fwd C=30" : "embedding_fwd C=264", get_act(out, (size_t)T * C), ref, (size_t)T * C, 0);
     }
     free_all();
@@ -189,16 +189,16 @@ TEST(embedding_bwd_sums_repeated_tokens_in_row_order_bitwise) {
     int *tok = HOLD(inew(T));
     for (int t = 0; t < T; t++) tok[t] = (int)cf_rng_below(&rng, V - 2); /* two rows untouched */
     float *ref = HOLD(hcopy(dw0, (size_t)V * C));
-    cpu->embedding_bwd(cpu, ref, dout, tok, T, C);
+    cpu->embedding_bwd(cpu, ref, dout, tok, T, C, 0, V);
     void *gd = gact(dout, (size_t)T * C);
     void *gt = gi32(tok, T);
     void *gw = gf32(dw0, (size_t)V * C);
-    gpu->embedding_bwd(gpu, gw, gd, gt, T, C);
+    gpu->embedding_bwd(gpu, gw, gd, gt, T, C, 0, V);
     float *r1 = get_f32(gw, (size_t)V * C);
     cmp("embedding_bwd dwte", r1, ref, (size_t)V * C, 0);
     CHECK(bitwise_equal(r1, ref, (size_t)V * C));
     gpu->upload(gpu, gw, dw0, (size_t)V * C * 4);
-    gpu->embedding_bwd(gpu, gw, gd, gt, T, C);
+    gpu->embedding_bwd(gpu, gw, gd, gt, T, C, 0, V);
     CHECK(bitwise_equal(get_f32(gw, (size_t)V * C), r1, (size_t)V * C));
     free_all();
 }
@@ -513,11 +513,11 @@ TEST(lmhead_loss_fwd_bwd_match_cpu_with_zero_dloss_rows) {
     }
     float *rl = HOLD(hnew(T)), *rdx = HOLD(hnew((size_t)T * C)), *rdw = HOLD(hcopy(dw0, (size_t)V * C));
     cpu->lmhead_loss_fwd(cpu, rl, x, w, tg, T, C, V);
-    cpu->lmhead_loss_bwd(cpu, rdx, rdw, x, w, tg, dl, T, C, V);
+    cpu->lmhead_loss_bwd(cpu, rdx, rdw, x, w, tg, dl, NULL, T, C, V, 0);
     void *gx = gact(x, (size_t)T * C), *gw = gact(w, (size_t)V * C), *gt = gi32(tg, T);
     void *gl = gf32_nan(T), *gdx = gact_nan((size_t)T * C), *gdw = gf32(dw0, (size_t)V * C);
     gpu->lmhead_loss_fwd(gpu, gl, gx, gw, gt, T, C, V);
-    gpu->lmhead_loss_bwd(gpu, gdx, gdw, gx, gw, gt, gf32(dl, T), T, C, V);
+    gpu->lmhead_loss_bwd(gpu, gdx, gdw, gx, gw, gt, gf32(dl, T), NULL, T, C, V, 0);
     cmp("lmhead losses", get_f32(gl, T), rl, T, 1e-3);
     float *dx = get_act(gdx, (size_t)T * C);
     cmp("lmhead dx", dx, rdx, (size_t)T * C, TOL_GRAD);
@@ -526,6 +526,52 @@ TEST(lmhead_loss_fwd_bwd_match_cpu_with_zero_dloss_rows) {
     for (int t = 1; t < T; t += 3)
         for (int c = 0; c < C; c++) zero_ok &= dx[(size_t)t * C + c] == 0.f;
     CHECK(zero_ok);
+    free_all();
+}
+
+/* Vocab-parallel pieces (tensor parallelism): the embedding of a slice of
+ * the table, and the LM head over three slices (stats, combine, backward
+ * with the combined lse) against the CPU backend's same ops. */
+TEST(vocab_parallel_embedding_and_lmhead_slices_match_cpu) {
+    const int T = 45, C = 64, V = 900, P = 3, Vl = V / P;
+    float *x = HOLD(hrand((size_t)T * C, 1.f)), *w = HOLD(hrand((size_t)V * C, 0.3f));
+    int *tg = HOLD(inew(T));
+    float *dl = HOLD(hnew(T));
+    for (int t = 0; t < T; t++) {
+        tg[t] = (int)cf_rng_below(&rng, V);
+        dl[t] = (t % 4 == 1) ? 0.f : 1.f / T;
+    }
+    void *gx = gact(x, (size_t)T * C), *gt = gi32(tg, T);
+    float *rparts = HOLD(hnew((size_t)P * T * 3));
+    void *gparts = gf32_nan((size_t)P * T * 3);
+    for (int p = 0; p < P; p++) {
+        const float *wp = w + (size_t)p * Vl * C;
+        cpu->lmhead_stats_fwd(cpu, rparts + (size_t)p * T * 3, x, wp, tg, T, C, Vl, p * Vl);
+        gpu->lmhead_stats_fwd(gpu, (float *)gparts + (size_t)p * T * 3, gx, gact(wp, (size_t)Vl * C), gt, T, C, Vl,
+                              p * Vl);
+        /* embedding of the slice: rows outside it are zero */
+        float *ref = HOLD(hnew((size_t)T * C));
+        cpu->embedding_fwd(cpu, ref, tg, wp, T, C, p * Vl, Vl);
+        void *out = gact_nan((size_t)T * C);
+        gpu->embedding_fwd(gpu, out, gt, gact(wp, (size_t)Vl * C), T, C, p * Vl, Vl);
+        cmp("embedding slice", get_act(out, (size_t)T * C), ref, (size_t)T * C, 0);
+    }
+    float *rl = HOLD(hnew(T)), *rlse = HOLD(hnew(T)), *full = HOLD(hnew(T));
+    cpu->xent_combine(cpu, rl, rlse, rparts, tg, T, P, V);
+    cpu->lmhead_loss_fwd(cpu, full, x, w, tg, T, C, V);
+    cmp("combined loss vs whole vocabulary (cpu)", rl, full, T, 1e-5);
+    void *gl = gf32_nan(T), *glse = gf32_nan(T);
+    gpu->xent_combine(gpu, gl, glse, gparts, gt, T, P, V);
+    cmp("combined losses", get_f32(gl, T), rl, T, 1e-3);
+    for (int p = 0; p < P; p++) {
+        const float *wp = w + (size_t)p * Vl * C;
+        float *rdx = HOLD(hnew((size_t)T * C)), *rdw = HOLD(hnew((size_t)Vl * C));
+        cpu->lmhead_loss_bwd(cpu, rdx, rdw, x, wp, tg, dl, rlse, T, C, Vl, p * Vl);
+        void *gdx = gact_nan((size_t)T * C), *gdw = gf32(HOLD(hnew((size_t)Vl * C)), (size_t)Vl * C);
+        gpu->lmhead_loss_bwd(gpu, gdx, gdw, gx, gact(wp, (size_t)Vl * C), gt, gf32(dl, T), glse, T, C, Vl, p * Vl);
+        cmp("lmhead slice dx", get_act(gdx, (size_t)T * C), rdx, (size_t)T * C, TOL_GRAD);
+        cmp("lmhead slice dW", get_f32(gdw, (size_t)Vl * C), rdw, (size_t)Vl * C, TOL_GRAD);
+    }
     free_all();
 }
 
@@ -1008,6 +1054,7 @@ int main(void) {
     RUN_IF(fill_dloss_and_loss_sum_match_cpu);
     RUN_IF(adamw_two_steps_and_weights_from_master_match_cpu);
     RUN_IF(lmhead_loss_fwd_bwd_match_cpu_with_zero_dloss_rows);
+    RUN_IF(vocab_parallel_embedding_and_lmhead_slices_match_cpu);
     RUN_IF(attention_fwd_matches_cpu_causal_gqa_doc_mask_and_tails);
     RUN_IF(attention_full_bwd_matches_cpu);
     RUN_IF(attention_centrifuge_and_strawman_bwd_match_cpu_uneven_kept);

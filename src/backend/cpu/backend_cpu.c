@@ -146,22 +146,28 @@ static void *cpu_device_context(cf_backend *b) { return NULL; }
 
 /* --------------------------------------------------------------- embedding */
 
-/* out[t,:] = wte[tokens[t],:] */
+/* out[t,:] = wte[tokens[t] - vstart,:] for tokens in the slice, else 0 */
 static void cpu_embedding_fwd(cf_backend *b, void *out_, const int *tokens, const void *wte_,
-                              int T, int C) {
+                              int T, int C, int vstart, int vlen) {
     if (cpu_failed(b)) return;
     float *out = out_;
     const float *wte = wte_;
 #pragma omp parallel for schedule(static)
-    for (int t = 0; t < T; t++)
-        memcpy(out + (size_t)t * C, wte + (size_t)tokens[t] * C, (size_t)C * sizeof(float));
+    for (int t = 0; t < T; t++) {
+        int r = tokens[t] - vstart;
+        if (r >= 0 && r < vlen)
+            memcpy(out + (size_t)t * C, wte + (size_t)r * C, (size_t)C * sizeof(float));
+        else
+            memset(out + (size_t)t * C, 0, (size_t)C * sizeof(float));
+    }
 }
 
-/* dwte[tokens[t],:] += dout[t,:]. Parallel over column blocks; inside a
- * block the rows are added in row order, so repeated tokens sum
- * deterministically and no two threads touch the same element. */
+/* dwte[tokens[t]-vstart,:] += dout[t,:] for tokens in the slice. Parallel
+ * over column blocks; inside a block the rows are added in row order, so
+ * repeated tokens sum deterministically and no two threads touch the same
+ * element. */
 static void cpu_embedding_bwd(cf_backend *b, float *dwte, const void *dout_, const int *tokens,
-                              int T, int C) {
+                              int T, int C, int vstart, int vlen) {
     if (cpu_failed(b)) return;
     const float *dout = dout_;
     const int CB = 64;
@@ -169,7 +175,9 @@ static void cpu_embedding_bwd(cf_backend *b, float *dwte, const void *dout_, con
     for (int c0 = 0; c0 < C; c0 += CB) {
         const int c1 = CF_MIN(C, c0 + CB);
         for (int t = 0; t < T; t++) {
-            float *dst = dwte + (size_t)tokens[t] * C;
+            int r = tokens[t] - vstart;
+            if (r < 0 || r >= vlen) continue;
+            float *dst = dwte + (size_t)r * C;
             const float *src = dout + (size_t)t * C;
             for (int c = c0; c < c1; c++) dst[c] += src[c];
         }
@@ -451,8 +459,8 @@ static void cpu_lmhead_loss_fwd(cf_backend *b, float *losses, const void *x_, co
  * mode (RHO-1 as published) must cost what the full backward costs. The
  * centrifuge path passes the kept rows only. */
 static void cpu_lmhead_loss_bwd(cf_backend *b, void *dx_, float *dwlm, const void *x_,
-                                const void *wlm_, const int *targets, const float *dloss, int T,
-                                int C, int V) {
+                                const void *wlm_, const int *targets, const float *dloss,
+                                const float *lse_in, int T, int C, int V, int vstart) {
     if (cpu_failed(b)) return;
     float *dx = dx_;
     const float *x = x_, *wlm = wlm_;
@@ -483,10 +491,10 @@ static void cpu_lmhead_loss_bwd(cf_backend *b, void *dx_, float *dwlm, const voi
 #pragma omp parallel for schedule(static)
         for (int r = 0; r < n; r++) {
             float *z = logits + (size_t)r * V;
-            const float lse = row_logsumexp(z, V);
+            const float lse = lse_in ? lse_in[idx[r]] : row_logsumexp(z, V);
             const float dl = dloss[idx[r]];
             for (int j = 0; j < V; j++) z[j] = dl * expf(z[j] - lse);
-            const int tg = targets[idx[r]];
+            const int tg = targets[idx[r]] - vstart;
             if (tg >= 0 && tg < V) z[tg] -= dl;
         }
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, C, V, 1.0f, logits, V, wlm, C,
@@ -498,6 +506,59 @@ static void cpu_lmhead_loss_bwd(cf_backend *b, void *dx_, float *dwlm, const voi
             memcpy(dx + (size_t)idx[r] * C, dxs + (size_t)r * C, (size_t)C * sizeof(float));
     }
     free(logits); free(xs); free(dxs); free(idx);
+}
+
+/* Vocab-parallel cross-entropy, first half: per row of this slice's logits
+ * z = x W^T [T, V] (vocabulary ids vstart..vstart+V-1): max, sum of exp
+ * relative to it, and the target's logit when the slice holds it. */
+static void cpu_lmhead_stats_fwd(cf_backend *b, float *stats, const void *x_, const void *wlm_,
+                                 const int *targets, int T, int C, int V, int vstart) {
+    if (cpu_failed(b) || T <= 0) return;
+    const float *x = x_, *wlm = wlm_;
+    const int R = lmhead_chunk_rows(V);
+    float *logits = malloc((size_t)CF_MIN(R, T) * V * sizeof(float));
+    if (!logits) {
+        cpu_fail(b, "out of memory for an LM-head logits chunk (%d x %d floats)", CF_MIN(R, T), V);
+        return;
+    }
+    for (int t0 = 0; t0 < T; t0 += R) {
+        const int n = CF_MIN(R, T - t0);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, V, C, 1.0f, x + (size_t)t0 * C, C,
+                    wlm, C, 0.0f, logits, V);
+#pragma omp parallel for schedule(static)
+        for (int r = 0; r < n; r++) {
+            const float *z = logits + (size_t)r * V;
+            float m = -INFINITY;
+            for (int j = 0; j < V; j++) m = z[j] > m ? z[j] : m;
+            double sum = 0.0;
+            for (int j = 0; j < V; j++) sum += expf(z[j] - m);
+            const int tg = targets[t0 + r] - vstart;
+            float *st = stats + (size_t)(t0 + r) * 3;
+            st[0] = m;
+            st[1] = (float)sum;
+            st[2] = tg >= 0 && tg < V ? z[tg] : 0.0f;
+        }
+    }
+    free(logits);
+}
+
+/* Second half: the slices' (max, sum, target logit) -> lse and loss. */
+static void cpu_xent_combine(cf_backend *b, float *losses, float *lse, const float *parts, const int *targets,
+                             int T, int nparts, int V) {
+    if (cpu_failed(b)) return;
+    for (int t = 0; t < T; t++) {
+        float M = -INFINITY, tgt = 0.0f;
+        for (int p = 0; p < nparts; p++) M = CF_MAX(M, parts[((size_t)p * T + t) * 3]);
+        double s = 0.0;
+        for (int p = 0; p < nparts; p++) {
+            const float *st = parts + ((size_t)p * T + t) * 3;
+            if (st[0] > -INFINITY) s += (double)st[1] * exp((double)st[0] - M);
+            tgt += st[2];
+        }
+        float l = M + (float)log(s);
+        if (lse) lse[t] = l;
+        losses[t] = targets[t] >= 0 && targets[t] < V ? l - tgt : NAN;
+    }
 }
 
 /* ------------------------------------------------------------ misc + adamw */
@@ -632,6 +693,8 @@ cf_backend *cf_backend_cpu_create(void) {
     b->attention_bwd = cpu_attention_bwd;
     b->lmhead_loss_fwd = cpu_lmhead_loss_fwd;
     b->lmhead_loss_bwd = cpu_lmhead_loss_bwd;
+    b->lmhead_stats_fwd = cpu_lmhead_stats_fwd;
+    b->xent_combine = cpu_xent_combine;
     b->gather_rows = cpu_gather_rows;
     b->sumsq = cpu_sumsq;
     b->adamw = cpu_adamw;

@@ -146,13 +146,20 @@ void cf_cuda_swiglu_bwd_rows(cf_backend *b, void *h, void *dgate, void *dup, con
 void cf_cuda_add(cf_backend *b, void *out, const void *a, const void *c, size_t n);
 void cf_cuda_scale(cf_backend *b, void *x, float s, size_t n);
 /* embedding.cu */
-void cf_cuda_embedding_fwd(cf_backend *b, void *out, const int *tokens, const void *wte, int T, int C);
-void cf_cuda_embedding_bwd(cf_backend *b, float *dwte, const void *dout, const int *tokens, int T, int C);
+void cf_cuda_embedding_fwd(cf_backend *b, void *out, const int *tokens, const void *wte, int T, int C, int vstart,
+                           int vlen);
+void cf_cuda_embedding_bwd(cf_backend *b, float *dwte, const void *dout, const int *tokens, int T, int C, int vstart,
+                           int vlen);
 /* lmhead.cu */
 void cf_cuda_lmhead_loss_fwd(cf_backend *b, float *losses, const void *x, const void *wlm, const int *targets, int T,
                              int C, int V);
 void cf_cuda_lmhead_loss_bwd(cf_backend *b, void *dx, float *dwlm, const void *x, const void *wlm,
-                             const int *targets, const float *dloss, int T, int C, int V);
+                             const int *targets, const float *dloss, const float *lse, int T, int C, int V,
+                             int vstart);
+void cf_cuda_lmhead_stats_fwd(cf_backend *b, float *stats, const void *x, const void *wlm, const int *targets, int T,
+                              int C, int V, int vstart);
+void cf_cuda_xent_combine(cf_backend *b, float *losses, float *lse, const float *parts, const int *targets, int T,
+                          int nparts, int V);
 /* select.cu */
 void cf_cuda_select_topk(cf_backend *b, uint8_t *keep, const float *losses, const float *ref, int T, int group,
                          int k);

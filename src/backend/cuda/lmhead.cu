@@ -22,13 +22,28 @@ __device__ __forceinline__ void lse_combine(float &m, float &s, float m2, float 
     s = s * expf(m - mm) + s2 * expf(m2 - mm);
     m = mm;
 }
-static __global__ void lmhead_rows_kernel(float *losses, bf16 *dlogits, const float *logits, const int *targets,
-                                   const float *dloss, int V) {
+/* Vocab-parallel variants (a slice of V vocabulary rows from vstart):
+ * stats != NULL writes {max, sum of exp relative to it, target logit or 0}
+ * instead of the loss; lse_in != NULL is the whole vocabulary's
+ * log-sum-exp for the gradient (nothing is reduced then). */
+static __global__ void lmhead_rows_kernel(float *losses, float *stats, bf16 *dlogits, const float *logits,
+                                          const int *targets, const float *dloss, const float *lse_in, int V,
+                                          int vstart) {
     __shared__ float sm[32], ss[32];
     const int row = blockIdx.x;
     const float *lg = logits + (size_t)row * V;
-    const int tgt = targets[row];
+    const int tgt = targets[row] - vstart;
     const bool bad = tgt < 0 || tgt >= V;
+    if (lse_in) {
+        const float lse = lse_in[row];
+        const float d = dloss ? dloss[row] : 0.f;
+        bf16 *out = dlogits + (size_t)row * V;
+        for (int j = threadIdx.x; j < V; j += blockDim.x) {
+            float g = d == 0.f ? 0.f : d * (expf(lg[j] - lse) - (j == tgt ? 1.f : 0.f));
+            out[j] = __float2bfloat16_rn(g);
+        }
+        return;
+    }
     float m = -INFINITY, s = 0.f;
     for (int j = threadIdx.x; j < V; j += blockDim.x) {
         float x = lg[j];
@@ -58,9 +73,15 @@ static __global__ void lmhead_rows_kernel(float *losses, bf16 *dlogits, const fl
         }
         if (lane == 0) {
             sm[0] = m + logf(s);
+            if (stats) {
+                stats[(size_t)row * 3] = m;
+                stats[(size_t)row * 3 + 1] = s;
+                stats[(size_t)row * 3 + 2] = bad ? 0.f : lg[tgt];
+            }
         }
     }
     __syncthreads();
+    if (stats) return;
     const float lse = sm[0];
     if (losses && threadIdx.x == 0) losses[row] = bad ? NAN : lse - lg[tgt];
     if (dlogits) {
@@ -92,13 +113,14 @@ void cf_cuda_lmhead_loss_fwd(cf_backend *b, float *losses, const void *x, const 
         const int rows = CF_MIN(chunk, T - r0);
         const bf16 *xc = (const bf16 *)x + (size_t)r0 * C;
         cf_cuda_gemm(ctx, true, false, V, rows, C, wlm, C, xc, C, logits, CUDA_R_32F, V, 0.f, NULL);
-        lmhead_rows_kernel<<<rows, 512, 0, ctx->stream>>>(losses + r0, NULL, logits, targets + r0, NULL, V);
+        lmhead_rows_kernel<<<rows, 512, 0, ctx->stream>>>(losses + r0, NULL, NULL, logits, targets + r0, NULL, NULL, V, 0);
         CF_CK_LAUNCH(ctx, "lmhead_rows");
     }
 }
 
 void cf_cuda_lmhead_loss_bwd(cf_backend *b, void *dx, float *dwlm, const void *x, const void *wlm,
-                             const int *targets, const float *dloss, int T, int C, int V) {
+                             const int *targets, const float *dloss, const float *lse, int T, int C, int V,
+                             int vstart) {
     cf_cuda_ctx *ctx = cf_cuda_enter(b);
     if (!ctx || T <= 0) return;
     const int chunk = lm_chunk(T, V);
@@ -109,9 +131,54 @@ void cf_cuda_lmhead_loss_bwd(cf_backend *b, void *dx, float *dwlm, const void *x
         const int rows = CF_MIN(chunk, T - r0);
         const bf16 *xc = (const bf16 *)x + (size_t)r0 * C;
         cf_cuda_gemm(ctx, true, false, V, rows, C, wlm, C, xc, C, logits, CUDA_R_32F, V, 0.f, NULL);
-        lmhead_rows_kernel<<<rows, 512, 0, ctx->stream>>>(NULL, dlogits, logits, targets + r0, dloss + r0, V);
+        lmhead_rows_kernel<<<rows, 512, 0, ctx->stream>>>(NULL, NULL, dlogits, logits, targets + r0, dloss + r0,
+                                                           lse ? lse + r0 : NULL, V, vstart);
         if (!CF_CK_LAUNCH(ctx, "lmhead_rows")) return;
         /* dx = dlogits W ; dW += dlogits^T x */
         cf_cuda_matmul_bwd(b, (bf16 *)dx + (size_t)r0 * C, dwlm, NULL, dlogits, xc, wlm, rows, C, V, 0);
     }
+}
+
+void cf_cuda_lmhead_stats_fwd(cf_backend *b, float *stats, const void *x, const void *wlm, const int *targets, int T,
+                              int C, int V, int vstart) {
+    cf_cuda_ctx *ctx = cf_cuda_enter(b);
+    if (!ctx || T <= 0) return;
+    const int chunk = lm_chunk(T, V);
+    float *logits = (float *)cf_cuda_scratch(ctx, CF_SCR_LOGITS, (size_t)chunk * V * sizeof(float));
+    if (!logits) return;
+    for (int r0 = 0; r0 < T && !ctx->failed; r0 += chunk) {
+        const int rows = CF_MIN(chunk, T - r0);
+        const bf16 *xc = (const bf16 *)x + (size_t)r0 * C;
+        cf_cuda_gemm(ctx, true, false, V, rows, C, wlm, C, xc, C, logits, CUDA_R_32F, V, 0.f, NULL);
+        lmhead_rows_kernel<<<rows, 512, 0, ctx->stream>>>(NULL, stats + (size_t)r0 * 3, NULL, logits, targets + r0,
+                                                           NULL, NULL, V, vstart);
+        CF_CK_LAUNCH(ctx, "lmhead_stats");
+    }
+}
+
+/* lse[t] = M + log(sum_p s_p exp(m_p - M)), losses[t] = lse[t] - sum_p tgt_p
+ * over the slices' stats parts [nparts, T, 3] (one thread per row). */
+static __global__ void xent_combine_kernel(float *losses, float *lse, const float *parts, const int *targets, int T,
+                                           int nparts, int V) {
+    const int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= T) return;
+    float M = -INFINITY, tgt = 0.f;
+    for (int p = 0; p < nparts; p++) M = fmaxf(M, parts[((size_t)p * T + t) * 3]);
+    float s = 0.f;
+    for (int p = 0; p < nparts; p++) {
+        const float *st = parts + ((size_t)p * T + t) * 3;
+        if (st[0] > -INFINITY) s += st[1] * expf(st[0] - M);
+        tgt += st[2];
+    }
+    const float l = M + logf(s);
+    if (lse) lse[t] = l;
+    losses[t] = targets[t] >= 0 && targets[t] < V ? l - tgt : NAN;
+}
+
+void cf_cuda_xent_combine(cf_backend *b, float *losses, float *lse, const float *parts, const int *targets, int T,
+                          int nparts, int V) {
+    cf_cuda_ctx *ctx = cf_cuda_enter(b);
+    if (!ctx || T <= 0) return;
+    xent_combine_kernel<<<(T + 255) / 256, 256, 0, ctx->stream>>>(losses, lse, parts, targets, T, nparts, V);
+    CF_CK_LAUNCH(ctx, "xent_combine");
 }
