@@ -380,11 +380,32 @@ typedef struct cf_dist cf_dist;
  * timeout_s for the other ranks (<= 0: 600 s); every later collective has
  * the same bound, so a dead or hung rank makes the others fail, not hang. */
 int cf_dist_init(cf_dist **out, double timeout_s);
+/* As cf_dist_init, with tensor parallelism of degree tp (Megatron-style,
+ * docs/DISTRIBUTED.md): the world splits into world/tp data-parallel
+ * groups of tp consecutive ranks (TP innermost, so a TP group shares a
+ * host's NVLink); ZeRO-1 runs across the groups. tp must divide the world
+ * size; tp = 1 is plain data parallelism; tp > 1 with a single process is
+ * refused (it needs a launcher). */
+int cf_dist_init_tp(cf_dist **out, int tp, double timeout_s);
 void cf_dist_free(cf_dist *d);
 /* Aborts the communicator at once (peers then fail fast). */
 void cf_dist_abort(cf_dist *d);
 int cf_dist_rank(const cf_dist *d);
 int cf_dist_world(const cf_dist *d);
+/* Tensor- and data-parallel coordinates: world = tp x dp; data (the
+ * loader's part of each batch) is split by the data-parallel rank. */
+int cf_dist_tp(const cf_dist *d);
+int cf_dist_tp_rank(const cf_dist *d);
+int cf_dist_dp(const cf_dist *d);
+int cf_dist_dp_rank(const cf_dist *d);
+/* Tensor-parallel all-reduce traffic since the last call (then reset):
+ * payload bytes per rank, calls and seconds on the communication stream,
+ * for the forward, the backward and the optimizer step. */
+typedef struct {
+    int64_t calls[3], bytes[3];
+    double seconds[3];
+} cf_tp_traffic;
+int cf_dist_tp_traffic(cf_dist *d, cf_tp_traffic *out);
 int cf_dist_device(const cf_dist *d);
 /* "torchrun: rank 1 of 2 (local 1 of 2), rendezvous ..." */
 const char *cf_dist_describe(const cf_dist *d);

@@ -4,7 +4,7 @@
 # .gpucarry/ by tools/gpu_carry.sh, then tests and benchmarks.
 # Usage on the GPU machine: tools/gpu_session.sh PART...  (logs under $OUT)
 #   parts: tests sanitize bench-main bench-old bench-sweeps bench-3b pytorch
-#          parity dp-check dp-bench
+#          parity dp-check dp-bench tp-check tp-bench
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G=$PWD/.gpucarry
@@ -57,6 +57,10 @@ for part in "$@"; do
           --config tinyllama-1.1b --seq 4096 --batch 1 --grad-accum 4 --modes regular,loss-only --keep 0.5 \
           --steps 5 --warmup 2 2>&1 | grep -E "^ddp|Error|error" | tail -4
       done ;;
+    tp-check)
+      bash tests/gpu/tp_check.sh "$CF" "$OUT/tp_check" 2>&1 | tee "$OUT/tp_check.txt" ;;
+    tp-bench)
+      bash tools/tp_bench.sh "$CF" "$OUT/tp_bench" 2>&1 | tee "$OUT/tp_bench.txt" ;;
     dp-bench)
       bash tools/dp_bench.sh "$CF" "$OUT/dp_bench" 2>&1 | tee "$OUT/dp_bench.txt" ;;
     bench-sweeps)

@@ -29,6 +29,9 @@ Examples:
   python3 tools/hf_parity.py
   python3 tools/hf_parity.py --types llama,qwen3 --out-json parity.json
   python3 tools/hf_parity.py --bin ./centrifuge-cuda --device cuda --tol 5e-2
+  python3 tools/hf_parity.py --bin ./centrifuge-cuda --device cuda --tol 5e-2 \
+      --train-launch "torchrun --nproc_per_node 2 --no-python" --train-args "--tp 2"
+      (a tensor-parallel run's gathered checkpoint, loaded by one GPU and by transformers)
 """
 import argparse
 import array
@@ -39,6 +42,7 @@ import os
 import random
 import re
 import shutil
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -309,10 +313,11 @@ def run_case(name, args, work, torch, transformers, given_ckpt=None):
         else:
             out_dir = os.path.join(case_dir, "ckpt")
             shutil.rmtree(out_dir, ignore_errors=True)
-            run_cmd([args.bin, "train", "--config", config, "--steps", str(args.steps), "--batch", str(B),
+            run_cmd(shlex.split(args.train_launch) +
+                    [args.bin, "train", "--config", config, "--steps", str(args.steps), "--batch", str(B),
                      "--seq", str(S), "--data", shard, "--out", out_dir, "--lr", repr(args.lr),
-                     "--seed", str(args.seed), "--device", args.device, "--quiet"], args.timeout,
-                    "centrifuge train")
+                     "--seed", str(args.seed), "--device", args.device, "--quiet"] + shlex.split(args.train_args),
+                    args.timeout, "centrifuge train")
             ckpt = latest_checkpoint(out_dir)
         res["checkpoint"] = ckpt
         res["sharded"] = os.path.isfile(os.path.join(ckpt, "model.safetensors.index.json"))
@@ -447,6 +452,10 @@ def main(argv=None):
     ap.add_argument("--checkpoint", action="append", metavar="DIR",
                     help="also check this existing centrifuge checkpoint directory (no training; "
                          "repeatable), e.g. a sharded save")
+    ap.add_argument("--train-launch", default="",
+                    help="launcher before the train command, e.g. 'torchrun --nproc_per_node 2 --no-python' "
+                         "(the checkpoint of a distributed run is checked)")
+    ap.add_argument("--train-args", default="", help="extra train arguments, e.g. '--tp 2'")
     ap.add_argument("--data", help="use this token shard for every type instead of generating one")
     ap.add_argument("--python-data", action="store_true",
                     help="write the shard in Python even where gen-data's byte tokens would fit")

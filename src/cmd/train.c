@@ -61,7 +61,8 @@ static int latest_checkpoint(const char *out, char *dir, size_t cap) {
 static const struct { const char *key, *flag; } RUN_FIELDS[] = {
     {"model", "--config/--model"}, {"mode", "--mode"}, {"select", "--select"}, {"keep", "--keep"},
     {"per_batch", "--per-batch"}, {"doc_mask", "--doc-mask"}, {"batch", "--batch"}, {"seq", "--seq"},
-    {"grad_accum", "--grad-accum"}, {"world_size", "the world size"}, {"seed", "--seed"}, {"freeze", "--freeze"},
+    {"grad_accum", "--grad-accum"}, {"world_size", "the world size"}, {"tp", "--tp"}, {"seed", "--seed"},
+    {"freeze", "--freeze"},
     {"lora", "--lora-rank/--lora-alpha/--lora-targets/--rslora"},
     {"data", "--data (or --shuffle, --data-seed, --builtin-tokens)"}, {"ref", "--ref"},
 };
@@ -310,6 +311,7 @@ int cmd_train(int argc, char **argv) {
     int shuffle = 0, vocab_from_data = 0, progress_only = 0;
     double lr = 1e-3, min_lr = -1, wd = 0.1, b1 = 0.9, b2 = 0.95, eps = 1e-8, clip = 1.0, keep = 0.5;
     double drop = -1, dist_timeout = 600;
+    long tp = 1;
     int resume = 0, per_batch = 0, doc_mask = 0, quiet = 0;
     cf_opt opts[] = {
         {"--config", CF_OPT_STR, &config, 0, 0, "built-in name or config.json (fresh weights); default tiny", 0},
@@ -351,6 +353,7 @@ int cmd_train(int argc, char **argv) {
         {"--seed", CF_OPT_INT, &seed, 0, 1L << 62, "random seed (default 1337)", 0},
         {"--quiet", CF_OPT_FLAG, &quiet, 0, 0, "no progress lines", 0},
         {"--dist-timeout", CF_OPT_FLOAT, &dist_timeout, 1, 86400, "data parallel: seconds to wait for other ranks (default 600)", 0},
+        {"--tp", CF_OPT_INT, &tp, 1, 1024, "tensor parallel degree: ranks per TP group (default 1; the rest data parallel)", 0},
         {"--freeze", CF_OPT_STR, &freeze, 0, 0, "comma list of name parts to freeze (e.g. embed_tokens,lm_head)", 0},
         {"--lora-rank", CF_OPT_INT, &lora_rank, 1, 4096, "train LoRA adapters of this rank (base frozen); checkpoints are PEFT adapters", 0},
         {"--lora-alpha", CF_OPT_FLOAT, &lora_alpha, 1e-6, 1e6, "LoRA alpha (default: the rank); scale alpha/rank", 0},
@@ -511,24 +514,28 @@ int cmd_train(int argc, char **argv) {
     cf_dataset *ds = NULL, *vds = NULL;
     int have_val = 0;
     cf_dist *dist = NULL;
-    int rank = 0, world = 1;
+    int rank = 0, world = 1, dp = 1, dp_rank = 0;
     cf_tokenizer *tkz = NULL;
     char tok_src[4096] = "";      /* where the tokenizer files that travel with checkpoints are */
     char vocab_note[96] = "";
 
     /* Data parallel when a launcher (torchrun, srun, mpirun) started
      * several ranks: each rank trains on its GPU, rank 0 reports. */
-    if (cf_dist_init(&dist, dist_timeout) != 0) goto fail;
+    if (cf_dist_init_tp(&dist, (int)tp, dist_timeout) != 0) goto fail;
     rank = cf_dist_rank(dist);
     world = cf_dist_world(dist);
+    dp = cf_dist_dp(dist);             /* the data is split over the DP ranks */
+    dp_rank = cf_dist_dp_rank(dist);
     if (dist) {
         uint64_t h = CF_FNV_INIT;
         for (int i = 0; i < argc; i++) h = cf_fnv1a(h, argv[i], strlen(argv[i]) + 1);
         if (cf_dist_agree(dist, h, "the train arguments") != 0) goto fail;
         if (rank != 0) quiet = 1;
-        if (!quiet) fprintf(stderr, "train: data parallel, %s\n", cf_dist_describe(dist));
+        if (!quiet) fprintf(stderr, "train: %s, %s\n", tp > 1 ? "tensor parallel" : "data parallel",
+                            cf_dist_describe(dist));
     }
     cf_manifest_set(&want, "world_size", "%d", world);
+    cf_manifest_set(&want, "tp", "%ld", tp);
 
     /* --out is this run's alone (a lock held until exit); a fresh run never
      * writes into another run's checkpoints; --resume continues only the run
@@ -597,7 +604,7 @@ int cmd_train(int argc, char **argv) {
             cf_model_opts mck = mo;
             char mck_dir[4096];
             mck.model_dir = latest_checkpoint(out, mck_dir, sizeof mck_dir) ? mck_dir : NULL;
-            if (mck.model_dir && check_memory(&mck, batch, seq, accum, mode, keep, world, 1) != 0) goto fail;
+            if (tp == 1 && mck.model_dir && check_memory(&mck, batch, seq, accum, mode, keep, world, 1) != 0) goto fail;
             m = cf_dist_checkpoint_load(dist, out, &mo, &step0, &data_pos);
             if (!m) goto fail;
             char ck[4096];
@@ -635,7 +642,8 @@ int cmd_train(int argc, char **argv) {
             if (v) snprintf(vocab_note, sizeof vocab_note, ", vocab_size %ld%s", v, vocab_from_data ? " (from the data)" : "");
             mo.config = cfg_tmp;
         }
-        if (check_memory(&mo, batch, seq, accum, mode, keep, world, out != NULL) != 0) {
+        /* (the estimate is of one GPU's whole model: under TP, docs/MEMORY_PLANS.md) */
+        if (tp == 1 && check_memory(&mo, batch, seq, accum, mode, keep, world, out != NULL) != 0) {
             if (cfg_tmp[0]) remove_config_tmp(cfg_tmp);
             goto fail;
         }
@@ -647,7 +655,7 @@ int cmd_train(int argc, char **argv) {
     if (check_vocab(cfg, ds, vds, model_dir, resume && step0 > 0) != 0) goto fail;
     if (doc_mask) cf_model_set_doc_mask(m, cfg->bos_token_id >= 0 ? cfg->bos_token_id : CF_TOK_BOS);
 
-    if (cf_dataset_set_rank(ds, rank, world) != 0) goto fail;
+    if (cf_dataset_set_rank(ds, dp_rank, dp) != 0) goto fail;
     if (data_pos && cf_dataset_seek(ds, data_pos) != 0) goto fail;
     /* what the run reads, in the manifest; a resume must read the same */
     cf_manifest_set(&want, "data", "%016llx", (unsigned long long)cf_dataset_fingerprint(ds));
@@ -691,11 +699,11 @@ int cmd_train(int argc, char **argv) {
 
     if (!quiet && !progress_only)
         fprintf(stderr, "train: %s %s, %.2fM params (%.2fM trained), %s backend | mode %s, select %s, keep %.2f%s | "
-                        "%ld x %ld tokens x %ld accum x %d ranks | %ld steps from %lld\n",
+                        "%ld x %ld tokens x %ld accum x %d data-parallel ranks | %ld steps from %lld\n",
                 cf_model_type_name(cfg->model_type), config ? config : (model_dir ? model_dir : "tiny"),
                 cf_model_num_params(m) / 1e6, cf_model_num_trainable(m) / 1e6, device, cf_mode_name(mode),
                 cf_select_name(select), mode == CF_MODE_REGULAR ? 1.0 : keep, per_batch ? " per batch" : "", batch,
-                seq, accum, world, steps, (long long)step0);
+                seq, accum, dp, steps, (long long)step0);
     if (!quiet && !progress_only) {
         /* what the defaults decided, said once, so nothing is silently ignored */
         if (mode_implied)
@@ -745,7 +753,8 @@ int cmd_train(int argc, char **argv) {
         double dt = cf_now() - t0;
         double tps = (double)st.tokens / dt;
         double val_loss = NAN;
-        if (have_val && rank == 0 && ((eval_every > 0 && (step + 1) % eval_every == 0) || step + 1 == steps)) {
+        /* validation on rank 0 (under TP its whole TP group, which computes together) */
+        if (have_val && dp_rank == 0 && ((eval_every > 0 && (step + 1) % eval_every == 0) || step + 1 == steps)) {
             if (val_mean_loss(m, vds, batch, seq, eval_batches, &val_loss) != 0) goto fail;
         }
         int print_now = (step + 1) % print_every == 0 || step == step0 || step + 1 == steps || !isnan(val_loss);
@@ -776,8 +785,19 @@ int cmd_train(int argc, char **argv) {
                     skipped);
             if (!isnan(val_loss)) fprintf(logf, ",\"val_loss\":%s", cf_json_num(jv, sizeof jv, "%.6f", val_loss));
             /* what ran: every record names the device, commit, mode and parallelism */
-            fprintf(logf, ",\"mode\":\"%s\",\"gpu\":\"%s\",\"commit\":\"%s\",\"world_size\":%d,\"tp\":1,\"lora_rank\":%d}\n",
-                    cf_mode_name(mode), cf_model_device_name(m), cf_build_commit(), world, lora.rank);
+            if (tp > 1) {
+                /* TP all-reduce traffic of this step: payload bytes per rank and seconds on the
+                 * communication stream, forward / backward / optimizer */
+                cf_tp_traffic tt;
+                if (cf_dist_tp_traffic(dist, &tt) != 0) goto fail;
+                fprintf(logf, ",\"tp_fwd_bytes\":%lld,\"tp_bwd_bytes\":%lld,\"tp_step_bytes\":%lld,\"tp_fwd_calls\":%lld,"
+                              "\"tp_bwd_calls\":%lld,\"tp_fwd_comm_s\":%.6f,\"tp_bwd_comm_s\":%.6f,\"tp_step_comm_s\":%.6f",
+                        (long long)tt.bytes[0], (long long)tt.bytes[1], (long long)tt.bytes[2], (long long)tt.calls[0],
+                        (long long)tt.calls[1], tt.seconds[0], tt.seconds[1], tt.seconds[2]);
+            }
+            fprintf(logf, ",\"peak_mem_bytes\":%zu", cf_model_memory_peak(m));
+            fprintf(logf, ",\"mode\":\"%s\",\"gpu\":\"%s\",\"commit\":\"%s\",\"world_size\":%d,\"tp\":%ld,\"lora_rank\":%d}\n",
+                    cf_mode_name(mode), cf_model_device_name(m), cf_build_commit(), world, tp, lora.rank);
             /* a full disk must not cut the log silently */
             if (cf_stream_check(logf, log_path) != 0) goto fail;
         }

@@ -33,6 +33,7 @@
 #include "dist/launch.h"
 #include "dist/plan.h"
 #include "dist/shardfile.h"
+#include "dist/tp.h"
 #include "engine/model_internal.h"
 
 #ifdef CF_WITH_CUDA
@@ -44,7 +45,12 @@
 
 struct cf_dist {
     cf_dist_env env;
-    cf_comm *comm;
+    cf_comm *comm;         /* the world */
+    /* world = tp x dp, rank = dp_rank x tp + tp_rank (TP innermost) */
+    int tp, dp, tp_rank, dp_rank;
+    cf_comm *tp_comm;      /* this rank's TP group (NULL when tp = 1; the world when dp = 1) */
+    cf_comm *dp_comm;      /* this rank's DP group (NULL when dp = 1; the world when tp = 1) */
+    cf_tp_group *tpg;
     int device;
     double timeout_s;
     char describe[512];
@@ -56,11 +62,27 @@ struct cf_dist {
 
 int cf_dist_rank(const cf_dist *d) { return d ? d->env.rank : 0; }
 int cf_dist_world(const cf_dist *d) { return d ? d->env.world_size : 1; }
+int cf_dist_tp(const cf_dist *d) { return d ? d->tp : 1; }
+int cf_dist_tp_rank(const cf_dist *d) { return d ? d->tp_rank : 0; }
+int cf_dist_dp(const cf_dist *d) { return d ? d->dp : 1; }
+int cf_dist_dp_rank(const cf_dist *d) { return d ? d->dp_rank : 0; }
+
+int cf_dist_tp_traffic(cf_dist *d, cf_tp_traffic *out) {
+    memset(out, 0, sizeof *out);
+    return d && d->tpg ? cf_tp_group_traffic(d->tpg, out) : 0;
+}
+
+/* The checkpoint layout: the ZeRO plan and the TP degree (a resume with
+ * another split would read the wrong shards). */
+static uint64_t layout_hash(const cf_dist *d) { return d->plan.hash ^ ((uint64_t)d->tp * 0x9e3779b97f4a7c15ULL); }
 int cf_dist_device(const cf_dist *d) { return d ? d->device : 0; }
 const char *cf_dist_describe(const cf_dist *d) { return d ? d->describe : "single process"; }
 
 void cf_dist_free(cf_dist *d) {
     if (!d) return;
+    cf_tp_group_free(d->tpg);
+    if (d->tp_comm && d->tp_comm != d->comm) cf_comm_destroy(d->tp_comm);
+    if (d->dp_comm && d->dp_comm != d->comm) cf_comm_destroy(d->dp_comm);
     cf_comm_destroy(d->comm);
     cf_zero_plan_free(&d->plan);
     free(d->tensor_of);
@@ -68,14 +90,28 @@ void cf_dist_free(cf_dist *d) {
 }
 
 void cf_dist_abort(cf_dist *d) {
-    if (d && d->comm) cf_comm_abort(d->comm);
+    if (!d) return;
+    if (d->tp_comm && d->tp_comm != d->comm) cf_comm_abort(d->tp_comm);
+    if (d->dp_comm && d->dp_comm != d->comm) cf_comm_abort(d->dp_comm);
+    if (d->comm) cf_comm_abort(d->comm);
 }
 
-int cf_dist_init(cf_dist **out, double timeout_s) {
+int cf_dist_init(cf_dist **out, double timeout_s) { return cf_dist_init_tp(out, 1, timeout_s); }
+
+int cf_dist_init_tp(cf_dist **out, int tp, double timeout_s) {
     *out = NULL;
     cf_dist_env env;
+    if (tp < 1) return cf_fail("--tp %d must be at least 1", tp);
     if (cf_dist_env_parse(&env, NULL) != 0) return -1;
-    if (env.world_size <= 1) return 0;
+    if (env.world_size <= 1) {
+        if (tp > 1)
+            return cf_fail("--tp %d needs %d processes, one per GPU: start them with e.g. torchrun --nproc_per_node %d "
+                           "--no-python ./centrifuge-cuda train ... (docs/DISTRIBUTED.md)", tp, tp, tp);
+        return 0;
+    }
+    if (env.world_size % tp != 0)
+        return cf_fail("--tp %d does not divide the %d ranks %s started (world = tp x data-parallel ranks)", tp,
+                       env.world_size, cf_launcher_name(env.launcher));
 #ifndef CF_WITH_CUDA
     return cf_fail("%s started %d ranks, but this binary was built without CUDA: data parallel training needs "
                    "centrifuge-cuda (make cuda)", cf_launcher_name(env.launcher), env.world_size);
@@ -90,8 +126,31 @@ int cf_dist_init(cf_dist **out, double timeout_s) {
     d->env = env;
     d->timeout_s = timeout_s > 0 ? timeout_s : CF_COMM_DEFAULT_TIMEOUT_S;
     if (cf_dist_pick_device(&env, visible, &d->device) != 0) { free(d); return -1; }
+    d->tp = tp;
+    d->dp = env.world_size / tp;
+    d->tp_rank = env.rank % tp;
+    d->dp_rank = env.rank / tp;
     cf_dist_env_describe(&env, d->describe, (int)sizeof d->describe);
+    if (tp > 1) {
+        size_t used = strlen(d->describe);
+        snprintf(d->describe + used, sizeof d->describe - used, "; tensor parallel %d x data parallel %d (TP rank %d, "
+                 "DP rank %d)", tp, d->dp, d->tp_rank, d->dp_rank);
+    }
     if (cf_comm_init(&d->comm, &env, d->device, d->timeout_s) != 0) { free(d); return -1; }
+    /* 2-D: one split per dimension (collective over the world) */
+    if (tp == 1) {
+        d->dp_comm = d->comm;
+    } else if (d->dp == 1) {
+        d->tp_comm = d->comm;
+    } else if (cf_comm_split(d->comm, d->dp_rank, d->tp_rank, &d->tp_comm, d->timeout_s) != 0 ||
+               cf_comm_split(d->comm, d->tp_rank, d->dp_rank, &d->dp_comm, d->timeout_s) != 0) {
+        cf_dist_free(d);
+        return -1;
+    }
+    if (tp > 1 && !(d->tpg = cf_tp_group_create(d->tp_comm, d->timeout_s))) {
+        cf_dist_free(d);
+        return -1;
+    }
     *out = d;
     return 0;
 #endif
@@ -143,13 +202,13 @@ static int zero_layout(void *ctx, const cf_model *m, cf_optim_layout *lay) {
         key[j] = m->params[i].layer;
         d->tensor_of[j++] = i;
     }
-    int rc = cf_zero_plan_build(&d->plan, numel, key, n, d->env.world_size, ZERO_ALIGN);
+    int rc = cf_zero_plan_build(&d->plan, numel, key, n, d->dp, ZERO_ALIGN);
     free(numel);
     free(key);
     if (rc != 0) return -1;
     cf_zero_segment *seg = NULL;
     int nseg = 0;
-    if (cf_zero_plan_segments(&d->plan, d->env.rank, &seg, &nseg) != 0) return -1;
+    if (cf_zero_plan_segments(&d->plan, d->dp_rank, &seg, &nseg) != 0) return -1;
     memset(lay, 0, sizeof *lay);
     lay->ngrad = (size_t)d->plan.total;
     lay->nlocal = (size_t)d->plan.shard_numel;
@@ -183,7 +242,7 @@ static int hook_bucket_ready(void *p, int layer) {
         const cf_zero_bucket *bk = &d->plan.buckets[k];
         if (bk->key != layer) continue;
         float *start = grad + bk->start;
-        if (cf_comm_reduce_scatter_f32(d->comm, start, start + (int64_t)d->env.rank * bk->shard_len,
+        if (cf_comm_reduce_scatter_f32(d->dp_comm, start, start + (int64_t)d->dp_rank * bk->shard_len,
                                        (size_t)bk->shard_len, cx->comm_stream) != 0)
             return -1;
     }
@@ -199,11 +258,13 @@ static int hook_sum_scalars(void *p, cf_scalars *dev) {
     cf_dist *d = p;
     cf_cuda_ctx *cx = ctx_of(d);
     if (cf_cuda_comm_wait_compute(cx) != 0) return -1;
-    if (cf_comm_all_reduce(d->comm, &dev->sumsq, &dev->sumsq, 1, CF_COMM_F64, CF_COMM_SUM, cx->comm_stream) != 0 ||
-        cf_comm_all_reduce(d->comm, &dev->loss_sum, &dev->loss_sum, 1, CF_COMM_F32, CF_COMM_SUM, cx->comm_stream) != 0)
+    /* over the DP group: the TP group already summed the norm (and holds
+     * equal losses) */
+    if (cf_comm_all_reduce(d->dp_comm, &dev->sumsq, &dev->sumsq, 1, CF_COMM_F64, CF_COMM_SUM, cx->comm_stream) != 0 ||
+        cf_comm_all_reduce(d->dp_comm, &dev->loss_sum, &dev->loss_sum, 1, CF_COMM_F32, CF_COMM_SUM, cx->comm_stream) != 0)
         return -1;
     /* the host waits here, with a deadline: a dead peer fails the run */
-    if (cf_comm_wait(d->comm, cx->comm_stream, d->timeout_s) != 0) return -1;
+    if (cf_comm_wait(d->dp_comm, cx->comm_stream, d->timeout_s) != 0) return -1;
     return cf_cuda_compute_wait_comm(cx);
 }
 
@@ -214,15 +275,15 @@ static int hook_weights_updated(void *p) {
     char *w = d->m->w;
     size_t A = d->m->b->act_size;
     cf_comm_dtype dt = A == 2 ? CF_COMM_BF16 : CF_COMM_F32;
-    if (cf_comm_group_begin(d->comm) != 0) return -1;
+    if (cf_comm_group_begin(d->dp_comm) != 0) return -1;
     for (int k = 0; k < d->plan.num_buckets; k++) {
         const cf_zero_bucket *bk = &d->plan.buckets[k];
-        if (cf_comm_all_gather(d->comm, w + (size_t)bk->start * A, (size_t)bk->shard_len, dt, cx->comm_stream) != 0) {
-            cf_comm_group_end(d->comm);
+        if (cf_comm_all_gather(d->dp_comm, w + (size_t)bk->start * A, (size_t)bk->shard_len, dt, cx->comm_stream) != 0) {
+            cf_comm_group_end(d->dp_comm);
             return -1;
         }
     }
-    if (cf_comm_group_end(d->comm) != 0) return -1;
+    if (cf_comm_group_end(d->dp_comm) != 0) return -1;
     return cf_cuda_compute_wait_comm(cx);
 }
 #endif
@@ -245,18 +306,27 @@ cf_model *cf_dist_open_model(cf_dist *d, const cf_model_opts *o) {
     cf_zero_plan_free(&d->plan);
     free(d->tensor_of);
     d->tensor_of = NULL;
-    cf_model *m = cf_model_open_with(&oo, zero_layout, d);
+    cf_model *m;
+    if (d->tp > 1) {
+        cf_tp_sync ts = cf_tp_group_sync(d->tpg);
+        m = cf_model_open_tp(&oo, &ts, zero_layout, d);
+    } else {
+        m = cf_model_open_with(&oo, zero_layout, d);
+    }
     if (!m) return NULL;
     if (!m->b->device_context) { cf_model_free(m); cf_fail("data parallel: backend without a device context"); return NULL; }
     d->m = m;
-    cf_grad_sync *s = &m->opt.sync;
-    s->ctx = d;
-    s->rank = d->env.rank;
-    s->world = d->env.world_size;
-    s->bucket_ready = hook_bucket_ready;
-    s->finish = hook_finish;
-    s->sum_scalars = hook_sum_scalars;
-    s->weights_updated = hook_weights_updated;
+    if (d->tpg) cf_tp_group_bind(d->tpg, m);
+    if (d->dp > 1) {
+        cf_grad_sync *s = &m->opt.sync;
+        s->ctx = d;
+        s->rank = d->dp_rank;
+        s->world = d->dp;
+        s->bucket_ready = hook_bucket_ready;
+        s->finish = hook_finish;
+        s->sum_scalars = hook_sum_scalars;
+        s->weights_updated = hook_weights_updated;
+    }
     /* Every rank initialised or loaded the same weights (deterministic in
      * the seed and the files; cf_dist_agree on the arguments checks that
      * the ranks were started alike). */
@@ -306,10 +376,15 @@ int cf_dist_checkpoint_save(cf_dist *d, cf_model *m, const char *dir, int64_t st
         free(master); free(am); free(av);
         return -1;
     }
-    /* 2. rank 0 the model, every rank its optimizer shard */
-    if (d->env.rank == 0) rc = m->lora.rank > 0 ? cf_lora_save(m, path, NULL) : cf_model_save(m, path, "bfloat16", 0);
+    /* 2. rank 0 the model (under TP gathered over the first TP group, whose
+     * TP rank 0 is rank 0), every rank its optimizer shard */
+    if (d->tp > 1) {
+        if (d->dp_rank == 0) rc = cf_model_save_tp(m, path, "bfloat16", d->tp_rank == 0);
+    } else if (d->env.rank == 0) {
+        rc = m->lora.rank > 0 ? cf_lora_save(m, path, NULL) : cf_model_save(m, path, "bfloat16", 0);
+    }
     if (rc == 0) {
-        cf_shard_meta meta = {d->env.world_size, d->env.rank, d->plan.hash, (int64_t)m->opt.lay.nlocal,
+        cf_shard_meta meta = {d->env.world_size, d->env.rank, layout_hash(d), (int64_t)m->opt.lay.nlocal,
                               m->opt.step, step, data_pos};
         rc = cf_shardfile_write(path, &meta, master, am, av);
     }
@@ -321,7 +396,7 @@ int cf_dist_checkpoint_save(cf_dist *d, cf_model *m, const char *dir, int64_t st
     }
     /* 3. every shard is on disk: rank 0 moves `latest` */
     if (d->env.rank == 0) {
-        if (cf_shardfile_check_set(path, d->env.world_size, d->plan.hash, NULL) != 0) return -1;
+        if (cf_shardfile_check_set(path, d->env.world_size, layout_hash(d), NULL) != 0) return -1;
         if (cf_checkpoint_commit(dir, step, keep_last) != 0) return -1;
     }
     return 0;
@@ -347,7 +422,7 @@ cf_model *cf_dist_checkpoint_load(cf_dist *d, const char *dir, const cf_model_op
     size_t n = m->opt.lay.nlocal;
     float *master = cf_malloc(n * sizeof(float) + 1), *am = cf_malloc(n * sizeof(float) + 1),
           *av = cf_malloc(n * sizeof(float) + 1);
-    cf_shard_meta want = {d->env.world_size, d->env.rank, d->plan.hash, (int64_t)n, 0, 0, 0}, got;
+    cf_shard_meta want = {d->env.world_size, d->env.rank, layout_hash(d), (int64_t)n, 0, 0, 0}, got;
     int rc = master && am && av ? cf_shardfile_read(path, &want, &got, master, am, av) : -1;
     /* the exact fp32 master slice replaces the bf16 weights it was saved as */
     /* a shard whose state is not finite would poison every later update */
