@@ -18,6 +18,11 @@ for run in $RUNS; do
     log="$OUT/${cfg}_${seq}_${par}_${mode}.jsonl"
     args="train --device cuda --config $cfg --seq $seq --batch 1 --grad-accum $ACCUM --steps $STEPS --warmup 1 --lr 1e-5 --select self --keep 0.5 --mode $mode --builtin-tokens 2M --quiet --log-file $log"
     [ "$par" = tp2 ] && args="$args --tp 2"
+    # the previous run's processes may still be releasing their GPU memory
+    for i in $(seq 1 60); do
+      used=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | sort -n | tail -1)
+      [ "${used:-0}" -lt 2000 ] && break; sleep 1
+    done
     timeout 240 torchrun --nproc_per_node 2 --master_port $((29600 + RANDOM % 200)) --no-python "$BIN" $args >"$log.err" 2>&1
     rc=$?
     if [ $rc -ne 0 ]; then echo "$cfg $seq $par $mode failed (rc $rc): $(grep -m2 -i error "$log.err" | tr '\n' ' ')" | tee -a "$OUT/table.txt"; continue; fi
