@@ -595,6 +595,7 @@ int cmd_train(int argc, char **argv) {
         if (cf_path_exists(latest)) {
             cf_model_opts mo = {0};
             if (cf_backend_parse(device, &mo.backend, &mo.device) != 0) goto fail;
+            if (dist) mo.device = cf_dist_device(dist);   /* this rank's GPU (the memory check looks at it) */
             mo.freeze = freeze;
             mo.lora = lora;
             if (lora.rank > 0) {   /* the base model as at the start; adapters from the checkpoint */
@@ -625,6 +626,7 @@ int cmd_train(int argc, char **argv) {
     if (!m) {
         cf_model_opts mo = {0};
         if (cf_backend_parse(device, &mo.backend, &mo.device) != 0) goto fail;
+        if (dist) mo.device = cf_dist_device(dist);   /* this rank's GPU (the memory check looks at it) */
         mo.config = config;
         mo.model_dir = model_dir;
         mo.seed = (uint64_t)seed;
