@@ -85,6 +85,17 @@ expect_error "safetensors truncated" "model.safetensors" -- eval --model "$T/tru
 expect_error "safetensors header beyond file" "model.safetensors" -- eval --model "$T/hdr" --data "$T/good.bin"
 expect_error "model dir missing" "config.json" -- eval --model "$T/nowhere" --data "$T/good.bin"
 
+# tensor parallelism: launch mistakes (checked before any GPU is touched)
+expect_error "--tp without a launcher" "needs 2 processes" -- train --config tiny --tp 2 --steps 1
+expect_error "--tp 0" "tp" -- train --config tiny --tp 0 --steps 1
+n=$((n+1))
+WORLD_SIZE=3 RANK=0 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29555 "$BIN" train --config tiny --tp 2 --steps 1 >"$T/out" 2>"$T/err"; rc=$?
+if [ $rc -ne 0 ] && [ "$(wc -l <"$T/err")" -eq 1 ] && grep -q "error: --tp 2 does not divide the 3 ranks" "$T/err"; then
+  echo "  ok   --tp not dividing the world: $(cat "$T/err")"
+else
+  echo "  FAIL --tp not dividing the world (rc=$rc)"; sed 's/^/      /' "$T/err" | head -3; fails=$((fails+1))
+fi
+
 echo "== no partial output"
 n=$((n+1))
 "$BIN" train --data "$T/bigid.bin" --steps 1 --out "$T/never" >/dev/null 2>&1
