@@ -4,7 +4,7 @@
 # .gpucarry/ by tools/gpu_carry.sh, then tests and benchmarks.
 # Usage on the GPU machine: tools/gpu_session.sh PART...  (logs under $OUT)
 #   parts: tests sanitize bench-main bench-old bench-sweeps bench-3b pytorch
-#          parity dp-check dp-bench tp-check tp-bench
+#          parity dp-check dp-bench tp-check tp-bench rows-x4 rows-x8
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G=$PWD/.gpucarry
@@ -61,6 +61,19 @@ for part in "$@"; do
       bash tests/gpu/tp_check.sh "$CF" "$OUT/tp_check" 2>&1 | tee "$OUT/tp_check.txt" ;;
     tp-bench)
       bash tools/tp_bench.sh "$CF" "$OUT/tp_bench" 2>&1 | tee "$OUT/tp_bench.txt" ;;
+    rows-x4)
+      # issue 19 on nvidia-h200-x4: DP=1,2,4 scaling (grad-accum 4) and TP=4 Qwen2.5-7B, then PyTorch DDP
+      MODES="regular loss-only centrifuge" ACCUM=4 bash tools/tp_bench.sh "$CF" "$OUT/rows_x4" \
+        "tinyllama-1.1b:4096:dp1 tinyllama-1.1b:4096:dp2 tinyllama-1.1b:4096:dp4 qwen2.5-1.5b:2048:dp1 qwen2.5-1.5b:2048:dp2 qwen2.5-1.5b:2048:dp4" 2>&1 | tee "$OUT/rows_x4.txt"
+      bash tools/tp_bench.sh "$CF" "$OUT/rows_x4_tp" "qwen2.5-7b:2048:tp4" 2>&1 | tee -a "$OUT/rows_x4.txt"
+      for cfg in tinyllama-1.1b:4096 qwen2.5-1.5b:2048; do
+        timeout 300 torchrun --nproc_per_node 4 --master_port 29910 tools/bench_pytorch.py --ddp --config ${cfg%%:*} \
+          --seq ${cfg##*:} --batch 1 --grad-accum 4 --modes regular,loss-only --keep 0.5 --steps 5 --warmup 2 2>&1 | grep -E "^ddp|rror" | tail -4
+      done 2>&1 | tee -a "$OUT/rows_x4.txt" ;;
+    rows-x8)
+      # issue 20 on nvidia-h200-x8: TP=8 rows of the paper's Table 2
+      RUN_TIMEOUT=400 bash tools/tp_bench.sh "$CF" "$OUT/rows_x8" \
+        "llama3.1-8b:2048:tp8 qwen3-14b:2048:tp8 qwen3-32b:4096:tp8 alia-40b:4096:tp8" 2>&1 | tee "$OUT/rows_x8.txt" ;;
     dp-bench)
       bash tools/dp_bench.sh "$CF" "$OUT/dp_bench" 2>&1 | tee "$OUT/dp_bench.txt" ;;
     bench-sweeps)
