@@ -83,6 +83,11 @@ int cf_config_validate(const cf_config *cfg);
 /* A comma-separated list of the built-in names, for help texts. */
 const char *cf_config_builtin_names(void);
 size_t cf_config_num_params(const cf_config *cfg);
+/* Model FLOPs per token of a dense training step (forward + backward) at
+ * sequence length seq, for MFU: 6 N + 6 L seq C, N = all parameters but the
+ * input embedding (the LM head counted once, tied or not), L layers, C the
+ * hidden size (src/engine/flops.c). */
+double cf_config_train_flops_per_token(const cf_config *cfg, int seq);
 
 /* ------------------------------------------------------------------ model */
 

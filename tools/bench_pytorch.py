@@ -3,7 +3,10 @@
 
 Training-step mode (default): builds the model of a centrifuge built-in
 config with random weights, micro-batch 1 (--batch), and times one training
-step = forward + loss, backward, AdamW (fused) with CUDA events:
+step = forward + loss, backward, AdamW (fused) with CUDA events; with
+--grad-accum N a step is N micro-batches (forward + loss and backward each,
+the loss scaled by 1/N) and one optimizer update, the forward and backward
+times summed over its micro-batches, as `centrifuge bench --grad-accum`:
 
   regular    loss = mean CE over all S positions
   loss-only  loss = mean CE over a random --keep fraction of each row's
@@ -13,7 +16,12 @@ step = forward + loss, backward, AdamW (fused) with CUDA events:
 --warmup untimed steps, then the median of --steps timed ones per stage.
 Reported: forward (incl. the loss), backward, optimizer (incl. grad-norm
 clipping when --grad-clip > 0, and zero_grad), step, tokens/s and peak memory
-(torch.cuda.max_memory_allocated). Rows can be written as JSON lines in the
+(torch.cuda.max_memory_allocated), and MFU against --peak-tflops (default
+989 on a GPU, H100/H200 dense bf16; on the CPU only when given) with the
+FLOPs per token of `centrifuge bench`: 6N + 6*L*S*H (N: every parameter but
+the input embedding, the LM head counted once; L layers, S sequence length,
+H hidden size), counted for every token of the step, so for loss-only it is
+a dense-equivalent MFU. Rows can be written as JSON lines in the
 same schema as `centrifuge bench --json` (plus "engine": "pytorch"), so
 tools/plot_bench.py reads both; --centrifuge-json prints centrifuge/pytorch
 tokens/s ratios.
@@ -28,6 +36,7 @@ tests only (wall-clock timing, no peak memory).
 
 Examples:
   python3 tools/bench_pytorch.py --config tinyllama-1.1b --seq 4096 --json pt.jsonl
+  python3 tools/bench_pytorch.py --config tinyllama-1.1b --seq 4096 --grad-accum 8 --json pt_accum8.jsonl
   python3 tools/bench_pytorch.py --config qwen2.5-1.5b --seq 2048 --keep 0.5,0.4 \\
       --centrifuge-json cf.jsonl
   python3 tools/bench_pytorch.py --sdpa-attention --config tinyllama-1.1b --seq 1024,2048,4096
@@ -82,6 +91,25 @@ def config_dict(name):
         d["use_sliding_window"] = False
         d["sliding_window"] = None
     return d
+
+
+def flops_per_token(n_nonembed, layers, seq, hidden):
+    """Model FLOPs per token of a dense training step (forward + backward),
+    as centrifuge's cf_config_train_flops_per_token (src/engine/flops.c):
+    6N (a multiply-add per weight forward, two backward) + 6*L*S*H (causal
+    attention: QK^T and PV, 4*S*H per token and layer over all keys, half of
+    it under the mask, times 3 with the backward). N = every parameter but
+    the input embedding, with the LM head counted once even when tied."""
+    return 6.0 * n_nonembed + 6.0 * layers * seq * hidden
+
+
+def nonembed_params(model, cfg):
+    """N of flops_per_token: parameters() lists a tied LM head once (it is
+    the embedding), so only an untied model drops the embedding table."""
+    n = sum(p.numel() for p in model.parameters())
+    if not getattr(cfg, "tie_word_embeddings", False):
+        n -= model.get_input_embeddings().weight.numel()
+    return n
 
 
 def build_model(cfgd, dtype, device, torch):
@@ -145,66 +173,87 @@ def bench_training(args, torch):
     timer = Timer(torch, cuda)
     gen = torch.Generator(device="cpu").manual_seed(args.seed)
     rows = []
+    A = args.grad_accum
+    n_flops = nonembed_params(model, cfg)
+    peak_tflops = args.peak_tflops if args.peak_tflops is not None else (989.0 if cuda else 0.0)
     print("bench_pytorch: %s (%s), %.1fM params, %s, %s, sdpa attention, %s AdamW, grad clip %s, batch %d, "
           "median of %d steps after %d warm-up | torch %s, transformers %s" % (
               args.config, cfg.model_type, nparams / 1e6, torch.cuda.get_device_name() if cuda else args.device,
               "fp32 weights + bf16 autocast" if amp else "bf16 weights", "fused" if fused else "foreach",
               args.grad_clip or "off", args.batch, args.steps, args.warmup, torch.__version__,
               __import__("transformers").__version__))
-    print("%6s %5s %-10s %7s %9s %9s %9s %9s %10s %9s" % ("seq", "keep", "mode", "kept", "fwd ms", "bwd ms",
-                                                           "opt ms", "step ms", "tokens/s", "peak GiB"))
+    if A > 1:
+        print("       grad-accum %d: a step is %d micro-batches of %d sequences and one optimizer update; "
+              "fwd and bwd summed over them" % (A, A, args.batch))
+    if peak_tflops > 0:
+        print("       MFU against %g TFLOP/s, FLOPs per token 6N + 6*L*S*H (N = %.1fM); dense-equivalent "
+              "for loss-only" % (peak_tflops, n_flops / 1e6))
+    print("%6s %5s %-10s %7s %9s %9s %9s %9s %10s %9s%s" % ("seq", "keep", "mode", "kept", "fwd ms", "bwd ms",
+                                                             "opt ms", "step ms", "tokens/s", "peak GiB",
+                                                             " %6s" % "MFU" if peak_tflops > 0 else ""))
     for S in args.seq:
         B = args.batch
-        T = B * S
+        T = B * S           # tokens per micro-batch
+        TS = A * T          # tokens per optimizer step
+        fpt = flops_per_token(n_flops, cfg.num_hidden_layers, S, cfg.hidden_size)
         for keep in args.keep:
             for mode in args.modes:
                 if mode == "regular" and keep != args.keep[0]:
                     continue  # regular does not depend on keep: once per seq
                 k = max(1, int(round(keep * S))) if mode == "loss-only" else S
-                tokens = torch.randint(0, V, (B, S + 1), generator=gen).to(args.device)
-                x, y = tokens[:, :-1], tokens[:, 1:].reshape(-1)
+                micro = [torch.randint(0, V, (B, S + 1), generator=gen).to(args.device) for _ in range(A)]
                 times = {"fwd": [], "bwd": [], "opt": [], "step": []}
                 if cuda:
                     torch.cuda.synchronize()
                     torch.cuda.empty_cache()
                     torch.cuda.reset_peak_memory_stats()
                 for it in range(args.warmup + args.steps):
-                    mask = None
+                    masks = [None] * A
                     if mode == "loss-only":
                         # exactly k random positions per row, as centrifuge's per-sequence selection;
                         # made before the timed region (centrifuge's selection is not in its times either)
-                        idx = torch.rand(B, S, generator=gen).argsort(dim=1)[:, :k]
-                        mask = torch.zeros(B, S).scatter_(1, idx, 1.0).view(-1).to(args.device)
+                        for mi in range(A):
+                            idx = torch.rand(B, S, generator=gen).argsort(dim=1)[:, :k]
+                            masks[mi] = torch.zeros(B, S).scatter_(1, idx, 1.0).view(-1).to(args.device)
                     timer.sync()
-                    t0 = timer.mark()
-                    with torch.autocast(device_type="cuda" if cuda else "cpu", dtype=dtype, enabled=amp):
-                        logits = model(input_ids=x).logits
-                    # as transformers' own loss: CE on fp32 logits
-                    per_tok = F.cross_entropy(logits.float().view(T, -1), y, reduction="none")
-                    # a float mask keeps the loss free of host syncs (boolean indexing would sync)
-                    loss = per_tok.mean() if mask is None else (per_tok * mask).sum() / mask.sum()
-                    t1 = timer.mark()
-                    loss.backward()
-                    t2 = timer.mark()
+                    marks = []  # (start, after forward + loss, after backward) per micro-batch
+                    for tokens, mask in zip(micro, masks):
+                        x, y = tokens[:, :-1], tokens[:, 1:].reshape(-1)
+                        t0 = timer.mark()
+                        with torch.autocast(device_type="cuda" if cuda else "cpu", dtype=dtype, enabled=amp):
+                            logits = model(input_ids=x).logits
+                        # as transformers' own loss: CE on fp32 logits
+                        per_tok = F.cross_entropy(logits.float().view(T, -1), y, reduction="none")
+                        # a float mask keeps the loss free of host syncs (boolean indexing would sync)
+                        loss = per_tok.mean() if mask is None else (per_tok * mask).sum() / mask.sum()
+                        if A > 1:
+                            loss = loss / A  # the step's loss is the mean over its micro-batches
+                        t1 = timer.mark()
+                        loss.backward()
+                        t2 = timer.mark()
+                        marks.append((t0, t1, t2))
+                        del logits, per_tok, loss
                     if args.grad_clip > 0:
                         torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip, foreach=True)
                     opt.step()
                     opt.zero_grad(set_to_none=True)
                     t3 = timer.mark()
                     timer.sync()
-                    del logits, per_tok, loss
                     if it >= args.warmup:
-                        times["fwd"].append(timer.ms(t0, t1))
-                        times["bwd"].append(timer.ms(t1, t2))
-                        times["opt"].append(timer.ms(t2, t3))
-                        times["step"].append(timer.ms(t0, t3))
+                        times["fwd"].append(sum(timer.ms(a, b) for a, b, _ in marks))
+                        times["bwd"].append(sum(timer.ms(b, c) for _, b, c in marks))
+                        times["opt"].append(timer.ms(marks[-1][2], t3))
+                        times["step"].append(timer.ms(marks[0][0], t3))
                 med = {key: statistics.median(v) for key, v in times.items()}
                 peak = torch.cuda.max_memory_allocated() if cuda else None
-                tps = T / (med["step"] / 1e3)
-                kept = B * k
-                print("%6d %5.2f %-10s %7d %9.2f %9.2f %9.2f %9.2f %10.0f %9s" % (
+                tps = TS / (med["step"] / 1e3)
+                kept = A * B * k
+                model_tflops = fpt * tps / 1e12  # a dense step's FLOPs on the same tokens
+                mfu = model_tflops / peak_tflops if peak_tflops > 0 else 0.0
+                print("%6d %5.2f %-10s %7d %9.2f %9.2f %9.2f %9.2f %10.0f %9s%s" % (
                     S, keep if mode != "regular" else 1.0, mode, kept, med["fwd"], med["bwd"], med["opt"],
-                    med["step"], tps, "%.2f" % (peak / 2**30) if peak is not None else "-"))
+                    med["step"], tps, "%.2f" % (peak / 2**30) if peak is not None else "-",
+                    " %5.1f%%" % (100 * mfu) if peak_tflops > 0 else ""))
                 sys.stdout.flush()
                 rows.append({
                     "engine": "pytorch", "model": args.config, "params": nparams, "device": args.device,
@@ -212,11 +261,14 @@ def bench_training(args, torch):
                     "keep": round(keep if mode != "regular" else 1.0, 4), "mode": mode, "kept": kept,
                     "forward_s": med["fwd"] / 1e3, "filter_s": 0.0, "backward_s": med["bwd"] / 1e3,
                     "optimizer_s": med["opt"] / 1e3, "step_s": med["step"] / 1e3, "tokens_per_s": round(tps, 1),
-                    "s_per_1M_tokens": med["step"] / 1e3 / T * 1e6, "layers": cfg.num_hidden_layers,
+                    "s_per_1M_tokens": med["step"] / 1e3 / TS * 1e6, "layers": cfg.num_hidden_layers,
                     "steps": args.steps, "peak_mem_bytes": peak, "precision": args.precision,
                     "attn_implementation": "sdpa", "optimizer": "adamw-fused" if fused else "adamw-foreach",
                     "grad_clip": args.grad_clip, "torch": torch.__version__,
                     "transformers": __import__("transformers").__version__,
+                    "grad_accum": A, "tokens_per_step": TS, "flops_per_token": fpt,
+                    "model_tflops": model_tflops, "peak_tflops": peak_tflops, "mfu": mfu,
+                    "mfu_kind": "dense" if mode == "regular" else "dense-equivalent",
                 })
     return rows
 
@@ -243,6 +295,8 @@ def bench_ddp(args, torch):
     opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=args.lr,
                                   betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     V, B, A = cfg.vocab_size, args.batch, args.grad_accum
+    n_flops = nonembed_params(model.module, cfg)
+    peak_tflops = args.peak_tflops if args.peak_tflops is not None else 989.0
     gen = torch.Generator(device="cpu").manual_seed(args.seed + rank)
     rows = []
     for S in args.seq:
@@ -279,12 +333,17 @@ def bench_ddp(args, torch):
                     times.append(time.perf_counter() - t0)
             step = statistics.median(times)
             tps = world * A * B * S / step
+            fpt = flops_per_token(n_flops, cfg.num_hidden_layers, S, cfg.hidden_size)
+            mfu = fpt * tps / world / (peak_tflops * 1e12) if peak_tflops > 0 else 0.0  # per GPU
             if rank == 0:
-                print("ddp %-16s seq %5d %-10s world %d  step %8.1f ms  %10.0f tok/s  peak %.1f GiB" % (
-                    args.config, S, mode, world, step * 1e3, tps, torch.cuda.max_memory_allocated() / 2**30))
+                print("ddp %-16s seq %5d %-10s world %d  step %8.1f ms  %10.0f tok/s  peak %.1f GiB%s" % (
+                    args.config, S, mode, world, step * 1e3, tps, torch.cuda.max_memory_allocated() / 2**30,
+                    "  MFU %.1f%%" % (100 * mfu) if peak_tflops > 0 else ""))
                 sys.stdout.flush()
             rows.append({"engine": "pytorch-ddp-zero", "model": args.config, "seq": S, "mode": mode, "world": world,
-                         "grad_accum": A, "step_s": step, "tokens_per_s": round(tps, 1)})
+                         "grad_accum": A, "step_s": step, "tokens_per_s": round(tps, 1), "batch": B,
+                         "tokens_per_step": world * A * B * S, "flops_per_token": fpt, "peak_tflops": peak_tflops,
+                         "mfu": mfu, "mfu_kind": "dense" if mode == "regular" else "dense-equivalent"})
     dist.destroy_process_group()
     return rows if rank == 0 else []
 
@@ -412,10 +471,11 @@ def compare_centrifuge(path, rows):
         every keep of a sweep: the mean of those), or None."""
         hits = [r["tokens_per_s"] for r in cf
                 if r.get("mode") == mode and r.get("seq") == seq and r.get("batch", 1) == rows[0]["batch"] and
+                r.get("grad_accum", 1) == rows[0].get("grad_accum", 1) and
                 (mode == "regular" or abs(r.get("keep", -1) - keep) < 1e-6)]
         return sum(hits) / len(hits) if hits else None
 
-    print("\ncentrifuge / pytorch tokens/s (same seq, batch%s):" % (", keep" if len(rows) > 1 else ""))
+    print("\ncentrifuge / pytorch tokens/s (same seq, batch, grad-accum%s):" % (", keep" if len(rows) > 1 else ""))
     print("%6s %5s %-24s %12s %12s %7s" % ("seq", "keep", "centrifuge vs pytorch", "cf tok/s", "pt tok/s", "ratio"))
     for pr in rows:
         pairs = [(pr["mode"], pr["mode"])]
@@ -464,7 +524,13 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=1, help="seed (default 1)")
     ap.add_argument("--ddp", action="store_true", help="PyTorch data parallel (DDP + ZeroRedundancyOptimizer) "
                     "under torchrun; with --grad-accum")
-    ap.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (--ddp; default 1)")
+    ap.add_argument("--grad-accum", type=int, default=1,
+                    help="micro-batches per optimizer step (default 1); times are per step, forward and "
+                         "backward summed over its micro-batches")
+    ap.add_argument("--peak-tflops", type=float, default=None,
+                    help="peak TFLOP/s for MFU (default 989 on a GPU: H100/H200 dense bf16; on the CPU MFU only "
+                         "with this flag; 0: no MFU). FLOPs per token 6N + 6*L*S*H for every token of the step: "
+                         "dense-equivalent MFU for loss-only")
     ap.add_argument("--json", help="write JSON lines here (centrifuge bench schema + engine, peak_mem_bytes)")
     ap.add_argument("--centrifuge-json", help="JSON lines of `centrifuge bench --json`: print tokens/s ratios")
     g = ap.add_argument_group("attention only (--sdpa-attention)")
@@ -496,6 +562,10 @@ def main(argv=None):
         ap.error("--keep values must be in (0, 1]")
     if any(s < 1 for s in args.seq) or args.batch < 1 or args.steps < 1 or args.warmup < 0:
         ap.error("--seq, --batch and --steps must be >= 1, --warmup >= 0")
+    if args.grad_accum < 1:
+        ap.error("--grad-accum must be >= 1, got %d" % args.grad_accum)
+    if args.peak_tflops is not None and not args.peak_tflops >= 0:
+        ap.error("--peak-tflops must be >= 0, got %g" % args.peak_tflops)
     if not args.sdpa_attention and args.config is None:
         args.config = "tinyllama-1.1b"
     if args.config and args.config not in BUILTINS and not os.path.isfile(args.config):

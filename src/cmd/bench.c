@@ -7,6 +7,12 @@
  * and data, their steps interleaved round by round; `--warmup` untimed
  * rounds, then the median of `--steps` timed steps per stage and mode. Selection is random by default (the speed of the
  * backward does not depend on which tokens are kept, only how many).
+ * A step is one optimizer step over --grad-accum micro-batches of --batch
+ * sequences (cf_trainer_step): its stage times are sums over the
+ * micro-batches. MFU counts the FLOPs of a dense step
+ * (cf_config_train_flops_per_token) in every mode, so for the filtered
+ * modes it is a dense-equivalent MFU: the rate at which they get through
+ * the tokens, not the FLOPs they actually do.
  */
 #include <math.h>
 #include <stdio.h>
@@ -37,21 +43,7 @@ static int split_list(char *s, char **items, int cap) {
 
 typedef struct { double fwd, filter, bwd, opt, step; } stage_times;
 
-/* FLOPs of one training step at T = B*S tokens in regular mode: GEMMs
- * 2*params per token forward and twice that backward; causal attention
- * 2*S*H*D per token per layer forward (QK^T and PV, half the square),
- * 2.5x that backward. */
-static double step_flops(const cf_config *c, int B, int S) {
-    double C = c->hidden_size, F = c->intermediate_size, qd = (double)c->num_attention_heads * c->head_dim;
-    double kd = (double)c->num_key_value_heads * c->head_dim, L = c->num_hidden_layers;
-    double gemm_params = L * (C * (qd + 2 * kd) + qd * C + 3 * C * F) + (double)c->vocab_size * C;
-    double T = (double)B * S;
-    double gemm_fwd = 2 * T * gemm_params;
-    double attn_fwd = L * 2.0 * T * S * qd;
-    return 3 * gemm_fwd + 3.5 * attn_fwd;
-}
-
-static cf_trainer *make_trainer(cf_model *m, cf_mode mode, int B, int S, double keep, cf_select_kind sel,
+static cf_trainer *make_trainer(cf_model *m, cf_mode mode, int A, int B, int S, double keep, cf_select_kind sel,
                                uint64_t seed) {
     cf_train_opts o = {0};
     o.mode = mode;
@@ -60,17 +52,18 @@ static cf_trainer *make_trainer(cf_model *m, cf_mode mode, int B, int S, double 
     o.select.seed = seed;
     o.batch = B;
     o.seq = S;
-    o.grad_accum = 1;
+    o.grad_accum = A;
     /* lr 0: the weights stay the same across modes, only the time counts */
     o.adamw = (cf_adamw_params){0.0f, 0.9f, 0.95f, 1e-8f, 0.0f, 1.0f};
     return cf_trainer_create(m, &o);
 }
 
-/* One extra step with per-op-category synchronised timing. */
-static void print_profile(cf_model *m, cf_mode mode, int B, int S, double keep, cf_select_kind sel, uint64_t seed) {
+/* One extra step of one micro-batch (A only labels the output) with
+ * per-op-category synchronised timing. */
+static void print_profile(cf_model *m, cf_mode mode, int A, int B, int S, double keep, cf_select_kind sel, uint64_t seed) {
     int V = cf_model_config(m)->vocab_size;
     int32_t *tokens = cf_malloc((size_t)B * (S + 1) * sizeof(int32_t));
-    cf_trainer *tr = make_trainer(m, mode, B, S, keep, sel, seed);
+    cf_trainer *tr = make_trainer(m, mode, 1, B, S, keep, sel, seed);
     if (!tokens || !tr) { free(tokens); cf_trainer_free(tr); return; }
     cf_rng rng;
     cf_rng_seed(&rng, seed);
@@ -83,7 +76,7 @@ static void print_profile(cf_model *m, cf_mode mode, int B, int S, double keep, 
         cf_model_profile(m, prof);
         printf("      profile %-11s", cf_mode_name(mode));
         for (int c = 0; c < CF_PROF_N; c++) printf(" %s %.2f/%.2f", cf_prof_name(c), prof[0][c] * 1e3, prof[1][c] * 1e3);
-        printf("  (ms fwd/bwd)\n");
+        printf("  (ms fwd/bwd%s)\n", A > 1 ? ", one micro-batch" : "");
     }
     cf_model_set_profile(m, 0);
     cf_trainer_free(tr);
@@ -92,29 +85,33 @@ static void print_profile(cf_model *m, cf_mode mode, int B, int S, double keep, 
 
 /* Runs warmup + steps training steps of every mode, interleaved (one step
  * of each mode per round), so slow drifts of the machine (clocks, other
- * load) hit all modes alike; per-stage medians into out[mode]. */
-static int bench_point(cf_model *m, const cf_mode *modes, int nm, int B, int S, double keep, cf_select_kind sel,
-                       int warmup, int steps, uint64_t seed, stage_times *out, int *kept_out) {
+ * load) hit all modes alike; per-stage medians into out[mode]. A step is
+ * A micro-batches of B x S tokens (different tokens in each) and one
+ * optimizer update; kept_out is the kept count of the whole step. */
+static int bench_point(cf_model *m, const cf_mode *modes, int nm, int A, int B, int S, double keep,
+                       cf_select_kind sel, int warmup, int steps, uint64_t seed, stage_times *out, int64_t *kept_out) {
     int V = cf_model_config(m)->vocab_size;
-    int32_t *tokens = cf_malloc((size_t)B * (S + 1) * sizeof(int32_t));
+    size_t per_mb = (size_t)B * (S + 1);
+    int32_t *tokens = cf_malloc((size_t)A * per_mb * sizeof(int32_t));
+    cf_micro_batch *mb = cf_calloc((size_t)A, sizeof *mb);
     double *v = cf_malloc(5 * (size_t)steps * nm * sizeof(double));
     cf_trainer *tr[8] = {0};
-    int rc = tokens && v ? 0 : -1;
+    int rc = tokens && mb && v ? 0 : -1;
     for (int mi = 0; mi < nm && rc == 0; mi++)
-        if (!(tr[mi] = make_trainer(m, modes[mi], B, S, keep, sel, seed))) rc = -1;
+        if (!(tr[mi] = make_trainer(m, modes[mi], A, B, S, keep, sel, seed))) rc = -1;
     if (rc == 0) {
         cf_rng rng;
         cf_rng_seed(&rng, seed);
-        for (int i = 0; i < B * (S + 1); i++) tokens[i] = (int32_t)cf_rng_below(&rng, (uint32_t)V);
+        for (size_t i = 0; i < (size_t)A * per_mb; i++) tokens[i] = (int32_t)cf_rng_below(&rng, (uint32_t)V);
+        for (int a = 0; a < A; a++) mb[a] = (cf_micro_batch){tokens + (size_t)a * per_mb, NULL};
     }
-    cf_micro_batch mb = {tokens, NULL};
     for (int it = 0; it < warmup + steps && rc == 0; it++) {
         for (int mi = 0; mi < nm && rc == 0; mi++) {
             cf_step_stats st;
             double t0 = cf_now();
-            if (cf_trainer_step(tr[mi], &mb, 0.0f, &st) != 0) { rc = -1; break; }
+            if (cf_trainer_step(tr[mi], mb, 0.0f, &st) != 0) { rc = -1; break; }
             double step = cf_now() - t0;
-            kept_out[mi] = (int)st.kept;
+            kept_out[mi] = st.kept;
             if (it >= warmup) {
                 double *vm = v + (size_t)mi * 5 * steps;
                 int k = it - warmup;
@@ -132,7 +129,7 @@ static int bench_point(cf_model *m, const cf_mode *modes, int nm, int B, int S, 
         out[mi].step = median(vm + 4 * steps, steps);
     }
     for (int mi = 0; mi < nm; mi++) cf_trainer_free(tr[mi]);
-    free(tokens); free(v);
+    free(tokens); free(mb); free(v);
     return rc;
 }
 
@@ -142,7 +139,7 @@ int cmd_bench(int argc, char **argv) {
     long lora_rank = 0;
     double lora_alpha = -1;
     const char *keeps_s = "0.5", *seqs_s = "512", *json = NULL, *select_s = "random";
-    long batch = 1, steps = 10, warmup = 2, seed = 1;
+    long batch = 1, grad_accum = 1, steps = 10, warmup = 2, seed = 1;
     int profile = 0;
     double peak_tflops = -1;
     cf_opt opts[] = {
@@ -152,7 +149,9 @@ int cmd_bench(int argc, char **argv) {
         {"--modes", CF_OPT_STR, &modes_s, 0, 0, "comma list (default regular,loss-only,centrifuge)", 0},
         {"--keep", CF_OPT_STR, &keeps_s, 0, 0, "comma list of keep fractions (default 0.5)", 0},
         {"--seq", CF_OPT_STR, &seqs_s, 0, 0, "comma list of sequence lengths (default 512)", 0},
-        {"--batch", CF_OPT_INT, &batch, 1, 65536, "micro-batch (default 1)", 0},
+        {"--batch", CF_OPT_INT, &batch, 1, 65536, "sequences per micro-batch (default 1)", 0},
+        {"--grad-accum", CF_OPT_INT, &grad_accum, 1, 65536,
+         "micro-batches per optimizer step (default 1); times are per step", 0},
         {"--steps", CF_OPT_INT, &steps, 1, 100000, "timed steps per point (default 10)", 0},
         {"--warmup", CF_OPT_INT, &warmup, 0, 100000, "untimed steps first (default 2)", 0},
         {"--select", CF_OPT_STR, &select_s, 0, 0, "random (default) or self", 0},
@@ -162,11 +161,18 @@ int cmd_bench(int argc, char **argv) {
         {"--lora-rank", CF_OPT_INT, &lora_rank, 1, 4096, "LoRA adapters of this rank (base frozen)", 0},
         {"--lora-alpha", CF_OPT_FLOAT, &lora_alpha, 1e-6, 1e6, "LoRA alpha (default: the rank)", 0},
         {"--lora-targets", CF_OPT_STR, &lora_targets, 0, 0, "LoRA modules (default q,k,v,o)", 0},
-        {"--peak-tflops", CF_OPT_FLOAT, &peak_tflops, 0, 1e6, "for MFU (default 989 on cuda: H100/H200 dense bf16)", 0},
+        {"--peak-tflops", CF_OPT_FLOAT, &peak_tflops, 0, 1e6,
+         "peak TFLOP/s for MFU (default 989 on cuda: H100/H200 dense bf16; on cpu MFU only with this flag; 0: no MFU)", 0},
     };
     int nopts = (int)(sizeof opts / sizeof *opts);
     int pr = cf_cli_parse("bench", "[--config NAME] [--seq 512,1024] [--keep 0.5,0.4] [options]\n\n"
-                          "Per-stage step timings per mode (median of --steps after --warmup).",
+                          "Per-stage step timings per mode (median of --steps after --warmup). A step is one\n"
+                          "optimizer update over --grad-accum micro-batches of --batch sequences; stage times\n"
+                          "are summed over its micro-batches.\n"
+                          "MFU = model FLOPs / step time / peak, with FLOPs per token 6N + 6*L*S*H (N: all\n"
+                          "parameters but the input embedding, L layers, S sequence length, H hidden size),\n"
+                          "counted for every token of the step: for the filtered modes this is a\n"
+                          "dense-equivalent MFU (the FLOPs a dense step would do on the same tokens).",
                           opts, nopts, argc, argv);
     if (pr == 1) return 0;
     if (pr < 0) return cf_cli_error("bench", 2);
@@ -198,7 +204,7 @@ int cmd_bench(int argc, char **argv) {
         mo.config = config;
         mo.model_dir = model_dir;
         mem.batch = batch;
-        mem.grad_accum = 1;
+        mem.grad_accum = grad_accum;
         mem.train = 1;
         for (int i = 0; i < ns; i++) mem.seq = seqs[i] > mem.seq ? seqs[i] : mem.seq;
         for (int i = 0; i < nm; i++) mem.compact |= cf_mode_is_compact(modes[i]);
@@ -220,49 +226,61 @@ int cmd_bench(int argc, char **argv) {
     FILE *jf = NULL;
     if (json && !(jf = cf_output_stream(json, 0))) { cf_model_free(m); return cf_cli_error("bench", 1); }
     const cf_config *c = cf_model_config(m);
-    if (peak_tflops < 0) peak_tflops = strcmp(device, "cuda") == 0 ? 989.0 : 0.0;
+    if (peak_tflops < 0) peak_tflops = mo.backend == CF_BACKEND_CUDA ? 989.0 : 0.0;
     printf("bench: %s, %.1fM params, device %s, batch %ld, median of %ld steps after %ld warm-up\n",
            config ? config : model_dir, cf_model_num_params(m) / 1e6, device, batch, steps, warmup);
+    if (grad_accum > 1)
+        printf("       grad-accum %ld: a step is %ld micro-batches of %ld sequences and one optimizer update; "
+               "stage times summed over them\n", grad_accum, grad_accum, batch);
+    if (peak_tflops > 0)   /* at S = 0 only the 6N term is left */
+        printf("       MFU against %g TFLOP/s, FLOPs per token 6N + 6*L*S*H (N = %.1fM); dense-equivalent "
+               "for filtered modes%s\n", peak_tflops, cf_config_train_flops_per_token(c, 0) / 6 / 1e6,
+               lora_rank > 0 ? "; with LoRA still the FLOPs of full fine-tuning" : "");
     printf("%6s %5s %-11s %8s %9s %9s %9s %9s %9s %8s %8s\n", "seq", "keep", "mode", "kept", "fwd ms",
            "filter ms", "bwd ms", "opt ms", "step ms", "bwd/reg", "step/reg");
     int rc = 0;
     for (int si = 0; si < ns && rc == 0; si++) {
         for (int ki = 0; ki < nk && rc == 0; ki++) {
             stage_times reg = {0}, all[8];
-            int kepts[8];
-            if (bench_point(m, modes, nm, (int)batch, (int)seqs[si], keeps[ki], sel, (int)warmup, (int)steps,
-                            (uint64_t)seed, all, kepts) != 0) { rc = 1; break; }
+            int64_t kepts[8];
+            if (bench_point(m, modes, nm, (int)grad_accum, (int)batch, (int)seqs[si], keeps[ki], sel, (int)warmup,
+                            (int)steps, (uint64_t)seed, all, kepts) != 0) { rc = 1; break; }
+            double flops_tok = cf_config_train_flops_per_token(c, (int)seqs[si]);
             for (int mi = 0; mi < nm; mi++)
                 if (modes[mi] == CF_MODE_REGULAR) reg = all[mi];
             for (int mi = 0; mi < nm && rc == 0; mi++) {
                 stage_times st = all[mi];
-                int kept = kepts[mi];
-                double T = (double)batch * seqs[si];
-                printf("%6ld %5.2f %-11s %8d %9.2f %9.3f %9.2f %9.2f %9.2f", seqs[si], keeps[ki],
-                       cf_mode_name(modes[mi]), kept, st.fwd * 1e3, st.filter * 1e3, st.bwd * 1e3,
+                int64_t kept = kepts[mi];
+                double T = (double)grad_accum * batch * seqs[si];   /* tokens per optimizer step */
+                printf("%6ld %5.2f %-11s %8lld %9.2f %9.3f %9.2f %9.2f %9.2f", seqs[si], keeps[ki],
+                       cf_mode_name(modes[mi]), (long long)kept, st.fwd * 1e3, st.filter * 1e3, st.bwd * 1e3,
                        st.opt * 1e3, st.step * 1e3);
                 if (reg.step > 0) printf(" %8.3f %8.3f", st.bwd / reg.bwd, st.step / reg.step);
                 else printf(" %8s %8s", "-", "-");
-                double mfu = 0;
-                if (modes[mi] == CF_MODE_REGULAR && peak_tflops > 0)
-                    mfu = step_flops(c, (int)batch, (int)seqs[si]) / st.step / (peak_tflops * 1e12);
+                /* model FLOP/s of a dense step on the same tokens, in every mode */
+                double model_flops = flops_tok * T / st.step;
+                double mfu = peak_tflops > 0 ? model_flops / (peak_tflops * 1e12) : 0;
                 size_t peak = cf_model_memory_peak(m);
                 printf(" %9.0f tok/s", T / st.step);
                 if (mfu > 0) printf(" MFU %.1f%%", 100 * mfu);
                 if (peak) printf(" peak %.2f GiB", peak / 1073741824.0);
                 printf("\n");
                 fflush(stdout);
-                if (profile) print_profile(m, modes[mi], (int)batch, (int)seqs[si], keeps[ki], sel, (uint64_t)seed);
+                if (profile) print_profile(m, modes[mi], (int)grad_accum, (int)batch, (int)seqs[si], keeps[ki], sel, (uint64_t)seed);
                 if (jf) {
                     fprintf(jf, "{\"model\":\"%s\",\"params\":%zu,\"device\":\"%s\",\"batch\":%ld,\"seq\":%ld,"
-                                "\"keep\":%.4f,\"mode\":\"%s\",\"kept\":%d,\"forward_s\":%.6f,\"filter_s\":%.6f,"
+                                "\"keep\":%.4f,\"mode\":\"%s\",\"kept\":%lld,\"forward_s\":%.6f,\"filter_s\":%.6f,"
                                 "\"backward_s\":%.6f,\"optimizer_s\":%.6f,\"step_s\":%.6f,\"tokens_per_s\":%.1f,"
                                 "\"s_per_1M_tokens\":%.4f,\"layers\":%d,\"steps\":%ld,\"mfu\":%.4f,\"peak_bytes\":%zu,"
-                                "\"gpu\":\"%s\",\"commit\":\"%s\",\"world_size\":1,\"tp\":1,\"lora_rank\":%ld}\n",
+                                "\"gpu\":\"%s\",\"commit\":\"%s\",\"world_size\":1,\"tp\":1,\"lora_rank\":%ld,"
+                                "\"grad_accum\":%ld,\"tokens_per_step\":%.0f,\"flops_per_token\":%.6g,"
+                                "\"model_tflops\":%.4f,\"peak_tflops\":%.1f,\"mfu_kind\":\"%s\"}\n",
                             config ? config : model_dir, cf_model_num_params(m), device, batch, seqs[si],
-                            keeps[ki], cf_mode_name(modes[mi]), kept, st.fwd, st.filter, st.bwd, st.opt,
+                            keeps[ki], cf_mode_name(modes[mi]), (long long)kept, st.fwd, st.filter, st.bwd, st.opt,
                             st.step, T / st.step, st.step / T * 1e6, c->num_hidden_layers, steps, mfu, peak,
-                            cf_model_device_name(m), cf_build_commit(), lora_rank);
+                            cf_model_device_name(m), cf_build_commit(), lora_rank, grad_accum, T, flops_tok,
+                            model_flops / 1e12, peak_tflops > 0 ? peak_tflops : 0.0,
+                            modes[mi] == CF_MODE_REGULAR ? "dense" : "dense-equivalent");
                     fflush(jf);
                 }
             }
