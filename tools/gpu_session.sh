@@ -4,7 +4,7 @@
 # .gpucarry/ by tools/gpu_carry.sh, then tests and benchmarks.
 # Usage on the GPU machine: tools/gpu_session.sh PART...  (logs under $OUT)
 #   parts: tests sanitize bench-main bench-old bench-sweeps bench-3b pytorch
-#          parity dp-check dp-bench tp-check tp-bench rows-x4 rows-x8
+#          parity dp-check dp-bench tp-check tp-bench rows-x4 rows-x8 bench-accum
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G=$PWD/.gpucarry
@@ -61,6 +61,13 @@ for part in "$@"; do
       bash tests/gpu/tp_check.sh "$CF" "$OUT/tp_check" 2>&1 | tee "$OUT/tp_check.txt" ;;
     tp-bench)
       bash tools/tp_bench.sh "$CF" "$OUT/tp_bench" 2>&1 | tee "$OUT/tp_bench.txt" ;;
+    bench-accum)
+      # issue 17: training-sized steps (grad-accum 8), ours then PyTorch's, same session
+      "$CF" bench --device cuda --config tinyllama-1.1b --seq 4096 --batch 1 --grad-accum 8 \
+        --modes regular,loss-only,centrifuge --keep 0.5 --steps 10 --warmup 2 --json "$OUT/bench_accum8.jsonl" 2>&1 | tee "$OUT/bench_accum8.txt"
+      python3 tools/bench_pytorch.py --config tinyllama-1.1b --seq 4096 --batch 1 --grad-accum 8 \
+        --modes regular,loss-only --keep 0.5 --steps 10 --warmup 2 --json "$OUT/pt_accum8.jsonl" \
+        --centrifuge-json "$OUT/bench_accum8.jsonl" 2>&1 | tee "$OUT/pt_accum8.txt" | tail -12 ;;
     rows-x4)
       # issue 19 on nvidia-h200-x4: DP=1,2,4 scaling (grad-accum 4) and TP=4 Qwen2.5-7B, then PyTorch DDP
       MODES="regular loss-only centrifuge" ACCUM=4 bash tools/tp_bench.sh "$CF" "$OUT/rows_x4" \
