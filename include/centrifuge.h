@@ -128,7 +128,8 @@ typedef struct {
     int rank;          /* 0 = no adapters                                   */
     float alpha;
     unsigned targets;  /* CF_LORA_* bits                                    */
-    float dropout;     /* PEFT's lora_dropout on the adapter input (training) */
+    float dropout;     /* PEFT's lora_dropout on the adapter input, [0, 1):
+                          training forwards only (cf_model_set_train)     */
     int rslora;
 } cf_lora_opts;
 /* "q,k,v,o" or "q_proj,v_proj,..." (also "all") -> CF_LORA_* bits. */
@@ -165,6 +166,12 @@ cf_model *cf_model_load(const char *dir, cf_backend_kind backend);
 int cf_model_save(cf_model *m, const char *dir, const char *dtype, size_t max_shard_bytes);
 /* The model's LoRA settings (rank 0 without adapters). */
 const cf_lora_opts *cf_model_lora(const cf_model *m);
+/* Training mode (off by default): while on, cf_forward applies the LoRA
+ * dropout of the model's cf_lora_opts (a fresh mask each forward; the
+ * backward of that forward uses the same mask). cf_trainer_step turns it on
+ * for its own forwards only, so evaluation, generation and scoring never
+ * drop. */
+void cf_model_set_train(cf_model *m, int on);
 /* PEFT adapter files: adapter_config.json + adapter_model.safetensors with
  * PEFT's names (base_model.model.<module>.lora_A.weight, [rank, in]) and
  * shapes, loadable by PeftModel.from_pretrained. base_name goes into

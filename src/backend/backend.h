@@ -141,6 +141,15 @@ struct cf_backend {
     void (*add)(cf_backend *b, void *out, const void *a, const void *c, size_t n);
     /* x = s * x over n elements (LoRA's scale on its rank-r activations) */
     void (*scale)(cf_backend *b, void *x, float s, size_t n);
+    /* LoRA dropout (inverted), with the mask of dropout_mask.h: for i < n
+     * and c < C, r = rows ? rows[i] : i (the row's index in the forward),
+     *   out[i,c] = keep(key, threshold, r, c) ? x[i,c] * scale : 0
+     * (scale = 1/(1-P), the product rounded once to the act dtype). The
+     * mask depends only on (key, r, c), so every backend drops the same
+     * elements and a backward on kept rows regenerates the forward's mask.
+     * out may alias x. */
+    void (*dropout)(cf_backend *b, void *out, const void *x, uint64_t key, uint32_t threshold, float scale,
+                    const int *rows, int n, int C);
     /* Causal GQA attention. q[T,H,D] k,v[T,Hkv,D] -> out[T,H,D], lse[T,H]
      * (natural log of the softmax denominator of the scaled scores). */
     void (*attention_fwd)(cf_backend *b, void *out, float *lse, const void *q, const void *k,

@@ -358,7 +358,7 @@ int cmd_train(int argc, char **argv) {
         {"--lora-rank", CF_OPT_INT, &lora_rank, 1, 4096, "train LoRA adapters of this rank (base frozen); checkpoints are PEFT adapters", 0},
         {"--lora-alpha", CF_OPT_FLOAT, &lora_alpha, 1e-6, 1e6, "LoRA alpha (default: the rank); scale alpha/rank", 0},
         {"--lora-targets", CF_OPT_STR, &lora_targets, 0, 0, "modules: q,k,v,o,gate,up,down or all (default q,k,v,o)", 0},
-        {"--lora-dropout", CF_OPT_FLOAT, &lora_dropout, 0, 0.999, "dropout on the adapter input (only 0 is implemented)", 0},
+        {"--lora-dropout", CF_OPT_FLOAT, &lora_dropout, 0, 0.999, "PEFT dropout P on the adapter input, training steps only (default 0)", 0},
         {"--rslora", CF_OPT_FLAG, &rslora, 0, 0, "rank-stabilised LoRA: scale alpha/sqrt(rank)", 0},
         {"--shuffle", CF_OPT_FLAG, &shuffle, 0, 0, "read rows of all shards in a seeded random order (default: in order)", 0},
         {"--data-seed", CF_OPT_INT, &data_seed, 0, 1L << 62, "seed of --shuffle (default --seed)", 0},

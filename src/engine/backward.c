@@ -168,6 +168,8 @@ static int kv_proj_bwd(cf_model *m, const cf_layer_params *p, const cf_layer_act
     const cf_config *c = &m->cfg;
     int T = m->T, C = c->hidden_size, kd = c->num_key_value_heads * c->head_dim;
     const void *ln1 = m->saved[a->ln1].full;
+    /* all T rows here, not m->lora_rows: fine only because these modes
+     * refuse adapters on k and v (backward_impl) */
     OP(CF_PROF_GEMM, cf_linear_bwd_weight(m, &p->k, dk, ln1, T, C, kd));
     OP(CF_PROF_GEMM, cf_linear_bwd_weight(m, &p->v, m->d_v, ln1, T, C, kd));
     void *gk = dk, *gv = m->d_v;
@@ -217,6 +219,8 @@ static int backward_impl(cf_model *m, cf_mode mode, const cf_kept *kept, float t
     m->prof_phase = 1;
     int T = m->T;
     int n = compact ? m->n_kept : T;
+    /* the forward's row of each backward row, for LoRA dropout's mask */
+    m->lora_rows = compact ? m->rows : NULL;
     const uint8_t *keep = mode == CF_MODE_REGULAR ? NULL : m->keep_dev;
 
     /* Per-row loss weights d(loss)/d(l_t), and the loss sum of the counted

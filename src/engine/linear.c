@@ -17,8 +17,25 @@
  *   backward  g  = s dy B             [n, r]   (kept in m->lora_du)
  *             dB += dy^T u,  dA += g^T x,  dx += dy W + g A
  * W itself is frozen: only its input gradient dy W is computed.
+ *
+ * LoRA dropout (PEFT's lora_dropout, training forwards only): the adapter
+ * sees xd = x * mask / (1 - P), mask ~ Bernoulli(1 - P) per element, so
+ *   forward   u  = s xd A^T,  y = x W^T + u B^T
+ *   backward  dB += dy^T u (unchanged),  dA += g^T xd,
+ *             dx += dy W + (g A) * mask / (1 - P)
+ * The mask is never stored: it is a hash of (seed, forward counter, the
+ * adapter's lora_A index, row, column) (backend/dropout_mask.h), drawn
+ * again in the backward at the forward's row indices (m->lora_rows in a
+ * compact backward). xd and g A live in m->lora_v, which the adapter's
+ * forward only needs after u is made and the backward not at all.
  */
 #include "engine/model_internal.h"
+#include "backend/dropout_mask.h"
+
+/* The mask key of adapter l in the last forward. */
+static uint64_t drop_key(const cf_model *m, const cf_linear *l) {
+    return cf_dropout_key(m->drop_seed, m->drop_ctr, (uint64_t)l->la);
+}
 
 void cf_linear_fwd(cf_model *m, const cf_linear *l, void *out, const void *in, int T, int K, int N) {
     cf_backend *b = m->b;
@@ -27,6 +44,11 @@ void cf_linear_fwd(cf_model *m, const cf_linear *l, void *out, const void *in, i
     if (l->la < 0) return;
     int r = m->lora.rank;
     void *u = m->saved[l->su].full;
+    if (m->drop_on) {
+        /* xd = dropout(x) into lora_v (free until u B^T below) */
+        b->dropout(b, m->lora_v, in, drop_key(m, l), m->drop_thr, m->drop_scale, NULL, T, K);
+        in = m->lora_v;
+    }
     b->matmul_fwd(b, u, in, cf_weight(m, l->la), NULL, T, K, r);
     b->scale(b, u, m->lora_scale, (size_t)T * r);
     b->matmul_fwd(b, m->lora_v, u, cf_weight(m, l->lb), NULL, T, r, N);
@@ -44,7 +66,15 @@ void cf_linear_bwd_input(cf_model *m, const cf_linear *l, void *din, const void 
     }
     if (!din) return;
     b->matmul_bwd(b, din, NULL, NULL, dout, NULL, cf_weight(m, l->w), T, K, N, accumulate);
-    if (l->la >= 0) b->matmul_bwd(b, din, NULL, NULL, m->lora_du, NULL, cf_weight(m, l->la), T, K, m->lora.rank, 1);
+    if (l->la < 0) return;
+    if (!m->drop_on) {
+        b->matmul_bwd(b, din, NULL, NULL, m->lora_du, NULL, cf_weight(m, l->la), T, K, m->lora.rank, 1);
+        return;
+    }
+    /* dx += (g A) * mask / (1 - P), the forward's mask at the original rows */
+    b->matmul_bwd(b, m->lora_v, NULL, NULL, m->lora_du, NULL, cf_weight(m, l->la), T, K, m->lora.rank, 0);
+    b->dropout(b, m->lora_v, m->lora_v, drop_key(m, l), m->drop_thr, m->drop_scale, m->lora_rows, T, K);
+    b->add(b, din, din, m->lora_v, (size_t)T * K);
 }
 
 void cf_linear_bwd_weight(cf_model *m, const cf_linear *l, const void *dout, const void *in, int T, int K, int N) {
@@ -55,7 +85,11 @@ void cf_linear_bwd_weight(cf_model *m, const cf_linear *l, const void *dout, con
     int r = m->lora.rank;
     /* dB += dy^T u (u read as the backward sees it: compacted in centrifuge) */
     b->matmul_bwd(b, NULL, cf_grad(m, l->lb), NULL, dout, SAVED(m, l->su), cf_weight(m, l->lb), T, r, N, 0);
-    /* dA += g^T x */
+    /* dA += g^T xd (xd = x without dropout) */
+    if (m->drop_on) {
+        b->dropout(b, m->lora_v, in, drop_key(m, l), m->drop_thr, m->drop_scale, m->lora_rows, T, K);
+        in = m->lora_v;
+    }
     b->matmul_bwd(b, NULL, cf_grad(m, l->la), NULL, m->lora_du, in, cf_weight(m, l->la), T, K, r, 0);
 }
 

@@ -4,7 +4,7 @@
  * model.c's add_adapters.)
  *
  * A PEFT LoRA adapter directory holds
- *   adapter_config.json        {"peft_type": "LORA", "r": 64, "lora_alpha": 128,
+ *   adapter_config.json        {"peft_type": "LORA", "r": 64, "lora_alpha": 128, "lora_dropout": 0.05,
  *                               "target_modules": ["q_proj", ...], "use_rslora": false, ...}
  *   adapter_model.safetensors  base_model.model.<module>.lora_A.weight  [r, in]
  *                              base_model.model.<module>.lora_B.weight  [out, r]
@@ -106,7 +106,12 @@ int cf_lora_read_config(const char *dir, cf_lora_opts *lo) {
     if (rc == 0 && (!(v = cJSON_GetObjectItemCaseSensitive(j, "lora_alpha")) || !cJSON_IsNumber(v) || !(v->valuedouble > 0)))
         rc = cf_fail("%s: \"lora_alpha\" must be a positive number", path);
     if (rc == 0) lo->alpha = (float)v->valuedouble;
-    if (rc == 0 && (v = cJSON_GetObjectItemCaseSensitive(j, "lora_dropout")) && cJSON_IsNumber(v)) lo->dropout = (float)v->valuedouble;
+    /* recorded as trained; only a training forward applies it (cf_model_set_train) */
+    if (rc == 0 && (v = cJSON_GetObjectItemCaseSensitive(j, "lora_dropout")) && cJSON_IsNumber(v)) {
+        lo->dropout = (float)v->valuedouble;
+        if (!(v->valuedouble >= 0 && v->valuedouble < 1) || !(lo->dropout < 1))
+            rc = cf_fail("%s: \"lora_dropout\" %g is outside [0, 1)", path, v->valuedouble);
+    }
     if (rc == 0 && (v = cJSON_GetObjectItemCaseSensitive(j, "use_rslora")) && cJSON_IsBool(v)) lo->rslora = cJSON_IsTrue(v);
     if (rc == 0 && (v = cJSON_GetObjectItemCaseSensitive(j, "use_dora")) && cJSON_IsTrue(v))
         rc = cf_fail("%s: DoRA adapters (use_dora) are not supported", path);
@@ -125,8 +130,6 @@ int cf_lora_read_config(const char *dir, cf_lora_opts *lo) {
         if (rc == 0 && !lo->targets) rc = cf_fail("%s: target_modules is empty", path);
     }
     cJSON_Delete(j);
-    /* dropout only matters for training; an adapter trained with it loads */
-    lo->dropout = 0;
     return rc;
 }
 

@@ -26,6 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "backend/dropout_mask.h"
 #include "base/common.h"
 #include "dist/tp_plan.h"
 #include "formats/io.h"
@@ -134,9 +135,6 @@ static int add_adapters(cf_model *m, const cf_lora_opts *lo) {
     if (!(lo->alpha > 0)) return cf_fail("--lora-alpha must be positive");
     if (!lo->targets) return cf_fail("--lora-targets: no module targeted");
     if (!(lo->dropout >= 0 && lo->dropout < 1)) return cf_fail("--lora-dropout %g is outside [0, 1)", lo->dropout);
-    if (lo->dropout > 0)
-        return cf_fail("--lora-dropout %g: only 0 is implemented (PEFT's default for inference-equivalent "
-                       "training is 0; dropout on the adapter input is not supported yet)", lo->dropout);
     int L = c->num_hidden_layers;
     int cap = m->ntensors + L * 14;
     cf_param *np = realloc(m->params, (size_t)cap * sizeof(cf_param));
@@ -162,10 +160,16 @@ static int add_adapters(cf_model *m, const cf_lora_opts *lo) {
     }
     m->lora = *lo;
     m->lora_scale = lo->rslora ? lo->alpha / sqrtf((float)lo->rank) : lo->alpha / (float)lo->rank;
+    /* dropout (training forwards only, linear.c): drop when the hash's top
+     * 32 bits are below round(P 2^32), scale the kept by 1/(1-P) */
+    m->drop_thr = cf_dropout_threshold(lo->dropout);
+    m->drop_scale = 1.0f / (1.0f - lo->dropout);
     return 0;
 }
 
 const cf_lora_opts *cf_model_lora(const cf_model *m) { return &m->lora; }
+
+void cf_model_set_train(cf_model *m, int on) { m->train = on != 0; }
 
 /* Marks the tensors whose names contain one of the comma-separated
  * patterns as frozen; a pattern that matches nothing is an error. */
@@ -302,6 +306,7 @@ static cf_model *model_alloc(const cf_config *cfg, const cf_model_opts *o, const
     m->cfg = *cfg;
     m->doc_mask_bos = -1;
     m->s_lse = -1;
+    m->drop_seed = o->seed;
     if (tp && tp->size > 1) {
         if (o->lora.rank > 0 || o->adapter_dir) {
             cf_fail("--tp with LoRA adapters is not supported yet: use data parallelism (ZeRO-1) for LoRA");
@@ -899,6 +904,9 @@ int cf_forward(cf_model *m, const int32_t *tokens, int B, int S, float *losses) 
     cf_model_reset_filter(m);
     m->B = B; m->S = S; m->T = T;
     m->fwd_id++;               /* invalidates the kept rows of earlier forwards */
+    /* LoRA dropout in training forwards only: a fresh counter, so fresh masks */
+    m->drop_on = m->train && m->lora.rank > 0 && m->lora.dropout > 0;
+    if (m->drop_on) m->drop_ctr = m->drop_next++;
     m->host_losses_fwd = 0;
     cf_stage_begin(m, CF_STAGE_FORWARD);
 

@@ -192,6 +192,18 @@ struct cf_model {
     /* LoRA scratch: the adapter's output [T, widest out] and its input
      * gradient scale * dy B [T, rank] (kept from bwd_input to bwd_weight) */
     void *lora_v, *lora_du;
+    /* LoRA dropout (linear.c): the forward drops when `train` is on and
+     * lora.dropout > 0, with the masks of counter drop_next (then counted
+     * on); drop_on and drop_ctr say what the last forward did, so its
+     * backward regenerates the same masks (key = f(drop_seed, drop_ctr, the
+     * adapter's lora_A index), backend/dropout_mask.h) at the original rows
+     * lora_rows (the kept rows of a compact backward; NULL: row i is i). */
+    int train;              /* cf_model_set_train; the trainer's step only */
+    int drop_on;
+    uint64_t drop_seed, drop_next, drop_ctr;
+    uint32_t drop_thr;      /* round(P 2^32) */
+    float drop_scale;       /* 1 / (1 - P) */
+    const int *lora_rows;
     /* backward scratch */
     void *d_resid, *d_ln, *d_att, *d_q, *d_qn, *d_k, *d_kn, *d_v, *d_h, *d_gate, *d_up, *tmp;
 

@@ -2,7 +2,8 @@
  * trainer.c — the training step of the library, used by every command that
  * trains or times training (train, bench, demo):
  *
- *   for each micro-batch:  forward -> selection -> filter -> backward
+ *   for each micro-batch:  forward (training: LoRA dropout on) -> selection
+ *                          -> filter -> backward
  *                          (gradients accumulate; on the last micro-batch
  *                           each finished bucket goes to the gradient
  *                           reduction hook, if data parallel)
@@ -73,7 +74,16 @@ int cf_trainer_step(cf_trainer *t, const cf_micro_batch *mb, float lr, cf_step_s
     cf_model_clear_scalars(m);
     for (int mi = 0; mi < o->grad_accum; mi++) {
         m->opt.last_micro = mi == o->grad_accum - 1;
-        if (cf_forward(m, mb[mi].tokens, o->batch, o->seq, NULL) != 0) return -1;
+        /* training forward: LoRA dropout on, with masks per (seed, rank,
+         * step, micro-batch), so a resumed run draws the masks the
+         * uninterrupted one would; off again for any other forward */
+        int was_train = m->train;
+        m->train = 1;
+        m->drop_seed = o->select.seed;
+        m->drop_next = ((uint64_t)rank << 48) + (uint64_t)t->step * (uint64_t)o->grad_accum + (uint64_t)mi;
+        int frc = cf_forward(m, mb[mi].tokens, o->batch, o->seq, NULL);
+        m->train = was_train;
+        if (frc != 0) return -1;
         cf_kept kept = {0, 0};
         if (o->mode != CF_MODE_REGULAR) {
             cf_select_opts so = o->select;

@@ -26,6 +26,7 @@
 #include <string.h>
 
 #include "backend/backend.h"
+#include "backend/dropout_mask.h"
 #include "base/common.h"
 #include "test.h"
 
@@ -335,6 +336,61 @@ TEST(add_matches_cpu_out_of_place_and_in_place) {
     void *g8 = gact(a8, n8);
     gpu->add(gpu, g8, g8, gact(c8, n8), n8);
     cmp("add in place (16-byte path)", get_act(g8, n8), r8, n8, TOL_BF16);
+    free_all();
+}
+
+/* dropout (LoRA): the mask is the same integer hash on both backends, so
+ * the dropped elements agree bit for bit, and a kept element is the fp32
+ * product x / (1 - P) rounded once to bf16: exactly bf16_round(cpu). For
+ * the 16-byte and odd-width paths, through the row index (the mask of the
+ * original rows), and in place. */
+TEST(dropout_mask_matches_cpu_bitwise_vector_scalar_row_index_and_in_place) {
+    const int R = 300, nr = 64;
+    const int widths[2] = {1024, 1001};
+    const float ps[2] = {0.3f, 0.05f};
+    for (int k = 0; k < 2; k++) {
+        const int C = widths[k];
+        const size_t n = (size_t)R * C;
+        const uint32_t thr = cf_dropout_threshold(ps[k]);
+        const float scale = 1.0f / (1.0f - ps[k]);
+        const uint64_t key = cf_dropout_key(1234, 56 + k, 7);
+        float *x = HOLD(hrand(n, 1.f)), *ref = HOLD(hnew(n));
+        for (size_t i = 0; i < n; i++) x[i] = bf16_round(fabsf(x[i]) + 0.25f);   /* never 0 */
+        cpu->dropout(cpu, ref, x, key, thr, scale, NULL, R, C);
+        void *gx = gact(x, n), *go = gact_nan(n);
+        gpu->dropout(gpu, go, gx, key, thr, scale, NULL, R, C);
+        float *got = get_act(go, n);
+        size_t mask_diff = 0, val_diff = 0, kept = 0;
+        for (size_t i = 0; i < n; i++) {
+            kept += ref[i] != 0;
+            mask_diff += (got[i] != 0) != (ref[i] != 0);
+            val_diff += !(got[i] == bf16_round(ref[i]));
+        }
+        printf("    C=%d P=%g: kept %.4f (want %.4f), %zu mask and %zu value differences\n", C, ps[k],
+               (double)kept / n, 1.0 - ps[k], mask_diff, val_diff);
+        CHECK_MSG(mask_diff == 0 && val_diff == 0, "dropout C=%d: %zu mask, %zu value differences", C, mask_diff,
+                  val_diff);
+        CHECK_MSG(kept > 0 && kept < n, "dropout C=%d: kept %zu of %zu", C, kept, n);
+        /* compacted rows read through the index: the original rows' mask */
+        int *rows = HOLD(inew(nr));
+        for (int i = 0; i < nr; i++) rows[i] = (int)cf_rng_below(&rng, R);
+        float *xr = HOLD(hnew((size_t)nr * C)), *refr = HOLD(hnew((size_t)nr * C));
+        for (int i = 0; i < nr; i++) memcpy(xr + (size_t)i * C, x + (size_t)rows[i] * C, C * sizeof(float));
+        cpu->dropout(cpu, refr, xr, key, thr, scale, rows, nr, C);
+        void *gxr = gact(xr, (size_t)nr * C), *gor = gact_nan((size_t)nr * C);
+        gpu->dropout(gpu, gor, gxr, key, thr, scale, gi32(rows, nr), nr, C);
+        float *gotr = get_act(gor, (size_t)nr * C);
+        size_t row_diff = 0;
+        for (int i = 0; i < nr; i++)
+            for (int c = 0; c < C; c++) {
+                float g = gotr[(size_t)i * C + c], full = got[(size_t)rows[i] * C + c];
+                row_diff += !(g == full) || !(g == bf16_round(refr[(size_t)i * C + c]));
+            }
+        CHECK_MSG(row_diff == 0, "dropout C=%d through the row index: %zu differences", C, row_diff);
+        /* in place gives the out-of-place result */
+        gpu->dropout(gpu, gx, gx, key, thr, scale, NULL, R, C);
+        CHECK_MSG(bitwise_equal(get_act(gx, n), got, n), "dropout C=%d in place differs", C);
+    }
     free_all();
 }
 
@@ -1048,6 +1104,7 @@ int main(void) {
     RUN_IF(rope_fwd_bwd_match_cpu);
     RUN_IF(swiglu_fwd_bwd_match_cpu_vector_and_scalar_paths);
     RUN_IF(add_matches_cpu_out_of_place_and_in_place);
+    RUN_IF(dropout_mask_matches_cpu_bitwise_vector_scalar_row_index_and_in_place);
     RUN_IF(gather_rows_copies_rows_exactly);
     RUN_IF(sumsq_accumulates_on_the_device_and_matches_cpu);
     RUN_IF(keep_to_rows_matches_cpu_exactly);

@@ -24,6 +24,7 @@
 #include <unistd.h>
 
 #include "backend/cpu/attention_cpu.h"
+#include "backend/dropout_mask.h"
 #include "base/common.h"
 
 /* ------------------------------------------------------------------ errors */
@@ -388,6 +389,22 @@ static void cpu_scale(cf_backend *b, void *x_, float s, size_t n) {
     for (size_t i = 0; i < n; i++) x[i] *= s;
 }
 
+/* out[i,c] = keep(key, r, c) ? x[i,c] * scale : 0, r = rows ? rows[i] : i
+ * (the counter-based mask of dropout_mask.h; out may alias x) */
+static void cpu_dropout(cf_backend *b, void *out_, const void *x_, uint64_t key, uint32_t threshold, float scale,
+                        const int *rows, int n, int C) {
+    if (cpu_failed(b)) return;
+    float *out = out_;
+    const float *x = x_;
+#pragma omp parallel for schedule(static)
+    for (int i = 0; i < n; i++) {
+        const uint32_t r = (uint32_t)(rows ? rows[i] : i);
+        const size_t o = (size_t)i * C;
+        for (int c = 0; c < C; c++)
+            out[o + c] = cf_dropout_keep(key, threshold, r, (uint32_t)c) ? x[o + c] * scale : 0.0f;
+    }
+}
+
 /* --------------------------------------------------------------- attention */
 
 static void cpu_attention_fwd(cf_backend *b, void *out, float *lse, const void *q, const void *k,
@@ -689,6 +706,7 @@ cf_backend *cf_backend_cpu_create(void) {
     b->swiglu_bwd_rows = cpu_swiglu_bwd_rows;
     b->add = cpu_add;
     b->scale = cpu_scale;
+    b->dropout = cpu_dropout;
     b->attention_fwd = cpu_attention_fwd;
     b->attention_bwd = cpu_attention_bwd;
     b->lmhead_loss_fwd = cpu_lmhead_loss_fwd;

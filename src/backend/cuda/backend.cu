@@ -8,6 +8,7 @@
  *   gemm.cu       cuBLASLt matmul forward/backward, deterministic column sums
  *   norm.cu       RMSNorm           rope.cu        RoPE
  *   swiglu.cu     SwiGLU, add       embedding.cu   embedding
+ *   dropout.cu    LoRA dropout (counter-based mask, backend/dropout_mask.h)
  *   lmhead.cu     LM head + cross-entropy
  *   select.cu     select_topk, keep_to_rows, fill_dloss, loss_sum, gathers
  *   adamw.cu      AdamW, sumsq
@@ -102,6 +103,7 @@ extern "C" cf_backend *cf_backend_cuda_create(int device) {
     b->swiglu_bwd_rows = cf_cuda_swiglu_bwd_rows;
     b->add = cf_cuda_add;
     b->scale = cf_cuda_scale;
+    b->dropout = cf_cuda_dropout;
     b->attention_fwd = cf_cuda_attention_fwd;
     b->attention_bwd = cf_cuda_attention_bwd;
     b->lmhead_loss_fwd = cf_cuda_lmhead_loss_fwd;

@@ -145,6 +145,9 @@ void cf_cuda_swiglu_bwd_rows(cf_backend *b, void *h, void *dgate, void *dup, con
                              const void *up, const int *rows, int n, int F);
 void cf_cuda_add(cf_backend *b, void *out, const void *a, const void *c, size_t n);
 void cf_cuda_scale(cf_backend *b, void *x, float s, size_t n);
+/* dropout.cu */
+void cf_cuda_dropout(cf_backend *b, void *out, const void *x, uint64_t key, uint32_t threshold, float scale,
+                     const int *rows, int n, int C);
 /* embedding.cu */
 void cf_cuda_embedding_fwd(cf_backend *b, void *out, const int *tokens, const void *wte, int T, int C, int vstart,
                            int vlen);
