@@ -163,5 +163,18 @@ lr=$(head -1 "$T/big.log" | sed 's/.*"lr":\([^,]*\),.*/\1/')
 [ $rc -eq 143 ] && [ "$lr" = "2.32831e-13" ] && ok "--steps 2^32+1 --warmup 2^32: first lr $lr (= 1e-3 / 2^32), SIGTERM 143" ||
   fail "big --steps: exit $rc, first lr '$lr'"
 
+echo "== LoRA on a built-in config: resume = uninterrupted run; another --lora-dropout is refused"
+L="train --config tiny --lora-rank 4 --lora-dropout 0.2 --seed 11 --batch 2 --seq 32 --quiet --lr 1e-2 --steps 6"
+"$BIN" $L --save-every 3 --out "$T/lfull" >/dev/null 2>&1
+# the same run cut after its step-3 checkpoint, then resumed
+cp -r "$T/lfull" "$T/lpart"; rm -rf "$T/lpart/step_00000006" "$T/lpart/.lock"; printf 'step_00000003' >"$T/lpart/latest"
+"$BIN" $L --save-every 3 --out "$T/lpart" --resume >/dev/null 2>&1
+if [ -f "$T/lpart/step_00000006/adapter_model.safetensors" ] &&
+   cmp -s "$T/lfull/step_00000006/adapter_model.safetensors" "$T/lpart/step_00000006/adapter_model.safetensors"; then
+  ok "LoRA (dropout 0.2) resumed at step 3 of 6: adapters bitwise equal to the uninterrupted run"
+else fail "LoRA resume differs from the uninterrupted run"; fi
+expect_error "resume with another --lora-dropout" "lora" -- train --config tiny --lora-rank 4 --lora-dropout 0.1 --seed 11 \
+  --batch 2 --seq 32 --quiet --lr 1e-2 --steps 8 --out "$T/lpart" --resume
+
 echo "$n cases, $fails failed"
 [ $fails -eq 0 ]

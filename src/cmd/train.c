@@ -487,9 +487,12 @@ int cmd_train(int argc, char **argv) {
         cf_manifest_set(&want, "seed", "%ld", seed);
         cf_manifest_set(&want, "freeze", "%s", freeze ? freeze : "");
         cf_manifest_set(&want, "lora", "none");
-        if (lora.rank > 0)
-            cf_manifest_set(&want, "lora", "rank %d, alpha %g, targets 0x%x%s", lora.rank, (double)lora.alpha,
-                            lora.targets, lora.rslora ? ", rslora" : "");
+        if (lora.rank > 0) {
+            char drop[48] = "";   /* (absent at 0, as in manifests written before dropout existed) */
+            if (lora.dropout > 0) snprintf(drop, sizeof drop, ", dropout %g", (double)lora.dropout);
+            cf_manifest_set(&want, "lora", "rank %d, alpha %g, targets 0x%x%s%s", lora.rank, (double)lora.alpha,
+                            lora.targets, lora.rslora ? ", rslora" : "", drop);
+        }
         cf_manifest_set(&want, "device", "%s", device);
         cf_manifest_set(&want, "lr", "%g", lr);
         cf_manifest_set(&want, "steps", "%ld", steps);
@@ -596,6 +599,7 @@ int cmd_train(int argc, char **argv) {
             cf_model_opts mo = {0};
             if (cf_backend_parse(device, &mo.backend, &mo.device) != 0) goto fail;
             if (dist) mo.device = cf_dist_device(dist);   /* this rank's GPU (the memory check looks at it) */
+            mo.seed = (uint64_t)seed;   /* a LoRA run on --config rebuilds its random base from the seed */
             mo.freeze = freeze;
             mo.lora = lora;
             if (lora.rank > 0) {   /* the base model as at the start; adapters from the checkpoint */
