@@ -314,6 +314,9 @@ typedef struct {
     int checkpoint;          /* host buffers of checkpoint saves (CPU backend)   */
     const char *freeze;      /* as cf_model_opts.freeze (frozen: no state)       */
     const cf_lora_opts *lora;/* adapters (rank > 0): only they are trained       */
+    int tp;                  /* tensor parallel degree (0, 1: none): the estimate */
+                             /* is one TP rank's (its heads, FFN and vocabulary   */
+                             /* slices); world is then the data-parallel ranks    */
 } cf_memory_opts;
 
 typedef struct {

@@ -539,7 +539,32 @@ TEST(tp_paper_8_gpu_models_have_their_published_parameter_counts_and_split_at_tp
     CHECK(cf_tp_check(&c, 8) == 0 && c.num_attention_heads * c.head_dim != c.hidden_size);
 }
 
+/* train's memory check under --tp estimates one TP rank: weights, gradients
+ * and optimizer state of the rank's slice (about 1/tp of the model, the
+ * norms replicated), activations of its heads and FFN slice. */
+TEST(memory_check_under_tp_estimates_one_rank_s_slice) {
+    setenv("CENTRIFUGE_NO_MEMORY_CHECK", "1", 1);   /* the estimate, not the host's free memory */
+    cf_model_opts mo = {0};
+    mo.backend = CF_BACKEND_CPU;
+    mo.config = "llama3.1-8b";
+    cf_memory_opts o = {0};
+    o.batch = 1; o.seq = 2048; o.grad_accum = 1; o.train = 1; o.world = 1;
+    cf_memory_estimate whole, half;
+    CHECK(cf_memory_check(&mo, &o, &whole) == 0);
+    o.tp = 2;
+    CHECK(cf_memory_check(&mo, &o, &half) == 0);
+    CHECK(whole.weights > 0 && half.weights > 0);
+    double r = (double)(half.weights + half.optimizer) / (double)(whole.weights + whole.optimizer);
+    CHECK_MSG(r > 0.49 && r < 0.51, "TP=2 weights+optimizer / whole = %g", r);
+    CHECK(half.activations < whole.activations);
+    /* a TP degree the model cannot take leaves the check to the model's open */
+    o.tp = 3;
+    CHECK(cf_memory_check(&mo, &o, &half) == 0);
+    unsetenv("CENTRIFUGE_NO_MEMORY_CHECK");
+}
+
 int main(void) {
+    RUN(memory_check_under_tp_estimates_one_rank_s_slice);
     RUN(tp_every_builtin_tensor_is_tiled_exactly_once_by_split_ranks_or_whole_on_every_rank);
     RUN(tp_tensor_list_is_the_model_parameter_table_for_every_model_type);
     RUN(tp_extract_and_insert_give_each_element_to_exactly_one_rank_on_small_models_of_every_type);

@@ -163,7 +163,7 @@ static int ref_fingerprint(const cf_dataset *ds, cf_manifest *mf) {
 /* The memory this run will allocate against what the device has free,
  * before the model is allocated (cf_memory_check: one line if too much). */
 static int check_memory(const cf_model_opts *mo, long batch, long seq, long accum, cf_mode mode, double keep,
-                        int world, int saving) {
+                        int dp, int tp, int saving) {
     cf_memory_opts o = {0};
     o.batch = batch;
     o.seq = seq;
@@ -171,7 +171,8 @@ static int check_memory(const cf_model_opts *mo, long batch, long seq, long accu
     o.train = 1;
     o.compact = cf_mode_is_compact(mode);
     o.keep = keep;
-    o.world = world;
+    o.world = dp;
+    o.tp = tp;
     o.checkpoint = saving;
     o.freeze = mo->freeze;
     return cf_memory_check(mo, &o, NULL);
@@ -609,7 +610,7 @@ int cmd_train(int argc, char **argv) {
             cf_model_opts mck = mo;
             char mck_dir[4096];
             mck.model_dir = latest_checkpoint(out, mck_dir, sizeof mck_dir) ? mck_dir : NULL;
-            if (tp == 1 && mck.model_dir && check_memory(&mck, batch, seq, accum, mode, keep, world, 1) != 0) goto fail;
+            if (mck.model_dir && check_memory(&mck, batch, seq, accum, mode, keep, dp, (int)tp, 1) != 0) goto fail;
             m = cf_dist_checkpoint_load(dist, out, &mo, &step0, &data_pos);
             if (!m) goto fail;
             char ck[4096];
@@ -648,8 +649,7 @@ int cmd_train(int argc, char **argv) {
             if (v) snprintf(vocab_note, sizeof vocab_note, ", vocab_size %ld%s", v, vocab_from_data ? " (from the data)" : "");
             mo.config = cfg_tmp;
         }
-        /* (the estimate is of one GPU's whole model: under TP, docs/MEMORY_PLANS.md) */
-        if (tp == 1 && check_memory(&mo, batch, seq, accum, mode, keep, world, out != NULL) != 0) {
+        if (check_memory(&mo, batch, seq, accum, mode, keep, dp, (int)tp, out != NULL) != 0) {
             if (cfg_tmp[0]) remove_config_tmp(cfg_tmp);
             goto fail;
         }

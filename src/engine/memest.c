@@ -27,6 +27,7 @@
 #include "backend/backend.h"
 #include "base/common.h"
 #include "centrifuge.h"
+#include "dist/tp_plan.h"
 
 /* ------------------------------------------------------------- parameters */
 
@@ -195,8 +196,22 @@ int cf_memory_check(const cf_model_opts *mo, const cf_memory_opts *o, cf_memory_
     cf_lora_opts adapter;
     if (!oo.lora && mo->lora.rank > 0) oo.lora = &mo->lora;
     if (!oo.lora && mo->adapter_dir && cf_lora_read_config(mo->adapter_dir, &adapter) == 0) oo.lora = &adapter;
+    cf_tp_local loc;
     if (config_of(mo, &cfg) != 0 || cf_config_validate(&cfg) != 0 ||
-        cf_memory_estimate_config(&cfg, mo->backend, &oo, &est) != 0) {
+        (oo.tp > 1 && cf_tp_local_config(&cfg, oo.tp, 0, &loc) != 0)) {
+        cf_fail("%s", saved);
+        if (out) memset(out, 0, sizeof *out);
+        return 0;
+    }
+    if (oo.tp > 1) {
+        /* one TP rank: the local model of the partition plan (rank 0 holds
+         * the most vocabulary rows; the replicated norms are negligible) */
+        cfg.num_attention_heads = loc.heads;
+        cfg.num_key_value_heads = loc.kv_heads;
+        cfg.intermediate_size = loc.intermediate;
+        cfg.vocab_size = loc.vocab_local;
+    }
+    if (cf_memory_estimate_config(&cfg, mo->backend, &oo, &est) != 0) {
         cf_fail("%s", saved);
         if (out) memset(out, 0, sizeof *out);
         return 0;
@@ -220,7 +235,8 @@ int cf_memory_check(const cf_model_opts *mo, const cf_memory_opts *o, cf_memory_
     if (est.activations >= est.weights + est.optimizer)
         hint = "try a smaller --batch or --seq (--grad-accum keeps the batch per step)";
     else if (mo->backend == CF_BACKEND_CUDA)
-        hint = "try a smaller model, --freeze, or more GPUs (data parallel shards the optimizer state)";
+        hint = "try a smaller model, --freeze, or more GPUs (data parallel shards the optimizer state, --tp the "
+               "whole model)";
     else
         hint = "try a smaller model or --freeze";
     return cf_fail("memory: this run needs about %.1f GiB (weights %.1f, optimizer %.1f, activations %.1f for "
