@@ -110,8 +110,11 @@ static double slice_err(cf_model *one, cf_model *loc, int r, const float *whole,
         float *want = calloc((size_t)sl.local_numel + 1, sizeof(float));
         cf_tp_extract(&sl, whole + toff(one, i), want, sizeof(float));
         double e = rel_l2(local + toff(loc, i), want, (size_t)sl.local_numel);
-        /* padding rows (zero in both) give 0/0 */
-        if (e != e) e = 0;
+        if (e != e) {   /* 0/0 when both are all zero; anything else is an error */
+            int zero = 1;
+            for (int64_t k = 0; k < sl.local_numel; k++) zero &= local[toff(loc, i) + k] == 0 && want[k] == 0;
+            e = zero ? 0 : INFINITY;
+        }
         if (e > worst) { worst = e; *where = cf_model_tensor_name(loc, i); }
         free(want);
     }
