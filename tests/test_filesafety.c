@@ -161,6 +161,40 @@ TEST(an_output_can_never_be_an_open_input_by_any_name) {
     CHECK(cf_tokens_write(p, tok, 3, 2) == 0);
 }
 
+/* A deleted input (a rotated-out checkpoint's config.json) protects nothing:
+ * a new file that gets its inode number is not that input. The file system
+ * decides about reuse, so the test makes new files until one reuses it. */
+TEST(a_deleted_input_does_not_protect_a_new_file_that_reuses_its_inode) {
+    cf_inputs_begin_run();
+    char in[600], out[600];
+    snprintf(in, sizeof in, "%s", tmp_path("old_input.txt"));
+    FILE *f = fopen(in, "w");
+    CHECK(f && fputs("x", f) >= 0 && fclose(f) == 0);
+    struct stat st;
+    CHECK(stat(in, &st) == 0);
+    CHECK(cf_input_register(in) == 0);
+    CHECK(cf_input_same_file(in) != NULL);   /* protected while it exists */
+    CHECK(unlink(in) == 0);
+    int reused = 0;
+    for (int i = 0; i < 200 && !reused; i++) {
+        snprintf(out, sizeof out, "%s", tmp_path(i % 2 ? "new_a.txt" : "new_b.txt"));
+        FILE *g = fopen(out, "w");
+        if (!g) break;
+        fclose(g);
+        struct stat ns;
+        if (stat(out, &ns) == 0 && ns.st_ino == st.st_ino && ns.st_dev == st.st_dev) reused = 1;
+        else unlink(out);
+    }
+    if (reused) {
+        CHECK(cf_input_same_file(out) == NULL);
+        CHECK(cf_output_check(out) == 0);
+        unlink(out);
+    } else {
+        printf("    (this file system did not reuse the inode in 200 tries: nothing to check)\n");
+    }
+    cf_inputs_end_run();
+}
+
 TEST(inputs_that_are_fifos_or_directories_fail_at_once_without_blocking) {
     CHECK(mkfifo(tmp_path("in_fifo"), 0644) == 0 || errno == EEXIST);
     double t0 = cf_now();
@@ -429,6 +463,7 @@ int main(void) {
     RUN(outputs_refuse_links_fifos_devices_and_directories_and_leave_them_alone);
     RUN(a_failed_write_removes_only_the_temp_file_never_the_target);
     RUN(an_output_can_never_be_an_open_input_by_any_name);
+    RUN(a_deleted_input_does_not_protect_a_new_file_that_reuses_its_inode);
     RUN(inputs_that_are_fifos_or_directories_fail_at_once_without_blocking);
     RUN(a_locked_directory_refuses_a_second_lock_at_once_naming_the_holder);
     RUN(a_run_manifest_round_trips_any_string);

@@ -191,16 +191,21 @@ void cf_inputs_begin_run(void) { inputs_clear(1); }
 void cf_inputs_end_run(void) { inputs_clear(0); }
 
 /* The registered input with this device and inode (a thread-local copy of
- * its path), or NULL. */
+ * its path), or NULL. An input counts only while its path still names that
+ * file: once it is deleted (e.g. a rotated-out checkpoint) the file system
+ * may give its inode number to a new file, which is not that input. */
 static const char *input_by_id(dev_t dev, ino_t ino) {
     static _Thread_local char found[1024];
     const char *r = NULL;
     pthread_mutex_lock(&g_in_lock);
-    for (int i = 0; i < g_nin && !r; i++)
-        if (g_in[i].dev == dev && g_in[i].ino == ino) {
+    for (int i = 0; i < g_nin && !r; i++) {
+        struct stat now;
+        if (g_in[i].dev == dev && g_in[i].ino == ino && stat(g_in[i].path, &now) == 0 && now.st_dev == dev &&
+            now.st_ino == ino) {
             snprintf(found, sizeof found, "%s", g_in[i].path);
             r = found;
         }
+    }
     pthread_mutex_unlock(&g_in_lock);
     return r;
 }
