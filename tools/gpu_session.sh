@@ -113,4 +113,7 @@ for part in "$@"; do
 done
 echo "=== done $(date +%T)"
 # everything in one file: the tool brings back at most 8 files
-(cd "$OUT" && tar czf /tmp/results.tgz --exclude results.tgz . && mv /tmp/results.tgz "$OUT/results.tgz" && find . -type f ! -name results.tgz ! -name gpu.txt -delete)
+# (named by the parts, so two invocations in one call keep both archives)
+name="results_$(echo "$*" | tr -c 'A-Za-z0-9_\n-' '_' | tr ' ' '_').tgz"
+(cd "$OUT" && tar czf "/tmp/$name" --exclude 'results_*.tgz' . && mv "/tmp/$name" "$OUT/$name" &&
+  find . -type f ! -name 'results_*.tgz' ! -name gpu.txt -delete)
