@@ -235,6 +235,143 @@ static void run_case(const tp_case *tc, cf_mode mode, uint64_t seed) {
     CHECK(system(cmd) == 0);
 }
 
+/* ---------------------------------------------- 2-D: TP = 2 x DP = 2 */
+
+enum { GRID_STEPS = 2 };
+
+typedef struct {
+    tpt_rank tr;
+    dpt_rank dr;
+    const char *dir;
+    cf_mode mode;
+    int32_t (*tokens)[2][S + 1];     /* [step][micro-batch][S + 1] */
+    int ok;
+    char err[512];
+    double loss[GRID_STEPS];
+    float norm[GRID_STEPS];
+    float *weights;
+    cf_model *m;
+} grid_job;
+
+static cf_train_opts grid_opts(cf_mode mode, int accum) {
+    cf_train_opts o;
+    memset(&o, 0, sizeof o);
+    o.mode = mode;
+    o.select.kind = CF_SELECT_SELF;
+    o.select.keep = 0.5;
+    o.batch = 1;
+    o.seq = S;
+    o.grad_accum = accum;
+    o.adamw = HP;
+    return o;
+}
+
+/* One rank of the grid: its TP slice, its DP shard, its micro-batch. */
+static void *grid_main(void *p) {
+    grid_job *j = p;
+    cf_tp_sync sync = tpt_sync(&j->tr);
+    cf_model_opts o = {0};
+    o.backend = CF_BACKEND_CPU;
+    o.model_dir = j->dir;
+    cf_model *m = cf_model_open_tp(&o, &sync, dpt_layout, &j->dr);
+    j->m = m;
+    if (!m) { snprintf(j->err, sizeof j->err, "%s", cf_last_error()); return NULL; }
+    dpt_install(&j->dr, m);
+    cf_train_opts to = grid_opts(j->mode, 1);
+    cf_trainer *tr = cf_trainer_create(m, &to);
+    for (int st = 0; tr && st < GRID_STEPS; st++) {
+        cf_micro_batch mb = {j->tokens[st][j->dr.rank], NULL};
+        cf_step_stats ss;
+        if (cf_trainer_step(tr, &mb, HP.lr, &ss) != 0) { snprintf(j->err, sizeof j->err, "%s", cf_last_error()); break; }
+        j->loss[st] = ss.loss;
+        j->norm[st] = ss.grad_norm;
+        if (st == GRID_STEPS - 1) j->ok = 1;
+    }
+    cf_trainer_free(tr);
+    if (j->ok) j->weights = pack(m, 0);
+    return NULL;
+}
+
+static void run_grid(const char *name, cf_mode mode, uint64_t seed) {
+    cf_config cfg;
+    CHECK(cf_config_builtin(&cfg, name) == 0);
+    cf_model *one = cf_model_create(&cfg, CF_BACKEND_CPU, seed);
+    CHECK(one != NULL);
+    if (!one) return;
+    randomize_weights(one, seed ^ 0x5eed, 0.25f, 0.2f);
+    char dir[] = "/tmp/cf_grid_modelXXXXXX";
+    CHECK(mkdtemp(dir) != NULL);
+    CHECK(cf_model_save(one, dir, "float32", 0) == 0);
+    int32_t tokens[GRID_STEPS][2][S + 1];
+    random_tokens(&tokens[0][0][0], GRID_STEPS * 2 * (S + 1), cfg.vocab_size, seed + 1);
+
+    /* one process: both micro-batches of every step, accumulated */
+    cf_train_opts to = grid_opts(mode, 2);
+    cf_trainer *tr = cf_trainer_create(one, &to);
+    double ref_loss[GRID_STEPS];
+    float ref_norm[GRID_STEPS];
+    for (int st = 0; st < GRID_STEPS; st++) {
+        cf_micro_batch mb[2] = {{tokens[st][0], NULL}, {tokens[st][1], NULL}};
+        cf_step_stats ss;
+        CHECK(cf_trainer_step(tr, mb, HP.lr, &ss) == 0);
+        ref_loss[st] = ss.loss;
+        ref_norm[st] = ss.grad_norm;
+    }
+    cf_trainer_free(tr);
+    float *ref_w = pack(one, 0);
+
+    /* 4 ranks: global g = dp * 2 + tp (TP innermost) */
+    tpt_group tg[2];
+    dpt_group dg[2];
+    for (int i = 0; i < 2; i++) { tpt_group_init(&tg[i], 2); dpt_group_init(&dg[i], 2); }
+    grid_job jobs[4];
+    pthread_t th[4];
+    memset(jobs, 0, sizeof jobs);
+    for (int g = 0; g < 4; g++) {
+        int tp = g % 2, dp = g / 2;
+        jobs[g].tr.g = &tg[dp]; jobs[g].tr.rank = tp;
+        jobs[g].dr.g = &dg[tp]; jobs[g].dr.rank = dp;
+        jobs[g].dir = dir; jobs[g].mode = mode; jobs[g].tokens = tokens;
+        pthread_create(&th[g], NULL, grid_main, &jobs[g]);
+    }
+    for (int g = 0; g < 4; g++) pthread_join(th[g], NULL);
+    for (int g = 0; g < 4; g++) {
+        grid_job *j = &jobs[g];
+        CHECK_MSG(j->ok, "%s %s rank %d: %s", name, cf_mode_name(mode), g, j->err);
+        if (!j->ok) continue;
+        for (int st = 0; st < GRID_STEPS; st++) {
+            CHECK_CLOSE(j->loss[st], ref_loss[st], 1e-5);
+            CHECK_CLOSE(j->norm[st], ref_norm[st], 1e-4);
+        }
+        const char *where = "";
+        double e = slice_err(one, j->m, g % 2, ref_w, j->weights, &where);
+        CHECK_MSG(e < 2e-4, "%s %s rank %d (TP %d, DP %d): weights of %s off by %g after %d steps", name,
+                  cf_mode_name(mode), g, g % 2, g / 2, where, e, GRID_STEPS);
+    }
+    CHECK(ref_norm[0] > HP.grad_clip);   /* clipping is active */
+    for (int g = 0; g < 4; g++) {
+        free(jobs[g].weights);
+        cf_model_free(jobs[g].m);
+        cf_zero_plan_free(&jobs[g].dr.plan);
+        free(jobs[g].dr.tensor_of);
+    }
+    for (int i = 0; i < 2; i++) { tpt_group_destroy(&tg[i]); dpt_group_destroy(&dg[i]); }
+    free(ref_w);
+    cf_model_free(one);
+    char cmd[256];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    CHECK(system(cmd) == 0);
+}
+
+/* The 2-D layout of --tp 2 on four ranks: each DP group's ZeRO-1 shards of
+ * each TP slice, trained on one micro-batch per DP rank, equal the one
+ * process trained on both micro-batches of each step. */
+TEST(tp2_by_dp2_grid_with_zero1_equals_one_process_on_the_global_batch) {
+    run_grid("tiny-qwen3", CF_MODE_CENTRIFUGE, 501);
+    run_grid("tiny-llama", CF_MODE_REGULAR, 502);
+    run_grid("tiny-qwen2", CF_MODE_CENTRIFUGE_KV, 503);
+}
+
 static const tp_case CASES[] = {
     {"tiny-llama", 63, 1},    /* padded vocabulary (63 -> 64), o_proj bias on the row-parallel side */
     {"tiny-qwen2", 0, 0},     /* q/k/v biases split, tied embeddings split once */
@@ -279,5 +416,6 @@ TEST(tp_refuses_what_it_cannot_split) {
 int main(void) {
     RUN(tp2_equals_one_process_in_every_mode_and_model_type);
     RUN(tp_refuses_what_it_cannot_split);
+    RUN(tp2_by_dp2_grid_with_zero1_equals_one_process_on_the_global_batch);
     return test_summary();
 }

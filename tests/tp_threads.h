@@ -4,6 +4,11 @@
  * done through shared memory and a barrier (test double of dist/tp.c, which
  * uses NCCL). Ranks must call the collectives in the same order, as with
  * NCCL. CPU activations are fp32, so CF_TP_ACT sums floats.
+ *
+ * The same for data parallelism (ZeRO-1): dpt_* are the cf_grad_sync hooks
+ * of zero.c done with threads (reduce-scatter of each bucket's gradient,
+ * the scalars' sum, the all-gather of the updated weights), over the
+ * layout of dist/zero.h, so a TP x DP grid runs in one process.
  */
 #ifndef CF_TP_THREADS_H
 #define CF_TP_THREADS_H
@@ -13,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "dist/zero.h"
 #include "engine/model_internal.h"
 
 #define TPT_MAX 8
@@ -93,6 +99,117 @@ static inline cf_tp_sync tpt_sync(tpt_rank *r) {
     s.wait = tpt_wait;
     s.allgather_f32 = tpt_allgather;
     return s;
+}
+
+/* ------------------------------------------------------ data parallel */
+
+typedef struct {
+    int size;
+    pthread_barrier_t bar;
+    void *ptr[TPT_MAX];
+} dpt_group;
+
+typedef struct {
+    dpt_group *g;
+    int rank;
+    cf_model *m;          /* set after the model is open */
+    cf_zero_plan plan;    /* filled by dpt_layout */
+    int *tensor_of;
+} dpt_rank;
+
+static inline void dpt_group_init(dpt_group *g, int size) {
+    memset(g, 0, sizeof *g);
+    g->size = size;
+    pthread_barrier_init(&g->bar, NULL, (unsigned)size);
+}
+
+static inline void dpt_group_destroy(dpt_group *g) { pthread_barrier_destroy(&g->bar); }
+
+/* cf_layout_fn: this DP rank's ZeRO-1 shard */
+static inline int dpt_layout(void *ctx, const cf_model *m, cf_optim_layout *lay) {
+    dpt_rank *r = ctx;
+    return cf_zero_layout_build(m, r->g->size, r->rank, &r->plan, &r->tensor_of, lay);
+}
+
+/* Sums n floats at off of every rank's buffer into this rank's (the ranks'
+ * order fixed, so the result does not depend on timing). */
+static inline void dpt_sum_into(dpt_rank *r, float *mine, size_t off, size_t n) {
+    dpt_group *g = r->g;
+    g->ptr[r->rank] = mine;
+    pthread_barrier_wait(&g->bar);
+    float *sum = malloc(n * sizeof(float) + 1);
+    for (size_t i = 0; i < n; i++) {
+        float s = 0;
+        for (int k = 0; k < g->size; k++) s += ((const float *)g->ptr[k])[off + i];
+        sum[i] = s;
+    }
+    pthread_barrier_wait(&g->bar);
+    memcpy(mine + off, sum, n * sizeof(float));
+    free(sum);
+    pthread_barrier_wait(&g->bar);
+}
+
+static inline int dpt_bucket_ready(void *ctx, int layer) {
+    dpt_rank *r = ctx;
+    for (int k = 0; k < r->plan.num_buckets; k++) {
+        const cf_zero_bucket *bk = &r->plan.buckets[k];
+        if (bk->key != layer) continue;
+        /* reduce-scatter: this rank's slice of the bucket gets the sum */
+        dpt_sum_into(r, r->m->opt.grad, (size_t)(bk->start + (int64_t)r->rank * bk->shard_len), (size_t)bk->shard_len);
+    }
+    return 0;
+}
+
+static inline int dpt_finish(void *ctx) { (void)ctx; return 0; }
+
+static inline int dpt_sum_scalars(void *ctx, cf_scalars *sc) {
+    dpt_rank *r = ctx;
+    dpt_group *g = r->g;
+    g->ptr[r->rank] = sc;
+    pthread_barrier_wait(&g->bar);
+    double sq = 0;
+    float ls = 0;
+    for (int k = 0; k < g->size; k++) {
+        sq += ((const cf_scalars *)g->ptr[k])->sumsq;
+        ls += ((const cf_scalars *)g->ptr[k])->loss_sum;
+    }
+    pthread_barrier_wait(&g->bar);
+    sc->sumsq = sq;
+    sc->loss_sum = ls;
+    pthread_barrier_wait(&g->bar);
+    return 0;
+}
+
+/* all-gather of the compute weights: every rank's slice of every bucket */
+static inline int dpt_weights_updated(void *ctx) {
+    dpt_rank *r = ctx;
+    dpt_group *g = r->g;
+    float *w = r->m->w;
+    g->ptr[r->rank] = w;
+    pthread_barrier_wait(&g->bar);
+    for (int b = 0; b < r->plan.num_buckets; b++) {
+        const cf_zero_bucket *bk = &r->plan.buckets[b];
+        for (int k = 0; k < g->size; k++) {
+            if (k == r->rank) continue;
+            size_t off = (size_t)(bk->start + (int64_t)k * bk->shard_len);
+            memcpy(w + off, (const float *)g->ptr[k] + off, (size_t)bk->shard_len * sizeof(float));
+        }
+    }
+    pthread_barrier_wait(&g->bar);
+    return 0;
+}
+
+/* Installs the hooks on an opened model (its layout from dpt_layout). */
+static inline void dpt_install(dpt_rank *r, cf_model *m) {
+    r->m = m;
+    cf_grad_sync *s = &m->opt.sync;
+    s->ctx = r;
+    s->rank = r->rank;
+    s->world = r->g->size;
+    s->bucket_ready = dpt_bucket_ready;
+    s->finish = dpt_finish;
+    s->sum_scalars = dpt_sum_scalars;
+    s->weights_updated = dpt_weights_updated;
 }
 
 #endif

@@ -34,6 +34,7 @@
 #include "dist/plan.h"
 #include "dist/shardfile.h"
 #include "dist/tp.h"
+#include "dist/zero.h"
 #include "engine/model_internal.h"
 
 #ifdef CF_WITH_CUDA
@@ -41,7 +42,6 @@
 #include "backend/cuda/context.h"
 #endif
 
-#define ZERO_ALIGN 8   /* elements: 16-byte bf16 and 32-byte fp32 slices */
 
 struct cf_dist {
     cf_dist_env env;
@@ -184,49 +184,54 @@ int cf_dist_agree(cf_dist *d, uint64_t value, const char *what) {
 
 /* ----------------------------------------------------------------- layout */
 
-#ifdef CF_WITH_CUDA
-/* The optimizer layout of this rank from the ZeRO-1 plan of the model's
- * trainable tensors (bucket key = layer). */
-static int zero_layout(void *ctx, const cf_model *m, cf_optim_layout *lay) {
-    cf_dist *d = ctx;
+int cf_zero_layout_build(const cf_model *m, int world, int rank, cf_zero_plan *plan, int **tensor_of,
+                         cf_optim_layout *lay) {
     int n = 0;
     for (int i = 0; i < m->ntensors; i++) n += m->params[i].trainable;
     int64_t *numel = cf_malloc((size_t)(n + 1) * sizeof *numel);
     int *key = cf_malloc((size_t)(n + 1) * sizeof *key);
-    d->tensor_of = cf_malloc((size_t)(n + 1) * sizeof *d->tensor_of);
-    if (!numel || !key || !d->tensor_of) { free(numel); free(key); return -1; }
+    int *tof = cf_malloc((size_t)(n + 1) * sizeof *tof);
+    *tensor_of = tof;
+    if (!numel || !key || !tof) { free(numel); free(key); return -1; }
     int j = 0;
     for (int i = 0; i < m->ntensors; i++) {
         if (!m->params[i].trainable) continue;
         numel[j] = (int64_t)m->params[i].numel;
         key[j] = m->params[i].layer;
-        d->tensor_of[j++] = i;
+        tof[j++] = i;
     }
-    int rc = cf_zero_plan_build(&d->plan, numel, key, n, d->dp, ZERO_ALIGN);
+    int rc = cf_zero_plan_build(plan, numel, key, n, world, CF_ZERO_ALIGN);
     free(numel);
     free(key);
     if (rc != 0) return -1;
     cf_zero_segment *seg = NULL;
     int nseg = 0;
-    if (cf_zero_plan_segments(&d->plan, d->dp_rank, &seg, &nseg) != 0) return -1;
+    if (cf_zero_plan_segments(plan, rank, &seg, &nseg) != 0) return -1;
     memset(lay, 0, sizeof *lay);
-    lay->ngrad = (size_t)d->plan.total;
-    lay->nlocal = (size_t)d->plan.shard_numel;
+    lay->ngrad = (size_t)plan->total;
+    lay->nlocal = (size_t)plan->shard_numel;
     lay->goff = cf_malloc((size_t)m->ntensors * sizeof(size_t));
     lay->seg = cf_calloc((size_t)nseg + 1, sizeof(cf_segment));
     if (!lay->goff || !lay->seg) { free(seg); cf_optim_layout_free(lay); return -1; }
     for (int i = 0; i < m->ntensors; i++) lay->goff[i] = SIZE_MAX;
-    for (int t = 0; t < n; t++) lay->goff[d->tensor_of[t]] = (size_t)d->plan.offset[t];
+    for (int t = 0; t < n; t++) lay->goff[tof[t]] = (size_t)plan->offset[t];
     for (int s = 0; s < nseg; s++) {
         cf_segment *g = &lay->seg[s];
         g->loff = (size_t)seg[s].local_off;
         g->goff = g->woff = (size_t)seg[s].flat_off;
         g->len = (size_t)seg[s].len;
-        g->tensor = d->tensor_of[seg[s].tensor];
+        g->tensor = tof[seg[s].tensor];
     }
     lay->nseg = nseg;
     free(seg);
     return 0;
+}
+
+#ifdef CF_WITH_CUDA
+/* The optimizer layout of this rank: its DP rank's ZeRO-1 shard. */
+static int zero_layout(void *ctx, const cf_model *m, cf_optim_layout *lay) {
+    cf_dist *d = ctx;
+    return cf_zero_layout_build(m, d->dp, d->dp_rank, &d->plan, &d->tensor_of, lay);
 }
 
 /* ------------------------------------------------------------------ hooks */
