@@ -440,14 +440,15 @@ static float row_logsumexp(const float *z, int V) {
     return m + (float)log(sum);
 }
 
-/* losses[t] = logsumexp_v(z[t,v]) - z[t,targets[t]], z = x W^T, in chunks of
- * rows so only one [chunk, V] block of logits exists at a time. A target
- * outside [0, V) gives a NaN loss. */
-static void cpu_lmhead_loss_fwd(cf_backend *b, float *losses, const void *x_, const void *wlm_,
-                                const int *targets, int T, int C, int V) {
-    if (cpu_failed(b)) return;
-    const float *x = x_, *wlm = wlm_;
-    if (T <= 0) return;
+/* The LM head's forward in chunks of rows, so only one [chunk, V] block of
+ * logits z = x W^T exists at a time. Whole vocabulary (stats NULL):
+ * losses[t] = logsumexp_v(z[t,v]) - z[t,targets[t]], NaN for a target
+ * outside [0, V). A vocabulary slice (vocab-parallel cross-entropy, first
+ * half; ids vstart..vstart+V-1): stats[t] = {max, sum of exp relative to
+ * it, the target's logit when the slice holds it, else 0}. */
+static void cpu_lmhead_fwd(cf_backend *b, float *losses, float *stats, const float *x, const float *wlm,
+                           const int *targets, int T, int C, int V, int vstart) {
+    if (cpu_failed(b) || T <= 0) return;
     const int R = lmhead_chunk_rows(V);
     float *logits = malloc((size_t)CF_MIN(R, T) * V * sizeof(float));
     if (!logits) {
@@ -461,11 +462,33 @@ static void cpu_lmhead_loss_fwd(cf_backend *b, float *losses, const void *x_, co
 #pragma omp parallel for schedule(static)
         for (int r = 0; r < n; r++) {
             const float *z = logits + (size_t)r * V;
-            const int tg = targets[t0 + r];
-            losses[t0 + r] = (tg >= 0 && tg < V) ? row_logsumexp(z, V) - z[tg] : NAN;
+            const int tg = targets[t0 + r] - vstart;
+            const int have = tg >= 0 && tg < V;
+            if (!stats) {
+                losses[t0 + r] = have ? row_logsumexp(z, V) - z[tg] : NAN;
+                continue;
+            }
+            float m = -INFINITY;
+            for (int j = 0; j < V; j++) m = z[j] > m ? z[j] : m;
+            double sum = 0.0;
+            for (int j = 0; j < V; j++) sum += expf(z[j] - m);
+            float *st = stats + (size_t)(t0 + r) * 3;
+            st[0] = m;
+            st[1] = (float)sum;
+            st[2] = have ? z[tg] : 0.0f;
         }
     }
     free(logits);
+}
+
+static void cpu_lmhead_loss_fwd(cf_backend *b, float *losses, const void *x, const void *wlm,
+                                const int *targets, int T, int C, int V) {
+    cpu_lmhead_fwd(b, losses, NULL, x, wlm, targets, T, C, V, 0);
+}
+
+static void cpu_lmhead_stats_fwd(cf_backend *b, float *stats, const void *x, const void *wlm,
+                                 const int *targets, int T, int C, int V, int vstart) {
+    cpu_lmhead_fwd(b, NULL, stats, x, wlm, targets, T, C, V, vstart);
 }
 
 /* For every row, in chunks of rows:
@@ -523,40 +546,6 @@ static void cpu_lmhead_loss_bwd(cf_backend *b, void *dx_, float *dwlm, const voi
             memcpy(dx + (size_t)idx[r] * C, dxs + (size_t)r * C, (size_t)C * sizeof(float));
     }
     free(logits); free(xs); free(dxs); free(idx);
-}
-
-/* Vocab-parallel cross-entropy, first half: per row of this slice's logits
- * z = x W^T [T, V] (vocabulary ids vstart..vstart+V-1): max, sum of exp
- * relative to it, and the target's logit when the slice holds it. */
-static void cpu_lmhead_stats_fwd(cf_backend *b, float *stats, const void *x_, const void *wlm_,
-                                 const int *targets, int T, int C, int V, int vstart) {
-    if (cpu_failed(b) || T <= 0) return;
-    const float *x = x_, *wlm = wlm_;
-    const int R = lmhead_chunk_rows(V);
-    float *logits = malloc((size_t)CF_MIN(R, T) * V * sizeof(float));
-    if (!logits) {
-        cpu_fail(b, "out of memory for an LM-head logits chunk (%d x %d floats)", CF_MIN(R, T), V);
-        return;
-    }
-    for (int t0 = 0; t0 < T; t0 += R) {
-        const int n = CF_MIN(R, T - t0);
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, V, C, 1.0f, x + (size_t)t0 * C, C,
-                    wlm, C, 0.0f, logits, V);
-#pragma omp parallel for schedule(static)
-        for (int r = 0; r < n; r++) {
-            const float *z = logits + (size_t)r * V;
-            float m = -INFINITY;
-            for (int j = 0; j < V; j++) m = z[j] > m ? z[j] : m;
-            double sum = 0.0;
-            for (int j = 0; j < V; j++) sum += expf(z[j] - m);
-            const int tg = targets[t0 + r] - vstart;
-            float *st = stats + (size_t)(t0 + r) * 3;
-            st[0] = m;
-            st[1] = (float)sum;
-            st[2] = tg >= 0 && tg < V ? z[tg] : 0.0f;
-        }
-    }
-    free(logits);
 }
 
 /* Second half: the slices' (max, sum, target logit) -> lse and loss. */

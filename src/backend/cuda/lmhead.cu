@@ -102,8 +102,10 @@ static int lm_chunk(int T, int V) {
     return (int)(rows < (size_t)T ? rows : (size_t)T);
 }
 
-void cf_cuda_lmhead_loss_fwd(cf_backend *b, float *losses, const void *x, const void *wlm, const int *targets, int T,
-                             int C, int V) {
+/* The forward in chunks of rows: losses of the whole vocabulary, or (stats
+ * != NULL) a vocabulary slice's statistics. */
+static void lmhead_fwd(cf_backend *b, float *losses, float *stats, const void *x, const void *wlm, const int *targets,
+                       int T, int C, int V, int vstart) {
     cf_cuda_ctx *ctx = cf_cuda_enter(b);
     if (!ctx || T <= 0) return;
     const int chunk = lm_chunk(T, V);
@@ -113,9 +115,20 @@ void cf_cuda_lmhead_loss_fwd(cf_backend *b, float *losses, const void *x, const 
         const int rows = CF_MIN(chunk, T - r0);
         const bf16 *xc = (const bf16 *)x + (size_t)r0 * C;
         cf_cuda_gemm(ctx, true, false, V, rows, C, wlm, C, xc, C, logits, CUDA_R_32F, V, 0.f, NULL);
-        lmhead_rows_kernel<<<rows, 512, 0, ctx->stream>>>(losses + r0, NULL, NULL, logits, targets + r0, NULL, NULL, V, 0);
-        CF_CK_LAUNCH(ctx, "lmhead_rows");
+        lmhead_rows_kernel<<<rows, 512, 0, ctx->stream>>>(stats ? NULL : losses + r0, stats ? stats + (size_t)r0 * 3 : NULL,
+                                                           NULL, logits, targets + r0, NULL, NULL, V, vstart);
+        CF_CK_LAUNCH(ctx, stats ? "lmhead_stats" : "lmhead_rows");
     }
+}
+
+void cf_cuda_lmhead_loss_fwd(cf_backend *b, float *losses, const void *x, const void *wlm, const int *targets, int T,
+                             int C, int V) {
+    lmhead_fwd(b, losses, NULL, x, wlm, targets, T, C, V, 0);
+}
+
+void cf_cuda_lmhead_stats_fwd(cf_backend *b, float *stats, const void *x, const void *wlm, const int *targets, int T,
+                              int C, int V, int vstart) {
+    lmhead_fwd(b, NULL, stats, x, wlm, targets, T, C, V, vstart);
 }
 
 void cf_cuda_lmhead_loss_bwd(cf_backend *b, void *dx, float *dwlm, const void *x, const void *wlm,
@@ -136,23 +149,6 @@ void cf_cuda_lmhead_loss_bwd(cf_backend *b, void *dx, float *dwlm, const void *x
         if (!CF_CK_LAUNCH(ctx, "lmhead_rows")) return;
         /* dx = dlogits W ; dW += dlogits^T x */
         cf_cuda_matmul_bwd(b, (bf16 *)dx + (size_t)r0 * C, dwlm, NULL, dlogits, xc, wlm, rows, C, V, 0);
-    }
-}
-
-void cf_cuda_lmhead_stats_fwd(cf_backend *b, float *stats, const void *x, const void *wlm, const int *targets, int T,
-                              int C, int V, int vstart) {
-    cf_cuda_ctx *ctx = cf_cuda_enter(b);
-    if (!ctx || T <= 0) return;
-    const int chunk = lm_chunk(T, V);
-    float *logits = (float *)cf_cuda_scratch(ctx, CF_SCR_LOGITS, (size_t)chunk * V * sizeof(float));
-    if (!logits) return;
-    for (int r0 = 0; r0 < T && !ctx->failed; r0 += chunk) {
-        const int rows = CF_MIN(chunk, T - r0);
-        const bf16 *xc = (const bf16 *)x + (size_t)r0 * C;
-        cf_cuda_gemm(ctx, true, false, V, rows, C, wlm, C, xc, C, logits, CUDA_R_32F, V, 0.f, NULL);
-        lmhead_rows_kernel<<<rows, 512, 0, ctx->stream>>>(NULL, stats + (size_t)r0 * 3, NULL, logits, targets + r0,
-                                                           NULL, NULL, V, vstart);
-        CF_CK_LAUNCH(ctx, "lmhead_stats");
     }
 }
 
