@@ -115,8 +115,10 @@ static void lmhead_fwd(cf_backend *b, float *losses, float *stats, const void *x
         const int rows = CF_MIN(chunk, T - r0);
         const bf16 *xc = (const bf16 *)x + (size_t)r0 * C;
         cf_cuda_gemm(ctx, true, false, V, rows, C, wlm, C, xc, C, logits, CUDA_R_32F, V, 0.f, NULL);
-        lmhead_rows_kernel<<<rows, 512, 0, ctx->stream>>>(stats ? NULL : losses + r0, stats ? stats + (size_t)r0 * 3 : NULL,
-                                                           NULL, logits, targets + r0, NULL, NULL, V, vstart);
+        float *lo = stats ? nullptr : losses + r0;
+        float *st = stats ? stats + (size_t)r0 * 3 : nullptr;
+        lmhead_rows_kernel<<<rows, 512, 0, ctx->stream>>>(lo, st, nullptr, logits, targets + r0, nullptr, nullptr, V,
+                                                           vstart);
         CF_CK_LAUNCH(ctx, stats ? "lmhead_stats" : "lmhead_rows");
     }
 }
