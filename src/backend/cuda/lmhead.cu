@@ -119,7 +119,7 @@ static void lmhead_fwd(cf_backend *b, float *losses, float *stats, const void *x
         float *st = stats ? stats + (size_t)r0 * 3 : nullptr;
         lmhead_rows_kernel<<<rows, 512, 0, ctx->stream>>>(lo, st, nullptr, logits, targets + r0, nullptr, nullptr, V,
                                                            vstart);
-        CF_CK_LAUNCH(ctx, stats ? "lmhead_stats" : "lmhead_rows");
+        if (!(stats ? CF_CK_LAUNCH(ctx, "lmhead_stats") : CF_CK_LAUNCH(ctx, "lmhead_rows"))) return;
     }
 }
 
