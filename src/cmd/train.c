@@ -704,10 +704,11 @@ int cmd_train(int argc, char **argv) {
     cf_trainer_set_step(tr, step0);
 
     if (!quiet && !progress_only)
-        fprintf(stderr, "train: %s %s, %.2fM params (%.2fM trained), %s backend | mode %s, select %s, keep %.2f%s | "
+        fprintf(stderr, "train: %s %s, %.2fM params (%.2fM trained)%s, %s backend | mode %s, select %s, keep %.2f%s | "
                         "%ld x %ld tokens x %ld accum x %d data-parallel ranks | %ld steps from %lld\n",
                 cf_model_type_name(cfg->model_type), config ? config : (model_dir ? model_dir : "tiny"),
-                cf_model_num_params(m) / 1e6, cf_model_num_trainable(m) / 1e6, device, cf_mode_name(mode),
+                cf_model_num_params(m) / 1e6, cf_model_num_trainable(m) / 1e6, tp > 1 ? " per TP rank" : "", device,
+                cf_mode_name(mode),
                 cf_select_name(select), mode == CF_MODE_REGULAR ? 1.0 : keep, per_batch ? " per batch" : "", batch,
                 seq, accum, dp, steps, (long long)step0);
     if (!quiet && !progress_only) {
