@@ -301,8 +301,8 @@ cf_model *cf_dist_open_model(cf_dist *d, const cf_model_opts *o) {
     return NULL;
 #else
     if (o->backend != CF_BACKEND_CUDA) {
-        cf_fail("data parallel training runs on GPUs: add --device cuda (rank %d of %d)", d->env.rank,
-                d->env.world_size);
+        cf_fail("distributed (data or tensor parallel) training runs on GPUs: add --device cuda (rank %d of %d)",
+                d->env.rank, d->env.world_size);
         return NULL;
     }
     if (d->m) { cf_fail("data parallel: one model per run"); return NULL; }
