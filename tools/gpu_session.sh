@@ -52,11 +52,11 @@ for part in "$@"; do
         --steps 10 --warmup 2 --json "$OUT/bench_kv_tinyllama.jsonl" 2>&1 | tee "$OUT/bench_kv_tinyllama.txt" ;;
     ddp-baseline)
       # PyTorch's own data parallel (DDP + ZeroRedundancyOptimizer), the same shapes as dp-bench
-      for w in 1 2; do
+      for cs in tinyllama-1.1b:4096 qwen2.5-1.5b:2048; do for w in 1 2; do
         timeout 200 torchrun --nproc_per_node $w --master_port $((29900 + w)) tools/bench_pytorch.py --ddp \
-          --config tinyllama-1.1b --seq 4096 --batch 1 --grad-accum 4 --modes regular,loss-only --keep 0.5 \
+          --config ${cs%%:*} --seq ${cs##*:} --batch 1 --grad-accum 4 --modes regular,loss-only --keep 0.5 \
           --steps 5 --warmup 2 2>&1 | grep -E "^ddp|Error|error" | tail -4
-      done ;;
+      done; done 2>&1 | tee "$OUT/ddp_baseline.txt" ;;
     tp-check)
       bash tests/gpu/tp_check.sh "$CF" "$OUT/tp_check" 2>&1 | tee "$OUT/tp_check.txt" ;;
     tp-bench)
