@@ -91,6 +91,10 @@ int cf_tokenizer_is_special(const cf_tokenizer *tok, uint32_t id);
 /* BOS / EOS ids, -1 if unknown (see cf_tokenizer_load). */
 int cf_tokenizer_bos_id(const cf_tokenizer *tok);
 int cf_tokenizer_eos_id(const cf_tokenizer *tok);
+/* Length of the valid UTF-8 prefix of s[0, n) (n if all of it is valid;
+ * overlong forms, surrogates and code points above U+10FFFF are invalid,
+ * as Python's strict decoder has them). */
+size_t cf_utf8_valid_prefix(const char *s, size_t n);
 
 #ifdef __cplusplus
 }

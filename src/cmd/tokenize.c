@@ -176,31 +176,6 @@ static int blank(const char *s, size_t n) {
     return 1;
 }
 
-/* Bytes of s that are valid UTF-8 (n if all), as Python's strict decoder. */
-static size_t utf8_ok(const char *s, size_t n) {
-    const unsigned char *u = (const unsigned char *)s;
-    size_t i = 0;
-    while (i < n) {
-        unsigned char b = u[i];
-        if (b < 0x80) { i++; continue; }
-        size_t need;
-        unsigned char lo = 0x80, hi = 0xBF;
-        if (b >= 0xC2 && b <= 0xDF) need = 1;
-        else if (b == 0xE0) { need = 2; lo = 0xA0; }
-        else if (b == 0xED) { need = 2; hi = 0x9F; }
-        else if (b >= 0xE1 && b <= 0xEF) need = 2;
-        else if (b == 0xF0) { need = 3; lo = 0x90; }
-        else if (b >= 0xF1 && b <= 0xF3) need = 3;
-        else if (b == 0xF4) { need = 3; hi = 0x8F; }
-        else return i;
-        if (n - i < need + 1 || u[i + 1] < lo || u[i + 1] > hi) return i;
-        for (size_t k = 2; k <= need; k++)
-            if ((u[i + k] & 0xC0) != 0x80) return i;
-        i += need + 1;
-    }
-    return n;
-}
-
 static int emit_doc(tk_run *r, const char *text, size_t len) {
     if (!r->keep_empty && blank(text, len)) {
         r->empty++;
@@ -332,7 +307,7 @@ static int for_lines(tk_run *r, const char *path, FILE *f, line_fn fn, void *ctx
     long lineno = 0;
     int rc = 0;
     while (rc == 0 && (got = getline(&line, &cap, f)) > 0) {
-        size_t n = (size_t)got, ok = utf8_ok(line, n);
+        size_t n = (size_t)got, ok = cf_utf8_valid_prefix(line, n);
         r->bytes_done += (double)n;
         if (ok != n) { rc = cf_fail("%s:%ld: not UTF-8 text (byte %zu of the line)", path, lineno + 1, ok); break; }
         /* a getline chunk ends at \n; lone \r inside it also end lines */
@@ -436,7 +411,7 @@ static int process_file(tk_run *r, const char *path) {
     size_t len;
     char *text = cf_read_file(path, &len, MAX_FILE_BYTES);
     if (!text) return -1;
-    size_t ok = utf8_ok(text, len);
+    size_t ok = cf_utf8_valid_prefix(text, len);
     if (ok != len) {
         free(text);
         return cf_fail("%s: not UTF-8 text (at byte %zu)", path, ok);

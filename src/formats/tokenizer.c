@@ -189,7 +189,7 @@ static int jchar(const char *path, const char *where, const cJSON *o, const char
     if (!s) s = def;
     if (!s) return cf_fail("%s: %s has no \"%s\"", path, where, key);
     size_t n = strlen(s);
-    if (n == 0 || n > 4 || tk_utf8_valid_prefix(s, n) != n) goto bad;
+    if (n == 0 || n > 4 || cf_utf8_valid_prefix(s, n) != n) goto bad;
     size_t i = 0;
     (void)tk_utf8_next(s, &i);
     if (i != n) goto bad;
@@ -1201,7 +1201,7 @@ static int pre_step(cf_tokenizer *t, tk_pre *st, const char *s, size_t n, int fi
 int cf_tokenizer_encode_append(cf_tokenizer *t, const char *text, size_t len, int add_special, uint32_t **ids,
                                size_t *n, size_t *cap) {
     if (!t || !ids || !n || !cap || (!text && len)) return cf_fail("tokenizer encode: NULL argument");
-    size_t bad = tk_utf8_valid_prefix(text, len);
+    size_t bad = cf_utf8_valid_prefix(text, len);
     if (bad != len) return cf_fail("text is not valid UTF-8 (at byte %zu)", bad);
     size_t start = *n;
     tk_plist *a = &t->pl[0], *b = &t->pl[1];
@@ -1324,7 +1324,7 @@ static int byte_token(const char *s, size_t n) {
 static int flush_bytes(tk_slist *out, tk_buf *bytes) {
     if (!bytes->len) return 0;
     int rc = 0;
-    if (tk_utf8_valid_prefix(bytes->s, bytes->len) == bytes->len) rc = sl_add(out, bytes->s, bytes->len);
+    if (cf_utf8_valid_prefix(bytes->s, bytes->len) == bytes->len) rc = sl_add(out, bytes->s, bytes->len);
     else
         for (size_t i = 0; i < bytes->len && rc == 0; i++) rc = sl_add(out, "\xEF\xBF\xBD", 3);
     bytes->len = 0;

@@ -29,9 +29,8 @@ void tk_buf_free(tk_buf *b);
 
 /* ------------------------------------------------------------------- UTF-8 */
 
-/* Length of the valid UTF-8 prefix of s (n if all of it is valid; overlong
- * forms, surrogates and code points above U+10FFFF are invalid). */
-size_t tk_utf8_valid_prefix(const char *s, size_t n);
+/* (cf_utf8_valid_prefix, the length of the valid UTF-8 prefix, is public:
+ * include/centrifuge_tokenizer.h) */
 /* Decodes the code point at s[*i] (s valid UTF-8) and advances *i. */
 uint32_t tk_utf8_next(const char *s, size_t *i);
 /* Encodes cp into out (4 bytes of room); returns the byte count. */

@@ -45,20 +45,29 @@ void tk_buf_free(tk_buf *b) {
 
 /* ------------------------------------------------------------------- UTF-8 */
 
+/* The shape of a multi-byte sequence by its lead byte (Unicode Table 3-7):
+ * need continuation bytes, the first of them in [lo, hi], the rest in
+ * [0x80, 0xBF]. 0 for a byte that cannot start one. */
+static int utf8_lead(unsigned char b, size_t *need, unsigned char *lo, unsigned char *hi) {
+    *lo = 0x80;
+    *hi = 0xBF;
+    if (b >= 0xC2 && b <= 0xDF) *need = 1;
+    else if (b == 0xE0) { *need = 2; *lo = 0xA0; }
+    else if (b == 0xED) { *need = 2; *hi = 0x9F; }
+    else if (b >= 0xE1 && b <= 0xEF) *need = 2;
+    else if (b == 0xF0) { *need = 3; *lo = 0x90; }
+    else if (b >= 0xF1 && b <= 0xF3) *need = 3;
+    else if (b == 0xF4) { *need = 3; *hi = 0x8F; }
+    else return 0;
+    return 1;
+}
+
 /* Length of the valid sequence at s[0, n), or 0 if ill-formed. */
 static size_t utf8_seq(const unsigned char *s, size_t n) {
-    unsigned char b = s[0];
-    if (b < 0x80) return 1;
+    if (s[0] < 0x80) return 1;
     size_t need;
-    unsigned char lo = 0x80, hi = 0xBF;
-    if (b >= 0xC2 && b <= 0xDF) need = 1;
-    else if (b == 0xE0) { need = 2; lo = 0xA0; }
-    else if (b == 0xED) { need = 2; hi = 0x9F; }
-    else if (b >= 0xE1 && b <= 0xEF) need = 2;
-    else if (b == 0xF0) { need = 3; lo = 0x90; }
-    else if (b >= 0xF1 && b <= 0xF3) need = 3;
-    else if (b == 0xF4) { need = 3; hi = 0x8F; }
-    else return 0;
+    unsigned char lo, hi;
+    if (!utf8_lead(s[0], &need, &lo, &hi)) return 0;
     if (n < need + 1) return 0;
     if (s[1] < lo || s[1] > hi) return 0;
     for (size_t k = 2; k <= need; k++)
@@ -66,7 +75,7 @@ static size_t utf8_seq(const unsigned char *s, size_t n) {
     return need + 1;
 }
 
-size_t tk_utf8_valid_prefix(const char *s, size_t n) {
+size_t cf_utf8_valid_prefix(const char *s, size_t n) {
     const unsigned char *u = (const unsigned char *)s;
     size_t i = 0;
     while (i < n) {
@@ -120,16 +129,9 @@ int tk_utf8_lossy(tk_buf *out, const unsigned char *s, size_t n) {
         if (i >= n) break;
         /* an ill-formed sequence: its maximal subpart (the lead byte and the
          * continuation bytes that were still acceptable) becomes one U+FFFD */
-        unsigned char b = s[i];
         size_t need = 0;
-        unsigned char lo = 0x80, hi = 0xBF;
-        if (b >= 0xC2 && b <= 0xDF) need = 1;
-        else if (b == 0xE0) { need = 2; lo = 0xA0; }
-        else if (b == 0xED) { need = 2; hi = 0x9F; }
-        else if (b >= 0xE1 && b <= 0xEF) need = 2;
-        else if (b == 0xF0) { need = 3; lo = 0x90; }
-        else if (b >= 0xF1 && b <= 0xF3) need = 3;
-        else if (b == 0xF4) { need = 3; hi = 0x8F; }
+        unsigned char lo, hi;
+        if (!utf8_lead(s[i], &need, &lo, &hi)) need = 0;
         size_t j = i + 1;
         for (size_t k = 0; k < need && j < n; k++) {
             unsigned char c = s[j];
