@@ -6,6 +6,7 @@
 #ifndef CF_MODEL_HELPERS_H
 #define CF_MODEL_HELPERS_H
 
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -45,6 +46,16 @@ static inline void random_tokens(int32_t *tok, int n, int V, uint64_t seed) {
     for (int i = 0; i < n; i++) tok[i] = (int32_t)cf_rng_below(&r, (uint32_t)V);
 }
 
+/* Random tokens of B rows of S+1 in which token `bos` starts a second
+ * document at position 3 of row 0 and 6 of row 1 (and nowhere else). */
+static inline void two_document_tokens(int32_t *tok, int B, int S, int V, int bos, uint64_t seed) {
+    random_tokens(tok, B * (S + 1), V, seed);
+    for (int i = 0; i < B * (S + 1); i++)
+        if (tok[i] == bos) tok[i] = bos + 1;
+    tok[3] = bos;             /* sequence 0: documents [0,3) and [3,S) */
+    tok[(S + 1) + 6] = bos;   /* sequence 1: documents [0,6) and [6,S) */
+}
+
 /* Offset of tensor i in the packed host arrays of these tests. */
 static inline size_t toff(const cf_model *m, int i) {
     size_t o = 0;
@@ -68,6 +79,42 @@ static inline double max_rel(const cf_model *m, const float *a, const float *b, 
         if (!(e <= worst)) { worst = e; if (where) *where = cf_model_tensor_name(m, i); }
     }
     return worst;
+}
+
+/* Mean of losses[0, T) over the positions keep selects (NULL = all). */
+static inline double masked_mean(const float *losses, int T, const uint8_t *keep) {
+    double s = 0;
+    int n = 0;
+    for (int t = 0; t < T; t++)
+        if (!keep || keep[t]) { s += losses[t]; n++; }
+    return s / n;
+}
+
+/* |g| of n gradient values, in double. */
+static inline double grad_norm(const float *g, size_t n) {
+    double s = 0;
+    for (size_t j = 0; j < n; j++) s += (double)g[j] * g[j];
+    return sqrt(s);
+}
+
+/* Central finite difference of loss(ctx) along the unit direction d in the
+ * weights of tensor i: (L(w + eps d) - L(w - eps d)) / (2 eps); the tensor
+ * is restored. The analytic value to compare with is g . d. */
+static inline double fd_directional(cf_model *m, int i, const float *d, double eps, double (*loss)(void *),
+                                    void *ctx) {
+    size_t n = cf_model_tensor_numel(m, i);
+    float *w0 = malloc(n * sizeof(float)), *w = malloc(n * sizeof(float));
+    cf_model_get_param(m, i, w0);
+    for (size_t j = 0; j < n; j++) w[j] = w0[j] + (float)eps * d[j];
+    cf_model_set_param(m, i, w);
+    double lp = loss(ctx);
+    for (size_t j = 0; j < n; j++) w[j] = w0[j] - (float)eps * d[j];
+    cf_model_set_param(m, i, w);
+    double lm = loss(ctx);
+    cf_model_set_param(m, i, w0);
+    free(w0);
+    free(w);
+    return (lp - lm) / (2 * eps);
 }
 
 #endif

@@ -223,10 +223,7 @@ TEST(centrifuge_kv_equals_its_reference_with_a_document_mask) {
         if (!m) { CHECK(0); continue; }
         cf_model_set_doc_mask(m, 5);
         int32_t tok[B * (S + 1)];
-        random_tokens(tok, B * (S + 1), cf_model_config(m)->vocab_size, 660 + ti);
-        for (int i = 0; i < B * (S + 1); i++) if (tok[i] == 5) tok[i] = 6;
-        tok[3] = 5;            /* sequence 0: documents [0,3) and [3,S) */
-        tok[(S + 1) + 6] = 5;  /* sequence 1: documents [0,6) and [6,S) */
+        two_document_tokens(tok, B, S, cf_model_config(m)->vocab_size, 5, 660 + ti);
         float losses[T];
         uint8_t keep[T];
         CHECK(cf_forward(m, tok, B, S, losses) == 0);
