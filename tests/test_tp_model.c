@@ -85,13 +85,24 @@ static int run_model(cf_model *m, rank_job *j) {
     return 0;
 }
 
+/* Rank's local model of the whole model saved in dir. */
+static cf_model *open_rank(const char *dir, const cf_tp_sync *sync, cf_layout_fn layout, void *lctx) {
+    cf_model_opts o = {0};
+    o.backend = CF_BACKEND_CPU;
+    o.model_dir = dir;
+    return cf_model_open_tp(&o, sync, layout, lctx);
+}
+
+static void rm_rf(const char *dir) {
+    char cmd[256];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    CHECK(system(cmd) == 0);
+}
+
 static void *rank_main(void *p) {
     rank_job *j = p;
     cf_tp_sync sync = tpt_sync(&j->r);
-    cf_model_opts o = {0};
-    o.backend = CF_BACKEND_CPU;
-    o.model_dir = j->dir;
-    cf_model *m = cf_model_open_tp(&o, &sync, NULL, NULL);
+    cf_model *m = open_rank(j->dir, &sync, NULL, NULL);
     j->m = m;
     if (m && run_model(m, j) == 0) j->ok = 1;
     else snprintf(j->err, sizeof j->err, "%s", cf_last_error());
@@ -218,9 +229,7 @@ static void run_case(const tp_case *tc, cf_mode mode, uint64_t seed) {
                 free(w);
                 cf_model_free(back);
             }
-            char cmd[256];
-            snprintf(cmd, sizeof cmd, "rm -rf %s", out);
-            CHECK(system(cmd) == 0);
+            rm_rf(out);
         }
     }
     for (int r = 0; r < P; r++) {
@@ -230,9 +239,7 @@ static void run_case(const tp_case *tc, cf_mode mode, uint64_t seed) {
     tpt_group_destroy(&g);
     free(ref.grads); free(ref.weights);
     cf_model_free(one);
-    char cmd[256];
-    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
-    CHECK(system(cmd) == 0);
+    rm_rf(dir);
 }
 
 /* ---------------------------------------------- 2-D: TP = 2 x DP = 2 */
@@ -270,10 +277,7 @@ static cf_train_opts grid_opts(cf_mode mode, int accum) {
 static void *grid_main(void *p) {
     grid_job *j = p;
     cf_tp_sync sync = tpt_sync(&j->tr);
-    cf_model_opts o = {0};
-    o.backend = CF_BACKEND_CPU;
-    o.model_dir = j->dir;
-    cf_model *m = cf_model_open_tp(&o, &sync, dpt_layout, &j->dr);
+    cf_model *m = open_rank(j->dir, &sync, dpt_layout, &j->dr);
     j->m = m;
     if (!m) { snprintf(j->err, sizeof j->err, "%s", cf_last_error()); return NULL; }
     dpt_install(&j->dr, m);
@@ -358,9 +362,7 @@ static void run_grid(const char *name, cf_mode mode, uint64_t seed) {
     for (int i = 0; i < 2; i++) { tpt_group_destroy(&tg[i]); dpt_group_destroy(&dg[i]); }
     free(ref_w);
     cf_model_free(one);
-    char cmd[256];
-    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
-    CHECK(system(cmd) == 0);
+    rm_rf(dir);
 }
 
 /* The 2-D layout of --tp 2 on four ranks: each DP group's ZeRO-1 shards of
@@ -408,9 +410,7 @@ TEST(tp_refuses_what_it_cannot_split) {
     CHECK(strstr(cf_last_error(), "LoRA") != NULL);
     tpt_group_destroy(&g);
     cf_model_free(one);
-    char cmd[256];
-    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
-    CHECK(system(cmd) == 0);
+    rm_rf(dir);
 }
 
 int main(void) {
