@@ -52,6 +52,7 @@ ln -s d.bin "$T/symlink.bin"
 expect_error "train --log = a symlink to --data" "symbolic link" -- "${TRAIN[@]}" --data "$T/d.bin" --log "$T/symlink.bin"
 expect_error "train --log = --val" "also an input" -- "${TRAIN[@]}" --data "$T/d.bin" --val "$T/d.orig" --log "$T/d.orig"
 expect_error "score --out = --data" "also an input" -- score --model "$M" --data "$T/d.bin" --out "$T/d.bin" --seq 32
+expect_error "math-eval --json = a symlink" "symbolic link" -- math-eval --model "$M" --problems 4 --json "$T/symlink.bin"
 same "$T/d.bin" "$T/d.orig" "the data is untouched after score"
 expect_error "eval --losses-out = --data" "also an input" -- eval --model "$M" --data "$T/d.bin" --losses-out "$T/d.bin"
 expect_error "eval --losses-out = the model" "also an input" -- eval --model "$M" --data "$T/d.bin" --losses-out "$M/model.safetensors"

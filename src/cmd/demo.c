@@ -34,6 +34,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <cjson/cJSON.h>
+
 #include "cmd/cli.h"
 #include "cmd/commands.h"
 #include "base/common.h"
@@ -83,6 +85,7 @@ static int write_corpus(const char *path, cf_data_source src, uint64_t seed, int
 typedef struct {
     double clean_loss;
     int correct[CF_NUM_FAMILIES], total[CF_NUM_FAMILIES];
+    char device[128];   /* what ran it, for records */
 } eval_result;
 
 /* Teacher-forced result accuracy: each problem's question and correct
@@ -155,6 +158,7 @@ static int evaluate_model(const char *dir, const char *device, const char *val_p
     r->clean_loss = NAN;
     cf_model *m = cf_cli_open_model(NULL, dir, device, 0, NULL);
     if (!m) return -1;
+    snprintf(r->device, sizeof r->device, "%s", cf_model_device_name(m));
     int rc = 0;
     if (val_path) {
         cf_tokens val;
@@ -403,6 +407,7 @@ int cmd_math_eval(int argc, char **argv) {
     if (!model_dir) { cf_fail("--model is required"); return cf_cli_error("math-eval", 2); }
     cf_world w;
     if (cf_world_parse(world, &w) != 0) return cf_cli_error("math-eval", 2);
+    if (json && cf_output_check(json) != 0) return cf_cli_error("math-eval", 2);   /* before the work */
     cf_datagen_set_world(w);
     cf_problem *probs = cf_malloc((size_t)nprob * sizeof *probs);
     if (!probs) return cf_cli_error("math-eval", 1);
@@ -421,14 +426,33 @@ int cmd_math_eval(int argc, char **argv) {
     }
     printf(" | accuracy %.1f%% | %.1fs\n", 100.0 * c / t, cf_now() - t0);
     if (json) {
-        FILE *f = fopen(json, "a");
-        if (!f) { cf_fail("%s: cannot open", json); return cf_cli_error("math-eval", 1); }
-        fprintf(f, "{\"label\":\"%s\",\"model\":\"%s\",\"clean_loss\":%.6f,\"accuracy\":%.4f", label ? label : "",
-                model_dir, r.clean_loss, (double)c / t);
-        for (int fam = 0; fam < CF_NUM_FAMILIES; fam++)
-            fprintf(f, ",\"acc_%s\":%.4f", cf_family_name(fam), (double)r.correct[fam] / r.total[fam]);
-        fprintf(f, "}\n");
-        fclose(f);
+        /* one record, its strings escaped by cJSON, appended through the
+         * checked output path; it names what ran it */
+        cJSON *o = cJSON_CreateObject();
+        char *line = NULL;
+        if (o) {
+            cJSON_AddStringToObject(o, "label", label ? label : "");
+            cJSON_AddStringToObject(o, "model", model_dir);
+            cJSON_AddNumberToObject(o, "clean_loss", r.clean_loss);
+            cJSON_AddNumberToObject(o, "accuracy", (double)c / t);
+            for (int fam = 0; fam < CF_NUM_FAMILIES; fam++) {
+                char key[64];
+                snprintf(key, sizeof key, "acc_%s", cf_family_name(fam));
+                cJSON_AddNumberToObject(o, key, (double)r.correct[fam] / r.total[fam]);
+            }
+            cJSON_AddStringToObject(o, "mode", "eval");
+            cJSON_AddStringToObject(o, "gpu", r.device);
+            cJSON_AddStringToObject(o, "commit", cf_build_commit());
+            cJSON_AddNumberToObject(o, "world_size", 1);
+            cJSON_AddNumberToObject(o, "tp", 1);
+            line = cJSON_PrintUnformatted(o);
+            cJSON_Delete(o);
+        }
+        FILE *f = line ? cf_output_stream(json, 1) : NULL;
+        int ok = f && fprintf(f, "%s\n", line) >= 0;
+        ok = f ? cf_stream_close(f, json) == 0 && ok : 0;
+        free(line);
+        if (!ok) return cf_cli_error("math-eval", 1);
     }
     return 0;
 }
