@@ -1000,69 +1000,94 @@ TEST(attention_strawman_differs_from_centrifuge_when_rows_are_filtered) {
     }
 }
 
-/* A larger random problem (B=3, S=33, H=4, Hkv=1, D=16, random docs, about
- * half the rows kept): centrifuge vs masked full, and determinism across
- * thread counts. */
-TEST(attention_centrifuge_equals_masked_full_on_random_larger_problem) {
-    enum { B = 3, S = 33, H = 4, Hkv = 1, D = 16, T = B * S };
+/* A larger random problem for the compact modes: B=3, S=33, H=4, Hkv=1,
+ * D=16, random documents, about half the rows kept, dout R zero on filtered
+ * rows; the full backward (dq, dk, dv) and the kept rows' gathered q, out,
+ * R, lse. */
+enum { LB = 3, LS = 33, LH = 4, LHKV = 1, LD = 16, LT = LB * LS };
+typedef struct {
+    int doc[LT], rows[LT], seq_start[LB + 1], n;
+    cf_attn_shape sh;
+    cf_rows kept;
+    float *q, *k, *v, *R, *out, *lse, *dq, *dk, *dv;   /* [T, ...] */
+    float *qc, *oc, *Rc, *lc;                           /* [n, ...] */
+} large_prob;
+
+static const size_t LWQ = LH * LD, LWKV = LHKV * LD;
+
+static void large_prob_make(large_prob *p, uint64_t seed) {
     cf_rng r;
-    cf_rng_seed(&r, 791);
-    static int doc[T], rows[T], seq_start[B + 1];
+    cf_rng_seed(&r, seed);
     int n = 0, d = 0;
-    for (int b = 0; b < B; b++) {
-        seq_start[b] = n;
-        for (int s = 0; s < S; s++) {
+    for (int b = 0; b < LB; b++) {
+        p->seq_start[b] = n;
+        for (int s = 0; s < LS; s++) {
             if (s == 0 || cf_rng_uniform(&r) < 0.15f) d++;
-            doc[b * S + s] = d;
-            if (cf_rng_uniform(&r) < 0.5f) rows[n++] = b * S + s;
+            p->doc[b * LS + s] = d;
+            if (cf_rng_uniform(&r) < 0.5f) p->rows[n++] = b * LS + s;
         }
     }
-    seq_start[B] = n;
-    cf_attn_shape sh = {B, S, H, Hkv, D, 0.25f, doc};
-    const size_t wq = H * D, wkv = Hkv * D;
-    float *q = fnew(T * wq), *k = fnew(T * wkv), *v = fnew(T * wkv), *R = fnew(T * wq);
-    float *out = fnew(T * wq), *lse = fnew(T * H);
-    fill_normal(q, T * wq, &r, 1.5f);
-    fill_normal(k, T * wkv, &r, 1);
-    fill_normal(v, T * wkv, &r, 1);
-    for (int a = 0; a < n; a++) fill_normal(R + rows[a] * wq, wq, &r, 1); /* zero on filtered */
-    be->attention_fwd(be, out, lse, q, k, v, &sh);
-    float *dq = fnew(T * wq), *dk = fnew(T * wkv), *dv = fnew(T * wkv);
-    be->attention_bwd(be, dq, dk, dv, R, q, k, v, out, lse, &sh, NULL, CF_ATTN_BWD_FULL);
-    float *qc = fnew(n * wq), *oc = fnew(n * wq), *Rc = fnew(n * wq), *lc = fnew(n * H);
-    be->gather_rows(be, qc, q, rows, n, wq * sizeof(float));
-    be->gather_rows(be, oc, out, rows, n, wq * sizeof(float));
-    be->gather_rows(be, Rc, R, rows, n, wq * sizeof(float));
-    be->gather_rows(be, lc, lse, rows, n, H * sizeof(float));
-    cf_rows kept = {n, kept_max_len(seq_start, B), rows, seq_start};
-    float *cq = fnew(n * wq), *ck = fnew(n * wkv), *cv = fnew(n * wkv);
-    float *fq = fnew(n * wq), *fk = fnew(n * wkv), *fv = fnew(n * wkv);
-    be->attention_bwd(be, cq, ck, cv, Rc, qc, k, v, oc, lc, &sh, &kept, CF_ATTN_BWD_CENTRIFUGE);
-    be->gather_rows(be, fq, dq, rows, n, wq * sizeof(float));
-    be->gather_rows(be, fk, dk, rows, n, wkv * sizeof(float));
-    be->gather_rows(be, fv, dv, rows, n, wkv * sizeof(float));
-    CHECK(rel_err(cq, fq, n * wq) < 1e-5);
-    CHECK(rel_err(ck, fk, n * wkv) < 1e-5);
-    CHECK(rel_err(cv, fv, n * wkv) < 1e-5);
+    p->seq_start[LB] = n;
+    p->n = n;
+    cf_attn_shape sh = {LB, LS, LH, LHKV, LD, 0.25f, p->doc};
+    p->sh = sh;
+    p->q = fnew(LT * LWQ); p->k = fnew(LT * LWKV); p->v = fnew(LT * LWKV); p->R = fnew(LT * LWQ);
+    p->out = fnew(LT * LWQ); p->lse = fnew(LT * LH);
+    fill_normal(p->q, LT * LWQ, &r, 1.5f);
+    fill_normal(p->k, LT * LWKV, &r, 1);
+    fill_normal(p->v, LT * LWKV, &r, 1);
+    for (int a = 0; a < n; a++) fill_normal(p->R + p->rows[a] * LWQ, LWQ, &r, 1); /* zero on filtered */
+    be->attention_fwd(be, p->out, p->lse, p->q, p->k, p->v, &p->sh);
+    p->dq = fnew(LT * LWQ); p->dk = fnew(LT * LWKV); p->dv = fnew(LT * LWKV);
+    be->attention_bwd(be, p->dq, p->dk, p->dv, p->R, p->q, p->k, p->v, p->out, p->lse, &p->sh, NULL,
+                      CF_ATTN_BWD_FULL);
+    p->qc = fnew(n * LWQ); p->oc = fnew(n * LWQ); p->Rc = fnew(n * LWQ); p->lc = fnew(n * LH);
+    be->gather_rows(be, p->qc, p->q, p->rows, n, LWQ * sizeof(float));
+    be->gather_rows(be, p->oc, p->out, p->rows, n, LWQ * sizeof(float));
+    be->gather_rows(be, p->Rc, p->R, p->rows, n, LWQ * sizeof(float));
+    be->gather_rows(be, p->lc, p->lse, p->rows, n, LH * sizeof(float));
+    cf_rows kept = {n, kept_max_len(p->seq_start, LB), p->rows, p->seq_start};
+    p->kept = kept;
+}
+
+static void large_prob_free(large_prob *p) {
+    float *all[] = {p->q, p->k, p->v, p->R, p->out, p->lse, p->dq, p->dk, p->dv, p->qc, p->oc, p->Rc, p->lc};
+    for (size_t i = 0; i < sizeof all / sizeof *all; i++) free(all[i]);
+}
+
+/* Centrifuge on the larger problem equals the masked full backward on the
+ * kept rows, and is bitwise the same with one thread. */
+TEST(attention_centrifuge_equals_masked_full_on_random_larger_problem) {
+    static large_prob P;
+    large_prob_make(&P, 791);
+    const int n = P.n;
+    float *cq = fnew(n * LWQ), *ck = fnew(n * LWKV), *cv = fnew(n * LWKV);
+    float *fq = fnew(n * LWQ), *fk = fnew(n * LWKV), *fv = fnew(n * LWKV);
+    be->attention_bwd(be, cq, ck, cv, P.Rc, P.qc, P.k, P.v, P.oc, P.lc, &P.sh, &P.kept, CF_ATTN_BWD_CENTRIFUGE);
+    be->gather_rows(be, fq, P.dq, P.rows, n, LWQ * sizeof(float));
+    be->gather_rows(be, fk, P.dk, P.rows, n, LWKV * sizeof(float));
+    be->gather_rows(be, fv, P.dv, P.rows, n, LWKV * sizeof(float));
+    CHECK(rel_err(cq, fq, n * LWQ) < 1e-5);
+    CHECK(rel_err(ck, fk, n * LWKV) < 1e-5);
+    CHECK(rel_err(cv, fv, n * LWKV) < 1e-5);
     /* loss-only gives filtered keys gradient, centrifuge does not produce it */
     double filtered_dk = 0;
-    for (int i = 0, a = 0; i < T; i++) {
-        if (a < n && rows[a] == i) { a++; continue; }
-        filtered_dk = fmax(filtered_dk, max_abs(dk + i * wkv, wkv));
+    for (int i = 0, a = 0; i < LT; i++) {
+        if (a < n && P.rows[a] == i) { a++; continue; }
+        filtered_dk = fmax(filtered_dk, max_abs(P.dk + i * LWKV, LWKV));
     }
     CHECK(filtered_dk > 0);
     /* bitwise identical with one thread */
     int nt = omp_get_max_threads();
     omp_set_num_threads(1);
-    float *cq1 = fnew(n * wq), *ck1 = fnew(n * wkv), *cv1 = fnew(n * wkv);
-    be->attention_bwd(be, cq1, ck1, cv1, Rc, qc, k, v, oc, lc, &sh, &kept, CF_ATTN_BWD_CENTRIFUGE);
+    float *cq1 = fnew(n * LWQ), *ck1 = fnew(n * LWKV), *cv1 = fnew(n * LWKV);
+    be->attention_bwd(be, cq1, ck1, cv1, P.Rc, P.qc, P.k, P.v, P.oc, P.lc, &P.sh, &P.kept, CF_ATTN_BWD_CENTRIFUGE);
     omp_set_num_threads(nt);
-    CHECK(memcmp(cq, cq1, n * wq * sizeof(float)) == 0);
-    CHECK(memcmp(ck, ck1, n * wkv * sizeof(float)) == 0);
-    CHECK(memcmp(cv, cv1, n * wkv * sizeof(float)) == 0);
-    free(q); free(k); free(v); free(R); free(out); free(lse); free(dq); free(dk); free(dv);
-    free(qc); free(oc); free(Rc); free(lc); free(cq); free(ck); free(cv); free(fq); free(fk);
-    free(fv); free(cq1); free(ck1); free(cv1);
+    CHECK(memcmp(cq, cq1, n * LWQ * sizeof(float)) == 0);
+    CHECK(memcmp(ck, ck1, n * LWKV * sizeof(float)) == 0);
+    CHECK(memcmp(cv, cv1, n * LWKV * sizeof(float)) == 0);
+    large_prob_free(&P);
+    free(cq); free(ck); free(cv); free(fq); free(fk); free(fv); free(cq1); free(ck1); free(cv1);
 }
 
 /* centrifuge-kv from its formula, in double: for each kept query i (row
@@ -1205,61 +1230,32 @@ TEST(attention_centrifuge_kv_agrees_with_centrifuge_on_kept_rows_and_with_full_w
     attn_prob_free(&p);
 }
 
-/* A larger random problem (B=3, S=33, H=4, Hkv=1, random docs, about half
- * the rows kept): CENTRIFUGE_KV equals the full backward with dout zero on
- * filtered rows (dq on kept rows, dk and dv on all rows), and is bitwise
- * the same with one thread. */
+/* CENTRIFUGE_KV on the larger problem equals the full backward with dout
+ * zero on filtered rows (dq on kept rows, dk and dv on all rows), and is
+ * bitwise the same with one thread. */
 TEST(attention_centrifuge_kv_equals_masked_full_on_random_larger_problem) {
-    enum { B = 3, S = 33, H = 4, Hkv = 1, D = 16, T = B * S };
-    cf_rng r;
-    cf_rng_seed(&r, 861);
-    static int doc[T], rows[T], seq_start[B + 1];
-    int n = 0, d = 0;
-    for (int b = 0; b < B; b++) {
-        seq_start[b] = n;
-        for (int s = 0; s < S; s++) {
-            if (s == 0 || cf_rng_uniform(&r) < 0.15f) d++;
-            doc[b * S + s] = d;
-            if (cf_rng_uniform(&r) < 0.5f) rows[n++] = b * S + s;
-        }
-    }
-    seq_start[B] = n;
-    cf_attn_shape sh = {B, S, H, Hkv, D, 0.25f, doc};
-    const size_t wq = H * D, wkv = Hkv * D;
-    float *q = fnew(T * wq), *k = fnew(T * wkv), *v = fnew(T * wkv), *R = fnew(T * wq);
-    float *out = fnew(T * wq), *lse = fnew(T * H);
-    fill_normal(q, T * wq, &r, 1.5f);
-    fill_normal(k, T * wkv, &r, 1);
-    fill_normal(v, T * wkv, &r, 1);
-    for (int a = 0; a < n; a++) fill_normal(R + rows[a] * wq, wq, &r, 1); /* zero on filtered */
-    be->attention_fwd(be, out, lse, q, k, v, &sh);
-    float *dq = fnew(T * wq), *dk = fnew(T * wkv), *dv = fnew(T * wkv);
-    be->attention_bwd(be, dq, dk, dv, R, q, k, v, out, lse, &sh, NULL, CF_ATTN_BWD_FULL);
-    float *qc = fnew(n * wq), *oc = fnew(n * wq), *Rc = fnew(n * wq), *lc = fnew(n * H);
-    be->gather_rows(be, qc, q, rows, n, wq * sizeof(float));
-    be->gather_rows(be, oc, out, rows, n, wq * sizeof(float));
-    be->gather_rows(be, Rc, R, rows, n, wq * sizeof(float));
-    be->gather_rows(be, lc, lse, rows, n, H * sizeof(float));
-    cf_rows kept = {n, kept_max_len(seq_start, B), rows, seq_start};
-    float *cq = fnew(n * wq), *ck = fnew(T * wkv), *cv = fnew(T * wkv), *fq = fnew(n * wq);
+    static large_prob P;
+    large_prob_make(&P, 861);
+    const int n = P.n;
+    float *cq = fnew(n * LWQ), *ck = fnew(LT * LWKV), *cv = fnew(LT * LWKV), *fq = fnew(n * LWQ);
     /* NaN-filled outputs: every row must be written */
-    for (size_t i = 0; i < T * wkv; i++) ck[i] = cv[i] = NAN;
-    be->attention_bwd(be, cq, ck, cv, Rc, qc, k, v, oc, lc, &sh, &kept, CF_ATTN_BWD_CENTRIFUGE_KV);
-    be->gather_rows(be, fq, dq, rows, n, wq * sizeof(float));
-    CHECK(rel_err(cq, fq, n * wq) < 1e-5);
-    CHECK(rel_err(ck, dk, T * wkv) < 1e-5);
-    CHECK(rel_err(cv, dv, T * wkv) < 1e-5);
+    for (size_t i = 0; i < LT * LWKV; i++) ck[i] = cv[i] = NAN;
+    be->attention_bwd(be, cq, ck, cv, P.Rc, P.qc, P.k, P.v, P.oc, P.lc, &P.sh, &P.kept, CF_ATTN_BWD_CENTRIFUGE_KV);
+    be->gather_rows(be, fq, P.dq, P.rows, n, LWQ * sizeof(float));
+    CHECK(rel_err(cq, fq, n * LWQ) < 1e-5);
+    CHECK(rel_err(ck, P.dk, LT * LWKV) < 1e-5);
+    CHECK(rel_err(cv, P.dv, LT * LWKV) < 1e-5);
     int nt = omp_get_max_threads();
     omp_set_num_threads(1);
-    float *cq1 = fnew(n * wq), *ck1 = fnew(T * wkv), *cv1 = fnew(T * wkv);
-    be->attention_bwd(be, cq1, ck1, cv1, Rc, qc, k, v, oc, lc, &sh, &kept, CF_ATTN_BWD_CENTRIFUGE_KV);
+    float *cq1 = fnew(n * LWQ), *ck1 = fnew(LT * LWKV), *cv1 = fnew(LT * LWKV);
+    be->attention_bwd(be, cq1, ck1, cv1, P.Rc, P.qc, P.k, P.v, P.oc, P.lc, &P.sh, &P.kept,
+                      CF_ATTN_BWD_CENTRIFUGE_KV);
     omp_set_num_threads(nt);
-    CHECK(memcmp(cq, cq1, n * wq * sizeof(float)) == 0);
-    CHECK(memcmp(ck, ck1, T * wkv * sizeof(float)) == 0);
-    CHECK(memcmp(cv, cv1, T * wkv * sizeof(float)) == 0);
-    free(q); free(k); free(v); free(R); free(out); free(lse); free(dq); free(dk); free(dv);
-    free(qc); free(oc); free(Rc); free(lc); free(cq); free(ck); free(cv); free(fq);
-    free(cq1); free(ck1); free(cv1);
+    CHECK(memcmp(cq, cq1, n * LWQ * sizeof(float)) == 0);
+    CHECK(memcmp(ck, ck1, LT * LWKV * sizeof(float)) == 0);
+    CHECK(memcmp(cv, cv1, LT * LWKV * sizeof(float)) == 0);
+    large_prob_free(&P);
+    free(cq); free(ck); free(cv); free(fq); free(cq1); free(ck1); free(cv1);
 }
 
 /* ------------------------------------------------------ gather/sumsq/adamw */
