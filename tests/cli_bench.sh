@@ -5,22 +5,7 @@
 # model_tflops, peak_tflops, mfu_kind), MFU only with --peak-tflops on the
 # CPU, and one clear error line for a bad value.
 # Usage: tests/cli_bench.sh ./centrifuge
-set -u
-BIN=$(realpath "${1:-./centrifuge}")
-T=$(mktemp -d /tmp/cf_bench_XXXXXX)
-trap 'rm -rf "$T"' EXIT
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
-fails=0; n=0
-ok() { n=$((n + 1)); echo "  ok   $*"; }
-fail() { n=$((n + 1)); fails=$((fails + 1)); echo "  FAIL $*"; }
-expect_error() {
-  local name=$1 pat=$2; shift 3
-  timeout 120 "$BIN" "$@" >"$T/out" 2>"$T/err"; local rc=$?
-  local lines; lines=$(wc -l <"$T/err")
-  if [ $rc -eq 0 ] || [ "$lines" -ne 1 ] || ! grep -q "error: .*$pat" "$T/err"; then
-    fail "$name (rc=$rc, $lines stderr lines):"; sed 's/^/      /' "$T/err" | head -5
-  else ok "$name: $(cat "$T/err")"; fi
-}
+. "$(dirname "$0")/lib_cli.sh" bench "$@"
 
 # tiny @64, 2 micro-batches of 2 sequences: 256 tokens per step, the
 # centrifuge step keeps half; tiny's FLOPs per token at 64 are 5,167,872
@@ -73,5 +58,4 @@ if python3 -c 'import torch, transformers' 2>/dev/null; then
     fail "bench_pytorch.py --grad-accum 0: rc $rc, $(tail -1 "$T/err")"
 else echo "  (torch or transformers not installed: bench_pytorch.py not run)"; fi
 
-echo "$n cases, $fails failed"
-[ $fails -eq 0 ]
+cli_summary

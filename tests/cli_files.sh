@@ -12,26 +12,8 @@
 #     "inf" is ever written into JSON.
 # Each case: non-zero exit, exactly one "error:" line on stderr naming the
 # problem, the files involved unchanged. Usage: tests/cli_files.sh ./centrifuge
-set -u
-BIN=$(realpath "${1:-./centrifuge}")
-T=$(mktemp -d /tmp/cf_files_XXXXXX)
-trap 'rm -rf "$T"' EXIT
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
-fails=0; n=0
-ok() { n=$((n + 1)); echo "  ok   $*"; }
-fail() { n=$((n + 1)); fails=$((fails + 1)); echo "  FAIL $*"; }
-
-# expect_error NAME PATTERN -- ARGS...: non-zero exit within 60 s, exactly one
-# stderr line, "error: ...PATTERN"
-expect_error() {
-  local name=$1 pat=$2; shift 3
-  timeout 60 "$BIN" "$@" >"$T/out" 2>"$T/err"; local rc=$?
-  local lines; lines=$(wc -l <"$T/err")
-  if [ $rc -eq 124 ]; then fail "$name: hung (killed after 60 s)"
-  elif [ $rc -eq 0 ] || [ "$lines" -ne 1 ] || ! grep -q "error: .*$pat" "$T/err"; then
-    fail "$name (rc=$rc, $lines stderr lines):"; sed 's/^/      /' "$T/err" | head -5
-  else ok "$name: $(cat "$T/err")"; fi
-}
+CLI_TIMEOUT=60
+. "$(dirname "$0")/lib_cli.sh" files "$@"
 same() { cmp -s "$1" "$2" && ok "$3" || fail "$3"; }
 
 "$BIN" gen-data --source clean --tokens 20000 --seed 3 --out "$T/d.bin" >/dev/null || { echo "gen-data failed"; exit 1; }
@@ -127,5 +109,4 @@ if grep -q '"loss":null' "$T/nan.jsonl" && ! grep -qiE 'nan|inf' "$T/nan.jsonl";
   ok "non-finite values are logged as null: $(head -c 60 "$T/nan.jsonl")..."
 else fail "log of non-finite steps: $(head -1 "$T/nan.jsonl")"; fi
 
-echo "$n cases, $fails failed"
-[ $fails -eq 0 ]
+cli_summary

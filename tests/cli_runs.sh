@@ -10,23 +10,7 @@
 #   - limits: sizes that overflow, a memory estimate before allocating,
 #     --steps / --warmup above 2^31, a resumed data position out of range.
 # Usage: tests/cli_runs.sh ./centrifuge
-set -u
-BIN=$(realpath "${1:-./centrifuge}")
-T=$(mktemp -d /tmp/cf_runs_XXXXXX)
-trap 'kill $bg 2>/dev/null; rm -rf "$T"' EXIT
-bg=
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
-fails=0; n=0
-ok() { n=$((n + 1)); echo "  ok   $*"; }
-fail() { n=$((n + 1)); fails=$((fails + 1)); echo "  FAIL $*"; }
-expect_error() {
-  local name=$1 pat=$2; shift 3
-  timeout 120 "$BIN" "$@" >"$T/out" 2>"$T/err"; local rc=$?
-  local lines; lines=$(wc -l <"$T/err")
-  if [ $rc -eq 0 ] || [ "$lines" -ne 1 ] || ! grep -q "error: .*$pat" "$T/err"; then
-    fail "$name (rc=$rc, $lines stderr lines):"; sed 's/^/      /' "$T/err" | head -5
-  else ok "$name: $(cat "$T/err")"; fi
-}
+. "$(dirname "$0")/lib_cli.sh" runs "$@"
 # wait_lines FILE N: until FILE has N lines (or 120 s)
 wait_lines() {
   local w=0
@@ -176,5 +160,4 @@ else fail "LoRA resume differs from the uninterrupted run"; fi
 expect_error "resume with another --lora-dropout" "lora" -- train --config tiny --lora-rank 4 --lora-dropout 0.1 --seed 11 \
   --batch 2 --seq 32 --quiet --lr 1e-2 --steps 8 --out "$T/lpart" --resume
 
-echo "$n cases, $fails failed"
-[ $fails -eq 0 ]
+cli_summary
