@@ -69,7 +69,7 @@ $(BIN): $(CMD_OBJ) $(BUILD)/libcentrifuge.a
 
 # tests link the library and the commands' helpers (datagen), not main()
 TEST_LINK := $(filter-out $(BUILD)/obj/cmd/main.o,$(CMD_OBJ)) $(BUILD)/libcentrifuge.a
-$(BUILD)/tests/%: tests/%.c tests/test.h $(TEST_LINK)
+$(BUILD)/tests/%: tests/%.c $(wildcard tests/*.h) $(TEST_LINK)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) $< $(TEST_LINK) -o $@ $(LDLIBS)
 

@@ -81,7 +81,7 @@ cuda: centrifuge-cuda
 centrifuge-cuda: $(CUDA_BUILD)/obj/cmd/main.o $(CUDA_LIB)
 	$(CC) $(CFLAGS) $^ -o $@ $(LDLIBS) $(CUDA_LDLIBS)
 
-$(CUDA_BUILD)/tests/%: tests/gpu/%.c tests/test.h $(CUDA_LIB)
+$(CUDA_BUILD)/tests/%: tests/gpu/%.c $(wildcard tests/*.h) $(CUDA_LIB)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -DCF_WITH_CUDA $(CUDA_INC) -Itests $< $(CUDA_LIB) -o $@ $(LDLIBS) $(CUDA_LDLIBS)
 

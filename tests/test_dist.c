@@ -484,6 +484,44 @@ TEST(plan_buckets_are_runs_of_equal_keys_padded_to_world_times_align) {
     cf_zero_plan_free(&p);
 }
 
+/* cf_zero_plan_rows is the smallest row range covering every element of the
+ * rank's slice in the tensor: checked element by element, for row lengths
+ * that do and do not divide the slices, and for ranks owning no row. */
+TEST(plan_rows_of_a_rank_are_exactly_the_rows_its_slice_touches) {
+    int64_t numel[3] = {13 * 7, 5, 3 * 64};
+    int key[3] = {-1, 0, 1};
+    const int64_t rowlen[3] = {7, 5, 64};
+    for (int W = 1; W <= 8; W++) {
+        cf_zero_plan p;
+        if (cf_zero_plan_build(&p, numel, key, 3, W, 4) != 0) { CHECK(0); continue; }
+        int bad = 0;
+        for (int t = 0; t < 3; t++) {
+            int64_t covered = 0;
+            for (int r = 0; r < W; r++) {
+                int64_t r0, r1, fs, ls, len;
+                cf_zero_plan_rows(&p, r, t, rowlen[t], &r0, &r1);
+                cf_zero_plan_slice(&p, r, p.bucket[t], &fs, &ls, &len);
+                int64_t want0 = -1, want1 = -1;
+                for (int64_t i = 0; i < numel[t]; i++) {
+                    int64_t f = p.offset[t] + i;
+                    if (f < fs || f >= fs + len) continue;
+                    if (want0 < 0) want0 = i / rowlen[t];
+                    want1 = i / rowlen[t] + 1;
+                    covered++;
+                }
+                if (want0 < 0) bad += r0 != r1;
+                else bad += r0 != want0 || r1 != want1;
+            }
+            bad += covered != numel[t];   /* the slices partition the tensor */
+        }
+        int64_t r0 = 1, r1 = 1;
+        cf_zero_plan_rows(&p, W, 0, 7, &r0, &r1);   /* no such rank */
+        bad += r0 != 0 || r1 != 0;
+        CHECK_MSG(bad == 0, "W=%d: %d wrong row ranges", W, bad);
+        cf_zero_plan_free(&p);
+    }
+}
+
 TEST(plan_sharded_allgather_and_reduce_scatter_round_trip_the_flat_buffer) {
     /* Simulates ZeRO-1 on the host: each rank's shard is cut out of the flat
      * buffer by its slices, the all-gather rebuilds the buffer, and a
@@ -909,6 +947,7 @@ int main(void) {
     RUN(plan_world_1_align_1_is_the_identity_layout);
     RUN(plan_world_1_pads_only_to_the_alignment);
     RUN(plan_buckets_are_runs_of_equal_keys_padded_to_world_times_align);
+    RUN(plan_rows_of_a_rank_are_exactly_the_rows_its_slice_touches);
     RUN(plan_sharded_allgather_and_reduce_scatter_round_trip_the_flat_buffer);
     RUN(plan_llama3_8b_sizes_with_8_ranks_have_no_overflow_and_exact_totals);
     RUN(plan_hash_changes_with_world_align_sizes_keys_and_order);

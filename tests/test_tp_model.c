@@ -244,14 +244,15 @@ static void run_case(const tp_case *tc, cf_mode mode, uint64_t seed) {
 
 /* ---------------------------------------------- 2-D: TP = 2 x DP = 2 */
 
-enum { GRID_STEPS = 2 };
+enum { GRID_STEPS = 2, GRID_MAX_ACCUM = 2 };
 
 typedef struct {
     tpt_rank tr;
     dpt_rank dr;
     const char *dir;
     cf_mode mode;
-    int32_t (*tokens)[2][S + 1];     /* [step][micro-batch][S + 1] */
+    int accum;                       /* micro-batches per rank and step */
+    int32_t (*tokens)[2 * GRID_MAX_ACCUM][S + 1];   /* [step][micro-batch][S + 1] */
     int ok;
     char err[512];
     double loss[GRID_STEPS];
@@ -281,12 +282,13 @@ static void *grid_main(void *p) {
     j->m = m;
     if (!m) { snprintf(j->err, sizeof j->err, "%s", cf_last_error()); return NULL; }
     dpt_install(&j->dr, m);
-    cf_train_opts to = grid_opts(j->mode, 1);
+    cf_train_opts to = grid_opts(j->mode, j->accum);
     cf_trainer *tr = cf_trainer_create(m, &to);
     for (int st = 0; tr && st < GRID_STEPS; st++) {
-        cf_micro_batch mb = {j->tokens[st][j->dr.rank], NULL};
+        cf_micro_batch mb[GRID_MAX_ACCUM];
+        for (int i = 0; i < j->accum; i++) mb[i] = (cf_micro_batch){j->tokens[st][j->dr.rank * j->accum + i], NULL};
         cf_step_stats ss;
-        if (cf_trainer_step(tr, &mb, HP.lr, &ss) != 0) { snprintf(j->err, sizeof j->err, "%s", cf_last_error()); break; }
+        if (cf_trainer_step(tr, mb, HP.lr, &ss) != 0) { snprintf(j->err, sizeof j->err, "%s", cf_last_error()); break; }
         j->loss[st] = ss.loss;
         j->norm[st] = ss.grad_norm;
         if (st == GRID_STEPS - 1) j->ok = 1;
@@ -296,7 +298,7 @@ static void *grid_main(void *p) {
     return NULL;
 }
 
-static void run_grid(const char *name, cf_mode mode, uint64_t seed) {
+static void run_grid(const char *name, cf_mode mode, int accum, uint64_t seed) {
     cf_config cfg;
     CHECK(cf_config_builtin(&cfg, name) == 0);
     cf_model *one = cf_model_create(&cfg, CF_BACKEND_CPU, seed);
@@ -306,16 +308,17 @@ static void run_grid(const char *name, cf_mode mode, uint64_t seed) {
     char dir[] = "/tmp/cf_grid_modelXXXXXX";
     CHECK(mkdtemp(dir) != NULL);
     CHECK(cf_model_save(one, dir, "float32", 0) == 0);
-    int32_t tokens[GRID_STEPS][2][S + 1];
-    random_tokens(&tokens[0][0][0], GRID_STEPS * 2 * (S + 1), cfg.vocab_size, seed + 1);
+    int32_t tokens[GRID_STEPS][2 * GRID_MAX_ACCUM][S + 1];
+    random_tokens(&tokens[0][0][0], GRID_STEPS * 2 * GRID_MAX_ACCUM * (S + 1), cfg.vocab_size, seed + 1);
 
-    /* one process: both micro-batches of every step, accumulated */
-    cf_train_opts to = grid_opts(mode, 2);
+    /* one process: every micro-batch of every step, accumulated */
+    cf_train_opts to = grid_opts(mode, 2 * accum);
     cf_trainer *tr = cf_trainer_create(one, &to);
     double ref_loss[GRID_STEPS];
     float ref_norm[GRID_STEPS];
     for (int st = 0; st < GRID_STEPS; st++) {
-        cf_micro_batch mb[2] = {{tokens[st][0], NULL}, {tokens[st][1], NULL}};
+        cf_micro_batch mb[2 * GRID_MAX_ACCUM];
+        for (int i = 0; i < 2 * accum; i++) mb[i] = (cf_micro_batch){tokens[st][i], NULL};
         cf_step_stats ss;
         CHECK(cf_trainer_step(tr, mb, HP.lr, &ss) == 0);
         ref_loss[st] = ss.loss;
@@ -335,7 +338,7 @@ static void run_grid(const char *name, cf_mode mode, uint64_t seed) {
         int tp = g % 2, dp = g / 2;
         jobs[g].tr.g = &tg[dp]; jobs[g].tr.rank = tp;
         jobs[g].dr.g = &dg[tp]; jobs[g].dr.rank = dp;
-        jobs[g].dir = dir; jobs[g].mode = mode; jobs[g].tokens = tokens;
+        jobs[g].dir = dir; jobs[g].mode = mode; jobs[g].tokens = tokens; jobs[g].accum = accum;
         pthread_create(&th[g], NULL, grid_main, &jobs[g]);
     }
     for (int g = 0; g < 4; g++) pthread_join(th[g], NULL);
@@ -366,12 +369,17 @@ static void run_grid(const char *name, cf_mode mode, uint64_t seed) {
 }
 
 /* The 2-D layout of --tp 2 on four ranks: each DP group's ZeRO-1 shards of
- * each TP slice, trained on one micro-batch per DP rank, equal the one
- * process trained on both micro-batches of each step. */
+ * each TP slice, trained on its micro-batches per DP rank, equal the one
+ * process trained on all micro-batches of each step. tiny-qwen2 ties its
+ * embeddings: its shared gradient is reduced right after the LM head and
+ * the embedding rows of the last micro-batch are added to the reduced
+ * slices afterwards (cf_grad_sync.embedding_rows), also after accumulation. */
 TEST(tp2_by_dp2_grid_with_zero1_equals_one_process_on_the_global_batch) {
-    run_grid("tiny-qwen3", CF_MODE_CENTRIFUGE, 501);
-    run_grid("tiny-llama", CF_MODE_REGULAR, 502);
-    run_grid("tiny-qwen2", CF_MODE_CENTRIFUGE_KV, 503);
+    run_grid("tiny-qwen3", CF_MODE_CENTRIFUGE, 1, 501);
+    run_grid("tiny-llama", CF_MODE_REGULAR, 1, 502);
+    run_grid("tiny-qwen2", CF_MODE_CENTRIFUGE_KV, 1, 503);
+    run_grid("tiny-qwen2", CF_MODE_CENTRIFUGE, 2, 504);
+    run_grid("tiny-qwen2", CF_MODE_REGULAR, 2, 505);
 }
 
 static const tp_case CASES[] = {

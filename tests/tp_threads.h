@@ -199,6 +199,33 @@ static inline int dpt_weights_updated(void *ctx) {
     return 0;
 }
 
+/* Tied embeddings: every rank's rows are added, in rank then row order, to
+ * the table rows this rank's reduced slice holds (zero.c's
+ * hook_embedding_rows, with the all-gather done by shared pointers). */
+typedef struct { const void *dout; const int *tokens; int n; } dpt_rows;
+static inline int dpt_embedding_rows(void *ctx, const void *dout, const int *tokens, int n, int cap, int vbase) {
+    dpt_rank *r = ctx;
+    dpt_group *g = r->g;
+    cf_model *m = r->m;
+    (void)cap;
+    dpt_rows mine = {dout, tokens, n};
+    g->ptr[r->rank] = &mine;
+    pthread_barrier_wait(&g->bar);
+    int te = -1;
+    for (int t = 0; t < r->plan.num_tensors; t++)
+        if (r->tensor_of[t] == m->p_embed) te = t;
+    int64_t r0 = 0, r1 = 0;
+    if (te >= 0) cf_zero_plan_rows(&r->plan, r->rank, te, m->cfg.hidden_size, &r0, &r1);
+    float *dembed = cf_grad(m, m->p_embed);
+    for (int k = 0; k < g->size && r1 > r0; k++) {
+        const dpt_rows *o = g->ptr[k];
+        m->b->embedding_bwd(m->b, dembed + (size_t)r0 * m->cfg.hidden_size, o->dout, o->tokens, o->n,
+                            m->cfg.hidden_size, vbase + (int)r0, (int)(r1 - r0));
+    }
+    pthread_barrier_wait(&g->bar);
+    return te >= 0 ? 0 : -1;
+}
+
 /* Installs the hooks on an opened model (its layout from dpt_layout). */
 static inline void dpt_install(dpt_rank *r, cf_model *m) {
     r->m = m;
@@ -210,6 +237,7 @@ static inline void dpt_install(dpt_rank *r, cf_model *m) {
     s->finish = dpt_finish;
     s->sum_scalars = dpt_sum_scalars;
     s->weights_updated = dpt_weights_updated;
+    s->embedding_rows = m->cfg.tie_word_embeddings ? dpt_embedding_rows : NULL;
 }
 
 #endif

@@ -126,6 +126,18 @@ void cf_zero_plan_slice(const cf_zero_plan *p, int rank, int bucket, int64_t *fl
     *len = k->shard_len;
 }
 
+void cf_zero_plan_rows(const cf_zero_plan *p, int rank, int tensor, int64_t row_len, int64_t *r0, int64_t *r1) {
+    *r0 = *r1 = 0;
+    if (tensor < 0 || tensor >= p->num_tensors || row_len <= 0 || rank < 0 || rank >= p->world) return;
+    int64_t lo, local, len;
+    cf_zero_plan_slice(p, rank, p->bucket[tensor], &lo, &local, &len);
+    const int64_t t0 = p->offset[tensor], t1 = t0 + p->numel[tensor];
+    int64_t a = lo > t0 ? lo : t0, z = lo + len < t1 ? lo + len : t1;
+    if (a >= z) return;
+    *r0 = (a - t0) / row_len;
+    *r1 = (z - t0 + row_len - 1) / row_len;
+}
+
 /* Counts the segments of rank r, filling seg[] when it is not NULL. */
 static int64_t walk_segments(const cf_zero_plan *p, int rank, cf_zero_segment *seg) {
     int64_t count = 0;

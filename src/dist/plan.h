@@ -87,6 +87,11 @@ uint64_t cf_zero_plan_hash(const int64_t *numel, const int *key, int n, int worl
 void cf_zero_plan_slice(const cf_zero_plan *p, int rank, int bucket, int64_t *flat_start, int64_t *local_start,
                         int64_t *len);
 
+/* Tensor t seen as rows of row_len elements: the rows [*r0, *r1) that hold
+ * any element of rank r's slice (*r0 == *r1: none). Whole rows, so the first
+ * and last may reach into the neighbours' slices. */
+void cf_zero_plan_rows(const cf_zero_plan *p, int rank, int tensor, int64_t row_len, int64_t *r0, int64_t *r1);
+
 /* The segments of rank r's local shard, in local order: its slices intersected
  * with the tensors. They cover every non-padding element of the shard exactly
  * once and no padding. *out is malloc'ed (free it); *count may be 0. */

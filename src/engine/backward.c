@@ -252,6 +252,16 @@ static int backward_impl(cf_model *m, cf_mode mode, const cf_kept *kept, float t
     OP(CF_PROF_LMHEAD, b->lmhead_loss_bwd(b, m->d_ln, cf_grad(m, m->p_lm_head), SAVED(m, m->s_lnf),
                        cf_weight(m, m->p_lm_head), SAVED(m, m->s_targets), m->dloss,
                        tp ? SAVED(m, m->s_lse) : NULL, n, C, vn, v0));
+    /* Tied embeddings under data parallelism: the shared gradient is final
+     * now but for the embedding rows of this micro-batch, which the hook
+     * adds after the reduction; reducing it here, not after the embedding
+     * backward at the very end, overlaps its (largest) bucket with the
+     * whole backward (cf_grad_sync.embedding_rows). */
+    const cf_grad_sync *gs = &m->opt.sync;
+    float *dembed = cf_grad(m, m->p_embed);
+    const int defer_embed = dembed && m->p_embed == m->p_lm_head && gs->embedding_rows && gs->bucket_ready &&
+                            m->opt.last_micro;
+    if (defer_embed && bucket_ready(m, m->params[m->p_embed].layer) != 0) return -1;
     if (tp && cf_tp_allreduce(m, m->d_ln, (size_t)n * C, CF_TP_ACT, CF_TP_BWD) != 0) return -1;
     OP(CF_PROF_NORM, b->rmsnorm_bwd(b, m->d_resid, cf_grad(m, m->p_norm), m->d_ln, SAVED(m, m->resid[L]),
                    cf_weight(m, m->p_norm), SAVED(m, m->s_rstdf), n, C, 0));
@@ -323,9 +333,12 @@ static int backward_impl(cf_model *m, cf_mode mode, const cf_kept *kept, float t
                        cf_weight(m, p->ln1), SAVED(m, a->rstd1), n, C, 1));
         if (bucket_ready(m, l) != 0) return -1;
     }
-    float *dembed = cf_grad(m, m->p_embed);
-    if (dembed) OP(CF_PROF_ELTWISE, b->embedding_bwd(b, dembed, m->d_resid, SAVED(m, m->s_tokens), n, C, v0, vn));
-    if (bucket_ready(m, -1) != 0) return -1;
+    if (defer_embed) {
+        if (gs->embedding_rows(gs->ctx, m->d_resid, SAVED(m, m->s_tokens), n, m->cap_T, v0) != 0) return -1;
+    } else {
+        if (dembed) OP(CF_PROF_ELTWISE, b->embedding_bwd(b, dembed, m->d_resid, SAVED(m, m->s_tokens), n, C, v0, vn));
+        if (bucket_ready(m, -1) != 0) return -1;
+    }
     cf_stage_end(m, CF_STAGE_BACKWARD);
     return b->check(b);
 #undef KSAVED
