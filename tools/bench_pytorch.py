@@ -26,6 +26,10 @@ same schema as `centrifuge bench --json` (plus "engine": "pytorch"), so
 tools/plot_bench.py reads both; --centrifuge-json prints centrifuge/pytorch
 tokens/s ratios.
 
+LoRA (--lora-rank R --lora-alpha A --lora-targets q,k,v,o): PEFT adapters on
+the frozen bf16 base, as `centrifuge bench --lora-rank`; only the adapters are
+in the optimizer (MFU still counts the FLOPs of full fine-tuning, as there).
+
 Attention mode (--sdpa-attention): times torch's scaled_dot_product_attention
 (causal) forward and backward alone at B=1 and the given H, Hkv, S, D, and
 prints TFLOP/s with FLOPs(fwd) = 4*B*H*S^2*D / 2 (causal), FLOPs(bwd) = 2.5 x fwd.
@@ -128,6 +132,34 @@ def build_model(cfgd, dtype, device, torch):
     return model, cfg
 
 
+LORA_MODULES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj",
+                "up": "up_proj", "down": "down_proj"}
+
+
+def lora_wrap(model, args):
+    """PEFT LoRA adapters as `centrifuge bench --lora-rank` trains them: rank
+    r, alpha, the listed modules (centrifuge's short names, PEFT's *_proj
+    names or "all"), no dropout, no bias; the base frozen. PEFT's defaults
+    otherwise (adapter weights in fp32 over a bf16 base: autocast_adapter_dtype)."""
+    from peft import LoraConfig, get_peft_model
+    names = []
+    for t in args.lora_targets.split(","):
+        t = t.strip()
+        if t == "all":
+            names += list(LORA_MODULES.values())
+        elif t in LORA_MODULES:
+            names.append(LORA_MODULES[t])
+        elif t in LORA_MODULES.values():
+            names.append(t)
+        else:
+            raise SystemExit("bench_pytorch: --lora-targets: unknown module '%s' (%s, all)"
+                             % (t, ",".join(LORA_MODULES)))
+    alpha = args.lora_alpha if args.lora_alpha is not None else args.lora_rank
+    cfg = LoraConfig(r=args.lora_rank, lora_alpha=alpha, target_modules=sorted(set(names)), lora_dropout=0.0,
+                     bias="none", task_type="CAUSAL_LM")
+    return get_peft_model(model, cfg)
+
+
 class Timer:
     """CUDA events on a GPU, perf_counter (after a sync) elsewhere."""
 
@@ -158,23 +190,24 @@ def bench_training(args, torch):
     cfgd = config_dict(args.config)
     model, cfg = build_model(cfgd, torch.float32 if amp else dtype, args.device, torch)
     nparams = sum(p.numel() for p in model.parameters())
+    n_flops = nonembed_params(model, cfg)  # with LoRA still the FLOPs of full fine-tuning, as centrifuge bench
+    if args.lora_rank:
+        model = lora_wrap(model, args)
+    params = [p for p in model.parameters() if p.requires_grad]
     V = cfg.vocab_size
     try:
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
-                                weight_decay=0.1, fused=True)
+        opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
         fused = True
     except (RuntimeError, TypeError, ValueError) as e:
         if cuda:
             raise
         print("bench_pytorch: fused AdamW unavailable on %s (%s); using foreach" % (args.device, e))
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
-                                weight_decay=0.1, foreach=True)
+        opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=True)
         fused = False
     timer = Timer(torch, cuda)
     gen = torch.Generator(device="cpu").manual_seed(args.seed)
     rows = []
     A = args.grad_accum
-    n_flops = nonembed_params(model, cfg)
     peak_tflops = args.peak_tflops if args.peak_tflops is not None else (989.0 if cuda else 0.0)
     print("bench_pytorch: %s (%s), %.1fM params, %s, %s, sdpa attention, %s AdamW, grad clip %s, batch %d, "
           "median of %d steps after %d warm-up | torch %s, transformers %s" % (
@@ -182,6 +215,11 @@ def bench_training(args, torch):
               "fp32 weights + bf16 autocast" if amp else "bf16 weights", "fused" if fused else "foreach",
               args.grad_clip or "off", args.batch, args.steps, args.warmup, torch.__version__,
               __import__("transformers").__version__))
+    if args.lora_rank:
+        print("       PEFT %s LoRA: rank %d, alpha %g, targets %s; %.1fM trainable parameters, the base frozen" % (
+            __import__("peft").__version__, args.lora_rank,
+            args.lora_alpha if args.lora_alpha is not None else args.lora_rank, args.lora_targets,
+            sum(p.numel() for p in params) / 1e6))
     if A > 1:
         print("       grad-accum %d: a step is %d micro-batches of %d sequences and one optimizer update; "
               "fwd and bwd summed over them" % (A, A, args.batch))
@@ -234,7 +272,7 @@ def bench_training(args, torch):
                         marks.append((t0, t1, t2))
                         del logits, per_tok, loss
                     if args.grad_clip > 0:
-                        torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip, foreach=True)
+                        torch.nn.utils.clip_grad_norm_(params, args.grad_clip, foreach=True)
                     opt.step()
                     opt.zero_grad(set_to_none=True)
                     t3 = timer.mark()
@@ -269,6 +307,7 @@ def bench_training(args, torch):
                     "grad_accum": A, "tokens_per_step": TS, "flops_per_token": fpt,
                     "model_tflops": model_tflops, "peak_tflops": peak_tflops, "mfu": mfu,
                     "mfu_kind": "dense" if mode == "regular" else "dense-equivalent",
+                    "lora_rank": args.lora_rank or 0, "lora_targets": args.lora_targets if args.lora_rank else None,
                 })
     return rows
 
@@ -531,6 +570,11 @@ def main(argv=None):
                     help="peak TFLOP/s for MFU (default 989 on a GPU: H100/H200 dense bf16; on the CPU MFU only "
                          "with this flag; 0: no MFU). FLOPs per token 6N + 6*L*S*H for every token of the step: "
                          "dense-equivalent MFU for loss-only")
+    ap.add_argument("--lora-rank", type=int, default=0, help="PEFT LoRA adapters of this rank, base frozen "
+                    "(needs peft; default 0: full fine-tuning)")
+    ap.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default: the rank)")
+    ap.add_argument("--lora-targets", default="q,k,v,o", help="LoRA modules: q,k,v,o,gate,up,down or all "
+                    "(default q,k,v,o)")
     ap.add_argument("--json", help="write JSON lines here (centrifuge bench schema + engine, peak_mem_bytes)")
     ap.add_argument("--centrifuge-json", help="JSON lines of `centrifuge bench --json`: print tokens/s ratios")
     g = ap.add_argument_group("attention only (--sdpa-attention)")
@@ -592,6 +636,9 @@ def main(argv=None):
         print("bench_pytorch: note: running on %s: a smoke test, not a baseline" % args.device)
     torch.manual_seed(args.seed)
 
+    if args.lora_rank and (args.ddp or args.sdpa_attention):
+        raise SystemExit("bench_pytorch: --lora-rank is for the one-GPU training step (not with --ddp or "
+                         "--sdpa-attention)")
     rows = (bench_attention(args, torch) if args.sdpa_attention else bench_ddp(args, torch) if args.ddp
             else bench_training(args, torch))
     if args.json:

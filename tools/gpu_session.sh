@@ -43,9 +43,18 @@ for part in "$@"; do
         nvidia-smi --query-gpu=memory.used --format=csv,noheader | head -2
       done ;;
     lora-bench)
-      # paper Table 2's LoRA row: Llama3.2-3B, rank 64 on q,k,v,o, keep 0.5
-      "$CF" bench --device cuda --config llama3.2-3b --seq 2048 --modes regular,loss-only,centrifuge --keep 0.5 \
-        --lora-rank 64 --lora-alpha 128 --lora-targets q,k,v,o --steps 10 --warmup 2 --json "$OUT/bench_lora3b_2048.jsonl" 2>&1 | tee "$OUT/bench_lora3b_2048.txt" ;;
+      # paper Table 2's LoRA row: Llama3.2-3B, rank 64 on q,k,v,o, keep 0.5, then all seven targets;
+      # PyTorch + transformers + PEFT on the same shapes after each (peft from a carried wheel
+      # in .gpucarry-whl/ where the machine has none: pip download peft --no-deps -d .gpucarry-whl)
+      python3 -c 'import peft' 2>/dev/null || pip install -q --no-index --no-deps .gpucarry-whl/peft-*.whl 2>&1 | tail -1
+      for tg in q,k,v,o all; do
+        j="$OUT/bench_lora3b_2048_$(echo $tg | tr -d ,)"
+        "$CF" bench --device cuda --config llama3.2-3b --seq 2048 --modes regular,loss-only,centrifuge --keep 0.5 \
+          --lora-rank 64 --lora-alpha 128 --lora-targets $tg --steps 10 --warmup 2 --json "$j.jsonl" 2>&1 | tee "$j.txt"
+        python3 tools/bench_pytorch.py --config llama3.2-3b --seq 2048 --lora-rank 64 --lora-alpha 128 --lora-targets $tg \
+          --modes regular,loss-only --keep 0.5 --steps 10 --warmup 2 --json "${j}_pt.jsonl" --centrifuge-json "$j.jsonl" 2>&1 \
+          | tee "${j}_pt.txt" | grep -v -i warn | tail -9
+      done ;;
     kv-bench)
       # issue 18: what centrifuge-kv costs against centrifuge (TinyLlama @4096)
       "$CF" bench --device cuda --config tinyllama-1.1b --seq 4096 --modes regular,centrifuge,centrifuge-kv --keep 0.5 \
