@@ -370,16 +370,18 @@ static void run_grid(const char *name, cf_mode mode, int accum, uint64_t seed) {
 
 /* The 2-D layout of --tp 2 on four ranks: each DP group's ZeRO-1 shards of
  * each TP slice, trained on its micro-batches per DP rank, equal the one
- * process trained on all micro-batches of each step. tiny-qwen2 ties its
- * embeddings: its shared gradient is reduced right after the LM head and
- * the embedding rows of the last micro-batch are added to the reduced
- * slices afterwards (cf_grad_sync.embedding_rows), also after accumulation. */
+ * process trained on all micro-batches of each step. The embedding's
+ * gradient (tiny-qwen2: tied, shared with the LM head) is reduced right
+ * after the LM head and the embedding rows of the last micro-batch are
+ * added to the reduced slices afterwards (cf_grad_sync.embedding_rows),
+ * also after accumulation. */
 TEST(tp2_by_dp2_grid_with_zero1_equals_one_process_on_the_global_batch) {
     run_grid("tiny-qwen3", CF_MODE_CENTRIFUGE, 1, 501);
     run_grid("tiny-llama", CF_MODE_REGULAR, 1, 502);
     run_grid("tiny-qwen2", CF_MODE_CENTRIFUGE_KV, 1, 503);
     run_grid("tiny-qwen2", CF_MODE_CENTRIFUGE, 2, 504);
     run_grid("tiny-qwen2", CF_MODE_REGULAR, 2, 505);
+    run_grid("tiny-llama", CF_MODE_CENTRIFUGE, 2, 506);   /* untied */
 }
 
 static const tp_case CASES[] = {

@@ -199,7 +199,7 @@ static inline int dpt_weights_updated(void *ctx) {
     return 0;
 }
 
-/* Tied embeddings: every rank's rows are added, in rank then row order, to
+/* The embedding: every rank's rows are added, in rank then row order, to
  * the table rows this rank's reduced slice holds (zero.c's
  * hook_embedding_rows, with the all-gather done by shared pointers). */
 typedef struct { const void *dout; const int *tokens; int n; } dpt_rows;
@@ -237,7 +237,7 @@ static inline void dpt_install(dpt_rank *r, cf_model *m) {
     s->finish = dpt_finish;
     s->sum_scalars = dpt_sum_scalars;
     s->weights_updated = dpt_weights_updated;
-    s->embedding_rows = m->cfg.tie_word_embeddings ? dpt_embedding_rows : NULL;
+    s->embedding_rows = dpt_embedding_rows;
 }
 
 #endif

@@ -252,15 +252,14 @@ static int backward_impl(cf_model *m, cf_mode mode, const cf_kept *kept, float t
     OP(CF_PROF_LMHEAD, b->lmhead_loss_bwd(b, m->d_ln, cf_grad(m, m->p_lm_head), SAVED(m, m->s_lnf),
                        cf_weight(m, m->p_lm_head), SAVED(m, m->s_targets), m->dloss,
                        tp ? SAVED(m, m->s_lse) : NULL, n, C, vn, v0));
-    /* Tied embeddings under data parallelism: the shared gradient is final
-     * now but for the embedding rows of this micro-batch, which the hook
-     * adds after the reduction; reducing it here, not after the embedding
-     * backward at the very end, overlaps its (largest) bucket with the
-     * whole backward (cf_grad_sync.embedding_rows). */
+    /* Data parallel: the embedding's gradient (tied: shared with the LM
+     * head, now final) lacks only this micro-batch's embedding rows, which
+     * the hook adds after the reduction; reducing it here, not after the
+     * embedding backward at the very end, overlaps its bucket (the largest
+     * one) with the whole backward (cf_grad_sync.embedding_rows). */
     const cf_grad_sync *gs = &m->opt.sync;
     float *dembed = cf_grad(m, m->p_embed);
-    const int defer_embed = dembed && m->p_embed == m->p_lm_head && gs->embedding_rows && gs->bucket_ready &&
-                            m->opt.last_micro;
+    const int defer_embed = dembed && gs->embedding_rows && gs->bucket_ready && m->opt.last_micro;
     if (defer_embed && bucket_ready(m, m->params[m->p_embed].layer) != 0) return -1;
     if (tp && cf_tp_allreduce(m, m->d_ln, (size_t)n * C, CF_TP_ACT, CF_TP_BWD) != 0) return -1;
     OP(CF_PROF_NORM, b->rmsnorm_bwd(b, m->d_resid, cf_grad(m, m->p_norm), m->d_ln, SAVED(m, m->resid[L]),

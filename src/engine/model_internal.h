@@ -99,14 +99,14 @@ typedef struct {
     int (*sum_scalars)(void *ctx, cf_scalars *dev);
     /* The local shard of the compute weights was updated: share it. */
     int (*weights_updated)(void *ctx);
-    /* Optional; tied embeddings only. The shared embedding / LM-head
-     * gradient is then final after the LM head's backward except for the
-     * embedding's scatter-add of this micro-batch, so on the last
-     * micro-batch its bucket (key -1) is handed over right after the LM head
-     * (its reduction overlaps the whole backward) and this hook replaces the
-     * scatter-add: every rank's rows (dout [n, C] act, tokens [n], n <= cap
-     * rows, token ids global, the local table starting at vocabulary row
-     * vbase) are added to the reduced slices of their owners. */
+    /* Optional. On the last micro-batch the embedding's gradient (tied:
+     * the shared embedding / LM-head one) is final after the LM head's
+     * backward except for the embedding's scatter-add of this micro-batch,
+     * so its bucket (key -1, the embedding alone) is handed over right then
+     * (its reduction overlaps the whole backward) and this hook replaces
+     * the scatter-add: every rank's rows (dout [n, C] act, tokens [n],
+     * n <= cap rows, token ids global, the local table starting at
+     * vocabulary row vbase) are added to the reduced slices of their owners. */
     int (*embedding_rows)(void *ctx, const void *dout, const int *tokens, int n, int cap, int vbase);
 } cf_grad_sync;
 
