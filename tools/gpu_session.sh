@@ -4,7 +4,7 @@
 # .gpucarry/ by tools/gpu_carry.sh, then tests and benchmarks.
 # Usage on the GPU machine: tools/gpu_session.sh PART...  (logs under $OUT)
 #   parts: tests sanitize bench-main bench-old bench-sweeps bench-3b pytorch
-#          parity dp-check dp-bench tp-check tp-bench rows-x4 rows-x8 bench-accum
+#          parity peft-parity dp-check dp-bench tp-check tp-bench rows-x4 rows-x8 bench-accum
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G=$PWD/.gpucarry
@@ -116,6 +116,10 @@ for part in "$@"; do
         --steps 60 --batch 8 --seq 512 --lr 1e-3 --log "$OUT/train_smoke.jsonl" 2>&1 | tee "$OUT/train_smoke.txt" | awk 'NR<=2 || NR%20==0' ;;
     cpubench)
       OMP_NUM_THREADS=2 "$G/centrifuge" bench --config cpu-20m --seq 512 --modes regular,loss-only,centrifuge --keep 0.8,0.6,0.5,0.4,0.2 --steps 5 --warmup 1 --json "$OUT/cpu_bench_keep.jsonl" 2>&1 | tee "$OUT/cpu_bench_keep.txt" ;;
+    peft-parity)
+      # issue 15: PEFT loads centrifuge-cuda's adapters (and the reverse) with per-token losses within bf16 tolerance
+      python3 -c 'import peft' 2>/dev/null || pip install -q --no-index --no-deps .gpucarry-whl/peft-*.whl 2>&1 | tail -1
+      python3 tools/peft_parity.py --bin "$CF" --device cuda --tol 5e-2 2>&1 | grep -v -i warn | tee "$OUT/peft_parity.txt" | tail -20 ;;
     parity)
       python3 tools/hf_parity.py --bin .gpucarry/centrifuge 2>&1 | tee "$OUT/hf_parity.txt" | tail -20 ;;
   esac
