@@ -4,7 +4,7 @@
 # loss-only and centrifuge (keep 0.5), for each model below; tokens/s is the
 # median over the steps after two warm-up steps, from train --log.
 #   tools/dp_bench.sh ./centrifuge-cuda OUTDIR [MODELS]
-# MODELS: "config:seq ..." (default "tinyllama-1.1b:4096 qwen2.5-1.5b:2048")
+# MODELS: "config:seq ..." (default "tinyllama-1.1b:4096 qwen2.5-1.5b:2048"); env MODES, STEPS
 set -u
 BIN=$(readlink -f "$1"); OUT=$2; mkdir -p "$OUT"
 MODELS=${3:-"tinyllama-1.1b:4096 qwen2.5-1.5b:2048"}
@@ -12,7 +12,7 @@ STEPS=${STEPS:-8}
 printf "%-16s %5s %-11s %4s %12s %10s %10s %10s %10s\n" model seq mode DP "tokens/s" "step ms" "fwd ms" "bwd ms" "opt ms" | tee "$OUT/table.txt"
 for ms in $MODELS; do
   cfg=${ms%%:*}; seq=${ms##*:}
-  for mode in regular loss-only centrifuge; do
+  for mode in ${MODES:-regular loss-only centrifuge}; do
     for dp in 1 2; do
       log="$OUT/${cfg}_${seq}_${mode}_dp$dp.jsonl"
       args="train --device cuda --config $cfg --seq $seq --batch 1 --grad-accum 4 --steps $STEPS --warmup 1 --lr 1e-5 --select self --keep 0.5 --mode $mode --builtin-tokens 4M --quiet --log-file $log"
