@@ -171,7 +171,10 @@ static void tune_plan(cf_cuda_ctx *ctx, cf_gemm_plan *pl, const cublasLtMatmulHe
     if (total > CF_GEMM_TUNE_MAX_BYTES) return;
     char *buf = NULL;
     cudaEvent_t ev[2 * CF_GEMM_CANDIDATES] = {0};
-    bool ok = cudaStreamSynchronize(ctx->stream) == cudaSuccess && cudaMalloc((void **)&buf, total) == cudaSuccess;
+    /* stream-ordered allocation: no device-wide synchronisation (collectives
+     * of other streams in flight are not waited for) */
+    bool ok = cudaMallocAsync((void **)&buf, total, ctx->stream) == cudaSuccess &&
+              cudaStreamSynchronize(ctx->stream) == cudaSuccess;
     for (int i = 0; ok && i < 2 * nres; i++) ok = cudaEventCreate(&ev[i]) == cudaSuccess;
     float ms[CF_GEMM_CANDIDATES][CF_GEMM_TUNE_ROUNDS];
     bool same[CF_GEMM_CANDIDATES] = {true};
@@ -243,7 +246,7 @@ static void tune_plan(cf_cuda_ctx *ctx, cf_gemm_plan *pl, const cublasLtMatmulHe
     }
     for (int i = 0; i < 2 * nres; i++)
         if (ev[i]) cudaEventDestroy(ev[i]);
-    if (buf) cudaFree(buf);
+    if (buf) cudaFreeAsync(buf, ctx->stream);
     cudaGetLastError();
     pl->algo = heur[best].algo;
     pl->choice = best;
