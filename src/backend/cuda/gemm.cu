@@ -107,7 +107,7 @@ static int align_of(const void *p) {
     return al;
 }
 
-#define CF_GEMM_CANDIDATES 8
+#define CF_GEMM_CANDIDATES 16
 #define CF_GEMM_TUNE_MAX_BYTES ((size_t)640 << 20)
 #define CF_GEMM_TUNE_ROUNDS 5
 #define CF_GEMM_TUNE_LAUNCHES 3
