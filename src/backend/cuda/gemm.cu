@@ -85,8 +85,10 @@ void cf_cuda_colsum(cf_cuda_ctx *ctx, float *out, const bf16 *dout, const bf16 *
  * Algorithm choice (issue 17: the backward's GEMMs at M = kept rows). The
  * heuristic's first algorithm is the reference. Its next CF_GEMM_CANDIDATES-1
  * results are candidates only if they compute the same function bit for bit:
- * each runs once on random inputs in scratch buffers (never on live data),
- * and its output is compared with the reference's bitwise. Among the
+ * each runs once on random inputs in scratch buffers (never on live data;
+ * with beta != 0 the output starts with the same random C for both, since
+ * kernels differ in how they round the product plus C), and its output is
+ * compared with the reference's bitwise. Among the
  * candidates that match, the fastest by timing (interleaved rounds of
  * launches, median per candidate) is taken if it beats the first by 3%.
  * Since every algorithm that can be chosen gives the first's bits, the
@@ -196,11 +198,18 @@ static void tune_plan(cf_cuda_ctx *ctx, cf_gemm_plan *pl, const cublasLtMatmulHe
             return cublasLtMatmul(ctx->lt, pl->op, &alpha, A, pl->a, B, pl->b, &beta, D, pl->c, D, pl->d,
                                   &heur[i].algo, ctx->workspace, ctx->workspace_size, s) == CUBLAS_STATUS_SUCCESS;
         };
-        /* the reference, then each candidate against it, bitwise */
-        ok = ok && cudaMemsetAsync(D0, 0, dpad, s) == cudaSuccess && run(0, D0);
+        /* the reference, then each candidate against it, bitwise. D starts
+         * random: with beta != 0 the same values in both (C is read, so the
+         * epilogue's arithmetic is compared too: two kernels may add C to
+         * the product with different roundings), with beta 0 different ones
+         * (so an element a candidate leaves unwritten shows). */
+        const uint32_t seed0 = 0x27d4eb2fu, seed1 = beta != 0.f ? seed0 : 0x165667b1u;
+        tune_fill_kernel<<<256, 256, 0, s>>>((uint16_t *)D0, dpad / 2, seed0);
+        ok = ok && cudaGetLastError() == cudaSuccess && run(0, D0);
         for (int i = 1; ok && i < nres; i++) {
             unsigned h = 1;
-            same[i] = cudaMemsetAsync(D1, 0, dpad, s) == cudaSuccess && cudaMemsetAsync(diff, 0, 4, s) == cudaSuccess &&
+            tune_fill_kernel<<<256, 256, 0, s>>>((uint16_t *)D1, dpad / 2, seed1);
+            same[i] = cudaGetLastError() == cudaSuccess && cudaMemsetAsync(diff, 0, 4, s) == cudaSuccess &&
                       run(i, D1);
             if (same[i]) {
                 tune_diff_kernel<<<256, 256, 0, s>>>(diff, (const uint16_t *)D0, (const uint16_t *)D1, dpad / 2);
