@@ -224,6 +224,15 @@ TEST(matmul_bwd_accumulate_adds_to_dinp_and_null_dinp_dbias_are_skipped) {
     memset(dwb, 0, N * K * sizeof(float));
     be->matmul_bwd(be, NULL, dwb, NULL, dout, inp, w, T, K, N, 0);
     CHECK(memcmp(dwa, dwb, N * K * sizeof(float)) == 0);
+    /* CF_MM_DW_SET: dw is written without being read (NaN before), the same
+     * bits as accumulating onto zeros; flags combine with CF_MM_ACC_DINP */
+    for (int i = 0; i < N * K; i++) dwb[i] = NAN;
+    memcpy(d2, base, T * K * sizeof(float));
+    be->matmul_bwd(be, d2, dwb, NULL, dout, inp, w, T, K, N, CF_MM_DW_SET | CF_MM_ACC_DINP);
+    CHECK(memcmp(dwa, dwb, N * K * sizeof(float)) == 0);
+    err = 0;
+    for (int i = 0; i < T * K; i++) err = fmax(err, fabs(d2[i] - (base[i] + d1[i])));
+    CHECK_MSG(err < 1e-5, "accumulate with DW_SET err %g", err);
     free(inp); free(w); free(dout); free(d1); free(d2); free(base); free(dwa); free(dwb);
 }
 
@@ -401,7 +410,7 @@ TEST(swiglu_fwd_and_bwd_match_reference_and_finite_differences) {
     fill_normal(R, n, &r, 1);
     be->swiglu_fwd(be, h, g, u, n);
     for (int i = 0; i < n; i++) CHECK_CLOSE(h[i], silu_d(g[i]) * u[i], FWD_TOL);
-    be->swiglu_bwd_rows(be, h2, dg, du, R, g, u, NULL, 1, n);   /* one row of n columns */
+    be->swiglu_bwd_rows(be, h2, dg, du, R, g, u, NULL, 1, n, n);   /* one row of n columns */
     swi_ctx c = {n, to_double(g, n), to_double(u, n), to_double(R, n)};
     double gg[n], gu[n];
     fd_grad(gg, c.g, n, swi_loss, &c);
@@ -525,7 +534,7 @@ TEST(lmhead_loss_fwd_and_bwd_are_stable_for_large_logits) {
     CHECK(finite);
     CHECK(zmax > 200); /* the logits are large indeed */
     CHECK_MSG(worst < 1e-6, "loss error / max|logit| = %g", worst);
-    be->lmhead_loss_bwd(be, dx, dW, x, W, tg, dl, NULL, LM_T, LM_C, LM_V, 0);
+    be->lmhead_loss_bwd(be, dx, dW, x, W, tg, dl, NULL, LM_T, LM_C, LM_V, 0, 0);
     finite = 1;
     for (int i = 0; i < LM_T * LM_C; i++) finite &= isfinite(dx[i]);
     for (int i = 0; i < LM_V * LM_C; i++) finite &= isfinite(dW[i]);
@@ -548,7 +557,7 @@ TEST(lmhead_loss_bwd_matches_finite_differences) {
     CHECK(nonzero > 256); /* the gathered nonzero rows span two chunks */
     fill_normal(dW0, LM_V * LM_C, &r, 1);
     memcpy(dW, dW0, LM_V * LM_C * sizeof(float));
-    be->lmhead_loss_bwd(be, dx, dW, x, W, tg, dl, NULL, LM_T, LM_C, LM_V, 0);
+    be->lmhead_loss_bwd(be, dx, dW, x, W, tg, dl, NULL, LM_T, LM_C, LM_V, 0, 0);
     for (int i = 0; i < LM_V * LM_C; i++) dW[i] -= dW0[i];
 
     lm_ctx c = {LM_T, LM_C, LM_V, tg, to_double(x, LM_T * LM_C), to_double(W, LM_V * LM_C),
@@ -590,7 +599,7 @@ TEST(vocab_parallel_slices_reproduce_whole_vocabulary_loss_and_gradients) {
     lm_inputs(&r, x, W, tg, 1);
     for (int t = 0; t < LM_T; t++) dl[t] = t % 5 == 2 ? 0.0f : cf_rng_normal(&r);
     be->lmhead_loss_fwd(be, loss, x, W, tg, LM_T, LM_C, LM_V);
-    be->lmhead_loss_bwd(be, dx, dW, x, W, tg, dl, NULL, LM_T, LM_C, LM_V, 0);
+    be->lmhead_loss_bwd(be, dx, dW, x, W, tg, dl, NULL, LM_T, LM_C, LM_V, 0, 0);
     for (int p = 0; p < P; p++) {
         int v0 = p * Vp, vl = CF_MIN(Vp, LM_V - v0);
         be->lmhead_stats_fwd(be, parts + (size_t)p * LM_T * 3, x, W + (size_t)v0 * LM_C, tg, LM_T, LM_C, vl, v0);
@@ -602,7 +611,7 @@ TEST(vocab_parallel_slices_reproduce_whole_vocabulary_loss_and_gradients) {
     for (int p = 0; p < P; p++) {
         int v0 = p * Vp, vl = CF_MIN(Vp, LM_V - v0);
         be->lmhead_loss_bwd(be, pdx, pdW + (size_t)v0 * LM_C, x, W + (size_t)v0 * LM_C, tg, dl, lse, LM_T, LM_C, vl,
-                            v0);
+                            v0, 0);
         for (int i = 0; i < LM_T * LM_C; i++) sdx[i] += pdx[i];
     }
     CHECK_MSG(rel_err(sdx, dx, LM_T * LM_C) < 1e-5, "dx %g", rel_err(sdx, dx, LM_T * LM_C));
@@ -633,13 +642,13 @@ TEST(lmhead_loss_bwd_zero_dloss_rows_give_zero_dx_and_no_dwlm) {
     /* all zero: dx is overwritten with zeros, dwlm untouched */
     memcpy(dW, dW0, LM_V * LM_C * sizeof(float));
     for (int i = 0; i < LM_T * LM_C; i++) dx[i] = 5.0f;
-    be->lmhead_loss_bwd(be, dx, dW, x, W, tg, dl, NULL, LM_T, LM_C, LM_V, 0);
+    be->lmhead_loss_bwd(be, dx, dW, x, W, tg, dl, NULL, LM_T, LM_C, LM_V, 0, 0);
     CHECK(max_abs(dx, LM_T * LM_C) == 0.0);
     CHECK(memcmp(dW, dW0, LM_V * LM_C * sizeof(float)) == 0);
     /* some zero: exactly those dx rows are zero, the others are not */
     for (int t = 0; t < LM_T; t++) dl[t] = (t % 3 == 1) ? 0.0f : 1.0f / LM_T;
     for (int i = 0; i < LM_T * LM_C; i++) dx[i] = 5.0f;
-    be->lmhead_loss_bwd(be, dx, dW, x, W, tg, dl, NULL, LM_T, LM_C, LM_V, 0);
+    be->lmhead_loss_bwd(be, dx, dW, x, W, tg, dl, NULL, LM_T, LM_C, LM_V, 0, 0);
     int ok = 1;
     for (int t = 0; t < LM_T; t++) {
         double m = max_abs(dx + t * LM_C, LM_C);
@@ -647,6 +656,31 @@ TEST(lmhead_loss_bwd_zero_dloss_rows_give_zero_dx_and_no_dwlm) {
     }
     CHECK(ok);
     free(x); free(W); free(dl); free(dx); free(dW); free(dW0);
+}
+
+/* CF_MM_DW_SET over several row chunks (the CPU backend's chunk is at most
+ * 256 rows): the first chunk writes dwlm, the next ones add; the same bits
+ * as accumulating onto zeros, whatever dwlm held before. */
+TEST(lmhead_loss_bwd_dw_set_overwrites_over_several_chunks) {
+    cf_rng r;
+    cf_rng_seed(&r, 605);
+    const int T = 300, C = 8, V = 40;
+    float *x = fnew(T * C), *W = fnew(V * C), *dl = fnew(T), *dx = fnew(T * C), *dx2 = fnew(T * C);
+    float *dWa = fnew(V * C), *dWb = fnew(V * C);
+    int *tg = malloc(T * sizeof(int));
+    fill_normal(x, T * C, &r, 1);
+    fill_normal(W, V * C, &r, 0.3f);
+    for (int t = 0; t < T; t++) {
+        tg[t] = (int)cf_rng_below(&r, V);
+        dl[t] = 1.0f / T;
+    }
+    be->lmhead_loss_bwd(be, dx, dWa, x, W, tg, dl, NULL, T, C, V, 0, 0);
+    for (int i = 0; i < V * C; i++) dWb[i] = NAN;
+    be->lmhead_loss_bwd(be, dx2, dWb, x, W, tg, dl, NULL, T, C, V, 0, CF_MM_DW_SET);
+    CHECK(memcmp(dWa, dWb, V * C * sizeof(float)) == 0);
+    CHECK(memcmp(dx, dx2, T * C * sizeof(float)) == 0);
+    CHECK(max_abs(dWa, V * C) > 0.0);
+    free(x); free(W); free(dl); free(dx); free(dx2); free(dWa); free(dWb); free(tg);
 }
 
 /* -------------------------------------------------------------- attention */
@@ -1504,16 +1538,25 @@ TEST(swiglu_bwd_rows_through_the_index_equals_explicit_gather_and_recomputes_h) 
     be->gather_rows(be, g2, gate, rows, N, F * sizeof(float));
     be->gather_rows(be, u2, up, rows, N, F * sizeof(float));
     be->swiglu_fwd(be, h_ref, g2, u2, N * F);
-    be->swiglu_bwd_rows(be, h_ref, dg_ref, du_ref, dh, g2, u2, NULL, N, F);   /* explicit gather, then no index */
+    be->swiglu_bwd_rows(be, h_ref, dg_ref, du_ref, dh, g2, u2, NULL, N, F, F);   /* explicit gather, then no index */
     be->swiglu_fwd(be, h_ref, g2, u2, N * F);
-    be->swiglu_bwd_rows(be, h, dg, du, dh, gate, up, rows, N, F);
+    be->swiglu_bwd_rows(be, h, dg, du, dh, gate, up, rows, N, F, F);
     CHECK(rel_err(h, h_ref, N * F) < 1e-6);   /* silu(g)*u, rounding may differ in the last bit */
     CHECK(memcmp(dg, dg_ref, sizeof dg) == 0);
     CHECK(memcmp(du, du_ref, sizeof du) == 0);
     /* rows == NULL reads rows 0..n-1 */
-    be->swiglu_bwd_rows(be, h, dg, du, dh, gate, up, NULL, N, F);
+    be->swiglu_bwd_rows(be, h, dg, du, dh, gate, up, NULL, N, F, F);
     be->swiglu_fwd(be, h_ref, gate, up, N * F);
     CHECK(rel_err(h, h_ref, N * F) < 1e-6);
+    /* ld = 2F: dgate and dup as the two halves of one [N, 2F] matrix */
+    float packed[N * 2 * F], h2[N * F];
+    be->swiglu_bwd_rows(be, h, dg, du, dh, gate, up, rows, N, F, F);
+    be->swiglu_bwd_rows(be, h2, packed, packed + F, dh, gate, up, rows, N, F, 2 * F);
+    int same = memcmp(h, h2, sizeof h) == 0;
+    for (int i = 0; i < N; i++)
+        same &= memcmp(packed + i * 2 * F, dg + i * F, F * sizeof(float)) == 0 &&
+                memcmp(packed + i * 2 * F + F, du + i * F, F * sizeof(float)) == 0;
+    CHECK(same);
 }
 
 int main(void) {
@@ -1541,6 +1584,7 @@ int main(void) {
     RUN(lmhead_loss_fwd_and_bwd_are_stable_for_large_logits);
     RUN(lmhead_loss_bwd_matches_finite_differences);
     RUN(lmhead_loss_bwd_zero_dloss_rows_give_zero_dx_and_no_dwlm);
+    RUN(lmhead_loss_bwd_dw_set_overwrites_over_several_chunks);
     RUN(vocab_parallel_slices_reproduce_whole_vocabulary_loss_and_gradients);
     RUN(attention_fwd_matches_naive_reference_causal_gqa_with_and_without_doc_ids);
     RUN(attention_full_bwd_matches_finite_differences_with_and_without_doc_ids);

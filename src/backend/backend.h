@@ -32,6 +32,10 @@
 
 typedef struct cf_backend cf_backend;
 
+/* matmul_bwd and lmhead_loss_bwd flags */
+#define CF_MM_ACC_DINP 1 /* dinp += instead of =                                  */
+#define CF_MM_DW_SET 2   /* dw = instead of +=: the caller knows dw holds zeros   */
+
 /* Attention problem description. Rows are b*S + s. */
 typedef struct {
     int B, S;       /* sequences, positions per sequence             */
@@ -111,10 +115,12 @@ struct cf_backend {
     /* out[T,N] = inp[T,K] W[N,K]^T (+ bias[N]) */
     void (*matmul_fwd)(cf_backend *b, void *out, const void *inp, const void *w,
                        const void *bias, int T, int K, int N);
-    /* dinp[T,K] (=, or += if accumulate) dout W ; dw[N,K] += dout^T inp ;
+    /* dinp[T,K] (=, or += if flags & CF_MM_ACC_DINP) dout W ;
+     * dw[N,K] += dout^T inp (= if flags & CF_MM_DW_SET: the caller knows dw
+     * holds zeros, so it is written without being read) ;
      * dbias[N] += colsum(dout) if dbias != NULL. dinp may be NULL. */
     void (*matmul_bwd)(cf_backend *b, void *dinp, float *dw, float *dbias, const void *dout,
-                       const void *inp, const void *w, int T, int K, int N, int accumulate);
+                       const void *inp, const void *w, int T, int K, int N, int flags);
     /* out = x * rstd * w, rstd[t] = 1/sqrt(mean(x^2)+eps), over rows of C */
     void (*rmsnorm_fwd)(cf_backend *b, void *out, float *rstd, const void *inp, const void *w,
                         int T, int C, float eps);
@@ -134,9 +140,12 @@ struct cf_backend {
      * through the row index (so the filter never copies them): for i < n,
      * r = rows ? rows[i] : i, over F columns:
      *   h[i]     = silu(gate[r]) * up[r]        (the down projection's input, recomputed)
-     *   dgate[i] = dh[i] * up[r] * silu'(gate[r]),  dup[i] = dh[i] * silu(gate[r]) */
+     *   dgate[i] = dh[i] * up[r] * silu'(gate[r]),  dup[i] = dh[i] * silu(gate[r])
+     * h, dh, gate, up have rows of F; dgate and dup rows ld >= F elements
+     * apart (ld = 2F with dup = dgate + F: the [n, 2F] input of the fused
+     * gate/up backward GEMM). */
     void (*swiglu_bwd_rows)(cf_backend *b, void *h, void *dgate, void *dup, const void *dh, const void *gate,
-                            const void *up, const int *rows, int n, int F);
+                            const void *up, const int *rows, int n, int F, int ld);
     /* out = a + c (out may alias a) */
     void (*add)(cf_backend *b, void *out, const void *a, const void *c, size_t n);
     /* x = s * x over n elements (LoRA's scale on its rank-r activations) */
@@ -171,10 +180,11 @@ struct cf_backend {
      * vstart+V) of a larger table and softmax_j = exp(logit_j - lse[t]) with
      * the whole vocabulary's log-sum-exp; the one-hot term applies only when
      * the target is in the slice; dx is this slice's partial sum. lse NULL:
-     * vstart must be 0. */
+     * vstart must be 0. flags & CF_MM_DW_SET: dwlm = instead of += (it holds
+     * zeros). */
     void (*lmhead_loss_bwd)(cf_backend *b, void *dx, float *dwlm, const void *x, const void *wlm,
                             const int *targets, const float *dloss, const float *lse, int T, int C,
-                            int V, int vstart);
+                            int V, int vstart, int flags);
     /* Vocab-parallel forward, first half: for the slice [vstart, vstart+V)
      * held in wlm, stats[t] = {max_j z_tj, sum_j exp(z_tj - max), z_t,target
      * if the target is in the slice else 0} (z = x W^T). */

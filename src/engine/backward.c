@@ -66,6 +66,7 @@ int cf_filter(cf_model *m, const cf_kept *kept) {
 
 void cf_zero_grad(cf_model *m) {
     if (m->opt.grad) m->b->memzero(m->b, m->opt.grad, m->opt.lay.ngrad * sizeof(float));
+    if (m->opt.gzero) memset(m->opt.gzero, 1, (size_t)m->ntensors);
 }
 
 /* Zeroes the rows of x [T, row_elems] whose keep flag is 0 (reference
@@ -197,7 +198,41 @@ static int kv_proj_bwd(cf_model *m, const cf_layer_params *p, const cf_layer_act
     return 0;
 }
 
+static int backward_body(cf_model *m, cf_mode mode, const cf_kept *kept, float token_weight,
+                         const stopgrad *sg);
+
+/* Whether the gate and up projections' backward can run as one GEMM each
+ * for the input and the weight gradient (issue 17): plain linears (no
+ * adapter, no bias, no tensor parallelism), the up weight stored right after
+ * the gate weight, and their gradients likewise (or both frozen). The
+ * parameter table puts them back to back, and so does the one-process
+ * gradient layout; a ZeRO-1 layout may not. CF_FUSE_GATE_UP=0 in the
+ * environment turns it off. */
+static int gate_up_fused(cf_model *m, const cf_layer_params *p) {
+    static int env = -1;
+    if (env < 0) {
+        const char *e = getenv("CF_FUSE_GATE_UP");
+        env = !(e && *e == '0');
+    }
+    if (!env || cf_tp_on(m) || p->gate.la >= 0 || p->up.la >= 0 || p->gate.b >= 0 || p->up.b >= 0) return 0;
+    const cf_param *g = &m->params[p->gate.w], *u = &m->params[p->up.w];
+    if (g->numel != u->numel || g->shape[1] != u->shape[1]) return 0;
+    if ((char *)cf_weight(m, p->up.w) != (char *)cf_weight(m, p->gate.w) + g->numel * m->b->act_size) return 0;
+    float *gg = cf_grad(m, p->gate.w), *gu = cf_grad(m, p->up.w);
+    if (!gg != !gu) return 0;
+    return !gg || gu == gg + g->numel;
+}
+
+/* The backward; afterwards no gradient counts as zero any more (every
+ * trainable tensor may have been written, by whatever op). */
 static int backward_impl(cf_model *m, cf_mode mode, const cf_kept *kept, float token_weight,
+                         const stopgrad *sg) {
+    int rc = backward_body(m, mode, kept, token_weight, sg);
+    if (m->opt.gzero) memset(m->opt.gzero, 0, (size_t)m->ntensors);
+    return rc;
+}
+
+static int backward_body(cf_model *m, cf_mode mode, const cf_kept *kept, float token_weight,
                          const stopgrad *sg) {
     if (m->T == 0) return cf_fail("backward: no forward pass");
     if (!m->opt.grad) return cf_fail("backward: the model has no trainable parameter");
@@ -251,7 +286,7 @@ static int backward_impl(cf_model *m, cf_mode mode, const cf_kept *kept, float t
     const int v0 = tp ? m->tp.vocab_start : 0, vn = tp ? m->tp.vocab_len : c->vocab_size;
     OP(CF_PROF_LMHEAD, b->lmhead_loss_bwd(b, m->d_ln, cf_grad(m, m->p_lm_head), SAVED(m, m->s_lnf),
                        cf_weight(m, m->p_lm_head), SAVED(m, m->s_targets), m->dloss,
-                       tp ? SAVED(m, m->s_lse) : NULL, n, C, vn, v0));
+                       tp ? SAVED(m, m->s_lse) : NULL, n, C, vn, v0, cf_grad_take_zero(m, m->p_lm_head)));
     /* Data parallel: the embedding's gradient (tied: shared with the LM
      * head, now final) lacks only this micro-batch's embedding rows, which
      * the hook adds after the reduction; reducing it here, not after the
@@ -271,22 +306,34 @@ static int backward_impl(cf_model *m, cf_mode mode, const cf_kept *kept, float t
         /* MLP: x' = x_mid + down(silu(gate(ln2)) * up(ln2)) */
         OP(CF_PROF_GEMM, cf_linear_bwd_input(m, &p->down, m->d_h, m->d_resid, n, F, C, 0));
         /* gate and up of the kept rows are read through the row index; the
-         * kernel also recomputes h for the down projection's weight gradient */
-        OP(CF_PROF_ELTWISE, b->swiglu_bwd_rows(b, m->tmp, m->d_gate, m->d_up, m->d_h, SAVED(m, a->gate),
-                                               SAVED(m, a->up), compact ? m->rows : NULL, n, F));
+         * kernel also recomputes h for the down projection's weight gradient.
+         * Fused: dgate | dup as one [n, 2F] matrix for one GEMM each of the
+         * input and weight gradients (gate and up stored back to back);
+         * else two [n, F] matrices. */
+        const int fused = gate_up_fused(m, p);
+        void *d_gate = m->d_gate;
+        void *d_up = (char *)m->d_gate + (fused ? (size_t)F : (size_t)n * F) * b->act_size;
+        OP(CF_PROF_ELTWISE, b->swiglu_bwd_rows(b, m->tmp, d_gate, d_up, m->d_h, SAVED(m, a->gate), SAVED(m, a->up),
+                                               compact ? m->rows : NULL, n, F, fused ? 2 * F : F));
         OP(CF_PROF_GEMM, cf_linear_bwd_weight(m, &p->down, m->d_resid, m->tmp, n, F, C));
-        if (tp) {
+        if (fused) {
+            /* dln2 = [dgate dup] [Wg; Wu],  [dWg; dWu] += [dgate dup]^T ln2 */
+            float *dw = cf_grad(m, p->gate.w);
+            int zero = cf_grad_take_zero(m, p->gate.w) & cf_grad_take_zero(m, p->up.w);
+            OP(CF_PROF_GEMM, b->matmul_bwd(b, m->d_ln, dw, NULL, d_gate, SAVED(m, a->ln2), cf_weight(m, p->gate.w), n,
+                                           C, 2 * F, zero));
+        } else if (tp) {
             /* column-parallel gate/up: their input gradient is a partial sum;
              * its all-reduce runs while the weight gradients are computed */
-            OP(CF_PROF_GEMM, cf_linear_bwd_input(m, &p->gate, m->d_ln, m->d_gate, n, C, F, 0));
-            OP(CF_PROF_GEMM, cf_linear_bwd_input(m, &p->up, m->d_ln, m->d_up, n, C, F, 1));
+            OP(CF_PROF_GEMM, cf_linear_bwd_input(m, &p->gate, m->d_ln, d_gate, n, C, F, 0));
+            OP(CF_PROF_GEMM, cf_linear_bwd_input(m, &p->up, m->d_ln, d_up, n, C, F, 1));
             if (m->tp.allreduce_start(m->tp.ctx, m->d_ln, (size_t)n * C, CF_TP_ACT, CF_TP_BWD) != 0) return -1;
-            OP(CF_PROF_GEMM, cf_linear_bwd_weight(m, &p->gate, m->d_gate, SAVED(m, a->ln2), n, C, F));
-            OP(CF_PROF_GEMM, cf_linear_bwd_weight(m, &p->up, m->d_up, SAVED(m, a->ln2), n, C, F));
+            OP(CF_PROF_GEMM, cf_linear_bwd_weight(m, &p->gate, d_gate, SAVED(m, a->ln2), n, C, F));
+            OP(CF_PROF_GEMM, cf_linear_bwd_weight(m, &p->up, d_up, SAVED(m, a->ln2), n, C, F));
             if (m->tp.wait(m->tp.ctx) != 0) return -1;
         } else {
-            OP(CF_PROF_GEMM, cf_linear_bwd(m, &p->gate, m->d_ln, m->d_gate, SAVED(m, a->ln2), n, C, F, 0));
-            OP(CF_PROF_GEMM, cf_linear_bwd(m, &p->up, m->d_ln, m->d_up, SAVED(m, a->ln2), n, C, F, 1));
+            OP(CF_PROF_GEMM, cf_linear_bwd(m, &p->gate, m->d_ln, d_gate, SAVED(m, a->ln2), n, C, F, 0));
+            OP(CF_PROF_GEMM, cf_linear_bwd(m, &p->up, m->d_ln, d_up, SAVED(m, a->ln2), n, C, F, 1));
         }
         OP(CF_PROF_NORM, b->rmsnorm_bwd(b, m->d_resid, cf_grad(m, p->ln2), m->d_ln, SAVED(m, a->x_mid),
                        cf_weight(m, p->ln2), SAVED(m, a->rstd2), n, C, 1));

@@ -65,10 +65,10 @@ void cf_linear_bwd_input(cf_model *m, const cf_linear *l, void *din, const void 
         b->scale(b, m->lora_du, m->lora_scale, (size_t)T * r);
     }
     if (!din) return;
-    b->matmul_bwd(b, din, NULL, NULL, dout, NULL, cf_weight(m, l->w), T, K, N, accumulate);
+    b->matmul_bwd(b, din, NULL, NULL, dout, NULL, cf_weight(m, l->w), T, K, N, accumulate ? CF_MM_ACC_DINP : 0);
     if (l->la < 0) return;
     if (!m->drop_on) {
-        b->matmul_bwd(b, din, NULL, NULL, m->lora_du, NULL, cf_weight(m, l->la), T, K, m->lora.rank, 1);
+        b->matmul_bwd(b, din, NULL, NULL, m->lora_du, NULL, cf_weight(m, l->la), T, K, m->lora.rank, CF_MM_ACC_DINP);
         return;
     }
     /* dx += (g A) * mask / (1 - P), the forward's mask at the original rows */
@@ -80,17 +80,19 @@ void cf_linear_bwd_input(cf_model *m, const cf_linear *l, void *din, const void 
 void cf_linear_bwd_weight(cf_model *m, const cf_linear *l, const void *dout, const void *in, int T, int K, int N) {
     cf_backend *b = m->b;
     float *dw = cf_grad(m, l->w), *db = cf_grad(m, l->b);
-    if (dw || db) b->matmul_bwd(b, NULL, dw, db, dout, in, cf_weight(m, l->w), T, K, N, 0);
+    if (dw || db) b->matmul_bwd(b, NULL, dw, db, dout, in, cf_weight(m, l->w), T, K, N, cf_grad_take_zero(m, l->w));
     if (l->la < 0) return;
     int r = m->lora.rank;
     /* dB += dy^T u (u read as the backward sees it: compacted in centrifuge) */
-    b->matmul_bwd(b, NULL, cf_grad(m, l->lb), NULL, dout, SAVED(m, l->su), cf_weight(m, l->lb), T, r, N, 0);
+    b->matmul_bwd(b, NULL, cf_grad(m, l->lb), NULL, dout, SAVED(m, l->su), cf_weight(m, l->lb), T, r, N,
+                  cf_grad_take_zero(m, l->lb));
     /* dA += g^T xd (xd = x without dropout) */
     if (m->drop_on) {
         b->dropout(b, m->lora_v, in, drop_key(m, l), m->drop_thr, m->drop_scale, m->lora_rows, T, K);
         in = m->lora_v;
     }
-    b->matmul_bwd(b, NULL, cf_grad(m, l->la), NULL, m->lora_du, in, cf_weight(m, l->la), T, K, r, 0);
+    b->matmul_bwd(b, NULL, cf_grad(m, l->la), NULL, m->lora_du, in, cf_weight(m, l->la), T, K, r,
+                  cf_grad_take_zero(m, l->la));
 }
 
 void cf_linear_bwd(cf_model *m, const cf_linear *l, void *din, const void *dout, const void *in, int T, int K,
@@ -106,5 +108,6 @@ void cf_linear_bwd(cf_model *m, const cf_linear *l, void *din, const void *dout,
         cf_linear_bwd_input(m, l, din, dout, T, K, N, accumulate);
         return;
     }
-    b->matmul_bwd(b, din, dw, db, dout, in, cf_weight(m, l->w), T, K, N, accumulate);
+    b->matmul_bwd(b, din, dw, db, dout, in, cf_weight(m, l->w), T, K, N,
+                  (accumulate ? CF_MM_ACC_DINP : 0) | cf_grad_take_zero(m, l->w));
 }

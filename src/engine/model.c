@@ -200,16 +200,68 @@ float *cf_grad(cf_model *m, int i) {
     return m->opt.grad + m->params[i].goff;
 }
 
-/* Per-op-category profiling (bench --profile): each op is bracketed by a
- * device synchronisation, so the sum is slightly above the unprofiled time. */
+/* CF_GRAD_SET=0 in the environment: always accumulate (A/B timing) */
+int cf_grad_take_zero(cf_model *m, int i) {
+    static int env = -1;
+    if (env < 0) {
+        const char *e = getenv("CF_GRAD_SET");
+        env = !(e && *e == '0');
+    }
+    if (i < 0 || !m->params[i].trainable || !m->opt.gzero || !m->opt.gzero[i]) return 0;
+    m->opt.gzero[i] = 0;
+    return env ? CF_MM_DW_SET : 0;
+}
+
+/* Per-op-category profiling (bench --profile). With time marks (CUDA
+ * events on the compute stream) each op is bracketed by two marks and
+ * nothing synchronises: an op's time is the device time from the end of
+ * the previous op to its own end, so the categories add up to the
+ * unprofiled stage times (launch gaps included, charged to the op after
+ * them). Without marks (CPU), or when they run out, each op is bracketed
+ * by a device synchronisation, which adds each op's launch latency. The
+ * marks are read in cf_model_timings (end of the step). */
 double cf_prof_begin(cf_model *m) {
-    m->b->synchronize(m->b);
+    cf_backend *b = m->b;
+    if (b->mark && !m->prof_synced) {
+        int a = b->mark(b);
+        if (a >= 0) return -(double)a - 1.0;
+    }
+    b->synchronize(b);
     return cf_now();
 }
 
 void cf_prof_end(cf_model *m, int cat, double t0) {
-    m->b->synchronize(m->b);
+    cf_backend *b = m->b;
+    if (t0 < 0) {
+        int c = b->mark(b);
+        if (c >= 0 && m->nprof_ops == m->cap_prof_ops) {
+            int cap = m->cap_prof_ops ? 2 * m->cap_prof_ops : 1024;
+            void *p = realloc(m->prof_ops, (size_t)cap * sizeof *m->prof_ops);
+            if (p) { m->prof_ops = p; m->cap_prof_ops = cap; }
+        }
+        if (c >= 0 && m->nprof_ops < m->cap_prof_ops) {
+            m->prof_ops[m->nprof_ops].phase = m->prof_phase;
+            m->prof_ops[m->nprof_ops].cat = cat;
+            m->prof_ops[m->nprof_ops].a = (int)(-t0 - 1.0);
+            m->prof_ops[m->nprof_ops++].c = c;
+            return;
+        }
+        /* out of marks: this op is lost, the rest of the step synchronises */
+        m->prof_synced = 1;
+        return;
+    }
+    b->synchronize(b);
     m->prof[m->prof_phase][cat] += cf_now() - t0;
+}
+
+/* Adds the marked ops' times into m->prof (before the marks are reset). */
+static void prof_resolve(cf_model *m) {
+    cf_backend *b = m->b;
+    for (int i = 0; i < m->nprof_ops; i++)
+        m->prof[m->prof_ops[i].phase][m->prof_ops[i].cat] +=
+            b->mark_elapsed(b, m->prof_ops[i].a, m->prof_ops[i].c);
+    m->nprof_ops = 0;
+    m->prof_synced = 0;
 }
 
 void cf_model_set_profile(cf_model *m, int on) { m->profile = on; }
@@ -619,6 +671,7 @@ void cf_model_free(cf_model *m) {
     }
     free(m->params);
     free(m->lp);
+    free(m->prof_ops);
     free(m);
 }
 
@@ -672,6 +725,7 @@ void cf_stage_end(cf_model *m, int stage) {
 /* Sums the stages recorded since the last call (waits for the last mark). */
 void cf_model_timings(cf_model *m, cf_timings *t) {
     cf_backend *b = m->b;
+    prof_resolve(m);
     cf_timings r = m->timings;
     for (int i = 0; i < m->npending; i++) {
         double s = m->pending[i].a < 0 ? m->pending[i].host
@@ -768,7 +822,7 @@ static void free_acts(cf_model *m) {
     free(m->la); m->la = NULL;
     free(m->resid); m->resid = NULL;
     void **bufs[] = {&m->d_resid, &m->d_ln, &m->d_att, &m->d_q, &m->d_qn, &m->d_k, &m->d_kn, &m->d_v, &m->d_h,
-                     &m->d_gate, &m->d_up, &m->tmp, (void **)&m->losses, (void **)&m->dloss, (void **)&m->doc,
+                     &m->d_gate, &m->tmp, (void **)&m->losses, (void **)&m->dloss, (void **)&m->doc,
                      (void **)&m->ref_dev, (void **)&m->keep_dev, (void **)&m->rows, (void **)&m->seq_start,
                      &m->lora_v, &m->lora_du, (void **)&m->tp_stats};
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) { b->free(b, *bufs[i]); *bufs[i] = NULL; }
@@ -849,8 +903,10 @@ static int alloc_acts(cf_model *m, int T) {
     m->d_kn = b->alloc(b, (size_t)T * kd * A);
     m->d_v = b->alloc(b, (size_t)T * kd * A);
     m->d_h = b->alloc(b, (size_t)T * F * A);
-    m->d_gate = b->alloc(b, (size_t)T * F * A);
-    m->d_up = b->alloc(b, (size_t)T * F * A);
+    /* dgate and dup of the SwiGLU backward: one [T, 2F] buffer, read as two
+     * [T, F] matrices (d_up = d_gate + T F) or, for the fused gate/up
+     * backward, as one [T, 2F] matrix with the halves interleaved by row */
+    m->d_gate = b->alloc(b, (size_t)T * 2 * F * A);
     m->tmp = b->alloc(b, (size_t)T * wide * A);
     m->losses = b->alloc(b, (size_t)T * F4);
     m->dloss = b->alloc(b, (size_t)T * F4);
@@ -861,7 +917,7 @@ static int alloc_acts(cf_model *m, int T) {
     m->seq_start = b->alloc(b, ((size_t)T + 1) * sizeof(int));
     m->host_losses = cf_malloc((size_t)T * F4);
     if (!m->d_resid || !m->d_ln || !m->d_att || !m->d_q || !m->d_qn || !m->d_k || !m->d_kn ||
-        !m->d_v || !m->d_h || !m->d_gate || !m->d_up || !m->tmp || !m->losses || !m->dloss || !m->ref_dev || !m->keep_dev ||
+        !m->d_v || !m->d_h || !m->d_gate || !m->tmp || !m->losses || !m->dloss || !m->ref_dev || !m->keep_dev ||
         !m->doc || !m->rows || !m->seq_start || !m->host_losses)
         return -1;
     return 0;

@@ -140,6 +140,11 @@ typedef struct {
     int64_t step;
     cf_grad_sync sync;
     int last_micro;     /* the backward in flight is the step's last micro-batch */
+    /* [ntensors] 1: the tensor's gradient holds zeros (zeroed, and no
+     * backward since), so its first weight-gradient GEMM may write it
+     * without reading it (beta 0: CF_MM_DW_SET). Set where the buffer is
+     * zeroed, cleared by cf_grad_take_zero and at the end of every backward. */
+    uint8_t *gzero;
 } cf_optim;
 
 /* ----------------------------------------------------------- activations */
@@ -214,7 +219,7 @@ struct cf_model {
     float drop_scale;       /* 1 / (1 - P) */
     const int *lora_rows;
     /* backward scratch */
-    void *d_resid, *d_ln, *d_att, *d_q, *d_qn, *d_k, *d_kn, *d_v, *d_h, *d_gate, *d_up, *tmp;
+    void *d_resid, *d_ln, *d_att, *d_q, *d_qn, *d_k, *d_kn, *d_v, *d_h, *d_gate, *tmp;
 
     /* kept rows: one selection of one forward (kept.c) */
     uint64_t fwd_id;       /* counts forwards */
@@ -233,12 +238,18 @@ struct cf_model {
     cf_timings timings;    /* resolved sums since the last cf_model_timings */
     int profile, prof_phase;            /* phase 0 forward, 1 backward */
     double prof[2][CF_PROF_N];
+    /* ops timed by time marks, resolved into prof by cf_model_timings */
+    struct { int phase, cat, a, c; } *prof_ops;
+    int nprof_ops, cap_prof_ops, prof_synced;
 };
 
 /* Pointer to parameter i's compute weights / fp32 gradient (NULL if i < 0
  * or the tensor is frozen). */
 void *cf_weight(cf_model *m, int i);
 float *cf_grad(cf_model *m, int i);
+/* CF_MM_DW_SET if tensor i's gradient holds zeros (see cf_optim.gzero), else
+ * 0; either way the caller is about to write it, so the flag is cleared. */
+int cf_grad_take_zero(cf_model *m, int i);
 
 /* Saved activation as the backward reads it. */
 #define SAVED(m, idx) ((m)->saved[(idx)].cur)

@@ -102,6 +102,9 @@ int cf_optim_init(cf_model *m, cf_optim_layout *lay) {
     o->master = in_place ? (float *)m->w : b->alloc(b, CF_MAX(o->lay.nlocal, (size_t)1) * sizeof(float));
     if (!o->master) return -1;
     b->memzero(b, o->grad, o->lay.ngrad * sizeof(float));
+    o->gzero = cf_malloc((size_t)m->ntensors);
+    if (!o->gzero) return -1;
+    memset(o->gzero, 1, (size_t)m->ntensors);
     b->memzero(b, o->adam_m, o->lay.nlocal * sizeof(float));
     b->memzero(b, o->adam_v, o->lay.nlocal * sizeof(float));
     if (!in_place) b->memzero(b, o->master, o->lay.nlocal * sizeof(float));
@@ -115,6 +118,8 @@ void cf_optim_free(cf_model *m) {
     b->free(b, o->grad);
     b->free(b, o->adam_m);
     b->free(b, o->adam_v);
+    free(o->gzero);
+    o->gzero = NULL;
     cf_optim_layout_free(&o->lay);
     o->master = o->grad = o->adam_m = o->adam_v = NULL;
 }
@@ -223,6 +228,8 @@ int cf_step_ex(cf_model *m, const cf_adamw_params *hp, float *grad_norm, double 
         b->adamw(b, o->master + g->loff, (char *)m->w + g->woff * b->act_size, o->grad + g->goff,
                  o->adam_m + g->loff, o->adam_v + g->loff, g->len, hp->lr, hp->beta1, hp->beta2, hp->eps,
                  p->decay ? hp->weight_decay : 0.0f, scale, (int)o->step);
+        /* adamw zeroed the segment: a tensor it covers whole holds zeros */
+        if (o->gzero && g->goff == o->lay.goff[g->tensor] && g->len == p->numel) o->gzero[g->tensor] = 1;
     }
     if (o->sync.weights_updated) {
         /* the non-local parts of the gradient were reduced elsewhere */

@@ -242,6 +242,13 @@ TEST(matmul_bwd_matches_cpu_dinp_dw_dbias_and_accumulate) {
     void *gdw = gf32(dw0, (size_t)N * K);
     gpu->matmul_bwd(gpu, NULL, gdw, NULL, gdy, gx, gw, T, K, N, 0);
     cmp("matmul_bwd dW only", get_f32(gdw, (size_t)N * K), rdw, (size_t)N * K, TOL_GRAD);
+    /* CF_MM_DW_SET: dW written without being read (NaN before) = the CPU's
+     * dW accumulated onto zeros */
+    float *rdz = HOLD(hnew((size_t)N * K));
+    cpu->matmul_bwd(cpu, NULL, rdz, NULL, dy, x, w, T, K, N, 0);
+    void *gdn = gf32_nan((size_t)N * K);
+    gpu->matmul_bwd(gpu, NULL, gdn, NULL, gdy, gx, gw, T, K, N, CF_MM_DW_SET);
+    cmp("matmul_bwd dW = (CF_MM_DW_SET)", get_f32(gdn, (size_t)N * K), rdz, (size_t)N * K, TOL_GRAD);
     free_all();
 }
 
@@ -306,12 +313,12 @@ TEST(swiglu_fwd_bwd_match_cpu_vector_and_scalar_paths) {
         float *rh = HOLD(hnew(n)), *rdg = HOLD(hnew(n)), *rdu = HOLD(hnew(n));
         cpu->swiglu_fwd(cpu, rh, g, u, n);
         float *rh2 = HOLD(hnew(n));
-        cpu->swiglu_bwd_rows(cpu, rh2, rdg, rdu, dh, g, u, NULL, 1, (int)n);
+        cpu->swiglu_bwd_rows(cpu, rh2, rdg, rdu, dh, g, u, NULL, 1, (int)n, (int)n);
         void *gg = gact(g, n), *gu = gact(u, n), *gdh = gact(dh, n);
         void *gh = gact_nan(n), *gdg = gact_nan(n), *gdu = gact_nan(n);
         gpu->swiglu_fwd(gpu, gh, gg, gu, n);
         void *gh2 = gact_nan(n);
-        gpu->swiglu_bwd_rows(gpu, gh2, gdg, gdu, gdh, gg, gu, NULL, 1, (int)n);
+        gpu->swiglu_bwd_rows(gpu, gh2, gdg, gdu, gdh, gg, gu, NULL, 1, (int)n, (int)n);
         printf("    n=%zu\n", n);
         cmp("swiglu_fwd", get_act(gh, n), rh, n, TOL_BF16);
         cmp("swiglu_bwd dgate", get_act(gdg, n), rdg, n, TOL_BF16);
@@ -569,11 +576,11 @@ TEST(lmhead_loss_fwd_bwd_match_cpu_with_zero_dloss_rows) {
     }
     float *rl = HOLD(hnew(T)), *rdx = HOLD(hnew((size_t)T * C)), *rdw = HOLD(hcopy(dw0, (size_t)V * C));
     cpu->lmhead_loss_fwd(cpu, rl, x, w, tg, T, C, V);
-    cpu->lmhead_loss_bwd(cpu, rdx, rdw, x, w, tg, dl, NULL, T, C, V, 0);
+    cpu->lmhead_loss_bwd(cpu, rdx, rdw, x, w, tg, dl, NULL, T, C, V, 0, 0);
     void *gx = gact(x, (size_t)T * C), *gw = gact(w, (size_t)V * C), *gt = gi32(tg, T);
     void *gl = gf32_nan(T), *gdx = gact_nan((size_t)T * C), *gdw = gf32(dw0, (size_t)V * C);
     gpu->lmhead_loss_fwd(gpu, gl, gx, gw, gt, T, C, V);
-    gpu->lmhead_loss_bwd(gpu, gdx, gdw, gx, gw, gt, gf32(dl, T), NULL, T, C, V, 0);
+    gpu->lmhead_loss_bwd(gpu, gdx, gdw, gx, gw, gt, gf32(dl, T), NULL, T, C, V, 0, 0);
     cmp("lmhead losses", get_f32(gl, T), rl, T, 1e-3);
     float *dx = get_act(gdx, (size_t)T * C);
     cmp("lmhead dx", dx, rdx, (size_t)T * C, TOL_GRAD);
@@ -582,6 +589,12 @@ TEST(lmhead_loss_fwd_bwd_match_cpu_with_zero_dloss_rows) {
     for (int t = 1; t < T; t += 3)
         for (int c = 0; c < C; c++) zero_ok &= dx[(size_t)t * C + c] == 0.f;
     CHECK(zero_ok);
+    /* CF_MM_DW_SET: dW written without being read (NaN before) */
+    float *rdz = HOLD(hnew((size_t)V * C));
+    cpu->lmhead_loss_bwd(cpu, rdx, rdz, x, w, tg, dl, NULL, T, C, V, 0, 0);
+    void *gdn = gf32_nan((size_t)V * C);
+    gpu->lmhead_loss_bwd(gpu, gdx, gdn, gx, gw, gt, gf32(dl, T), NULL, T, C, V, 0, CF_MM_DW_SET);
+    cmp("lmhead dW = (CF_MM_DW_SET)", get_f32(gdn, (size_t)V * C), rdz, (size_t)V * C, TOL_GRAD);
     free_all();
 }
 
@@ -622,9 +635,9 @@ TEST(vocab_parallel_embedding_and_lmhead_slices_match_cpu) {
     for (int p = 0; p < P; p++) {
         const float *wp = w + (size_t)p * Vl * C;
         float *rdx = HOLD(hnew((size_t)T * C)), *rdw = HOLD(hnew((size_t)Vl * C));
-        cpu->lmhead_loss_bwd(cpu, rdx, rdw, x, wp, tg, dl, rlse, T, C, Vl, p * Vl);
+        cpu->lmhead_loss_bwd(cpu, rdx, rdw, x, wp, tg, dl, rlse, T, C, Vl, p * Vl, 0);
         void *gdx = gact_nan((size_t)T * C), *gdw = gf32(HOLD(hnew((size_t)Vl * C)), (size_t)Vl * C);
-        gpu->lmhead_loss_bwd(gpu, gdx, gdw, gx, gact(wp, (size_t)Vl * C), gt, gf32(dl, T), glse, T, C, Vl, p * Vl);
+        gpu->lmhead_loss_bwd(gpu, gdx, gdw, gx, gact(wp, (size_t)Vl * C), gt, gf32(dl, T), glse, T, C, Vl, p * Vl, 0);
         cmp("lmhead slice dx", get_act(gdx, (size_t)T * C), rdx, (size_t)T * C, TOL_GRAD);
         cmp("lmhead slice dW", get_f32(gdw, (size_t)Vl * C), rdw, (size_t)Vl * C, TOL_GRAD);
     }

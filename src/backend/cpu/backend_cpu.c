@@ -206,12 +206,13 @@ static void cpu_matmul_fwd(cf_backend *b, void *out_, const void *inp_, const vo
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, N, K, 1.0f, inp, K, w, K, beta, out, N);
 }
 
-/* dinp[T,K] (=, or += if accumulate) dout[T,N] W[N,K]
- * dw[N,K]   += dout^T inp
+/* dinp[T,K] (=, or += if flags & CF_MM_ACC_DINP) dout[T,N] W[N,K]
+ * dw[N,K]   += dout^T inp   (= if flags & CF_MM_DW_SET)
  * dbias[N]  += sum_t dout[t,:]   (if dbias; parallel over columns, rows in order) */
 static void cpu_matmul_bwd(cf_backend *b, void *dinp_, float *dw, float *dbias, const void *dout_,
-                           const void *inp_, const void *w_, int T, int K, int N, int accumulate) {
+                           const void *inp_, const void *w_, int T, int K, int N, int flags) {
     if (cpu_failed(b)) return;
+    const int accumulate = flags & CF_MM_ACC_DINP;
     float *dinp = dinp_;
     const float *dout = dout_, *inp = inp_, *w = w_;
     if (T <= 0 || K <= 0) return;
@@ -224,8 +225,8 @@ static void cpu_matmul_bwd(cf_backend *b, void *dinp_, float *dw, float *dbias, 
     }
     if (N <= 0) return;
     if (dw)
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, N, K, T, 1.0f, dout, N, inp, K, 1.0f,
-                    dw, K);
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, N, K, T, 1.0f, dout, N, inp, K,
+                    (flags & CF_MM_DW_SET) ? 0.0f : 1.0f, dw, K);
     if (dbias) {
 #pragma omp parallel for schedule(static)
         for (int n = 0; n < N; n++) {
@@ -350,24 +351,25 @@ static void cpu_swiglu_fwd(cf_backend *b, void *h_, const void *gate_, const voi
     }
 }
 
-/* SwiGLU backward on rows gathered through `rows` (see backend.h). With
+/* SwiGLU backward on rows gathered through `rows` (see backend.h; dgate and
+ * dup rows ld apart). With
  * sig = 1/(1+exp(-g)): silu = g sig, silu' = sig (1 + g (1 - sig));
  * dgate = dh * u * silu'(g), dup = dh * silu(g). */
 static void cpu_swiglu_bwd_rows(cf_backend *b, void *h_, void *dgate_, void *dup_, const void *dh_,
-                                const void *gate_, const void *up_, const int *rows, int n, int F) {
+                                const void *gate_, const void *up_, const int *rows, int n, int F, int ld) {
     if (cpu_failed(b)) return;
     float *h = h_, *dgate = dgate_, *dup = dup_;
     const float *dh = dh_, *gate = gate_, *up = up_;
 #pragma omp parallel for schedule(static)
     for (int i = 0; i < n; i++) {
-        const size_t src = (size_t)(rows ? rows[i] : i) * F, dst = (size_t)i * F;
+        const size_t src = (size_t)(rows ? rows[i] : i) * F, dst = (size_t)i * F, dd = (size_t)i * ld;
         for (int c = 0; c < F; c++) {
             const float g = gate[src + c], u = up[src + c], d = dh[dst + c];
             const float sig = 1.0f / (1.0f + expf(-g));
             const float silu = g * sig;
             h[dst + c] = silu * u;
-            dgate[dst + c] = d * u * sig * (1.0f + g * (1.0f - sig));
-            dup[dst + c] = d * silu;
+            dgate[dd + c] = d * u * sig * (1.0f + g * (1.0f - sig));
+            dup[dd + c] = d * silu;
         }
     }
 }
@@ -500,7 +502,7 @@ static void cpu_lmhead_stats_fwd(cf_backend *b, float *stats, const void *x, con
  * centrifuge path passes the kept rows only. */
 static void cpu_lmhead_loss_bwd(cf_backend *b, void *dx_, float *dwlm, const void *x_,
                                 const void *wlm_, const int *targets, const float *dloss,
-                                const float *lse_in, int T, int C, int V, int vstart) {
+                                const float *lse_in, int T, int C, int V, int vstart, int flags) {
     if (cpu_failed(b)) return;
     float *dx = dx_;
     const float *x = x_, *wlm = wlm_;
@@ -539,9 +541,9 @@ static void cpu_lmhead_loss_bwd(cf_backend *b, void *dx_, float *dwlm, const voi
         }
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, C, V, 1.0f, logits, V, wlm, C,
                     0.0f, dxs, C);
-        if (dwlm)   /* NULL: a frozen LM head */
-            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, V, C, n, 1.0f, logits, V, xs, C, 1.0f,
-                        dwlm, C);
+        if (dwlm)   /* NULL: a frozen LM head; the first chunk writes it when it holds zeros */
+            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, V, C, n, 1.0f, logits, V, xs, C,
+                        t == n && (flags & CF_MM_DW_SET) ? 0.0f : 1.0f, dwlm, C);
         for (int r = 0; r < n; r++)
             memcpy(dx + (size_t)idx[r] * C, dxs + (size_t)r * C, (size_t)C * sizeof(float));
     }

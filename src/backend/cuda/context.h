@@ -61,15 +61,18 @@ typedef enum {
     CF_SCR_COUNT
 } cf_cuda_scratch_id;
 
-/* A cached cuBLASLt plan: descriptors and the heuristic's algorithm for one
- * problem (shape, dtypes, epilogue, pointer alignment). gemm.cu. */
+/* A cached cuBLASLt plan: descriptors and the chosen algorithm for one
+ * problem (shape, dtypes, epilogue, pointer alignment, beta 0 or not);
+ * choice: its index among the heuristic's results, candidates: how many of
+ * them were bit-identical to the first (gemm.cu). */
 typedef struct {
     int key[16];
     cublasLtMatmulDesc_t op;
     cublasLtMatrixLayout_t a, b, c, d;
     cublasLtMatmulAlgo_t algo;
+    int choice, candidates;
 } cf_gemm_plan;
-#define CF_GEMM_CACHE 128
+#define CF_GEMM_CACHE 256
 
 typedef struct cf_cuda_ctx {
     /* the device */
@@ -104,7 +107,7 @@ typedef struct cf_cuda_ctx {
     unsigned attn_attr_done;
 
     /* time marks on the compute stream (backend.h: mark), created lazily */
-#define CF_CUDA_MARKS 128
+#define CF_CUDA_MARKS 4096
     cudaEvent_t marks[CF_CUDA_MARKS];
     int nmarks;
 

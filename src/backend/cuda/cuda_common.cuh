@@ -130,7 +130,7 @@ int cf_cuda_memory_info(cf_backend *b, size_t *free_bytes, size_t *total_bytes);
 void cf_cuda_matmul_fwd(cf_backend *b, void *out, const void *inp, const void *w, const void *bias, int T, int K,
                         int N);
 void cf_cuda_matmul_bwd(cf_backend *b, void *dinp, float *dw, float *dbias, const void *dout, const void *inp,
-                        const void *w, int T, int K, int N, int accumulate);
+                        const void *w, int T, int K, int N, int flags);
 /* norm.cu */
 void cf_cuda_rmsnorm_fwd(cf_backend *b, void *out, float *rstd, const void *inp, const void *w, int T, int C,
                          float eps);
@@ -142,7 +142,7 @@ void cf_cuda_rope_bwd(cf_backend *b, void *dx, const int *pos, const float *inv_
 /* swiglu.cu */
 void cf_cuda_swiglu_fwd(cf_backend *b, void *h, const void *gate, const void *up, size_t n);
 void cf_cuda_swiglu_bwd_rows(cf_backend *b, void *h, void *dgate, void *dup, const void *dh, const void *gate,
-                             const void *up, const int *rows, int n, int F);
+                             const void *up, const int *rows, int n, int F, int ld);
 void cf_cuda_add(cf_backend *b, void *out, const void *a, const void *c, size_t n);
 void cf_cuda_scale(cf_backend *b, void *x, float s, size_t n);
 /* dropout.cu */
@@ -158,7 +158,7 @@ void cf_cuda_lmhead_loss_fwd(cf_backend *b, float *losses, const void *x, const 
                              int C, int V);
 void cf_cuda_lmhead_loss_bwd(cf_backend *b, void *dx, float *dwlm, const void *x, const void *wlm,
                              const int *targets, const float *dloss, const float *lse, int T, int C, int V,
-                             int vstart);
+                             int vstart, int flags);
 void cf_cuda_lmhead_stats_fwd(cf_backend *b, float *stats, const void *x, const void *wlm, const int *targets, int T,
                               int C, int V, int vstart);
 void cf_cuda_xent_combine(cf_backend *b, float *losses, float *lse, const float *parts, const int *targets, int T,

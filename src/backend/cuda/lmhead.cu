@@ -135,7 +135,7 @@ void cf_cuda_lmhead_stats_fwd(cf_backend *b, float *stats, const void *x, const 
 
 void cf_cuda_lmhead_loss_bwd(cf_backend *b, void *dx, float *dwlm, const void *x, const void *wlm,
                              const int *targets, const float *dloss, const float *lse, int T, int C, int V,
-                             int vstart) {
+                             int vstart, int flags) {
     cf_cuda_ctx *ctx = cf_cuda_enter(b);
     if (!ctx || T <= 0) return;
     const int chunk = lm_chunk(T, V);
@@ -149,8 +149,9 @@ void cf_cuda_lmhead_loss_bwd(cf_backend *b, void *dx, float *dwlm, const void *x
         lmhead_rows_kernel<<<rows, 512, 0, ctx->stream>>>(NULL, NULL, dlogits, logits, targets + r0, dloss + r0,
                                                            lse ? lse + r0 : NULL, V, vstart);
         if (!CF_CK_LAUNCH(ctx, "lmhead_rows")) return;
-        /* dx = dlogits W ; dW += dlogits^T x */
-        cf_cuda_matmul_bwd(b, (bf16 *)dx + (size_t)r0 * C, dwlm, NULL, dlogits, xc, wlm, rows, C, V, 0);
+        /* dx = dlogits W ; dW += dlogits^T x (the first chunk writes dW when it holds zeros) */
+        cf_cuda_matmul_bwd(b, (bf16 *)dx + (size_t)r0 * C, dwlm, NULL, dlogits, xc, wlm, rows, C, V,
+                           r0 == 0 ? (flags & CF_MM_DW_SET) : 0);
     }
 }
 

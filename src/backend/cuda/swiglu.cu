@@ -30,13 +30,16 @@ __device__ __forceinline__ void swiglu_grad(float g, float u, float dh, float *d
 }
 
 /* SwiGLU backward with gate/up read through the row index; also writes the
- * recomputed product h (the down projection's input) for the kept rows. */
+ * recomputed product h (the down projection's input) for the kept rows.
+ * dgate and dup rows are ld elements apart (ld8 packs of 8: F when they are
+ * separate matrices, 2F when they are the two halves of one [n, 2F] matrix
+ * for the fused gate/up backward GEMM). */
 static __global__ void swiglu_bwd_rows_vec_kernel(pack8 *h, pack8 *dgate, pack8 *dup, const pack8 *dh, const pack8 *gate,
-                                                  const pack8 *up, const int *rows, int n, int F8) {
+                                                  const pack8 *up, const int *rows, int n, int F8, int ld8) {
     const size_t total = (size_t)n * F8;
     for (size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += (size_t)gridDim.x * blockDim.x) {
         const size_t i = idx / F8, c = idx % F8;
-        const size_t src = (size_t)(rows ? rows[i] : (int)i) * F8 + c;
+        const size_t src = (size_t)(rows ? rows[i] : (int)i) * F8 + c, dst = i * ld8 + c;
         float g[8], u[8], d[8], o[8], dg[8], du[8];
         unpack8(gate[src], g);
         unpack8(up[src], u);
@@ -46,37 +49,37 @@ static __global__ void swiglu_bwd_rows_vec_kernel(pack8 *h, pack8 *dgate, pack8 
             o[q] = g[q] / (1.f + __expf(-g[q])) * u[q];
         }
         h[idx] = pack8_from(o);
-        dgate[idx] = pack8_from(dg);
-        dup[idx] = pack8_from(du);
+        dgate[dst] = pack8_from(dg);
+        dup[dst] = pack8_from(du);
     }
 }
 static __global__ void swiglu_bwd_rows_kernel(bf16 *h, bf16 *dgate, bf16 *dup, const bf16 *dh, const bf16 *gate,
-                                              const bf16 *up, const int *rows, int n, int F) {
+                                              const bf16 *up, const int *rows, int n, int F, int ld) {
     const size_t total = (size_t)n * F;
     for (size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += (size_t)gridDim.x * blockDim.x) {
         const size_t i = idx / F, c = idx % F;
-        const size_t src = (size_t)(rows ? rows[i] : (int)i) * F + c;
+        const size_t src = (size_t)(rows ? rows[i] : (int)i) * F + c, dst = i * ld + c;
         const float g = __bfloat162float(gate[src]), u = __bfloat162float(up[src]);
         float dg, du;
         swiglu_grad(g, u, __bfloat162float(dh[idx]), &dg, &du);
         h[idx] = __float2bfloat16_rn(g / (1.f + __expf(-g)) * u);
-        dgate[idx] = __float2bfloat16_rn(dg);
-        dup[idx] = __float2bfloat16_rn(du);
+        dgate[dst] = __float2bfloat16_rn(dg);
+        dup[dst] = __float2bfloat16_rn(du);
     }
 }
 void cf_cuda_swiglu_bwd_rows(cf_backend *b, void *h, void *dgate, void *dup, const void *dh, const void *gate,
-                               const void *up, const int *rows, int n, int F) {
+                               const void *up, const int *rows, int n, int F, int ld) {
     cf_cuda_ctx *ctx = cf_cuda_enter(b);
     if (!ctx || n <= 0 || F <= 0) return;
-    if (F % 8 == 0 && cf_aligned16(h) && cf_aligned16(dgate) && cf_aligned16(dup) && cf_aligned16(dh) &&
+    if (F % 8 == 0 && ld % 8 == 0 && cf_aligned16(h) && cf_aligned16(dgate) && cf_aligned16(dup) && cf_aligned16(dh) &&
         cf_aligned16(gate) && cf_aligned16(up))
         swiglu_bwd_rows_vec_kernel<<<cf_grid_for((size_t)n * (F / 8), 256), 256, 0, ctx->stream>>>(
             (pack8 *)h, (pack8 *)dgate, (pack8 *)dup, (const pack8 *)dh, (const pack8 *)gate, (const pack8 *)up, rows,
-            n, F / 8);
+            n, F / 8, ld / 8);
     else
         swiglu_bwd_rows_kernel<<<cf_grid_for((size_t)n * F, 256), 256, 0, ctx->stream>>>(
             (bf16 *)h, (bf16 *)dgate, (bf16 *)dup, (const bf16 *)dh, (const bf16 *)gate, (const bf16 *)up, rows, n,
-            F);
+            F, ld);
     CF_CK_LAUNCH(ctx, "swiglu_bwd_rows");
 }
 void cf_cuda_swiglu_fwd(cf_backend *b, void *h, const void *gate, const void *up, size_t n) {
