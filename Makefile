@@ -49,6 +49,14 @@ $(DEPS_STAMP):
 
 deps: $(DEPS_STAMP)
 
+# The commit stamped into model.c (bench and train records name their build):
+# a file rewritten only when HEAD moves, so model.o is rebuilt exactly then.
+COMMIT_STAMP := $(BUILD)/commit.txt
+$(COMMIT_STAMP): FORCE
+	@mkdir -p $(BUILD); [ "$$(cat $@ 2>/dev/null)" = "$(GIT_COMMIT)" ] || echo "$(GIT_COMMIT)" > $@
+.PHONY: FORCE
+$(BUILD)/obj/engine/model.o: $(COMMIT_STAMP)
+
 $(BUILD)/obj/%.o: src/%.c $(ALL_H) | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -c $< -o $@

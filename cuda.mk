@@ -64,6 +64,7 @@ GPU_BENCH_BIN := $(CUDA_BUILD)/tests/bench_attention
 .PHONY: bench-gpu
 
 # C sources may include backend/cuda/context.h (CUDA runtime and cuBLASLt headers)
+$(CUDA_BUILD)/obj/engine/model.o: $(COMMIT_STAMP)
 $(CUDA_BUILD)/obj/%.o: src/%.c $(ALL_H)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -DCF_WITH_CUDA $(CUDA_INC) -c $< -o $@
