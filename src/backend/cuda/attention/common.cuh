@@ -283,6 +283,26 @@ static inline int attn_grid_for(size_t n) {
     return (int)(blocks < 65536 ? (blocks ? blocks : 1) : 65536);
 }
 
+/* ------------------------------------ Hopper kernels (sm_90a), by file
+ * Each returns 1 when it launched, 0 when it does not take this call (the
+ * caller runs the portable kernels instead), -1 on a CUDA error (recorded
+ * in ctx). launch.cu calls them only when attn_sm90_enabled(ctx). */
+
+/* launch_sm90.cu: whether this context runs the Hopper kernels: a cc 9.0
+ * device, the binary's sm_90a code runs on it, the driver encodes tensor
+ * maps, and CENTRIFUGE_ATTENTION is not "portable" (read once per context) */
+bool attn_sm90_enabled(cf_cuda_ctx *ctx);
+/* fwd_sm90.cu: the forward, all rows (no kept lists), D = 64 or 128 */
+int attn_fwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D);
+/* bwd_sm90.cu: the main backward kernel (as bwd.cu's) over k-side tiles of
+ * up to kmaxlen rows per sequence, q side of nq_rows rows in all; dq goes
+ * to a.dq_acc in slot order with tps query tiles (64 rows) per sequence */
+int attn_bwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D, int nq_rows, int kmaxlen, int tps);
+/* bwd_sm90.cu: dq of n q-side rows (sequence starts qstart, NULL = b*S)
+ * from the slot-ordered accumulator: bf16 into dq, or fp32 into dqf */
+void attn_sm90_dq_convert(cudaStream_t st, bf16 *dq, float *dqf, const float *acc, const int *qstart, int n, int B,
+                          int S, int H, int D, int tps);
+
 /* ----------------------------------------- small kernels, by file */
 
 /* bwd.cu: D_i = dO_i . O_i per (q index, head), and dq_acc = 0 */

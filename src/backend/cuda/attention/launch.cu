@@ -134,6 +134,11 @@ static void attn_fwd(cf_cuda_ctx *ctx, void *out, float *lse, const void *q, con
     a.v = (const bf16 *)v;
     a.out = (bf16 *)out;
     a.lse_out = lse;
+    if (attn_sm90_enabled(ctx)) {
+        const int r = attn_fwd_sm90(ctx, a, s->D);
+        if (r != 0) return; /* launched, or failed (recorded) */
+    }
+    if (ctx->failed) return;
     launch(ctx, K_FWD, a, s->D, (s->S + TILE - 1) / TILE);
 }
 
@@ -244,8 +249,30 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
         a.dk = (bf16 *)dk;
         a.dv = (bf16 *)dv;
     }
-    /* part 1 / the whole backward: dk, dv, and dq over the k side */
-    if (!launch(ctx, K_BWD, a, D, (kmaxlen + TILE - 1) / TILE)) return;
+    /* part 1 / the whole backward: dk, dv, and dq over the k side; on
+     * Hopper into a dq accumulator of its own layout (bwd_sm90.cu) */
+    int hopper = 0, tps = 0;
+    if (attn_sm90_enabled(ctx)) {
+        tps = (maxlen + 63) / 64;
+        const size_t acc_n = (size_t)B * tps * 64 * H * D;
+        float *acc = (float *)cf_cuda_scratch(ctx, CF_SCR_ATTN_SM90_DQ, acc_n * sizeof(float));
+        if (!acc || !CF_CK(ctx, cudaMemsetAsync(acc, 0, acc_n * sizeof(float), ctx->stream))) return;
+        AttnArgs h = a;
+        h.dq_acc = acc;
+        hopper = attn_bwd_sm90(ctx, h, D, n, kmaxlen, tps);
+        if (hopper < 0) return;
+        if (hopper && mode == CF_ATTN_BWD_CENTRIFUGE) {
+            /* part 2 (bwd_centrifuge.cu) adds to dq_acc in [n, H, D] */
+            attn_sm90_dq_convert(ctx->stream, NULL, dq_acc, acc, a.qstart, n, B, S, H, D, tps);
+            if (!CF_CK_LAUNCH(ctx, "attention sm90 dq convert")) return;
+        }
+        a.dq_acc = acc;
+    }
+    if (ctx->failed) return;
+    if (!hopper) {
+        a.dq_acc = dq_acc;
+        if (!launch(ctx, K_BWD, a, D, (kmaxlen + TILE - 1) / TILE)) return;
+    }
 
     if (mode == CF_ATTN_BWD_CENTRIFUGE) {
         /* part 2: dq over the filtered keys, plus dq_acc, to bf16 */
@@ -256,10 +283,14 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
         attn_filtered_rows(ctx->stream, filt, fstart, kept->rows, kept->seq_start, n, B, S);
         if (!CF_CK_LAUNCH(ctx, "attention filtered rows")) return;
         AttnArgs p = a;
+        p.dq_acc = dq_acc;
         p.kstart = fstart;
         p.krow = filt;
         p.dq = (bf16 *)dq;
         if (!launch(ctx, K_BWD_DQ, p, D, (maxlen + TILE - 1) / TILE)) return;
+    } else if (hopper) {
+        attn_sm90_dq_convert(ctx->stream, (bf16 *)dq, NULL, a.dq_acc, a.qstart, n, B, S, H, D, tps);
+        if (!CF_CK_LAUNCH(ctx, "attention sm90 dq convert")) return;
     } else {
         attn_dq_to_bf16(ctx->stream, (bf16 *)dq, dq_acc, (size_t)n * H * D);
         if (!CF_CK_LAUNCH(ctx, "attention dq to bf16")) return;

@@ -1,0 +1,342 @@
+/*
+ * attention/bwd_sm90.cu — the Hopper backward (sm_90a): the main kernel of
+ * bwd.cu (dk, dv of a key tile, dq by fp32 reductions; FULL, STRAWMAN,
+ * CENTRIFUGE part 1 and CENTRIFUGE_KV, index spaces as in common.cuh) with
+ * warpgroup matrix products, plus the conversion of its dq accumulator.
+ * Layouts, fragments and ordering rules: sm90.cuh.
+ *
+ * A block owns BN = 128 keys (k side, any index space) of one query head
+ * and one sequence:
+ *   warpgroup 0 (producer, 24 registers): thread 0 streams the Q and dO
+ *     tiles (BM = 64 q-side rows; the q side is always contiguous rows, so
+ *     TMA) into a ring of QST stages; warp 1 fills the per-query vectors of
+ *     the stage (lse in log2 units, D_i, original row, document id) with
+ *     ordinary loads and stores. Stage s completes on full[s] (the copy
+ *     bytes plus 32 arrivals) and is refilled after empty[s].
+ *   warpgroups 1, 2 (consumers, 240 registers): first gather the K and V
+ *     rows of the tile once (cp.async: the k side may be a list of rows);
+ *     warpgroup w owns keys 64w..64w+63 and keeps their dK, dV in
+ *     registers. Per query tile:
+ *       S^T = K Q^T, dP^T = V dO^T          wgmma, all operands in smem
+ *       P^T = exp2(x - lse), dS^T = P^T (dP^T - D)      registers (fp32)
+ *       dV += P^T dO, dK += dS^T Q           wgmma, A = P^T / dS^T from
+ *                                            registers, B MN-major
+ *       dS^T -> shared (bf16, double-buffered), barrier of both consumers
+ *       dQ[:, w D/2 ..] = dS K               wgmma, A = dS^T MN-major,
+ *                                            B = K MN-major, 128 keys
+ *     and adds its dQ half to the fp32 accumulator with 16-byte vector
+ *     reductions (red.global.add.v4.f32).
+ *
+ * dq accumulator layout. A thread's dQ fragment is stored where a warp's
+ * 16-byte reductions land on 512 contiguous bytes: per (sequence b, query
+ * tile qt) a "slot" of 64 x D floats, slot = b * TPS + qt (TPS = tiles per
+ * sequence, from the longest one), per head; inside, float4 number
+ * (j * 256 + w * 128 + thread) holds accumulators 4j..4j+3 of that thread
+ * of consumer w. attn_sm90_dq_convert undoes the permutation (dq_tile_index).
+ * dq is a sum in nondeterministic order (as in bwd.cu); dk, dv are not.
+ */
+#include "backend/cuda/attention/sm90.cuh"
+
+template <int D> struct BwdSm90 {
+    static constexpr int BN = 128;     /* keys per block (64 per consumer) */
+    static constexpr int BM = 64;      /* queries per step                 */
+    static constexpr int QST = 2;      /* stages of the Q/dO ring          */
+    static constexpr int THREADS = 384;
+    static constexpr uint32_t KT_BYTES = BN * D * 2, QT_BYTES = BM * D * 2, DS_BYTES = BN * BM * 2;
+    static constexpr uint32_t SMALL_BYTES = 4 * BM * 4; /* lse, D, row, doc of a stage */
+    static constexpr uint32_t OFF_K = 0, OFF_V = KT_BYTES, OFF_Q = 2 * KT_BYTES, OFF_DO = OFF_Q + QST * QT_BYTES,
+                              OFF_DS = OFF_DO + QST * QT_BYTES, OFF_SMALL = OFF_DS + 2 * DS_BYTES,
+                              OFF_BAR = OFF_SMALL + QST * SMALL_BYTES;
+    static constexpr uint32_t SMEM = OFF_BAR + 16 * QST + 1024;
+};
+
+namespace {
+
+
+/* position of dq element (row r of the tile, column c) in its slot */
+__host__ __device__ __forceinline__ int dq_tile_index(int r, int c, int D) {
+    const int w = c / (D / 2), cc = c % (D / 2), j = cc >> 3, t = (cc & 7) >> 1, elo = cc & 1;
+    const int v = r >> 4, rr = r & 15, g = rr & 7, hi = rr >> 3;
+    return ((j * 256) + w * 128 + v * 32 + g * 4 + t) * 4 + 2 * hi + elo;
+}
+
+template <int D>
+__global__ void __launch_bounds__(384, 1)
+    attn_bwd_sm90_kernel(const __grid_constant__ CUtensorMap tmQ, const __grid_constant__ CUtensorMap tmO,
+                         const AttnArgs a, int tps) {
+#if CF_SM90A_PATH
+    using C = BwdSm90<D>;
+    constexpr int BN = C::BN, BM = C::BM, QST = C::QST, DB = D / 64;
+    extern __shared__ unsigned char smem_raw[];
+    const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+    unsigned char *sbase = smem_raw + (base - smem_u32(smem_raw));
+    const uint32_t sK = base + C::OFF_K, sV = base + C::OFF_V, sQ = base + C::OFF_Q, sO = base + C::OFF_DO,
+                   sDS = base + C::OFF_DS;
+    const uint32_t bar = base + C::OFF_BAR;
+    auto full = [&](int s) { return bar + 8 * s; };
+    auto empty = [&](int s) { return bar + 8 * (QST + s); };
+    auto small = [&](int s) { return reinterpret_cast<float *>(sbase + C::OFF_SMALL + s * C::SMALL_BYTES); };
+
+    const int h = blockIdx.x, b = blockIdx.z;
+    const int k0 = blockIdx.y * BN;
+    const int ks = seq_begin(a.kstart, b, a.S), klen = seq_begin(a.kstart, b + 1, a.S) - ks;
+    if (k0 >= klen) return;
+    const int qs = seq_begin(a.qstart, b, a.S), qlen = seq_begin(a.qstart, b + 1, a.S) - qs;
+    const int hk = h / (a.H / a.Hkv);
+    /* query tiles that can see this key tile: from the first query whose
+     * row is >= the first key's row, to the end of the sequence */
+    const int first = count_le(a.qrow, qs, qlen, row_of(a.krow, ks + k0) - 1);
+    const int qt_begin = first / BM, nq = (qlen + BM - 1) / BM - qt_begin;
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < QST; s++) {
+            mbar_init(full(s), 1 + 32);
+            mbar_init(empty(s), 256);
+        }
+        mbar_init_fence();
+    }
+    __syncthreads();
+
+    const int wg = threadIdx.x >> 7;
+    if (wg == 0) {
+        /* ---------------------------------------------------- producer */
+        setmaxnreg_dec<24>();
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+        if (warp == 0 && lane == 0) {
+            for (int i = 0; i < nq; i++) {
+                const int s = i % QST, n = i / QST, row = qs + (qt_begin + i) * BM;
+                if (n > 0) mbar_wait(empty(s), (n - 1) & 1);
+                mbar_arrive_tx(full(s), 2 * C::QT_BYTES);
+                for (int cb = 0; cb < DB; cb++) {
+                    tma_load_3d(sQ + s * C::QT_BYTES + cb * BM * 128, &tmQ, cb * 64, h, row, full(s));
+                    tma_load_3d(sO + s * C::QT_BYTES + cb * BM * 128, &tmO, cb * 64, h, row, full(s));
+                }
+            }
+        } else if (warp == 1) {
+            for (int i = 0; i < nq; i++) {
+                const int s = i % QST, n = i / QST;
+                if (n > 0) mbar_wait(empty(s), (n - 1) & 1);
+                float *sm = small(s);
+                for (int c = lane; c < BM; c += 32) {
+                    const int qi = (qt_begin + i) * BM + c;
+                    const bool ok = qi < qlen;
+                    const size_t idx = (size_t)(qs + qi) * a.H + h;
+                    const int row = ok ? row_of(a.qrow, qs + qi) : -1;
+                    sm[c] = ok ? a.lse[idx] * LOG2E_F : 0.f;
+                    sm[BM + c] = ok ? a.Dvec[idx] : 0.f;
+                    reinterpret_cast<int *>(sm)[2 * BM + c] = row;
+                    reinterpret_cast<int *>(sm)[3 * BM + c] = (ok && a.doc) ? a.doc[row] : 0;
+                }
+                mbar_arrive(full(s));
+            }
+        }
+        return;
+    }
+
+    /* ------------------------------------------------------- consumers */
+    setmaxnreg_inc<240>();
+    const int w = wg - 1, tid = threadIdx.x & 127, v = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+    const int ctid = threadIdx.x - 128;
+    const size_t kstr = (size_t)a.Hkv * D;
+    {
+        /* the key tile: K and V rows gathered once (zeros past klen) */
+        for (int c = ctid; c < BN * D / 8; c += 256) {
+            const int r = c / (D / 8), col = (c % (D / 8)) * 8, j = k0 + r;
+            const bool ok = j < klen;
+            const size_t off = (size_t)row_of(a.krow, ks + (ok ? j : klen - 1)) * kstr + (size_t)hk * D + col;
+            cp_async16(sbase + C::OFF_K + sw128_off(BN, r, col), a.k + off, ok ? 16 : 0);
+            cp_async16(sbase + C::OFF_V + sw128_off(BN, r, col), a.v + off, ok ? 16 : 0);
+        }
+        cp_async_commit();
+        cp_async_wait<0>();
+        fence_async_smem();
+        named_barrier(1, 256);
+    }
+    /* this thread's two keys (rows of S^T): 64w + 16v + g (+8) */
+    int krow_t[2], kdoc_t[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int j = k0 + 64 * w + 16 * v + g + 8 * r;
+        krow_t[r] = j < klen ? row_of(a.krow, ks + j) : INT_MAX;
+        kdoc_t[r] = (a.doc && j < klen) ? a.doc[krow_t[r]] : 0;
+    }
+    const int wk_first = k0 + 64 * w;
+    const int wkrow_max = wk_first < klen ? row_of(a.krow, ks + min(wk_first + 63, klen - 1)) : INT_MAX;
+
+    float dk[D / 2], dv[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; i++) dk[i] = dv[i] = 0.f;
+
+    for (int i = 0; i < nq; i++) {
+        const int s = i % QST, db = i & 1, qt = qt_begin + i;
+        const uint32_t sQs = sQ + s * C::QT_BYTES, sOs = sO + s * C::QT_BYTES, sDSb = sDS + db * C::DS_BYTES;
+        mbar_wait(full(s), (i / QST) & 1);
+        const float *sm = small(s);
+        const int *qrow_s = reinterpret_cast<const int *>(sm) + 2 * BM, *qdoc_s = qrow_s + BM;
+
+        float st[BM / 2], dpt[BM / 2];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++)
+            wgmma_ss<0, 0>(st, desc_k(sK, BN, 64 * w, kk), desc_k(sQs, BM, 0, kk), kk > 0);
+        wgmma_commit();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++)
+            wgmma_ss<0, 0>(dpt, desc_k(sV, BN, 64 * w, kk), desc_k(sOs, BM, 0, kk), kk > 0);
+        wgmma_commit();
+
+        const bool need_mask = a.doc != nullptr || qt * BM + BM > qlen || k0 + BN > klen || wkrow_max > qrow_s[0];
+        wgmma_wait<1>(); /* S^T */
+        fence_regs(st);
+#pragma unroll
+        for (int j = 0; j < BM / 8; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int c = 8 * j + 2 * t4 + (e & 1), r = e >> 1;
+                float p = fast_exp2(fmaf(st[4 * j + e], a.scale_log2, -sm[c]));
+                if (need_mask && !(krow_t[r] <= qrow_s[c] && (!a.doc || kdoc_t[r] == qdoc_s[c]))) p = 0.f;
+                st[4 * j + e] = p;
+            }
+        wgmma_wait<0>(); /* dP^T */
+        fence_regs(dpt);
+#pragma unroll
+        for (int j = 0; j < BM / 8; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int c = 8 * j + 2 * t4 + (e & 1);
+                dpt[4 * j + e] = st[4 * j + e] * (dpt[4 * j + e] - sm[BM + c]);
+            }
+        uint32_t pa[BM / 16][4], da[BM / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; kk++) {
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                pa[kk][q] = pack_bf16(st[8 * kk + 2 * q], st[8 * kk + 2 * q + 1]);
+                da[kk][q] = pack_bf16(dpt[8 * kk + 2 * q], dpt[8 * kk + 2 * q + 1]);
+            }
+        }
+        /* dS^T -> shared, [128 keys][64 queries] swizzled */
+#pragma unroll
+        for (int j = 0; j < BM / 8; j++)
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                const int R = 64 * w + 16 * v + g + 8 * r;
+                *reinterpret_cast<uint32_t *>(sbase + C::OFF_DS + db * C::DS_BYTES + R * 128 +
+                                              ((j ^ (R & 7)) << 4) + t4 * 4) = da[j >> 1][(j & 1) * 2 + r];
+            }
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; kk++) wgmma_rs<1>(dv, pa[kk], desc_mn(sOs, BM, 0, kk), 1);
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; kk++) wgmma_rs<1>(dk, da[kk], desc_mn(sQs, BM, 0, kk), 1);
+        wgmma_commit();
+        fence_async_smem();
+        named_barrier(1, 256); /* both halves of dS^T written */
+
+        float dq[D / 4];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; kk++)
+            wgmma_ss<1, 1>(dq, desc_mn(sDSb, BN, 0, kk), desc_mn(sK, BN, w * (D / 2), kk), kk > 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(dv);
+        fence_regs(dk);
+        fence_regs(dq);
+        fence_regs(pa);
+        fence_regs(da);
+        mbar_arrive(empty(s));
+
+        float *dst = a.dq_acc + ((size_t)(b * tps + qt) * a.H + h) * (BM * D);
+#pragma unroll
+        for (int j = 0; j < D / 16; j++)
+            red_add_f4(dst + ((j * 256) + w * 128 + tid) * 4, dq[4 * j] * a.scale, dq[4 * j + 1] * a.scale,
+                       dq[4 * j + 2] * a.scale, dq[4 * j + 3] * a.scale);
+    }
+
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int j = k0 + 64 * w + 16 * v + g + 8 * r;
+        if (j >= klen) continue;
+        const size_t idx = (size_t)(ks + j);
+        if (a.dkx) {
+            float *dkp = a.dkx + (idx * a.H + h) * D + 2 * t4;
+            float *dvp = a.dvx + (idx * a.H + h) * D + 2 * t4;
+#pragma unroll
+            for (int n = 0; n < D / 8; n++) {
+                *reinterpret_cast<float2 *>(dkp + 8 * n) =
+                    make_float2(dk[4 * n + 2 * r] * a.scale, dk[4 * n + 2 * r + 1] * a.scale);
+                *reinterpret_cast<float2 *>(dvp + 8 * n) = make_float2(dv[4 * n + 2 * r], dv[4 * n + 2 * r + 1]);
+            }
+        } else {
+            bf16 *dkp = a.dk + idx * kstr + (size_t)hk * D + 2 * t4;
+            bf16 *dvp = a.dv + idx * kstr + (size_t)hk * D + 2 * t4;
+#pragma unroll
+            for (int n = 0; n < D / 8; n++) {
+                *reinterpret_cast<__nv_bfloat162 *>(dkp + 8 * n) =
+                    __floats2bfloat162_rn(dk[4 * n + 2 * r] * a.scale, dk[4 * n + 2 * r + 1] * a.scale);
+                *reinterpret_cast<__nv_bfloat162 *>(dvp + 8 * n) =
+                    __floats2bfloat162_rn(dv[4 * n + 2 * r], dv[4 * n + 2 * r + 1]);
+            }
+        }
+    }
+#endif
+}
+
+/* dq (bf16, or fp32 when dqf) of q index i, head h, column c from the
+ * permuted accumulator */
+__global__ void dq_convert_kernel(bf16 *dq, float *dqf, const float *acc, const int *qstart, int n, int B, int S,
+                                  int H, int D, int tps) {
+    const size_t total = (size_t)n * H * D;
+    for (size_t x = (size_t)blockIdx.x * blockDim.x + threadIdx.x; x < total; x += (size_t)gridDim.x * blockDim.x) {
+        const int c = (int)(x % D), h = (int)((x / D) % H), i = (int)(x / ((size_t)H * D));
+        int b;
+        if (!qstart) {
+            b = i / S;
+        } else { /* the sequence of index i: last b with qstart[b] <= i */
+            int lo = 0, hi = B - 1;
+            while (lo < hi) {
+                const int mid = (lo + hi + 1) >> 1;
+                if (qstart[mid] <= i) lo = mid;
+                else hi = mid - 1;
+            }
+            b = lo;
+        }
+        const int qi = i - (qstart ? qstart[b] : b * S);
+        const size_t slot = (size_t)b * tps + qi / 64;
+        const float val = acc[(slot * H + h) * (64 * (size_t)D) + dq_tile_index(qi % 64, c, D)];
+        if (dqf) dqf[x] = val;
+        else dq[x] = __float2bfloat16_rn(val);
+    }
+}
+
+} // namespace
+
+/* ==================================================================== host */
+
+template <int D>
+static int bwd_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int kmaxlen, int tps) {
+    using C = BwdSm90<D>;
+    CUtensorMap mq, mo;
+    if (!attn_sm90_map_rows(&mq, a.q, nq_rows, a.H, D, C::BM) || !attn_sm90_map_rows(&mo, a.dout, nq_rows, a.H, D, C::BM))
+        return 0;
+    const void *fn = (const void *)attn_bwd_sm90_kernel<D>;
+    if (!attn_sm90_prepare(ctx, fn, C::SMEM, D == 64 ? 2 : 3)) return -1;
+    dim3 grid(a.H, (kmaxlen + C::BN - 1) / C::BN, a.B), block(C::THREADS);
+    void *args[] = {(void *)&mq, (void *)&mo, (void *)&a, (void *)&tps};
+    return CF_CK(ctx, cudaLaunchKernel(fn, grid, block, args, C::SMEM, ctx->stream)) ? 1 : -1;
+}
+
+size_t attn_bwd_sm90_smem(int D) { return D == 64 ? BwdSm90<64>::SMEM : D == 128 ? BwdSm90<128>::SMEM : 0; }
+
+int attn_bwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D, int nq_rows, int kmaxlen, int tps) {
+    if (kmaxlen <= 0) return 1;
+    if (D == 64) return bwd_sm90_launch<64>(ctx, a, nq_rows, kmaxlen, tps);
+    if (D == 128) return bwd_sm90_launch<128>(ctx, a, nq_rows, kmaxlen, tps);
+    return 0;
+}
+
+void attn_sm90_dq_convert(cudaStream_t st, bf16 *dq, float *dqf, const float *acc, const int *qstart, int n, int B,
+                          int S, int H, int D, int tps) {
+    dq_convert_kernel<<<attn_grid_for((size_t)n * H * D), 256, 0, st>>>(dq, dqf, acc, qstart, n, B, S, H, D, tps);
+}
