@@ -16,57 +16,63 @@
  *   warpgroups 1, 2 (consumers, 240 registers): first gather the K and V
  *     rows of the tile once (cp.async: the k side may be a list of rows);
  *     warpgroup w owns keys 64w..64w+63 and keeps their dK, dV in
- *     registers. Per query tile:
+ *     registers. Per step of BM queries (64 or 128):
  *       S^T = K Q^T, dP^T = V dO^T          wgmma, all operands in smem
  *       P^T = exp2(x - lse), dS^T = P^T (dP^T - D)      registers (fp32)
  *       dV += P^T dO, dK += dS^T Q           wgmma, A = P^T / dS^T from
  *                                            registers, B MN-major
  *       dS^T -> shared (bf16, double-buffered), barrier of both consumers
- *       dQ[:, w D/2 ..] = dS K               wgmma, A = dS^T MN-major,
- *                                            B = K MN-major, 128 keys
- *     and adds its dQ half to the fp32 accumulator with 16-byte vector
- *     reductions (red.global.add.v4.f32).
+ *       dQ = dS K over the 128 keys          wgmma, A = dS^T MN-major,
+ *                                            B = K MN-major
+ *     where BM = 64: warpgroup w forms columns w D/2.. of the 64 rows;
+ *     BM = 128: rows 64w.. with all D columns. Each stores its part of dQ
+ *     (fp32) to shared memory; warp 2 of the producer adds the BM x D tile
+ *     to the accumulator with one bulk reduction (cp.reduce.async.bulk
+ *     .add.f32) while the consumers go on (named barriers 2 and 3 hand the
+ *     buffer back and forth).
+ * BM = 128 halves the per-step costs (barriers, hand-offs, waits) for the
+ * same work but needs twice the score registers: D = 64 only.
  *
- * dq accumulator layout. A thread's dQ fragment is stored where a warp's
- * 16-byte reductions land on 512 contiguous bytes: per (sequence b, query
- * tile qt) a "slot" of 64 x D floats, slot = b * TPS + qt (TPS = tiles per
- * sequence, from the longest one), per head; inside, float4 number
- * (j * 256 + w * 128 + thread) holds accumulators 4j..4j+3 of that thread
- * of consumer w. attn_sm90_dq_convert undoes the permutation (dq_tile_index).
+ * dq accumulator layout ("slot order"). Per (sequence b, head h, 64-row
+ * query tile q64) a slot of 64 x D floats at ((b H + h) TPS + q64) 64 D
+ * (TPS: tiles per sequence, from the longest one, even), so a step's
+ * BM x D tile is contiguous (one bulk reduction). A slot is D/NW blocks
+ * of 64 x NW floats, NW = the dQ product's N (D/2 or D), one per
+ * warpgroup's product; inside a block, float4 number (j 128 + thread)
+ * holds accumulators 4j..4j+3 of that thread, so a warp's 16-byte stores
+ * land on 512 contiguous bytes (no bank conflicts). dq_slot_index gives
+ * the position of element (r, c); attn_sm90_dq_convert undoes it.
  * dq is a sum in nondeterministic order (as in bwd.cu); dk, dv are not.
  */
+#include <stdlib.h>
+
 #include "backend/cuda/attention/sm90.cuh"
 
-template <int D> struct BwdSm90 {
+template <int D, int BM_> struct BwdSm90 {
+    static_assert(BM_ == 64 || (BM_ == 128 && D == 64), "128-query steps for D = 64 only (registers)");
     static constexpr int BN = 128;     /* keys per block (64 per consumer) */
-    static constexpr int BM = 64;      /* queries per step                 */
+    static constexpr int BM = BM_;     /* queries per step                 */
     static constexpr int QST = 2;      /* stages of the Q/dO ring          */
+    static constexpr int NW = BM == 64 ? D / 2 : D; /* N of a warpgroup's dQ product */
     static constexpr int THREADS = 384;
     static constexpr uint32_t KT_BYTES = BN * D * 2, QT_BYTES = BM * D * 2, DS_BYTES = BN * BM * 2;
+    static constexpr uint32_t DQ_BYTES = BM * D * 4;     /* a step's dq tile, fp32 */
     static constexpr uint32_t SMALL_BYTES = 4 * BM * 4; /* lse, D, row, doc of a stage */
     static constexpr uint32_t OFF_K = 0, OFF_V = KT_BYTES, OFF_Q = 2 * KT_BYTES, OFF_DO = OFF_Q + QST * QT_BYTES,
-                              OFF_DS = OFF_DO + QST * QT_BYTES, OFF_SMALL = OFF_DS + 2 * DS_BYTES,
-                              OFF_BAR = OFF_SMALL + QST * SMALL_BYTES;
+                              OFF_DS = OFF_DO + QST * QT_BYTES, OFF_DQ = OFF_DS + 2 * DS_BYTES,
+                              OFF_SMALL = OFF_DQ + DQ_BYTES, OFF_BAR = OFF_SMALL + QST * SMALL_BYTES;
     static constexpr uint32_t SMEM = OFF_BAR + 16 * QST + 1024;
 };
 
 namespace {
 
-
-/* position of dq element (row r of the tile, column c) in its slot */
-__host__ __device__ __forceinline__ int dq_tile_index(int r, int c, int D) {
-    const int w = c / (D / 2), cc = c % (D / 2), j = cc >> 3, t = (cc & 7) >> 1, elo = cc & 1;
-    const int v = r >> 4, rr = r & 15, g = rr & 7, hi = rr >> 3;
-    return ((j * 256) + w * 128 + v * 32 + g * 4 + t) * 4 + 2 * hi + elo;
-}
-
-template <int D>
+template <int D, int BM_>
 __global__ void __launch_bounds__(384, 1)
     attn_bwd_sm90_kernel(const __grid_constant__ CUtensorMap tmQ, const __grid_constant__ CUtensorMap tmO,
                          const AttnArgs a, int tps) {
 #if CF_SM90A_PATH
-    using C = BwdSm90<D>;
-    constexpr int BN = C::BN, BM = C::BM, QST = C::QST, DB = D / 64;
+    using C = BwdSm90<D, BM_>;
+    constexpr int BN = C::BN, BM = C::BM, QST = C::QST, NW = C::NW, DB = D / 64;
     extern __shared__ unsigned char smem_raw[];
     const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
     unsigned char *sbase = smem_raw + (base - smem_u32(smem_raw));
@@ -83,15 +89,17 @@ __global__ void __launch_bounds__(384, 1)
     if (k0 >= klen) return;
     const int qs = seq_begin(a.qstart, b, a.S), qlen = seq_begin(a.qstart, b + 1, a.S) - qs;
     const int hk = h / (a.H / a.Hkv);
-    /* query tiles that can see this key tile: from the first query whose
+    /* query steps that can see this key tile: from the first query whose
      * row is >= the first key's row, to the end of the sequence */
     const int first = count_le(a.qrow, qs, qlen, row_of(a.krow, ks + k0) - 1);
     const int qt_begin = first / BM, nq = (qlen + BM - 1) / BM - qt_begin;
+    /* the accumulator slots of (b, h): 64-row tiles, a step covers BM / 64 */
+    float *dq_bh = a.dq_acc + dq_slot_base(b, h, 0, a.H, D, tps);
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < QST; s++) {
             mbar_init(full(s), 1 + 32);
-            mbar_init(empty(s), 256);
+            mbar_init(empty(s), 8); /* one arrival per consumer warp */
         }
         mbar_init_fence();
     }
@@ -129,6 +137,21 @@ __global__ void __launch_bounds__(384, 1)
                 }
                 mbar_arrive(full(s));
             }
+        } else if (warp == 2) {
+            /* the dq writer: adds each step's dQ tile (BM x D fp32 in slot
+             * order, written to shared memory by the consumers) to the
+             * accumulator with one bulk reduction, off the consumers' path */
+            for (int i = 0; i < nq; i++) {
+                named_barrier(2, 256 + 32); /* the consumers' dQ of step i is in shared memory */
+                if (lane == 0) {
+                    bulk_reduce_add_f32(dq_bh + (size_t)(qt_begin + i) * (BM * D), base + C::OFF_DQ, C::DQ_BYTES);
+                    bulk_commit();
+                    bulk_wait_read();
+                }
+                __syncwarp();
+                if (i + 1 < nq) named_barrier_arrive(3, 256 + 32); /* the buffer may be rewritten */
+            }
+            if (lane == 0) bulk_wait_all();
         }
         return;
     }
@@ -162,6 +185,10 @@ __global__ void __launch_bounds__(384, 1)
     }
     const int wk_first = k0 + 64 * w;
     const int wkrow_max = wk_first < klen ? row_of(a.krow, ks + min(wk_first + 63, klen - 1)) : INT_MAX;
+    /* this warpgroup's dQ product: rows (queries) from column qc0 of dS^T,
+     * columns from kc0 of K; its block of the step's slot tile */
+    const int qc0 = BM == 64 ? 0 : 64 * w, kc0 = BM == 64 ? w * (D / 2) : 0;
+    float4 *dqs = reinterpret_cast<float4 *>(sbase + C::OFF_DQ) + w * (64 * NW / 4);
 
     float dk[D / 2], dv[D / 2];
 #pragma unroll
@@ -199,30 +226,24 @@ __global__ void __launch_bounds__(384, 1)
             }
         wgmma_wait<0>(); /* dP^T */
         fence_regs(dpt);
-#pragma unroll
-        for (int j = 0; j < BM / 8; j++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int c = 8 * j + 2 * t4 + (e & 1);
-                dpt[4 * j + e] = st[4 * j + e] * (dpt[4 * j + e] - sm[BM + c]);
-            }
         uint32_t pa[BM / 16][4], da[BM / 16][4];
 #pragma unroll
         for (int kk = 0; kk < BM / 16; kk++) {
 #pragma unroll
             for (int q = 0; q < 4; q++) {
-                pa[kk][q] = pack_bf16(st[8 * kk + 2 * q], st[8 * kk + 2 * q + 1]);
-                da[kk][q] = pack_bf16(dpt[8 * kk + 2 * q], dpt[8 * kk + 2 * q + 1]);
+                const int i0 = 8 * kk + 2 * q, c = 16 * kk + 8 * (q >> 1) + 2 * t4;
+                pa[kk][q] = pack_bf16(st[i0], st[i0 + 1]);
+                da[kk][q] = pack_bf16(st[i0] * (dpt[i0] - sm[BM + c]), st[i0 + 1] * (dpt[i0 + 1] - sm[BM + c + 1]));
             }
         }
-        /* dS^T -> shared, [128 keys][64 queries] swizzled */
+        /* dS^T -> shared, [128 keys][BM queries] swizzled */
 #pragma unroll
         for (int j = 0; j < BM / 8; j++)
 #pragma unroll
             for (int r = 0; r < 2; r++) {
                 const int R = 64 * w + 16 * v + g + 8 * r;
-                *reinterpret_cast<uint32_t *>(sbase + C::OFF_DS + db * C::DS_BYTES + R * 128 +
-                                              ((j ^ (R & 7)) << 4) + t4 * 4) = da[j >> 1][(j & 1) * 2 + r];
+                *reinterpret_cast<uint32_t *>(sbase + C::OFF_DS + db * C::DS_BYTES + sw128_off(BN, R, 8 * j + 2 * t4)) =
+                    da[j >> 1][(j & 1) * 2 + r];
             }
         wgmma_fence();
 #pragma unroll
@@ -233,11 +254,11 @@ __global__ void __launch_bounds__(384, 1)
         fence_async_smem();
         named_barrier(1, 256); /* both halves of dS^T written */
 
-        float dq[D / 4];
+        float dq[NW / 2];
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BN / 16; kk++)
-            wgmma_ss<1, 1>(dq, desc_mn(sDSb, BN, 0, kk), desc_mn(sK, BN, w * (D / 2), kk), kk > 0);
+            wgmma_ss<1, 1>(dq, desc_mn(sDSb, BN, qc0, kk), desc_mn(sK, BN, kc0, kk), kk > 0);
         wgmma_commit();
         wgmma_wait<0>();
         fence_regs(dv);
@@ -245,13 +266,17 @@ __global__ void __launch_bounds__(384, 1)
         fence_regs(dq);
         fence_regs(pa);
         fence_regs(da);
-        mbar_arrive(empty(s));
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty(s));
 
-        float *dst = a.dq_acc + ((size_t)(b * tps + qt) * a.H + h) * (BM * D);
+        /* dQ -> shared in slot order, then to the writer warp */
+        if (i > 0) named_barrier(3, 256 + 32); /* the writer has read the last one */
 #pragma unroll
-        for (int j = 0; j < D / 16; j++)
-            red_add_f4(dst + ((j * 256) + w * 128 + tid) * 4, dq[4 * j] * a.scale, dq[4 * j + 1] * a.scale,
-                       dq[4 * j + 2] * a.scale, dq[4 * j + 3] * a.scale);
+        for (int j = 0; j < NW / 8; j++)
+            dqs[j * 128 + tid] = make_float4(dq[4 * j] * a.scale, dq[4 * j + 1] * a.scale, dq[4 * j + 2] * a.scale,
+                                             dq[4 * j + 3] * a.scale);
+        fence_async_smem();
+        named_barrier_arrive(2, 256 + 32);
     }
 
 #pragma unroll
@@ -284,9 +309,9 @@ __global__ void __launch_bounds__(384, 1)
 }
 
 /* dq (bf16, or fp32 when dqf) of q index i, head h, column c from the
- * permuted accumulator */
+ * slot-ordered accumulator */
 __global__ void dq_convert_kernel(bf16 *dq, float *dqf, const float *acc, const int *qstart, int n, int B, int S,
-                                  int H, int D, int tps) {
+                                  int H, int D, int tps, int nw) {
     const size_t total = (size_t)n * H * D;
     for (size_t x = (size_t)blockIdx.x * blockDim.x + threadIdx.x; x < total; x += (size_t)gridDim.x * blockDim.x) {
         const int c = (int)(x % D), h = (int)((x / D) % H), i = (int)(x / ((size_t)H * D));
@@ -303,8 +328,7 @@ __global__ void dq_convert_kernel(bf16 *dq, float *dqf, const float *acc, const 
             b = lo;
         }
         const int qi = i - (qstart ? qstart[b] : b * S);
-        const size_t slot = (size_t)b * tps + qi / 64;
-        const float val = acc[(slot * H + h) * (64 * (size_t)D) + dq_tile_index(qi % 64, c, D)];
+        const float val = acc[dq_slot_base(b, h, qi >> 6, H, D, tps) + dq_slot_index(qi & 63, c, nw)];
         if (dqf) dqf[x] = val;
         else dq[x] = __float2bfloat16_rn(val);
     }
@@ -314,29 +338,41 @@ __global__ void dq_convert_kernel(bf16 *dq, float *dqf, const float *acc, const 
 
 /* ==================================================================== host */
 
-template <int D>
+/* 64 or 128 queries per backward step at D = 64 (CF_ATTN_SM90_BWD_BM, for
+ * timing both; read once) */
+static int bwd_bm_for(int D) {
+    static const int bm64 = [] {
+        const char *e = getenv("CF_ATTN_SM90_BWD_BM");
+        return e && atoi(e) == 128 ? 128 : 64;
+    }();
+    return D == 64 ? bm64 : 64;
+}
+
+template <int D, int BM>
 static int bwd_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int kmaxlen, int tps) {
-    using C = BwdSm90<D>;
+    using C = BwdSm90<D, BM>;
     CUtensorMap mq, mo;
     if (!attn_sm90_map_rows(&mq, a.q, nq_rows, a.H, D, C::BM) || !attn_sm90_map_rows(&mo, a.dout, nq_rows, a.H, D, C::BM))
         return 0;
-    const void *fn = (const void *)attn_bwd_sm90_kernel<D>;
-    if (!attn_sm90_prepare(ctx, fn, C::SMEM, D == 64 ? 2 : 3)) return -1;
+    const void *fn = (const void *)attn_bwd_sm90_kernel<D, BM>;
+    if (!attn_sm90_prepare(ctx, fn, C::SMEM, D == 128 ? 2 : BM == 64 ? 3 : 6)) return -1;
     dim3 grid(a.H, (kmaxlen + C::BN - 1) / C::BN, a.B), block(C::THREADS);
     void *args[] = {(void *)&mq, (void *)&mo, (void *)&a, (void *)&tps};
     return CF_CK(ctx, cudaLaunchKernel(fn, grid, block, args, C::SMEM, ctx->stream)) ? 1 : -1;
 }
 
-size_t attn_bwd_sm90_smem(int D) { return D == 64 ? BwdSm90<64>::SMEM : D == 128 ? BwdSm90<128>::SMEM : 0; }
+int attn_sm90_bwd_nw(int D) { return bwd_bm_for(D) == 64 ? D / 2 : D; }
 
 int attn_bwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D, int nq_rows, int kmaxlen, int tps) {
     if (kmaxlen <= 0) return 1;
-    if (D == 64) return bwd_sm90_launch<64>(ctx, a, nq_rows, kmaxlen, tps);
-    if (D == 128) return bwd_sm90_launch<128>(ctx, a, nq_rows, kmaxlen, tps);
+    if (D == 64) return bwd_bm_for(64) == 128 ? bwd_sm90_launch<64, 128>(ctx, a, nq_rows, kmaxlen, tps)
+                                              : bwd_sm90_launch<64, 64>(ctx, a, nq_rows, kmaxlen, tps);
+    if (D == 128) return bwd_sm90_launch<128, 64>(ctx, a, nq_rows, kmaxlen, tps);
     return 0;
 }
 
 void attn_sm90_dq_convert(cudaStream_t st, bf16 *dq, float *dqf, const float *acc, const int *qstart, int n, int B,
                           int S, int H, int D, int tps) {
-    dq_convert_kernel<<<attn_grid_for((size_t)n * H * D), 256, 0, st>>>(dq, dqf, acc, qstart, n, B, S, H, D, tps);
+    dq_convert_kernel<<<attn_grid_for((size_t)n * H * D), 256, 0, st>>>(dq, dqf, acc, qstart, n, B, S, H, D, tps,
+                                                                        attn_sm90_bwd_nw(D));
 }

@@ -296,8 +296,15 @@ bool attn_sm90_enabled(cf_cuda_ctx *ctx);
 int attn_fwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D);
 /* bwd_sm90.cu: the main backward kernel (as bwd.cu's) over k-side tiles of
  * up to kmaxlen rows per sequence, q side of nq_rows rows in all; dq goes
- * to a.dq_acc in slot order with tps query tiles (64 rows) per sequence */
+ * to a.dq_acc in slot order with tps query tiles (64 rows) per sequence,
+ * tps even (sm90.cuh: dq_slot_base) */
 int attn_bwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D, int nq_rows, int kmaxlen, int tps);
+/* bwd_centrifuge_sm90.cu: centrifuge part 2 (a.krow = the nf filtered rows,
+ * a.kstart their sequence starts): dq = part 1 (a.dq_acc, slot order) +
+ * the filtered keys' terms, written to a.dq (bf16) */
+int attn_bwd_dq_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D, int nq_rows, int nf, int maxlen, int tps);
+/* bwd_sm90.cu: the width of the dQ products at head dim D (slot order) */
+int attn_sm90_bwd_nw(int D);
 /* bwd_sm90.cu: dq of n q-side rows (sequence starts qstart, NULL = b*S)
  * from the slot-ordered accumulator: bf16 into dq, or fp32 into dqf */
 void attn_sm90_dq_convert(cudaStream_t st, bf16 *dq, float *dqf, const float *acc, const int *qstart, int n, int B,

@@ -7,10 +7,12 @@
  * A block owns BM = 64 * NC queries of one head and one sequence and walks
  * the key tiles (BN keys) they can see:
  *   warpgroup 0 (producer): one thread issues TMA loads of the Q tile once
- *     and of K, V (and the document ids of the keys) into a ring of KST
- *     stages; stage s is refilled after the consumers released it (mbarrier
- *     empty[s]); K and V of a stage complete on separate mbarriers so that
- *     S = Q K^T can start before V has landed. It keeps 24 registers.
+ *     and of K, V into a ring of KST stages; stage s is refilled after the
+ *     consumers released it (mbarrier empty[s]); K and V of a stage
+ *     complete on separate mbarriers so that S = Q K^T can start before V
+ *     has landed. With a document mask, warp 1 stores the document ids of
+ *     the stage's keys (ordinary loads; K's mbarrier also waits for its 32
+ *     arrivals). It keeps 24 registers.
  *   warpgroups 1..NC (consumers, 240 registers): warpgroup w owns queries
  *     64w..64w+63 of the block. Per key tile t:
  *       S_t = Q K_t^T          wgmma, A = Q and B = K from shared memory
@@ -48,8 +50,7 @@ namespace {
 template <int D>
 __global__ void __launch_bounds__(FwdSm90<D>::THREADS, 1)
     attn_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tmQ, const __grid_constant__ CUtensorMap tmK,
-                         const __grid_constant__ CUtensorMap tmV, const __grid_constant__ CUtensorMap tmDoc,
-                         const AttnArgs a) {
+                         const __grid_constant__ CUtensorMap tmV, const AttnArgs a) {
 #if CF_SM90A_PATH
     using C = FwdSm90<D>;
     constexpr int BM = C::BM, BN = C::BN, KST = C::KST, DB = D / 64;
@@ -76,9 +77,9 @@ __global__ void __launch_bounds__(FwdSm90<D>::THREADS, 1)
     if (threadIdx.x == 0) {
         mbar_init(full_q, 1);
         for (int s = 0; s < KST; s++) {
-            mbar_init(full_k(s), 1);
+            mbar_init(full_k(s), a.doc ? 1 + 32 : 1); /* + warp 1's arrivals with the doc ids */
             mbar_init(full_v(s), 1);
-            mbar_init(empty(s), 128 * C::NC);
+            mbar_init(empty(s), 4 * C::NC); /* one arrival per consumer warp */
         }
         mbar_init_fence();
     }
@@ -95,13 +96,27 @@ __global__ void __launch_bounds__(FwdSm90<D>::THREADS, 1)
                 const int s = t % KST, n = t / KST;
                 if (n > 0) mbar_wait(empty(s), (n - 1) & 1);
                 const int row = ks + t * BN;
-                mbar_arrive_tx(full_k(s), C::KV_BYTES + (a.doc ? C::DOC_BYTES : 0));
+                mbar_arrive_tx(full_k(s), C::KV_BYTES);
                 for (int cb = 0; cb < DB; cb++)
                     tma_load_3d(sK + s * C::KV_BYTES + cb * BN * 128, &tmK, cb * 64, hk, row, full_k(s));
-                if (a.doc) tma_load_1d(base + C::OFF_DOC + s * C::DOC_BYTES, &tmDoc, row, full_k(s));
                 mbar_arrive_tx(full_v(s), C::KV_BYTES);
                 for (int cb = 0; cb < DB; cb++)
                     tma_load_3d(sV + s * C::KV_BYTES + cb * BN * 128, &tmV, cb * 64, hk, row, full_v(s));
+            }
+        } else if (a.doc && (threadIdx.x >> 5) == 1) {
+            /* warp 1: the document ids of the keys of each stage, by
+             * ordinary loads (a TMA box of ints must start 16-byte aligned,
+             * which a sequence start need not be) */
+            const int lane = threadIdx.x & 31;
+            int *kd = reinterpret_cast<int *>(sbase + C::OFF_DOC);
+            for (int t = 0; t < nt; t++) {
+                const int s = t % KST, n = t / KST;
+                if (n > 0) mbar_wait(empty(s), (n - 1) & 1);
+                for (int c = lane; c < BN; c += 32) {
+                    const int j = t * BN + c;
+                    kd[s * BN + c] = j < klen ? a.doc[ks + j] : 0;
+                }
+                mbar_arrive(full_k(s));
             }
         }
         return;
@@ -207,7 +222,8 @@ __global__ void __launch_bounds__(FwdSm90<D>::THREADS, 1)
         softmax(t, st, alpha);
         wgmma_wait<0>();
         fence_regs(o);
-        mbar_arrive(empty(sp));
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty(sp));
 #pragma unroll
         for (int j = 0; j < D / 8; j++) {
             o[4 * j + 0] *= alpha[0];
@@ -252,16 +268,14 @@ template <int D>
 static int fwd_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a) {
     using C = FwdSm90<D>;
     const int T = a.B * a.S;
-    CUtensorMap mq, mk, mv, md;
-    memset(&md, 0, sizeof md);
+    CUtensorMap mq, mk, mv;
     if (!attn_sm90_map_rows(&mq, a.q, T, a.H, D, C::BM) || !attn_sm90_map_rows(&mk, a.k, T, a.Hkv, D, C::BN) ||
-        !attn_sm90_map_rows(&mv, a.v, T, a.Hkv, D, C::BN) ||
-        (a.doc && !attn_sm90_map_ints(&md, a.doc, T, C::BN)))
+        !attn_sm90_map_rows(&mv, a.v, T, a.Hkv, D, C::BN))
         return 0;
     const void *fn = (const void *)attn_fwd_sm90_kernel<D>;
     if (!attn_sm90_prepare(ctx, fn, C::SMEM, D == 64 ? 0 : 1)) return -1;
     dim3 grid(a.H, (a.S + C::BM - 1) / C::BM, a.B), block(C::THREADS);
-    void *args[] = {(void *)&mq, (void *)&mk, (void *)&mv, (void *)&md, (void *)&a};
+    void *args[] = {(void *)&mq, (void *)&mk, (void *)&mv, (void *)&a};
     return CF_CK(ctx, cudaLaunchKernel(fn, grid, block, args, C::SMEM, ctx->stream)) ? 1 : -1;
 }
 

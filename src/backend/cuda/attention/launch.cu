@@ -253,7 +253,7 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
      * Hopper into a dq accumulator of its own layout (bwd_sm90.cu) */
     int hopper = 0, tps = 0;
     if (attn_sm90_enabled(ctx)) {
-        tps = (maxlen + 63) / 64;
+        tps = 2 * ((maxlen + 127) / 128); /* even: a step may cover two 64-row tiles */
         const size_t acc_n = (size_t)B * tps * 64 * H * D;
         float *acc = (float *)cf_cuda_scratch(ctx, CF_SCR_ATTN_SM90_DQ, acc_n * sizeof(float));
         if (!acc || !CF_CK(ctx, cudaMemsetAsync(acc, 0, acc_n * sizeof(float), ctx->stream))) return;
@@ -261,11 +261,6 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
         h.dq_acc = acc;
         hopper = attn_bwd_sm90(ctx, h, D, n, kmaxlen, tps);
         if (hopper < 0) return;
-        if (hopper && mode == CF_ATTN_BWD_CENTRIFUGE) {
-            /* part 2 (bwd_centrifuge.cu) adds to dq_acc in [n, H, D] */
-            attn_sm90_dq_convert(ctx->stream, NULL, dq_acc, acc, a.qstart, n, B, S, H, D, tps);
-            if (!CF_CK_LAUNCH(ctx, "attention sm90 dq convert")) return;
-        }
         a.dq_acc = acc;
     }
     if (ctx->failed) return;
@@ -283,11 +278,20 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
         attn_filtered_rows(ctx->stream, filt, fstart, kept->rows, kept->seq_start, n, B, S);
         if (!CF_CK_LAUNCH(ctx, "attention filtered rows")) return;
         AttnArgs p = a;
-        p.dq_acc = dq_acc;
         p.kstart = fstart;
         p.krow = filt;
         p.dq = (bf16 *)dq;
-        if (!launch(ctx, K_BWD_DQ, p, D, (maxlen + TILE - 1) / TILE)) return;
+        int r = 0;
+        if (hopper) {
+            r = attn_bwd_dq_sm90(ctx, p, D, n, nf, maxlen, tps);
+            if (r < 0) return;
+            if (r == 0) { /* the portable part 2 adds to dq_acc in [n, H, D] */
+                attn_sm90_dq_convert(ctx->stream, NULL, dq_acc, a.dq_acc, a.qstart, n, B, S, H, D, tps);
+                if (!CF_CK_LAUNCH(ctx, "attention sm90 dq convert")) return;
+            }
+        }
+        p.dq_acc = dq_acc;
+        if (r == 0 && !launch(ctx, K_BWD_DQ, p, D, (maxlen + TILE - 1) / TILE)) return;
     } else if (hopper) {
         attn_sm90_dq_convert(ctx->stream, (bf16 *)dq, NULL, a.dq_acc, a.qstart, n, B, S, H, D, tps);
         if (!CF_CK_LAUNCH(ctx, "attention sm90 dq convert")) return;

@@ -268,11 +268,28 @@ __device__ __forceinline__ void tma_load_1d(uint32_t dst, const CUtensorMap *map
         : "memory");
 }
 
+/* bulk reduction: dst[0 .. bytes/4) += src[...] (fp32, global <- shared),
+ * issued by one thread; both addresses 16-byte aligned */
+__device__ __forceinline__ void bulk_reduce_add_f32(float *dst, uint32_t src, uint32_t bytes) {
+    CF_SM90_ASM("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst), "r"(src),
+                "r"(bytes)
+                : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { CF_SM90_ASM("cp.async.bulk.commit_group;\n" ::: "memory"); }
+/* waits until the issuing thread's bulk operations have read their source */
+__device__ __forceinline__ void bulk_wait_read() { CF_SM90_ASM("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+/* waits until they have completed */
+__device__ __forceinline__ void bulk_wait_all() { CF_SM90_ASM("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+
 /* --------------------------------------------------- warps, registers */
 
 /* barrier `id` (1..15) among `count` threads (whole warps) */
 __device__ __forceinline__ void named_barrier(int id, int count) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+/* arrives at barrier `id` without waiting (producer side of a hand-off) */
+__device__ __forceinline__ void named_barrier_arrive(int id, int count) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 template <int N> __device__ __forceinline__ void setmaxnreg_inc() {
     CF_SM90_ASM("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
@@ -280,16 +297,16 @@ template <int N> __device__ __forceinline__ void setmaxnreg_inc() {
 template <int N> __device__ __forceinline__ void setmaxnreg_dec() {
     CF_SM90_ASM("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
 }
-/* dst[0..3] += v, one vector reduction (sm_90: red.global.add.v4.f32) */
-__device__ __forceinline__ void red_add_f4(float *dst, float a, float b, float c, float d) {
-#if CF_SM90_PATH
-    atomicAdd(reinterpret_cast<float4 *>(dst), make_float4(a, b, c, d));
-#else
-    atomicAdd(dst, a);
-    atomicAdd(dst + 1, b);
-    atomicAdd(dst + 2, c);
-    atomicAdd(dst + 3, d);
-#endif
+/* ------------------------------------------- dq accumulator, slot order
+ * (bwd_sm90.cu): the start of the slot of (sequence b, head h, 64-row
+ * query tile q64), and the position of element (r, c) in it when the dQ
+ * products are nw columns wide */
+__host__ __device__ __forceinline__ size_t dq_slot_base(int b, int h, int q64, int H, int D, int tps) {
+    return (((size_t)b * H + h) * tps + q64) * (64 * (size_t)D);
+}
+__host__ __device__ __forceinline__ int dq_slot_index(int r, int c, int nw) {
+    const int cc = c % nw, j = cc >> 3, t = (cc & 7) >> 1;
+    return (c / nw) * (64 * nw) + ((j * 128 + (r >> 4) * 32 + (r & 7) * 4 + t) * 4 + ((r >> 3) & 1) * 2 + (c & 1));
 }
 
 /* ---------------------------------------------------------- host side */
