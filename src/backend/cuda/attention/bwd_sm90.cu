@@ -69,7 +69,7 @@ namespace {
 template <int D, int BM_>
 __global__ void __launch_bounds__(384, 1)
     attn_bwd_sm90_kernel(const __grid_constant__ CUtensorMap tmQ, const __grid_constant__ CUtensorMap tmO,
-                         const AttnArgs a, int tps) {
+                         const AttnArgs a, int tps, int hpb) {
 #if CF_SM90A_PATH
     using C = BwdSm90<D, BM_>;
     constexpr int BN = C::BN, BM = C::BM, QST = C::QST, NW = C::NW, DB = D / 64;
@@ -83,18 +83,17 @@ __global__ void __launch_bounds__(384, 1)
     auto empty = [&](int s) { return bar + 8 * (QST + s); };
     auto small = [&](int s) { return reinterpret_cast<float *>(sbase + C::OFF_SMALL + s * C::SMALL_BYTES); };
 
-    const int h = blockIdx.x, b = blockIdx.z;
+    const int h0 = blockIdx.x * hpb, b = blockIdx.z; /* query heads h0 .. h0+hpb-1 */
     const int k0 = blockIdx.y * BN;
     const int ks = seq_begin(a.kstart, b, a.S), klen = seq_begin(a.kstart, b + 1, a.S) - ks;
     if (k0 >= klen) return;
     const int qs = seq_begin(a.qstart, b, a.S), qlen = seq_begin(a.qstart, b + 1, a.S) - qs;
-    const int hk = h / (a.H / a.Hkv);
+    const int hk = h0 / (a.H / a.Hkv);
     /* query steps that can see this key tile: from the first query whose
-     * row is >= the first key's row, to the end of the sequence */
+     * row is >= the first key's row, to the end of the sequence; then the
+     * same for each further head of the block (nsteps in all) */
     const int first = count_le(a.qrow, qs, qlen, row_of(a.krow, ks + k0) - 1);
-    const int qt_begin = first / BM, nq = (qlen + BM - 1) / BM - qt_begin;
-    /* the accumulator slots of (b, h): 64-row tiles, a step covers BM / 64 */
-    float *dq_bh = a.dq_acc + dq_slot_base(b, h, 0, a.H, D, tps);
+    const int qt_begin = first / BM, nq = (qlen + BM - 1) / BM - qt_begin, nsteps = nq * hpb;
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < QST; s++) {
@@ -111,8 +110,8 @@ __global__ void __launch_bounds__(384, 1)
         setmaxnreg_dec<24>();
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
         if (warp == 0 && lane == 0) {
-            for (int i = 0; i < nq; i++) {
-                const int s = i % QST, n = i / QST, row = qs + (qt_begin + i) * BM;
+            for (int i = 0; i < nsteps; i++) {
+                const int h = h0 + i / nq, s = i % QST, n = i / QST, row = qs + (qt_begin + i % nq) * BM;
                 if (n > 0) mbar_wait(empty(s), (n - 1) & 1);
                 mbar_arrive_tx(full(s), 2 * C::QT_BYTES);
                 for (int cb = 0; cb < DB; cb++) {
@@ -121,12 +120,12 @@ __global__ void __launch_bounds__(384, 1)
                 }
             }
         } else if (warp == 1) {
-            for (int i = 0; i < nq; i++) {
-                const int s = i % QST, n = i / QST;
+            for (int i = 0; i < nsteps; i++) {
+                const int h = h0 + i / nq, s = i % QST, n = i / QST;
                 if (n > 0) mbar_wait(empty(s), (n - 1) & 1);
                 float *sm = small(s);
                 for (int c = lane; c < BM; c += 32) {
-                    const int qi = (qt_begin + i) * BM + c;
+                    const int qi = (qt_begin + i % nq) * BM + c;
                     const bool ok = qi < qlen;
                     const size_t idx = (size_t)(qs + qi) * a.H + h;
                     const int row = ok ? row_of(a.qrow, qs + qi) : -1;
@@ -141,15 +140,18 @@ __global__ void __launch_bounds__(384, 1)
             /* the dq writer: adds each step's dQ tile (BM x D fp32 in slot
              * order, written to shared memory by the consumers) to the
              * accumulator with one bulk reduction, off the consumers' path */
-            for (int i = 0; i < nq; i++) {
+            for (int i = 0; i < nsteps; i++) {
                 named_barrier(2, 256 + 32); /* the consumers' dQ of step i is in shared memory */
                 if (lane == 0) {
-                    bulk_reduce_add_f32(dq_bh + (size_t)(qt_begin + i) * (BM * D), base + C::OFF_DQ, C::DQ_BYTES);
+                    /* slots of (b, h): 64-row tiles, a step covers BM / 64 of them */
+                    float *dst = a.dq_acc + dq_slot_base(b, h0 + i / nq, 0, a.H, D, tps) +
+                                 (size_t)(qt_begin + i % nq) * (BM * D);
+                    bulk_reduce_add_f32(dst, base + C::OFF_DQ, C::DQ_BYTES);
                     bulk_commit();
                     bulk_wait_read();
                 }
                 __syncwarp();
-                if (i + 1 < nq) named_barrier_arrive(3, 256 + 32); /* the buffer may be rewritten */
+                if (i + 1 < nsteps) named_barrier_arrive(3, 256 + 32); /* the buffer may be rewritten */
             }
             if (lane == 0) bulk_wait_all();
         }
@@ -194,8 +196,8 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
     for (int i = 0; i < D / 2; i++) dk[i] = dv[i] = 0.f;
 
-    for (int i = 0; i < nq; i++) {
-        const int s = i % QST, db = i & 1, qt = qt_begin + i;
+    for (int i = 0; i < nsteps; i++) {
+        const int s = i % QST, db = i & 1, qt = qt_begin + i % nq;
         const uint32_t sQs = sQ + s * C::QT_BYTES, sOs = sO + s * C::QT_BYTES, sDSb = sDS + db * C::DS_BYTES;
         mbar_wait(full(s), (i / QST) & 1);
         const float *sm = small(s);
@@ -284,9 +286,10 @@ __global__ void __launch_bounds__(384, 1)
         const int j = k0 + 64 * w + 16 * v + g + 8 * r;
         if (j >= klen) continue;
         const size_t idx = (size_t)(ks + j);
-        if (a.dkx) {
-            float *dkp = a.dkx + (idx * a.H + h) * D + 2 * t4;
-            float *dvp = a.dvx + (idx * a.H + h) * D + 2 * t4;
+        if (a.dkx) { /* partial of heads h0.. : [nk, H/hpb, D] */
+            const size_t part = idx * (a.H / hpb) + blockIdx.x;
+            float *dkp = a.dkx + part * D + 2 * t4;
+            float *dvp = a.dvx + part * D + 2 * t4;
 #pragma unroll
             for (int n = 0; n < D / 8; n++) {
                 *reinterpret_cast<float2 *>(dkp + 8 * n) =
@@ -340,12 +343,27 @@ __global__ void dq_convert_kernel(bf16 *dq, float *dqf, const float *acc, const 
 
 /* 64 or 128 queries per backward step at D = 64 (CF_ATTN_SM90_BWD_BM, for
  * timing both; read once) */
+static int env_int(const char *name, int dflt) {
+    const char *e = getenv(name);
+    return e && *e ? atoi(e) : dflt;
+}
 static int bwd_bm_for(int D) {
-    static const int bm64 = [] {
-        const char *e = getenv("CF_ATTN_SM90_BWD_BM");
-        return e && atoi(e) == 128 ? 128 : 64;
-    }();
+    static const int bm64 = env_int("CF_ATTN_SM90_BWD_BM", 64) == 128 ? 128 : 64;
     return D == 64 ? bm64 : 64;
+}
+
+/* Query heads per block: with GQA, a block walks the query tiles of hpb
+ * heads of one group in turn with the same K, V tile (loaded once) and
+ * writes one partial of dk, dv for them: fewer blocks (each one's gather,
+ * prologue and epilogue shared by hpb heads) and 1/hpb of the fp32
+ * partials to write and reduce. 2 by default where it divides H/Hkv
+ * (CF_ATTN_SM90_BWD_HPB to time others; read once). */
+int attn_sm90_bwd_hpb(int D, int H, int Hkv) {
+    static const int want = env_int("CF_ATTN_SM90_BWD_HPB", 2);
+    const int G = H / Hkv;
+    int hpb = want < 1 ? 1 : want;
+    while (hpb > 1 && G % hpb) hpb--;
+    return hpb;
 }
 
 template <int D, int BM>
@@ -356,8 +374,9 @@ static int bwd_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int
         return 0;
     const void *fn = (const void *)attn_bwd_sm90_kernel<D, BM>;
     if (!attn_sm90_prepare(ctx, fn, C::SMEM, D == 128 ? 2 : BM == 64 ? 3 : 6)) return -1;
-    dim3 grid(a.H, (kmaxlen + C::BN - 1) / C::BN, a.B), block(C::THREADS);
-    void *args[] = {(void *)&mq, (void *)&mo, (void *)&a, (void *)&tps};
+    int hpb = attn_sm90_bwd_hpb(D, a.H, a.Hkv);
+    dim3 grid(a.H / hpb, (kmaxlen + C::BN - 1) / C::BN, a.B), block(C::THREADS);
+    void *args[] = {(void *)&mq, (void *)&mo, (void *)&a, (void *)&tps, (void *)&hpb};
     return CF_CK(ctx, cudaLaunchKernel(fn, grid, block, args, C::SMEM, ctx->stream)) ? 1 : -1;
 }
 

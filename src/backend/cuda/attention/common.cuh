@@ -299,6 +299,9 @@ int attn_fwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D);
  * to a.dq_acc in slot order with tps query tiles (64 rows) per sequence,
  * tps even (sm90.cuh: dq_slot_base) */
 int attn_bwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D, int nq_rows, int kmaxlen, int tps);
+/* bwd_sm90.cu: query heads per block of attn_bwd_sm90 (a divisor of H/Hkv):
+ * with GQA its dk, dv go to a.dkx, a.dvx as [nk, H/hpb, D] fp32 partials */
+int attn_sm90_bwd_hpb(int D, int H, int Hkv);
 /* bwd_centrifuge_sm90.cu: centrifuge part 2 (a.krow = the nf filtered rows,
  * a.kstart their sequence starts): dq = part 1 (a.dq_acc, slot order) +
  * the filtered keys' terms, written to a.dq (bf16) */
@@ -312,7 +315,7 @@ void attn_sm90_dq_convert(cudaStream_t st, bf16 *dq, float *dqf, const float *ac
 
 /* ----------------------------------------- small kernels, by file */
 
-/* bwd.cu: D_i = dO_i . O_i per (q index, head), and dq_acc = 0 */
+/* bwd.cu: D_i = dO_i . O_i per (q index, head), and dq_acc = 0 (unless NULL) */
 void attn_bwd_prep(cudaStream_t st, const bf16 *dout, const bf16 *o, float *Dvec, float *dq_acc, int nrows, int D);
 /* bwd.cu: dq = bf16(dq_acc) */
 void attn_dq_to_bf16(cudaStream_t st, bf16 *dq, const float *dq_acc, size_t n);

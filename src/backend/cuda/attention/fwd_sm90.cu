@@ -13,7 +13,7 @@
  *     has landed. With a document mask, warp 1 stores the document ids of
  *     the stage's keys (ordinary loads; K's mbarrier also waits for its 32
  *     arrivals). It keeps 24 registers.
- *   warpgroups 1..NC (consumers, 240 registers): warpgroup w owns queries
+ *   warpgroups 1..NC (consumers, 232 registers): warpgroup w owns queries
  *     64w..64w+63 of the block. Per key tile t:
  *       S_t = Q K_t^T          wgmma, A = Q and B = K from shared memory
  *       O  += P_{t-1} V_{t-1}  wgmma, A = P in registers, B = V (MN-major)
@@ -88,7 +88,7 @@ __global__ void __launch_bounds__(FwdSm90<D>::THREADS, 1)
     const int wg = threadIdx.x >> 7;
     if (wg == 0) {
         /* ---------------------------------------------------- producer */
-        setmaxnreg_dec<24>();
+        setmaxnreg_dec<40>();
         if (threadIdx.x == 0) {
             mbar_arrive_tx(full_q, C::Q_BYTES);
             for (int cb = 0; cb < DB; cb++) tma_load_3d(sQ + cb * BM * 128, &tmQ, cb * 64, h, qs + q0, full_q);
@@ -123,7 +123,7 @@ __global__ void __launch_bounds__(FwdSm90<D>::THREADS, 1)
     }
 
     /* ------------------------------------------------------- consumers */
-    setmaxnreg_inc<240>();
+    setmaxnreg_inc<232>();
     const int w = wg - 1, tid = threadIdx.x & 127, v = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
     const int wq0 = q0 + 64 * w + 16 * v; /* this warp's first query */
     int qi[2], qdoc[2];
