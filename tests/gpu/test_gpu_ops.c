@@ -784,9 +784,13 @@ static grads attn_bwd_both(attn_problem *p, cf_attn_bwd_mode mode, int *rows, in
     cpu->attention_bwd(cpu, rdq, rdk, rdv, dout, q, p->k, p->v, out, lse, &p->cs, full ? NULL : &ck, mode);
     void *gdq = gact_nan(nq * wq), *gdk = gact_nan(nkr * wk), *gdv = gact_nan(nkr * wk);
     cf_backend *ag = attn_gpu ? attn_gpu : gpu;
+    /* another context computes on its own stream: the uploads on gpu's
+     * stream must be done before, and its results before the downloads */
+    if (ag != gpu) CHECK(gpu->synchronize(gpu) == 0);
     ag->attention_bwd(ag, gdq, gdk, gdv, gact(dout, nq * wq), gact(q, nq * wq), gact(p->k, p->T * wk),
                        gact(p->v, p->T * wk), gact(out, nq * wq), gf32(lse, nq * c.H), &p->gs,
                        full ? NULL : &gk, mode);
+    if (ag != gpu) CHECK(ag->synchronize(ag) == 0);
     grads g = {get_act(gdq, nq * wq), get_act(gdk, nkr * wk), get_act(gdv, nkr * wk)};
     if (compare) {
         char what[256];
@@ -1033,6 +1037,7 @@ TEST(attention_hopper_matches_portable_kernels) {
         void *q = gact(p.q, nq), *k = gact(p.k, nkv), *v = gact(p.v, nkv);
         void *oh = gact_nan(nq), *op = gact_nan(nq), *lh = gf32_nan(p.T * c.H), *lp = gf32_nan(p.T * c.H);
         gpu->attention_fwd(gpu, oh, lh, q, k, v, &p.gs);
+        CHECK(gpu->synchronize(gpu) == 0); /* inputs uploaded on gpu's stream */
         gpu_port->attention_fwd(gpu_port, op, lp, q, k, v, &p.gs);
         CHECK(gpu_port->synchronize(gpu_port) == 0);
         float *foh = get_act(oh, nq), *fop = get_act(op, nq);

@@ -9,7 +9,8 @@
  * boxes of contiguous rows, so their K and V rows are first gathered into
  * compact [nf, Hkv, D] arrays (gather_rows_kernel, a few MB). Then a block
  * owns BM = 128 kept queries (two consumer warpgroups of 64) of one head
- * and walks the tiles of BN = 64 filtered keys that precede its last query:
+ * and walks the tiles of BN filtered keys (128 at D = 64, 64 at D = 128)
+ * that precede its last query:
  *   warpgroup 0: thread 0 loads Q and dO once and K, V per tile (TMA, ring
  *     of KST stages, mbarriers full_k / full_v / empty); warp 1 stores the
  *     original rows and document ids of the tile's keys.
@@ -25,7 +26,8 @@
 #include "backend/cuda/attention/sm90.cuh"
 
 template <int D> struct DqSm90 {
-    static constexpr int NC = 2, BM = 64 * NC, BN = 64, KST = 2, THREADS = 128 * (NC + 1);
+    /* 128 keys per tile at D = 64 (fewer steps); 64 at D = 128 (registers) */
+    static constexpr int NC = 2, BM = 64 * NC, BN = D == 64 ? 128 : 64, KST = 2, THREADS = 128 * (NC + 1);
     static constexpr uint32_t Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2, SMALL_BYTES = 2 * BN * 4;
     static constexpr uint32_t OFF_Q = 0, OFF_DO = Q_BYTES, OFF_K = 2 * Q_BYTES, OFF_V = OFF_K + KST * KV_BYTES,
                               OFF_SMALL = OFF_V + KST * KV_BYTES, OFF_BAR = OFF_SMALL + KST * SMALL_BYTES;
@@ -88,7 +90,7 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
 
     const int wg = threadIdx.x >> 7;
     if (wg == 0) {
-        setmaxnreg_dec<24>();
+        setmaxnreg_dec<40>();
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
         if (warp == 0 && lane == 0 && nt > 0) {
             mbar_arrive_tx(full_q, 2 * C::Q_BYTES);
@@ -123,7 +125,7 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
         return;
     }
 
-    setmaxnreg_inc<240>();
+    setmaxnreg_inc<232>();
     const int w = wg - 1, tid = threadIdx.x & 127, v = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
     int qi[2], qrow[2], qdoc[2];
     float lse2[2], Dv[2];

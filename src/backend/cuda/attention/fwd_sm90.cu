@@ -12,7 +12,7 @@
  *     complete on separate mbarriers so that S = Q K^T can start before V
  *     has landed. With a document mask, warp 1 stores the document ids of
  *     the stage's keys (ordinary loads; K's mbarrier also waits for its 32
- *     arrivals). It keeps 24 registers.
+ *     arrivals). It keeps 40 registers.
  *   warpgroups 1..NC (consumers, 232 registers): warpgroup w owns queries
  *     64w..64w+63 of the block. Per key tile t:
  *       S_t = Q K_t^T          wgmma, A = Q and B = K from shared memory
