@@ -78,6 +78,7 @@ bool attn_sm90_prepare(cf_cuda_ctx *ctx, const void *fn, size_t smem, int which)
     return true;
 }
 
+#if !(defined(CF_CUDA_PORTABLE) && CF_CUDA_PORTABLE)
 static __global__ void sm90a_flag_kernel(int *flag) { *flag = CF_SM90A_PATH; }
 
 /* 1 when the sm_90a code of this binary is what runs on the context's device */
@@ -91,6 +92,7 @@ static int runs_sm90a(cf_cuda_ctx *ctx) {
     CF_CK(ctx, cudaFree(d));
     return ok ? h : 0;
 }
+#endif
 
 bool attn_sm90_enabled(cf_cuda_ctx *ctx) {
     if (ctx->attn_path == 0) {
