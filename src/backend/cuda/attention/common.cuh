@@ -64,9 +64,18 @@
  * launch.cu (host side: shape checks, head-dim padding, per-device
  * shared-memory limits, the launches of each mode).
  *
- * Architectures: everything here is sm_80 (cp.async, ldmatrix, mma.sync
- * bf16). The one sm_90 instruction, the float2 atomic add of dq, has a
- * portable two-float fallback (atomic_add_f2).
+ * Architectures: everything above is sm_80 (cp.async, ldmatrix, mma.sync
+ * bf16): the portable path. The one sm_90 instruction, the float2 atomic
+ * add of dq, has a portable two-float fallback (atomic_add_f2).
+ * On Hopper (cc 9.0, sm_90a code in the binary) head dims 64 and 128 run
+ * kernels of their own with the same semantics, built from sm90.cuh
+ * (wgmma, TMA, mbarriers, warp specialisation): fwd_sm90.cu (forward, all
+ * rows), bwd_sm90.cu (the main backward kernel of every mode, its dq
+ * accumulator in "slot order"), bwd_centrifuge_sm90.cu (centrifuge part 2),
+ * launch_sm90.cu (path choice per context, tensor maps). launch.cu calls
+ * them where they apply and the portable kernels otherwise (other head
+ * dims, the strawman's kept-only forward, CENTRIFUGE_ATTENTION=portable).
+ * Design and measurements: docs/HOPPER_ATTENTION.md.
  */
 #ifndef CF_ATTENTION_COMMON_CUH
 #define CF_ATTENTION_COMMON_CUH
