@@ -5,6 +5,8 @@
 #                    (bf16 kernels, cuBLASLt), objects in build/cuda/
 #   make test-gpu    builds and runs tests/gpu/test_*.c (CPU backend vs CUDA backend)
 #   make bench-gpu   builds and runs tests/gpu/bench_attention
+#   make probe-gpu   builds and runs tests/gpu/probe_wgmma (unit checks of the
+#                    Hopper attention building blocks; needs an sm_90 GPU)
 #
 # Variables:
 #   NVCC, CUDA_HOME      the toolkit (default: the nvcc on PATH)
@@ -60,8 +62,9 @@ CUDA_LIB     := $(CUDA_BUILD)/libcentrifuge-cuda.a
 GPU_TEST_SRC := $(wildcard tests/gpu/test_*.c)
 GPU_TEST_BIN := $(patsubst tests/gpu/%.c,$(CUDA_BUILD)/tests/%,$(GPU_TEST_SRC))
 GPU_BENCH_BIN := $(CUDA_BUILD)/tests/bench_attention
+GPU_PROBE_BIN := $(CUDA_BUILD)/tests/probe_wgmma
 
-.PHONY: bench-gpu
+.PHONY: bench-gpu probe-gpu
 
 # C sources may include backend/cuda/context.h (CUDA runtime and cuBLASLt headers)
 $(CUDA_BUILD)/obj/engine/model.o: $(COMMIT_STAMP)
@@ -95,3 +98,13 @@ test-gpu: $(GPU_TEST_BIN) $(BIN)
 
 bench-gpu: $(GPU_BENCH_BIN)
 	$(GPU_BENCH_BIN)
+
+$(CUDA_BUILD)/tests/probe_wgmma.o: tests/gpu/probe_wgmma.cu $(ALL_H) $(wildcard src/backend/cuda/*.cuh src/backend/cuda/attention/*.cuh)
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVCCFLAGS) -c $< -o $@
+
+$(GPU_PROBE_BIN): $(CUDA_BUILD)/tests/probe_wgmma.o $(CUDA_LIB)
+	$(CC) $(CFLAGS) $^ -o $@ $(LDLIBS) $(CUDA_LDLIBS)
+
+probe-gpu: $(GPU_PROBE_BIN)
+	$(GPU_PROBE_BIN)

@@ -3,6 +3,11 @@
  *
  *   build/cuda/tests/bench_attention [S [H Hkv D]]     (make bench-gpu)
  *
+ * Each attention code path is timed in turn, in one process: the
+ * environment variable BENCH_ATTN_PATHS lists them (default "auto
+ * portable"; each is given to a fresh context as CENTRIFUGE_ATTENTION, so
+ * "auto" is the Hopper kernels on an H100/H200).
+ *
  * Default shapes: TinyLlama (H=32, Hkv=4, D=64) and a D=128 GQA shape
  * (H=32, Hkv=8), S=4096, B=1. Each figure is the median of 20 runs after 3
  * warm-ups, timed with cudaEvents on the backend's compute stream (its
@@ -174,20 +179,28 @@ static void bench(int B, int S, int H, int Hkv, int D) {
 }
 
 int main(int argc, char **argv) {
-    gpu = cf_backend_cuda_create(0);
-    if (!gpu) {
-        fprintf(stderr, "%s\n", cf_last_error());
-        return 1;
-    }
-    const cf_cuda_ctx *ctx = gpu->device_context(gpu);
-    printf("device: GPU %d, %s (%d SMs)\n", ctx->device, ctx->device_name, ctx->sm_count);
+    const char *paths_env = getenv("BENCH_ATTN_PATHS");
+    char paths[256];
+    snprintf(paths, sizeof paths, "%s", paths_env ? paths_env : "auto portable");
     int S = argc > 1 ? atoi(argv[1]) : 4096;
-    if (argc > 4) {
-        bench(1, S, atoi(argv[2]), atoi(argv[3]), atoi(argv[4]));
-    } else {
-        bench(1, S, 32, 4, 64);
-        bench(1, S, 32, 8, 128);
+    for (char *save = NULL, *path = strtok_r(paths, " ,", &save); path; path = strtok_r(NULL, " ,", &save)) {
+        setenv("CENTRIFUGE_ATTENTION", path, 1);
+        gpu = cf_backend_cuda_create(0);
+        if (!gpu) {
+            fprintf(stderr, "%s\n", cf_last_error());
+            return 1;
+        }
+        const cf_cuda_ctx *ctx = gpu->device_context(gpu);
+        printf("device: GPU %d, %s (%d SMs); CENTRIFUGE_ATTENTION=%s\n", ctx->device, ctx->device_name,
+               ctx->sm_count, path);
+        if (argc > 4) {
+            bench(1, S, atoi(argv[2]), atoi(argv[3]), atoi(argv[4]));
+        } else {
+            bench(1, S, 32, 4, 64);
+            bench(1, S, 32, 8, 128);
+        }
+        printf("  (attention path taken: %s)\n", ctx->attn_path == 2 ? "hopper sm_90a" : "portable mma.sync");
+        gpu->destroy(gpu);
     }
-    gpu->destroy(gpu);
     return 0;
 }

@@ -26,11 +26,16 @@
 #include <string.h>
 
 #include "backend/backend.h"
+#include "backend/cuda/context.h"
 #include "backend/dropout_mask.h"
 #include "base/common.h"
 #include "test.h"
 
 static cf_backend *cpu, *gpu;
+/* A second context on the same GPU created with CENTRIFUGE_ATTENTION=portable:
+ * the mma.sync attention kernels, to cross-check the Hopper ones (NULL where
+ * gpu itself runs the portable kernels). */
+static cf_backend *gpu_port;
 static cf_rng rng;
 
 #define TOL_BF16 1e-2   /* bf16 output of fp32 math                    */
@@ -701,6 +706,8 @@ static const attn_case cases[] = {
     {1, 64, 2, 2, 32, 0},    /* exactly one tile, no GQA, D=32        */
     {1, 70, 4, 2, 8, 3},     /* D=8: zero-padded path, docs           */
     {1, 300, 8, 2, 64, 0},   /* several tiles                         */
+    {2, 391, 4, 2, 128, 3},  /* Hopper tiles (128 rows): several, ragged, docs */
+    {1, 520, 4, 4, 64, 5},   /* no GQA, several 128-row tiles, docs    */
 };
 #define NCASES (int)(sizeof cases / sizeof cases[0])
 
@@ -766,6 +773,7 @@ static float *hgather(const float *a, const int *rows, int n, size_t w) {
  * upper bound: tiles past a sequence's count must do nothing). */
 typedef struct { float *dq, *dk, *dv; } grads;
 static int loose_max_len;
+static cf_backend *attn_gpu; /* the GPU backend attn_bwd_both runs (NULL: gpu) */
 static grads attn_bwd_both(attn_problem *p, cf_attn_bwd_mode mode, int *rows, int *seq_start, int n,
                            const char *label, double tol, int compare) {
     const attn_case c = p->c;
@@ -788,9 +796,14 @@ static grads attn_bwd_both(attn_problem *p, cf_attn_bwd_mode mode, int *rows, in
     float *rdq = HOLD(hnew(nq * wq)), *rdk = HOLD(hnew(nkr * wk)), *rdv = HOLD(hnew(nkr * wk));
     cpu->attention_bwd(cpu, rdq, rdk, rdv, dout, q, p->k, p->v, out, lse, &p->cs, full ? NULL : &ck, mode);
     void *gdq = gact_nan(nq * wq), *gdk = gact_nan(nkr * wk), *gdv = gact_nan(nkr * wk);
-    gpu->attention_bwd(gpu, gdq, gdk, gdv, gact(dout, nq * wq), gact(q, nq * wq), gact(p->k, p->T * wk),
+    cf_backend *ag = attn_gpu ? attn_gpu : gpu;
+    /* another context computes on its own stream: the uploads on gpu's
+     * stream must be done before, and its results before the downloads */
+    if (ag != gpu) CHECK(gpu->synchronize(gpu) == 0);
+    ag->attention_bwd(ag, gdq, gdk, gdv, gact(dout, nq * wq), gact(q, nq * wq), gact(p->k, p->T * wk),
                        gact(p->v, p->T * wk), gact(out, nq * wq), gf32(lse, nq * c.H), &p->gs,
                        full ? NULL : &gk, mode);
+    if (ag != gpu) CHECK(ag->synchronize(ag) == 0);
     grads g = {get_act(gdq, nq * wq), get_act(gdk, nkr * wk), get_act(gdv, nkr * wk)};
     if (compare) {
         char what[256];
@@ -979,6 +992,104 @@ TEST(attention_centrifuge_matches_cpu_on_larger_problem) {
     free_all();
 }
 
+/* ============================================= Hopper vs portable kernels */
+
+static int attn_path_of(cf_backend *b) { return ((const cf_cuda_ctx *)b->device_context(b))->attn_path; }
+
+/* A forward on a tiny problem, so that the context picks its attention path
+ * (attention/launch_sm90.cu reads CENTRIFUGE_ATTENTION at the first call). */
+static void pick_attn_path(cf_backend *b) {
+    cf_attn_shape s = {1, 8, 2, 2, 64, 0.125f, NULL};
+    void *x = b->alloc(b, 8 * 2 * 64 * 2), *o = b->alloc(b, 8 * 2 * 64 * 2);
+    float *l = b->alloc(b, 8 * 2 * 4);
+    if (x && o && l) {
+        b->memzero(b, x, 8 * 2 * 64 * 2);
+        b->attention_fwd(b, o, l, x, x, x, &s);
+        b->synchronize(b);
+    }
+    b->free(b, x);
+    b->free(b, o);
+    b->free(b, l);
+}
+
+/* On a compute capability 9.0 GPU (unless CENTRIFUGE_ATTENTION=portable)
+ * the shared context must run the Hopper kernels, or the attention tests
+ * above would only test the portable ones. */
+TEST(attention_path_is_hopper_on_sm90) {
+    const cf_cuda_ctx *ctx = gpu->device_context(gpu);
+    const char *env = getenv("CENTRIFUGE_ATTENTION");
+    const int want_hopper = ctx->cc_major == 9 && ctx->cc_minor == 0 && !(env && strcmp(env, "portable") == 0);
+    printf("    cc %d.%d, attention path %s, portable context %s\n", ctx->cc_major, ctx->cc_minor,
+           attn_path_of(gpu) == 2 ? "hopper (sm_90a)" : "portable (mma.sync)",
+           gpu_port ? "created" : "not created");
+    CHECK(attn_path_of(gpu) == (want_hopper ? 2 : 1));
+    if (gpu_port) CHECK(attn_path_of(gpu_port) == 1);
+}
+
+/* The Hopper kernels against the portable ones on the same inputs (both
+ * also against the CPU): forward out and lse, and the FULL and CENTRIFUGE
+ * gradients, on ragged multi-tile sequences with GQA and document masks. */
+TEST(attention_hopper_matches_portable_kernels) {
+    if (!gpu_port) {
+        printf("    skipped: the shared context runs the portable kernels\n");
+        return;
+    }
+    const attn_case cc[] = {
+        {2, 300, 8, 2, 64, 3},
+        {1, 333, 4, 4, 128, 0},
+        {3, 200, 8, 1, 128, 2},
+        {1, 1000, 4, 2, 64, 0},
+    };
+    char nm[128], what[256];
+    for (int ci = 0; ci < (int)(sizeof cc / sizeof cc[0]); ci++) {
+        attn_problem p;
+        attn_setup(&p, cc[ci]);
+        const attn_case c = p.c;
+        case_name(c, nm, sizeof nm);
+        const size_t nq = p.T * c.H * c.D, nkv = p.T * c.Hkv * c.D;
+        void *q = gact(p.q, nq), *k = gact(p.k, nkv), *v = gact(p.v, nkv);
+        void *oh = gact_nan(nq), *op = gact_nan(nq), *lh = gf32_nan(p.T * c.H), *lp = gf32_nan(p.T * c.H);
+        gpu->attention_fwd(gpu, oh, lh, q, k, v, &p.gs);
+        CHECK(gpu->synchronize(gpu) == 0); /* inputs uploaded on gpu's stream */
+        gpu_port->attention_fwd(gpu_port, op, lp, q, k, v, &p.gs);
+        CHECK(gpu_port->synchronize(gpu_port) == 0);
+        float *foh = get_act(oh, nq), *fop = get_act(op, nq);
+        snprintf(what, sizeof what, "fwd out hopper vs cpu      %s", nm);
+        cmp(what, foh, p.out, nq, TOL_BF16);
+        snprintf(what, sizeof what, "fwd out hopper vs portable %s", nm);
+        cmp(what, foh, fop, nq, TOL_BF16);
+        snprintf(what, sizeof what, "fwd lse hopper vs portable %s", nm);
+        cmp(what, get_f32(lh, p.T * c.H), get_f32(lp, p.T * c.H), p.T * c.H, 1e-4);
+
+        grads gh = attn_bwd_both(&p, CF_ATTN_BWD_FULL, NULL, NULL, 0, "", 0, 0);
+        attn_gpu = gpu_port;
+        grads gp = attn_bwd_both(&p, CF_ATTN_BWD_FULL, NULL, NULL, 0, "", 0, 0);
+        attn_gpu = NULL;
+        const size_t nk = p.T * c.Hkv * c.D;
+        snprintf(what, sizeof what, "FULL dq hopper vs portable %s", nm);
+        cmp(what, gh.dq, gp.dq, nq, TOL_GRAD);
+        snprintf(what, sizeof what, "FULL dk hopper vs portable %s", nm);
+        cmp(what, gh.dk, gp.dk, nk, TOL_GRAD);
+        snprintf(what, sizeof what, "FULL dv hopper vs portable %s", nm);
+        cmp(what, gh.dv, gp.dv, nk, TOL_GRAD);
+
+        int *rows, n, *ss = HOLD(inew(c.B + 1));
+        make_kept(c, &rows, ss, &n, 0.5);
+        snprintf(what, sizeof what, "CENTRIFUGE hopper vs cpu %s", nm);
+        gh = attn_bwd_both(&p, CF_ATTN_BWD_CENTRIFUGE, rows, ss, n, what, TOL_GRAD, 1);
+        attn_gpu = gpu_port;
+        gp = attn_bwd_both(&p, CF_ATTN_BWD_CENTRIFUGE, rows, ss, n, "", 0, 0);
+        attn_gpu = NULL;
+        snprintf(what, sizeof what, "CENTRIFUGE dq hopper vs portable %s", nm);
+        cmp(what, gh.dq, gp.dq, (size_t)n * c.H * c.D, TOL_GRAD);
+        snprintf(what, sizeof what, "CENTRIFUGE dk hopper vs portable %s", nm);
+        cmp(what, gh.dk, gp.dk, (size_t)n * c.Hkv * c.D, TOL_GRAD);
+        snprintf(what, sizeof what, "CENTRIFUGE dv hopper vs portable %s", nm);
+        cmp(what, gh.dv, gp.dv, (size_t)n * c.Hkv * c.D, TOL_GRAD);
+        free_all();
+    }
+}
+
 /* ================================================= contexts and errors */
 
 /* An op that fails leaves its context failed: check, synchronize, upload and
@@ -1109,6 +1220,21 @@ int main(void) {
         printf("cannot create backends: %s\n", cf_last_error());
         return 1;
     }
+    /* the shared context picks its attention path with the environment as
+     * given; where that is the Hopper path, a second context forced to the
+     * portable kernels cross-checks it */
+    pick_attn_path(gpu);
+    if (attn_path_of(gpu) == 2) {
+        const char *env = getenv("CENTRIFUGE_ATTENTION");
+        char *saved = env ? strdup(env) : NULL;
+        setenv("CENTRIFUGE_ATTENTION", "portable", 1);
+        gpu_port = cf_backend_cuda_create(0);
+        if (gpu_port) pick_attn_path(gpu_port);
+        if (saved) setenv("CENTRIFUGE_ATTENTION", saved, 1);
+        else unsetenv("CENTRIFUGE_ATTENTION");
+        free(saved);
+        if (!gpu_port) printf("cannot create the portable context: %s\n", cf_last_error());
+    }
     RUN_IF(embedding_fwd_copies_rows_exactly);
     RUN_IF(embedding_bwd_sums_repeated_tokens_in_row_order_bitwise);
     RUN_IF(matmul_fwd_matches_cpu_with_and_without_bias);
@@ -1132,9 +1258,15 @@ int main(void) {
     RUN_IF(attention_centrifuge_bwd_matches_cpu_several_tiles_uneven_kept);
     RUN_IF(attention_centrifuge_matches_cpu_on_larger_problem);
     RUN_IF(attention_centrifuge_kv_bwd_matches_cpu_several_tiles_uneven_kept);
+    RUN_IF(attention_path_is_hopper_on_sm90);
+    RUN_IF(attention_hopper_matches_portable_kernels);
     RUN_IF(errors_are_sticky_and_a_second_context_is_independent);
     RUN_IF(two_contexts_interleaved_give_the_same_results);
     CHECK_MSG(gpu->check(gpu) == 0, "the shared GPU backend failed: %s", cf_last_error());
+    if (gpu_port) {
+        CHECK_MSG(gpu_port->check(gpu_port) == 0, "the portable GPU backend failed: %s", cf_last_error());
+        gpu_port->destroy(gpu_port);
+    }
     gpu->destroy(gpu);
     cpu->destroy(cpu);
     return test_summary();

@@ -58,6 +58,9 @@ typedef enum {
     CF_SCR_ATTN_PAD_DQ,
     CF_SCR_ATTN_PAD_DK,
     CF_SCR_ATTN_PAD_DV,
+    CF_SCR_ATTN_SM90_DQ,   /*   Hopper backward: dq accumulator in slot order          */
+    CF_SCR_ATTN_SM90_KF,   /*   Hopper centrifuge: K rows of the filtered keys         */
+    CF_SCR_ATTN_SM90_VF,   /*   Hopper centrifuge: V rows of the filtered keys         */
     CF_SCR_COUNT
 } cf_cuda_scratch_id;
 
@@ -105,6 +108,11 @@ typedef struct cf_cuda_ctx {
     /* one bit per (attention kernel, head dim) whose shared-memory limit
      * has been raised on this device (attention/launch.cu) */
     unsigned attn_attr_done;
+    /* attention's code path on this device, chosen at its first call
+     * (attention/launch.cu: 0 = not yet, 1 = portable, 2 = Hopper), and one
+     * bit per Hopper kernel whose shared-memory limit has been raised */
+    int attn_path;
+    unsigned attn_sm90_attr_done;
 
     /* time marks on the compute stream (backend.h: mark), created lazily */
 #define CF_CUDA_MARKS 4096

@@ -57,7 +57,8 @@ constexpr size_t bwd_smem_bytes() {
            (size_t)TILE * (TILE + 8) * sizeof(bf16) + 4 * NB * TILE * sizeof(float);
 }
 
-/* D_i = dO_i . O_i per (q index, head), one warp each; also zeroes dq_acc. */
+/* D_i = dO_i . O_i per (q index, head), one warp each; also zeroes dq_acc
+ * (unless NULL). */
 static __global__ void attn_bwd_prep_kernel(const bf16 *dout, const bf16 *o, float *Dvec, float *dq_acc,
                                      int nrows, int D) {
     int w = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
@@ -68,7 +69,7 @@ static __global__ void attn_bwd_prep_kernel(const bf16 *dout, const bf16 *o, flo
         float2 x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(a + d));
         float2 y = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(c + d));
         acc += x.x * y.x + x.y * y.y;
-        *reinterpret_cast<float2 *>(dq_acc + (size_t)w * D + d) = make_float2(0.f, 0.f);
+        if (dq_acc) *reinterpret_cast<float2 *>(dq_acc + (size_t)w * D + d) = make_float2(0.f, 0.f);
     }
     for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
     if (lane == 0) Dvec[w] = acc;

@@ -64,9 +64,18 @@
  * launch.cu (host side: shape checks, head-dim padding, per-device
  * shared-memory limits, the launches of each mode).
  *
- * Architectures: everything here is sm_80 (cp.async, ldmatrix, mma.sync
- * bf16). The one sm_90 instruction, the float2 atomic add of dq, has a
- * portable two-float fallback (atomic_add_f2).
+ * Architectures: everything above is sm_80 (cp.async, ldmatrix, mma.sync
+ * bf16): the portable path. The one sm_90 instruction, the float2 atomic
+ * add of dq, has a portable two-float fallback (atomic_add_f2).
+ * On Hopper (cc 9.0, sm_90a code in the binary) head dims 64 and 128 run
+ * kernels of their own with the same semantics, built from sm90.cuh
+ * (wgmma, TMA, mbarriers, warp specialisation): fwd_sm90.cu (forward, all
+ * rows), bwd_sm90.cu (the main backward kernel of every mode, its dq
+ * accumulator in "slot order"), bwd_centrifuge_sm90.cu (centrifuge part 2),
+ * launch_sm90.cu (path choice per context, tensor maps). launch.cu calls
+ * them where they apply and the portable kernels otherwise (other head
+ * dims, the strawman's kept-only forward, CENTRIFUGE_ATTENTION=portable).
+ * Design and measurements: docs/HOPPER_ATTENTION.md.
  */
 #ifndef CF_ATTENTION_COMMON_CUH
 #define CF_ATTENTION_COMMON_CUH
@@ -283,9 +292,39 @@ static inline int attn_grid_for(size_t n) {
     return (int)(blocks < 65536 ? (blocks ? blocks : 1) : 65536);
 }
 
+/* ------------------------------------ Hopper kernels (sm_90a), by file
+ * Each returns 1 when it launched, 0 when it does not take this call (the
+ * caller runs the portable kernels instead), -1 on a CUDA error (recorded
+ * in ctx). launch.cu calls them only when attn_sm90_enabled(ctx). */
+
+/* launch_sm90.cu: whether this context runs the Hopper kernels: a cc 9.0
+ * device, the binary's sm_90a code runs on it, the driver encodes tensor
+ * maps, and CENTRIFUGE_ATTENTION is not "portable" (read once per context) */
+bool attn_sm90_enabled(cf_cuda_ctx *ctx);
+/* fwd_sm90.cu: the forward, all rows (no kept lists), D = 64 or 128 */
+int attn_fwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D);
+/* bwd_sm90.cu: the main backward kernel (as bwd.cu's) over k-side tiles of
+ * up to kmaxlen rows per sequence, q side of nq_rows rows in all; dq goes
+ * to a.dq_acc in slot order with tps query tiles (64 rows) per sequence,
+ * tps even (sm90.cuh: dq_slot_base) */
+int attn_bwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D, int nq_rows, int kmaxlen, int tps);
+/* bwd_sm90.cu: query heads per block of attn_bwd_sm90 (a divisor of H/Hkv):
+ * with GQA its dk, dv go to a.dkx, a.dvx as [nk, H/hpb, D] fp32 partials */
+int attn_sm90_bwd_hpb(int D, int H, int Hkv);
+/* bwd_centrifuge_sm90.cu: centrifuge part 2 (a.krow = the nf filtered rows,
+ * a.kstart their sequence starts): dq = part 1 (a.dq_acc, slot order) +
+ * the filtered keys' terms, written to a.dq (bf16) */
+int attn_bwd_dq_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D, int nq_rows, int nf, int maxlen, int tps);
+/* bwd_sm90.cu: the width of the dQ products at head dim D (slot order) */
+int attn_sm90_bwd_nw(int D);
+/* bwd_sm90.cu: dq of n q-side rows (sequence starts qstart, NULL = b*S)
+ * from the slot-ordered accumulator: bf16 into dq, or fp32 into dqf */
+void attn_sm90_dq_convert(cudaStream_t st, bf16 *dq, float *dqf, const float *acc, const int *qstart, int n, int B,
+                          int S, int H, int D, int tps);
+
 /* ----------------------------------------- small kernels, by file */
 
-/* bwd.cu: D_i = dO_i . O_i per (q index, head), and dq_acc = 0 */
+/* bwd.cu: D_i = dO_i . O_i per (q index, head), and dq_acc = 0 (unless NULL) */
 void attn_bwd_prep(cudaStream_t st, const bf16 *dout, const bf16 *o, float *Dvec, float *dq_acc, int nrows, int D);
 /* bwd.cu: dq = bf16(dq_acc) */
 void attn_dq_to_bf16(cudaStream_t st, bf16 *dq, const float *dq_acc, size_t n);

@@ -134,6 +134,11 @@ static void attn_fwd(cf_cuda_ctx *ctx, void *out, float *lse, const void *q, con
     a.v = (const bf16 *)v;
     a.out = (bf16 *)out;
     a.lse_out = lse;
+    if (attn_sm90_enabled(ctx)) {
+        const int r = attn_fwd_sm90(ctx, a, s->D);
+        if (r != 0) return; /* launched, or failed (recorded) */
+    }
+    if (ctx->failed) return;
     launch(ctx, K_FWD, a, s->D, (s->S + TILE - 1) / TILE);
 }
 
@@ -234,9 +239,15 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
     if (!dq_acc || !Dvec) return;
     a.dq_acc = dq_acc;
     a.Dvec = Dvec;
-    attn_bwd_prep(ctx->stream, a.dout, a.o, Dvec, dq_acc, n * H, D);
+    /* the Hopper kernels have a dq accumulator of their own (bwd_sm90.cu) */
+    const bool try_hopper = (D == 64 || D == 128) && attn_sm90_enabled(ctx);
+    if (ctx->failed) return;
+    attn_bwd_prep(ctx->stream, a.dout, a.o, Dvec, try_hopper ? NULL : dq_acc, n * H, D);
     if (!CF_CK_LAUNCH(ctx, "attention bwd prep")) return;
-    if (H != Hkv) {
+    /* GQA: fp32 partials of dk, dv per group of hpb query heads (1 on the
+     * portable path), summed by attn_gqa_reduce */
+    int hpb = try_hopper ? attn_sm90_bwd_hpb(D, H, Hkv) : 1;
+    if (H != Hkv) { /* sized for hpb = 1, which a fallback uses */
         a.dkx = (float *)cf_cuda_scratch(ctx, CF_SCR_ATTN_DKX, (size_t)nk * H * D * sizeof(float));
         a.dvx = (float *)cf_cuda_scratch(ctx, CF_SCR_ATTN_DVX, (size_t)nk * H * D * sizeof(float));
         if (!a.dkx || !a.dvx) return;
@@ -244,8 +255,29 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
         a.dk = (bf16 *)dk;
         a.dv = (bf16 *)dv;
     }
-    /* part 1 / the whole backward: dk, dv, and dq over the k side */
-    if (!launch(ctx, K_BWD, a, D, (kmaxlen + TILE - 1) / TILE)) return;
+    /* part 1 / the whole backward: dk, dv, and dq over the k side; on
+     * Hopper into a dq accumulator of its own layout (bwd_sm90.cu) */
+    int hopper = 0, tps = 0;
+    if (try_hopper) {
+        tps = 2 * ((maxlen + 127) / 128); /* even: a step may cover two 64-row tiles */
+        const size_t acc_n = (size_t)B * tps * 64 * H * D;
+        float *acc = (float *)cf_cuda_scratch(ctx, CF_SCR_ATTN_SM90_DQ, acc_n * sizeof(float));
+        if (!acc || !CF_CK(ctx, cudaMemsetAsync(acc, 0, acc_n * sizeof(float), ctx->stream))) return;
+        AttnArgs h = a;
+        h.dq_acc = acc;
+        hopper = attn_bwd_sm90(ctx, h, D, n, kmaxlen, tps);
+        if (hopper < 0) return;
+        a.dq_acc = acc;
+    }
+    if (ctx->failed) return;
+    if (!hopper) {
+        if (try_hopper) { /* the Hopper kernel declined (tensor maps): the portable one */
+            hpb = 1;
+            if (!CF_CK(ctx, cudaMemsetAsync(dq_acc, 0, (size_t)n * H * D * sizeof(float), ctx->stream))) return;
+        }
+        a.dq_acc = dq_acc;
+        if (!launch(ctx, K_BWD, a, D, (kmaxlen + TILE - 1) / TILE)) return;
+    }
 
     if (mode == CF_ATTN_BWD_CENTRIFUGE) {
         /* part 2: dq over the filtered keys, plus dq_acc, to bf16 */
@@ -259,13 +291,26 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
         p.kstart = fstart;
         p.krow = filt;
         p.dq = (bf16 *)dq;
-        if (!launch(ctx, K_BWD_DQ, p, D, (maxlen + TILE - 1) / TILE)) return;
+        int r = 0;
+        if (hopper) {
+            r = attn_bwd_dq_sm90(ctx, p, D, n, nf, maxlen, tps);
+            if (r < 0) return;
+            if (r == 0) { /* the portable part 2 adds to dq_acc in [n, H, D] */
+                attn_sm90_dq_convert(ctx->stream, NULL, dq_acc, a.dq_acc, a.qstart, n, B, S, H, D, tps);
+                if (!CF_CK_LAUNCH(ctx, "attention sm90 dq convert")) return;
+            }
+        }
+        p.dq_acc = dq_acc;
+        if (r == 0 && !launch(ctx, K_BWD_DQ, p, D, (maxlen + TILE - 1) / TILE)) return;
+    } else if (hopper) {
+        attn_sm90_dq_convert(ctx->stream, (bf16 *)dq, NULL, a.dq_acc, a.qstart, n, B, S, H, D, tps);
+        if (!CF_CK_LAUNCH(ctx, "attention sm90 dq convert")) return;
     } else {
         attn_dq_to_bf16(ctx->stream, (bf16 *)dq, dq_acc, (size_t)n * H * D);
         if (!CF_CK_LAUNCH(ctx, "attention dq to bf16")) return;
     }
     if (H != Hkv) {
-        attn_gqa_reduce(ctx->stream, (bf16 *)dk, (bf16 *)dv, a.dkx, a.dvx, (size_t)nk, Hkv, H / Hkv, D);
+        attn_gqa_reduce(ctx->stream, (bf16 *)dk, (bf16 *)dv, a.dkx, a.dvx, (size_t)nk, Hkv, H / Hkv / hpb, D);
         CF_CK_LAUNCH(ctx, "attention GQA reduce");
     }
 }

@@ -1,0 +1,252 @@
+/*
+ * attention/bwd_centrifuge_sm90.cu — centrifuge part 2 on Hopper (sm_90a):
+ * what bwd_centrifuge.cu does (dq of the kept queries over the filtered
+ * keys, added to part 1's dq; notation and index spaces: common.cuh), with
+ * warpgroup matrix products. Layouts, fragments and ordering rules:
+ * sm90.cuh.
+ *
+ * The filtered keys are scattered rows of K and V; the copy engine reads
+ * boxes of contiguous rows, so their K and V rows are first gathered into
+ * compact [nf, Hkv, D] arrays (gather_rows_kernel, a few MB). Then a block
+ * owns BM = 128 kept queries (two consumer warpgroups of 64) of one head
+ * and walks the tiles of BN filtered keys (128 at D = 64, 64 at D = 128)
+ * that precede its last query:
+ *   warpgroup 0: thread 0 loads Q and dO once and K, V per tile (TMA, ring
+ *     of KST stages, mbarriers full_k / full_v / empty); warp 1 stores the
+ *     original rows and document ids of the tile's keys.
+ *   consumers, per tile:
+ *     S = Q K^T, dP = dO V^T                 wgmma, operands in smem
+ *     P = exp2(x - lse), dS = P (dP - D)     registers (the full-forward lse)
+ *     dQ += dS K                             wgmma, A = dS from registers,
+ *                                            B = K MN-major
+ * and the epilogue writes dq = part 1 (bwd_sm90.cu's accumulator, slot
+ * order) + scale dQ in bf16. With no filtered key before a query, dq is
+ * part 1 alone.
+ */
+#include "backend/cuda/attention/sm90.cuh"
+
+template <int D> struct DqSm90 {
+    /* 128 keys per tile at D = 64 (fewer steps); 64 at D = 128 (registers) */
+    static constexpr int NC = 2, BM = 64 * NC, BN = D == 64 ? 128 : 64, KST = 2, THREADS = 128 * (NC + 1);
+    static constexpr uint32_t Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2, SMALL_BYTES = 2 * BN * 4;
+    static constexpr uint32_t OFF_Q = 0, OFF_DO = Q_BYTES, OFF_K = 2 * Q_BYTES, OFF_V = OFF_K + KST * KV_BYTES,
+                              OFF_SMALL = OFF_V + KST * KV_BYTES, OFF_BAR = OFF_SMALL + KST * SMALL_BYTES;
+    /* barriers: full_q, full_k[KST], full_v[KST], empty[KST] */
+    static constexpr uint32_t SMEM = OFF_BAR + 8 * (1 + 3 * KST) + 1024;
+};
+
+namespace {
+
+/* dst row i = src row rows[i], rowlen bf16 each (16-byte copies) */
+__global__ void gather_rows_kernel(bf16 *dst_k, bf16 *dst_v, const bf16 *k, const bf16 *v, const int *rows, int n,
+                                   int rowlen) {
+    const int ch = rowlen / 8;
+    const size_t total = (size_t)n * ch;
+    for (size_t x = (size_t)blockIdx.x * blockDim.x + threadIdx.x; x < total; x += (size_t)gridDim.x * blockDim.x) {
+        const size_t i = x / ch, c = x % ch, src = (size_t)rows[i] * rowlen + c * 8;
+        reinterpret_cast<pack8 *>(dst_k)[x] = *reinterpret_cast<const pack8 *>(k + src);
+        reinterpret_cast<pack8 *>(dst_v)[x] = *reinterpret_cast<const pack8 *>(v + src);
+    }
+}
+
+template <int D>
+__global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
+    attn_bwd_dq_sm90_kernel(const __grid_constant__ CUtensorMap tmQ, const __grid_constant__ CUtensorMap tmO,
+                            const __grid_constant__ CUtensorMap tmK, const __grid_constant__ CUtensorMap tmV,
+                            const AttnArgs a, int tps, int attn_nw) {
+#if CF_SM90A_PATH
+    using C = DqSm90<D>;
+    constexpr int BM = C::BM, BN = C::BN, KST = C::KST, DB = D / 64;
+    extern __shared__ unsigned char smem_raw[];
+    const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+    unsigned char *sbase = smem_raw + (base - smem_u32(smem_raw));
+    const uint32_t sQ = base + C::OFF_Q, sO = base + C::OFF_DO, sK = base + C::OFF_K, sV = base + C::OFF_V;
+    const uint32_t bar = base + C::OFF_BAR, full_q = bar;
+    auto full_k = [&](int s) { return bar + 8 * (1 + s); };
+    auto full_v = [&](int s) { return bar + 8 * (1 + KST + s); };
+    auto empty = [&](int s) { return bar + 8 * (1 + 2 * KST + s); };
+    auto small = [&](int s) { return reinterpret_cast<int *>(sbase + C::OFF_SMALL + s * C::SMALL_BYTES); };
+
+    const int h = blockIdx.x, b = blockIdx.z;
+    const int q0 = (gridDim.y - 1 - blockIdx.y) * BM;
+    const int qs = seq_begin(a.qstart, b, a.S), qlen = seq_begin(a.qstart, b + 1, a.S) - qs;
+    if (q0 >= qlen) return;
+    const int ks = seq_begin(a.kstart, b, a.S), klen = seq_begin(a.kstart, b + 1, a.S) - ks;
+    const int hk = h / (a.H / a.Hkv);
+    const int qn = min(BM, qlen - q0);
+    const int nkeys = count_le(a.krow, ks, klen, row_of(a.qrow, qs + q0 + qn - 1));
+    const int nt = (nkeys + BN - 1) / BN;
+
+    if (threadIdx.x == 0) {
+        mbar_init(full_q, 1);
+        for (int s = 0; s < KST; s++) {
+            mbar_init(full_k(s), 1 + 32);
+            mbar_init(full_v(s), 1);
+            mbar_init(empty(s), 4 * C::NC);
+        }
+        mbar_init_fence();
+    }
+    __syncthreads();
+
+    const int wg = threadIdx.x >> 7;
+    if (wg == 0) {
+        setmaxnreg_dec<40>();
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+        if (warp == 0 && lane == 0 && nt > 0) {
+            mbar_arrive_tx(full_q, 2 * C::Q_BYTES);
+            for (int cb = 0; cb < DB; cb++) {
+                tma_load_3d(sQ + cb * BM * 128, &tmQ, cb * 64, h, qs + q0, full_q);
+                tma_load_3d(sO + cb * BM * 128, &tmO, cb * 64, h, qs + q0, full_q);
+            }
+            for (int t = 0; t < nt; t++) {
+                const int s = t % KST, n = t / KST, row = ks + t * BN;
+                if (n > 0) mbar_wait(empty(s), (n - 1) & 1);
+                mbar_arrive_tx(full_k(s), C::KV_BYTES);
+                for (int cb = 0; cb < DB; cb++)
+                    tma_load_3d(sK + s * C::KV_BYTES + cb * BN * 128, &tmK, cb * 64, hk, row, full_k(s));
+                mbar_arrive_tx(full_v(s), C::KV_BYTES);
+                for (int cb = 0; cb < DB; cb++)
+                    tma_load_3d(sV + s * C::KV_BYTES + cb * BN * 128, &tmV, cb * 64, hk, row, full_v(s));
+            }
+        } else if (warp == 1) {
+            for (int t = 0; t < nt; t++) {
+                const int s = t % KST, n = t / KST;
+                if (n > 0) mbar_wait(empty(s), (n - 1) & 1);
+                int *sm = small(s);
+                for (int c = lane; c < BN; c += 32) {
+                    const int j = t * BN + c;
+                    const int row = j < klen ? row_of(a.krow, ks + j) : INT_MAX;
+                    sm[c] = row;
+                    sm[BN + c] = (a.doc && j < klen) ? a.doc[row] : 0;
+                }
+                mbar_arrive(full_k(s));
+            }
+        }
+        return;
+    }
+
+    setmaxnreg_inc<232>();
+    const int w = wg - 1, tid = threadIdx.x & 127, v = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+    int qi[2], qrow[2], qdoc[2];
+    float lse2[2], Dv[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        qi[r] = q0 + 64 * w + 16 * v + g + 8 * r;
+        const bool ok = qi[r] < qlen;
+        const size_t idx = (size_t)(qs + (ok ? qi[r] : 0)) * a.H + h;
+        qrow[r] = ok ? row_of(a.qrow, qs + qi[r]) : -1;
+        qdoc[r] = (ok && a.doc) ? a.doc[qrow[r]] : 0;
+        lse2[r] = ok ? a.lse[idx] * LOG2E_F : 0.f;
+        Dv[r] = ok ? a.Dvec[idx] : 0.f;
+    }
+    float dq[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; i++) dq[i] = 0.f;
+    if (nt > 0) mbar_wait(full_q, 0);
+    for (int t = 0; t < nt; t++) {
+        const int st = t % KST, par = (t / KST) & 1;
+        const uint32_t sKs = sK + st * C::KV_BYTES, sVs = sV + st * C::KV_BYTES;
+        float s[BN / 2], dp[BN / 2];
+        mbar_wait(full_k(st), par);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++) wgmma_ss<0, 0>(s, desc_k(sQ, BM, 64 * w, kk), desc_k(sKs, BN, 0, kk), kk > 0);
+        wgmma_commit();
+        mbar_wait(full_v(st), par);
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++) wgmma_ss<0, 0>(dp, desc_k(sO, BM, 64 * w, kk), desc_k(sVs, BN, 0, kk), kk > 0);
+        wgmma_commit();
+        const int *krow_s = small(st), *kdoc_s = krow_s + BN;
+        wgmma_wait<1>();
+        fence_regs(s);
+#pragma unroll
+        for (int j = 0; j < BN / 8; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int c = 8 * j + 2 * t4 + (e & 1), r = e >> 1;
+                float p = fast_exp2(fmaf(s[4 * j + e], a.scale_log2, -lse2[r]));
+                if (!(krow_s[c] <= qrow[r] && (!a.doc || kdoc_s[c] == qdoc[r]))) p = 0.f;
+                s[4 * j + e] = p;
+            }
+        wgmma_wait<0>();
+        fence_regs(dp);
+        uint32_t da[BN / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; kk++)
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                const int i0 = 8 * kk + 2 * q, r = q & 1;
+                da[kk][q] = pack_bf16(s[i0] * (dp[i0] - Dv[r]), s[i0 + 1] * (dp[i0 + 1] - Dv[r]));
+            }
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; kk++) wgmma_rs<1>(dq, da[kk], desc_mn(sKs, BN, 0, kk), 1);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(dq);
+        fence_regs(da);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty(st));
+    }
+
+    /* dq = part 1 (slot order) + scale * dQ */
+    const size_t qstr = (size_t)a.H * D;
+    const float *acc = a.dq_acc + dq_slot_base(b, h, (q0 >> 6) + w, a.H, D, tps);
+    const int nw = attn_nw;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        if (qi[r] >= qlen) continue;
+        const int rr = 16 * v + g + 8 * r;
+        bf16 *dst = a.dq + (size_t)(qs + qi[r]) * qstr + (size_t)h * D;
+#pragma unroll
+        for (int j = 0; j < D / 8; j++) {
+            const int c = 8 * j + 2 * t4;
+            *reinterpret_cast<__nv_bfloat162 *>(dst + c) =
+                __floats2bfloat162_rn(acc[dq_slot_index(rr, c, nw)] + a.scale * dq[4 * j + 2 * r],
+                                      acc[dq_slot_index(rr, c + 1, nw)] + a.scale * dq[4 * j + 2 * r + 1]);
+        }
+    }
+#endif
+}
+
+} // namespace
+
+/* ==================================================================== host */
+
+template <int D>
+static int dq_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int nk_rows, int maxlen, int tps) {
+    using C = DqSm90<D>;
+    CUtensorMap mq, mo, mk, mv;
+    if (!attn_sm90_map_rows(&mq, a.q, nq_rows, a.H, D, C::BM) ||
+        !attn_sm90_map_rows(&mo, a.dout, nq_rows, a.H, D, C::BM) ||
+        !attn_sm90_map_rows(&mk, a.k, nk_rows, a.Hkv, D, C::BN) ||
+        !attn_sm90_map_rows(&mv, a.v, nk_rows, a.Hkv, D, C::BN))
+        return 0;
+    const void *fn = (const void *)attn_bwd_dq_sm90_kernel<D>;
+    if (!attn_sm90_prepare(ctx, fn, C::SMEM, D == 64 ? 4 : 5)) return -1;
+    dim3 grid(a.H, (maxlen + C::BM - 1) / C::BM, a.B), block(C::THREADS);
+    int nw = attn_sm90_bwd_nw(D);
+    void *args[] = {(void *)&mq, (void *)&mo, (void *)&mk, (void *)&mv, (void *)&a, (void *)&tps, (void *)&nw};
+    return CF_CK(ctx, cudaLaunchKernel(fn, grid, block, args, C::SMEM, ctx->stream)) ? 1 : -1;
+}
+
+int attn_bwd_dq_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D, int nq_rows, int nf, int maxlen, int tps) {
+    if (D != 64 && D != 128) return 0;
+    if (nf <= 0) { /* no filtered key anywhere: dq is part 1 */
+        attn_sm90_dq_convert(ctx->stream, a.dq, NULL, a.dq_acc, a.qstart, nq_rows, a.B, a.S, a.H, D, tps);
+        return CF_CK_LAUNCH(ctx, "attention sm90 dq convert") ? 1 : -1;
+    }
+    /* K and V rows of the filtered keys, compacted for the copy engine */
+    const size_t rowlen = (size_t)a.Hkv * D;
+    bf16 *kf = (bf16 *)cf_cuda_scratch(ctx, CF_SCR_ATTN_SM90_KF, (size_t)nf * rowlen * sizeof(bf16));
+    bf16 *vf = (bf16 *)cf_cuda_scratch(ctx, CF_SCR_ATTN_SM90_VF, (size_t)nf * rowlen * sizeof(bf16));
+    if (!kf || !vf) return -1;
+    gather_rows_kernel<<<attn_grid_for((size_t)nf * rowlen / 8), 256, 0, ctx->stream>>>(kf, vf, a.k, a.v, a.krow, nf,
+                                                                                        (int)rowlen);
+    if (!CF_CK_LAUNCH(ctx, "attention sm90 gather filtered rows")) return -1;
+    AttnArgs p = a;
+    p.k = kf;
+    p.v = vf;
+    return D == 64 ? dq_sm90_launch<64>(ctx, p, nq_rows, nf, maxlen, tps)
+                   : dq_sm90_launch<128>(ctx, p, nq_rows, nf, maxlen, tps);
+}

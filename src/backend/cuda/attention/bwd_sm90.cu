@@ -1,0 +1,398 @@
+/*
+ * attention/bwd_sm90.cu — the Hopper backward (sm_90a): the main kernel of
+ * bwd.cu (dk, dv of a key tile, dq by fp32 reductions; FULL, STRAWMAN,
+ * CENTRIFUGE part 1 and CENTRIFUGE_KV, index spaces as in common.cuh) with
+ * warpgroup matrix products, plus the conversion of its dq accumulator.
+ * Layouts, fragments and ordering rules: sm90.cuh.
+ *
+ * A block owns BN = 128 keys (k side, any index space) of one query head
+ * and one sequence:
+ *   warpgroup 0 (producer, 24 registers): thread 0 streams the Q and dO
+ *     tiles (BM = 64 q-side rows; the q side is always contiguous rows, so
+ *     TMA) into a ring of QST stages; warp 1 fills the per-query vectors of
+ *     the stage (lse in log2 units, D_i, original row, document id) with
+ *     ordinary loads and stores. Stage s completes on full[s] (the copy
+ *     bytes plus 32 arrivals) and is refilled after empty[s].
+ *   warpgroups 1, 2 (consumers, 240 registers): first gather the K and V
+ *     rows of the tile once (cp.async: the k side may be a list of rows);
+ *     warpgroup w owns keys 64w..64w+63 and keeps their dK, dV in
+ *     registers. Per step of BM queries (64 or 128):
+ *       S^T = K Q^T, dP^T = V dO^T          wgmma, all operands in smem
+ *       P^T = exp2(x - lse), dS^T = P^T (dP^T - D)      registers (fp32)
+ *       dV += P^T dO, dK += dS^T Q           wgmma, A = P^T / dS^T from
+ *                                            registers, B MN-major
+ *       dS^T -> shared (bf16, double-buffered), barrier of both consumers
+ *       dQ = dS K over the 128 keys          wgmma, A = dS^T MN-major,
+ *                                            B = K MN-major
+ *     where BM = 64: warpgroup w forms columns w D/2.. of the 64 rows;
+ *     BM = 128: rows 64w.. with all D columns. Each stores its part of dQ
+ *     (fp32) to shared memory; warp 2 of the producer adds the BM x D tile
+ *     to the accumulator with one bulk reduction (cp.reduce.async.bulk
+ *     .add.f32) while the consumers go on (named barriers 2 and 3 hand the
+ *     buffer back and forth).
+ * BM = 128 halves the per-step costs (barriers, hand-offs, waits) for the
+ * same work but needs twice the score registers: D = 64 only.
+ *
+ * dq accumulator layout ("slot order"). Per (sequence b, head h, 64-row
+ * query tile q64) a slot of 64 x D floats at ((b H + h) TPS + q64) 64 D
+ * (TPS: tiles per sequence, from the longest one, even), so a step's
+ * BM x D tile is contiguous (one bulk reduction). A slot is D/NW blocks
+ * of 64 x NW floats, NW = the dQ product's N (D/2 or D), one per
+ * warpgroup's product; inside a block, float4 number (j 128 + thread)
+ * holds accumulators 4j..4j+3 of that thread, so a warp's 16-byte stores
+ * land on 512 contiguous bytes (no bank conflicts). dq_slot_index gives
+ * the position of element (r, c); attn_sm90_dq_convert undoes it.
+ * dq is a sum in nondeterministic order (as in bwd.cu); dk, dv are not.
+ */
+#include <stdlib.h>
+
+#include "backend/cuda/attention/sm90.cuh"
+
+template <int D, int BM_> struct BwdSm90 {
+    static_assert(BM_ == 64 || (BM_ == 128 && D == 64), "128-query steps for D = 64 only (registers)");
+    static constexpr int BN = 128;     /* keys per block (64 per consumer) */
+    static constexpr int BM = BM_;     /* queries per step                 */
+    static constexpr int QST = 2;      /* stages of the Q/dO ring          */
+    static constexpr int NW = BM == 64 ? D / 2 : D; /* N of a warpgroup's dQ product */
+    static constexpr int THREADS = 384;
+    static constexpr uint32_t KT_BYTES = BN * D * 2, QT_BYTES = BM * D * 2, DS_BYTES = BN * BM * 2;
+    static constexpr uint32_t DQ_BYTES = BM * D * 4;     /* a step's dq tile, fp32 */
+    static constexpr uint32_t SMALL_BYTES = 4 * BM * 4; /* lse, D, row, doc of a stage */
+    static constexpr uint32_t OFF_K = 0, OFF_V = KT_BYTES, OFF_Q = 2 * KT_BYTES, OFF_DO = OFF_Q + QST * QT_BYTES,
+                              OFF_DS = OFF_DO + QST * QT_BYTES, OFF_DQ = OFF_DS + 2 * DS_BYTES,
+                              OFF_SMALL = OFF_DQ + DQ_BYTES, OFF_BAR = OFF_SMALL + QST * SMALL_BYTES;
+    static constexpr uint32_t SMEM = OFF_BAR + 16 * QST + 1024;
+};
+
+namespace {
+
+template <int D, int BM_>
+__global__ void __launch_bounds__(384, 1)
+    attn_bwd_sm90_kernel(const __grid_constant__ CUtensorMap tmQ, const __grid_constant__ CUtensorMap tmO,
+                         const AttnArgs a, int tps, int hpb) {
+#if CF_SM90A_PATH
+    using C = BwdSm90<D, BM_>;
+    constexpr int BN = C::BN, BM = C::BM, QST = C::QST, NW = C::NW, DB = D / 64;
+    extern __shared__ unsigned char smem_raw[];
+    const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+    unsigned char *sbase = smem_raw + (base - smem_u32(smem_raw));
+    const uint32_t sK = base + C::OFF_K, sV = base + C::OFF_V, sQ = base + C::OFF_Q, sO = base + C::OFF_DO,
+                   sDS = base + C::OFF_DS;
+    const uint32_t bar = base + C::OFF_BAR;
+    auto full = [&](int s) { return bar + 8 * s; };
+    auto empty = [&](int s) { return bar + 8 * (QST + s); };
+    auto small = [&](int s) { return reinterpret_cast<float *>(sbase + C::OFF_SMALL + s * C::SMALL_BYTES); };
+
+    const int h0 = blockIdx.x * hpb, b = blockIdx.z; /* query heads h0 .. h0+hpb-1 */
+    const int k0 = blockIdx.y * BN;
+    const int ks = seq_begin(a.kstart, b, a.S), klen = seq_begin(a.kstart, b + 1, a.S) - ks;
+    if (k0 >= klen) return;
+    const int qs = seq_begin(a.qstart, b, a.S), qlen = seq_begin(a.qstart, b + 1, a.S) - qs;
+    const int hk = h0 / (a.H / a.Hkv);
+    /* query steps that can see this key tile: from the first query whose
+     * row is >= the first key's row, to the end of the sequence; then the
+     * same for each further head of the block (nsteps in all) */
+    const int first = count_le(a.qrow, qs, qlen, row_of(a.krow, ks + k0) - 1);
+    const int qt_begin = first / BM, nq = (qlen + BM - 1) / BM - qt_begin, nsteps = nq * hpb;
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < QST; s++) {
+            mbar_init(full(s), 1 + 32);
+            mbar_init(empty(s), 8); /* one arrival per consumer warp */
+        }
+        mbar_init_fence();
+    }
+    __syncthreads();
+
+    const int wg = threadIdx.x >> 7;
+    if (wg == 0) {
+        /* ---------------------------------------------------- producer */
+        setmaxnreg_dec<24>();
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+        if (warp == 0 && lane == 0) {
+            for (int i = 0; i < nsteps; i++) {
+                const int h = h0 + i / nq, s = i % QST, n = i / QST, row = qs + (qt_begin + i % nq) * BM;
+                if (n > 0) mbar_wait(empty(s), (n - 1) & 1);
+                mbar_arrive_tx(full(s), 2 * C::QT_BYTES);
+                for (int cb = 0; cb < DB; cb++) {
+                    tma_load_3d(sQ + s * C::QT_BYTES + cb * BM * 128, &tmQ, cb * 64, h, row, full(s));
+                    tma_load_3d(sO + s * C::QT_BYTES + cb * BM * 128, &tmO, cb * 64, h, row, full(s));
+                }
+            }
+        } else if (warp == 1) {
+            for (int i = 0; i < nsteps; i++) {
+                const int h = h0 + i / nq, s = i % QST, n = i / QST;
+                if (n > 0) mbar_wait(empty(s), (n - 1) & 1);
+                float *sm = small(s);
+                for (int c = lane; c < BM; c += 32) {
+                    const int qi = (qt_begin + i % nq) * BM + c;
+                    const bool ok = qi < qlen;
+                    const size_t idx = (size_t)(qs + qi) * a.H + h;
+                    const int row = ok ? row_of(a.qrow, qs + qi) : -1;
+                    sm[c] = ok ? a.lse[idx] * LOG2E_F : 0.f;
+                    sm[BM + c] = ok ? a.Dvec[idx] : 0.f;
+                    reinterpret_cast<int *>(sm)[2 * BM + c] = row;
+                    reinterpret_cast<int *>(sm)[3 * BM + c] = (ok && a.doc) ? a.doc[row] : 0;
+                }
+                mbar_arrive(full(s));
+            }
+        } else if (warp == 2) {
+            /* the dq writer: adds each step's dQ tile (BM x D fp32 in slot
+             * order, written to shared memory by the consumers) to the
+             * accumulator with one bulk reduction, off the consumers' path */
+            for (int i = 0; i < nsteps; i++) {
+                named_barrier(2, 256 + 32); /* the consumers' dQ of step i is in shared memory */
+                if (lane == 0) {
+                    /* slots of (b, h): 64-row tiles, a step covers BM / 64 of them */
+                    float *dst = a.dq_acc + dq_slot_base(b, h0 + i / nq, 0, a.H, D, tps) +
+                                 (size_t)(qt_begin + i % nq) * (BM * D);
+                    bulk_reduce_add_f32(dst, base + C::OFF_DQ, C::DQ_BYTES);
+                    bulk_commit();
+                    bulk_wait_read();
+                }
+                __syncwarp();
+                if (i + 1 < nsteps) named_barrier_arrive(3, 256 + 32); /* the buffer may be rewritten */
+            }
+            if (lane == 0) bulk_wait_all();
+        }
+        return;
+    }
+
+    /* ------------------------------------------------------- consumers */
+    setmaxnreg_inc<240>();
+    const int w = wg - 1, tid = threadIdx.x & 127, v = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+    const int ctid = threadIdx.x - 128;
+    const size_t kstr = (size_t)a.Hkv * D;
+    {
+        /* the key tile: K and V rows gathered once (zeros past klen) */
+        for (int c = ctid; c < BN * D / 8; c += 256) {
+            const int r = c / (D / 8), col = (c % (D / 8)) * 8, j = k0 + r;
+            const bool ok = j < klen;
+            const size_t off = (size_t)row_of(a.krow, ks + (ok ? j : klen - 1)) * kstr + (size_t)hk * D + col;
+            cp_async16(sbase + C::OFF_K + sw128_off(BN, r, col), a.k + off, ok ? 16 : 0);
+            cp_async16(sbase + C::OFF_V + sw128_off(BN, r, col), a.v + off, ok ? 16 : 0);
+        }
+        cp_async_commit();
+        cp_async_wait<0>();
+        fence_async_smem();
+        named_barrier(1, 256);
+    }
+    /* this thread's two keys (rows of S^T): 64w + 16v + g (+8) */
+    int krow_t[2], kdoc_t[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int j = k0 + 64 * w + 16 * v + g + 8 * r;
+        krow_t[r] = j < klen ? row_of(a.krow, ks + j) : INT_MAX;
+        kdoc_t[r] = (a.doc && j < klen) ? a.doc[krow_t[r]] : 0;
+    }
+    const int wk_first = k0 + 64 * w;
+    const int wkrow_max = wk_first < klen ? row_of(a.krow, ks + min(wk_first + 63, klen - 1)) : INT_MAX;
+    /* this warpgroup's dQ product: rows (queries) from column qc0 of dS^T,
+     * columns from kc0 of K; its block of the step's slot tile */
+    const int qc0 = BM == 64 ? 0 : 64 * w, kc0 = BM == 64 ? w * (D / 2) : 0;
+    float4 *dqs = reinterpret_cast<float4 *>(sbase + C::OFF_DQ) + w * (64 * NW / 4);
+
+    float dk[D / 2], dv[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; i++) dk[i] = dv[i] = 0.f;
+
+    for (int i = 0; i < nsteps; i++) {
+        const int s = i % QST, db = i & 1, qt = qt_begin + i % nq;
+        const uint32_t sQs = sQ + s * C::QT_BYTES, sOs = sO + s * C::QT_BYTES, sDSb = sDS + db * C::DS_BYTES;
+        mbar_wait(full(s), (i / QST) & 1);
+        const float *sm = small(s);
+        const int *qrow_s = reinterpret_cast<const int *>(sm) + 2 * BM, *qdoc_s = qrow_s + BM;
+
+        float st[BM / 2], dpt[BM / 2];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++)
+            wgmma_ss<0, 0>(st, desc_k(sK, BN, 64 * w, kk), desc_k(sQs, BM, 0, kk), kk > 0);
+        wgmma_commit();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++)
+            wgmma_ss<0, 0>(dpt, desc_k(sV, BN, 64 * w, kk), desc_k(sOs, BM, 0, kk), kk > 0);
+        wgmma_commit();
+
+        const bool need_mask = a.doc != nullptr || qt * BM + BM > qlen || k0 + BN > klen || wkrow_max > qrow_s[0];
+        wgmma_wait<1>(); /* S^T */
+        fence_regs(st);
+#pragma unroll
+        for (int j = 0; j < BM / 8; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int c = 8 * j + 2 * t4 + (e & 1), r = e >> 1;
+                float p = fast_exp2(fmaf(st[4 * j + e], a.scale_log2, -sm[c]));
+                if (need_mask && !(krow_t[r] <= qrow_s[c] && (!a.doc || kdoc_t[r] == qdoc_s[c]))) p = 0.f;
+                st[4 * j + e] = p;
+            }
+        wgmma_wait<0>(); /* dP^T */
+        fence_regs(dpt);
+        uint32_t pa[BM / 16][4], da[BM / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; kk++) {
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                const int i0 = 8 * kk + 2 * q, c = 16 * kk + 8 * (q >> 1) + 2 * t4;
+                pa[kk][q] = pack_bf16(st[i0], st[i0 + 1]);
+                da[kk][q] = pack_bf16(st[i0] * (dpt[i0] - sm[BM + c]), st[i0 + 1] * (dpt[i0 + 1] - sm[BM + c + 1]));
+            }
+        }
+        /* dS^T -> shared, [128 keys][BM queries] swizzled */
+#pragma unroll
+        for (int j = 0; j < BM / 8; j++)
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                const int R = 64 * w + 16 * v + g + 8 * r;
+                *reinterpret_cast<uint32_t *>(sbase + C::OFF_DS + db * C::DS_BYTES + sw128_off(BN, R, 8 * j + 2 * t4)) =
+                    da[j >> 1][(j & 1) * 2 + r];
+            }
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; kk++) wgmma_rs<1>(dv, pa[kk], desc_mn(sOs, BM, 0, kk), 1);
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; kk++) wgmma_rs<1>(dk, da[kk], desc_mn(sQs, BM, 0, kk), 1);
+        wgmma_commit();
+        fence_async_smem();
+        named_barrier(1, 256); /* both halves of dS^T written */
+
+        float dq[NW / 2];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; kk++)
+            wgmma_ss<1, 1>(dq, desc_mn(sDSb, BN, qc0, kk), desc_mn(sK, BN, kc0, kk), kk > 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(dv);
+        fence_regs(dk);
+        fence_regs(dq);
+        fence_regs(pa);
+        fence_regs(da);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty(s));
+
+        /* dQ -> shared in slot order, then to the writer warp */
+        if (i > 0) named_barrier(3, 256 + 32); /* the writer has read the last one */
+#pragma unroll
+        for (int j = 0; j < NW / 8; j++)
+            dqs[j * 128 + tid] = make_float4(dq[4 * j] * a.scale, dq[4 * j + 1] * a.scale, dq[4 * j + 2] * a.scale,
+                                             dq[4 * j + 3] * a.scale);
+        fence_async_smem();
+        named_barrier_arrive(2, 256 + 32);
+    }
+
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int j = k0 + 64 * w + 16 * v + g + 8 * r;
+        if (j >= klen) continue;
+        const size_t idx = (size_t)(ks + j);
+        if (a.dkx) { /* partial of heads h0.. : [nk, H/hpb, D] */
+            const size_t part = idx * (a.H / hpb) + blockIdx.x;
+            float *dkp = a.dkx + part * D + 2 * t4;
+            float *dvp = a.dvx + part * D + 2 * t4;
+#pragma unroll
+            for (int n = 0; n < D / 8; n++) {
+                *reinterpret_cast<float2 *>(dkp + 8 * n) =
+                    make_float2(dk[4 * n + 2 * r] * a.scale, dk[4 * n + 2 * r + 1] * a.scale);
+                *reinterpret_cast<float2 *>(dvp + 8 * n) = make_float2(dv[4 * n + 2 * r], dv[4 * n + 2 * r + 1]);
+            }
+        } else {
+            bf16 *dkp = a.dk + idx * kstr + (size_t)hk * D + 2 * t4;
+            bf16 *dvp = a.dv + idx * kstr + (size_t)hk * D + 2 * t4;
+#pragma unroll
+            for (int n = 0; n < D / 8; n++) {
+                *reinterpret_cast<__nv_bfloat162 *>(dkp + 8 * n) =
+                    __floats2bfloat162_rn(dk[4 * n + 2 * r] * a.scale, dk[4 * n + 2 * r + 1] * a.scale);
+                *reinterpret_cast<__nv_bfloat162 *>(dvp + 8 * n) =
+                    __floats2bfloat162_rn(dv[4 * n + 2 * r], dv[4 * n + 2 * r + 1]);
+            }
+        }
+    }
+#endif
+}
+
+/* dq (bf16, or fp32 when dqf) of q index i, head h, column c from the
+ * slot-ordered accumulator */
+__global__ void dq_convert_kernel(bf16 *dq, float *dqf, const float *acc, const int *qstart, int n, int B, int S,
+                                  int H, int D, int tps, int nw) {
+    const size_t total = (size_t)n * H * D;
+    for (size_t x = (size_t)blockIdx.x * blockDim.x + threadIdx.x; x < total; x += (size_t)gridDim.x * blockDim.x) {
+        const int c = (int)(x % D), h = (int)((x / D) % H), i = (int)(x / ((size_t)H * D));
+        int b;
+        if (!qstart) {
+            b = i / S;
+        } else { /* the sequence of index i: last b with qstart[b] <= i */
+            int lo = 0, hi = B - 1;
+            while (lo < hi) {
+                const int mid = (lo + hi + 1) >> 1;
+                if (qstart[mid] <= i) lo = mid;
+                else hi = mid - 1;
+            }
+            b = lo;
+        }
+        const int qi = i - (qstart ? qstart[b] : b * S);
+        const float val = acc[dq_slot_base(b, h, qi >> 6, H, D, tps) + dq_slot_index(qi & 63, c, nw)];
+        if (dqf) dqf[x] = val;
+        else dq[x] = __float2bfloat16_rn(val);
+    }
+}
+
+} // namespace
+
+/* ==================================================================== host */
+
+/* 128 queries per backward step at D = 64 (64 with CF_ATTN_SM90_BWD_BM=64,
+ * for timing both; read once). Measured on an H100 (FULL, S = 4096, H = 32,
+ * Hkv = 4, two query heads per block): 0.690 ms with 128, 0.753 with 64. */
+static int env_int(const char *name, int dflt) {
+    const char *e = getenv(name);
+    return e && *e ? atoi(e) : dflt;
+}
+static int bwd_bm_for(int D) {
+    static const int bm64 = env_int("CF_ATTN_SM90_BWD_BM", 128) == 64 ? 64 : 128;
+    return D == 64 ? bm64 : 64;
+}
+
+/* Query heads per block: with GQA, a block walks the query tiles of hpb
+ * heads of one group in turn with the same K, V tile (loaded once) and
+ * writes one partial of dk, dv for them: fewer blocks (each one's gather,
+ * prologue and epilogue shared by hpb heads) and 1/hpb of the fp32
+ * partials to write and reduce. 2 by default where it divides H/Hkv
+ * (CF_ATTN_SM90_BWD_HPB to time others; read once). */
+int attn_sm90_bwd_hpb(int D, int H, int Hkv) {
+    static const int want = env_int("CF_ATTN_SM90_BWD_HPB", 2);
+    const int G = H / Hkv;
+    int hpb = want < 1 ? 1 : want;
+    while (hpb > 1 && G % hpb) hpb--;
+    return hpb;
+}
+
+template <int D, int BM>
+static int bwd_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int kmaxlen, int tps) {
+    using C = BwdSm90<D, BM>;
+    CUtensorMap mq, mo;
+    if (!attn_sm90_map_rows(&mq, a.q, nq_rows, a.H, D, C::BM) || !attn_sm90_map_rows(&mo, a.dout, nq_rows, a.H, D, C::BM))
+        return 0;
+    const void *fn = (const void *)attn_bwd_sm90_kernel<D, BM>;
+    if (!attn_sm90_prepare(ctx, fn, C::SMEM, D == 128 ? 2 : BM == 64 ? 3 : 6)) return -1;
+    int hpb = attn_sm90_bwd_hpb(D, a.H, a.Hkv);
+    dim3 grid(a.H / hpb, (kmaxlen + C::BN - 1) / C::BN, a.B), block(C::THREADS);
+    void *args[] = {(void *)&mq, (void *)&mo, (void *)&a, (void *)&tps, (void *)&hpb};
+    return CF_CK(ctx, cudaLaunchKernel(fn, grid, block, args, C::SMEM, ctx->stream)) ? 1 : -1;
+}
+
+int attn_sm90_bwd_nw(int D) { return bwd_bm_for(D) == 64 ? D / 2 : D; }
+
+int attn_bwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D, int nq_rows, int kmaxlen, int tps) {
+    if (kmaxlen <= 0) return 1;
+    if (D == 64) return bwd_bm_for(64) == 128 ? bwd_sm90_launch<64, 128>(ctx, a, nq_rows, kmaxlen, tps)
+                                              : bwd_sm90_launch<64, 64>(ctx, a, nq_rows, kmaxlen, tps);
+    if (D == 128) return bwd_sm90_launch<128, 64>(ctx, a, nq_rows, kmaxlen, tps);
+    return 0;
+}
+
+void attn_sm90_dq_convert(cudaStream_t st, bf16 *dq, float *dqf, const float *acc, const int *qstart, int n, int B,
+                          int S, int H, int D, int tps) {
+    dq_convert_kernel<<<attn_grid_for((size_t)n * H * D), 256, 0, st>>>(dq, dqf, acc, qstart, n, B, S, H, D, tps,
+                                                                        attn_sm90_bwd_nw(D));
+}
