@@ -71,12 +71,15 @@ for part in "$@"; do
     tp-bench)
       bash tools/tp_bench.sh "$CF" "$OUT/tp_bench" 2>&1 | tee "$OUT/tp_bench.txt" ;;
     bench-accum)
-      # issue 17: training-sized steps (grad-accum 8), ours then PyTorch's, same session
-      "$CF" bench --device cuda --config tinyllama-1.1b --seq 4096 --batch 1 --grad-accum 8 \
-        --modes regular,loss-only,centrifuge --keep 0.5 --steps 10 --warmup 2 --json "$OUT/bench_accum8.jsonl" 2>&1 | tee "$OUT/bench_accum8.txt"
-      python3 tools/bench_pytorch.py --config tinyllama-1.1b --seq 4096 --batch 1 --grad-accum 8 \
-        --modes regular,loss-only --keep 0.5 --steps 10 --warmup 2 --json "$OUT/pt_accum8.jsonl" \
-        --centrifuge-json "$OUT/bench_accum8.jsonl" 2>&1 | tee "$OUT/pt_accum8.txt" | tail -12 ;;
+      # issue 17: training-sized steps (grad-accum 8), ours then PyTorch's, same session, per model
+      for cs in ${ACCUM_MODELS:-tinyllama-1.1b:4096}; do
+        c=${cs%%:*}; sq=${cs##*:}; j="$OUT/bench_accum8_${c}_$sq"
+        "$CF" bench --device cuda --config $c --seq $sq --batch 1 --grad-accum 8 \
+          --modes regular,loss-only,centrifuge --keep 0.5 --steps ${ACCUM_STEPS:-10} --warmup 2 --json "$j.jsonl" 2>&1 | tee "$j.txt"
+        python3 tools/bench_pytorch.py --config $c --seq $sq --batch 1 --grad-accum 8 \
+          --modes regular,loss-only --keep 0.5 --steps ${ACCUM_STEPS:-10} --warmup 2 --json "${j}_pt.jsonl" \
+          --centrifuge-json "$j.jsonl" 2>&1 | tee "${j}_pt.txt" | tail -12
+      done ;;
     rows-x4)
       # issue 19 on nvidia-h200-x4: DP=1,2,4 scaling (grad-accum 4) and TP=4 Qwen2.5-7B, then PyTorch DDP
       MODES="regular loss-only centrifuge" ACCUM=4 bash tools/tp_bench.sh "$CF" "$OUT/rows_x4" \
