@@ -104,8 +104,11 @@ for part in "$@"; do
       python3 tools/bench_pytorch.py --config tinyllama-1.1b --seq 4096 --json "$OUT/pt_tinyllama_4096.jsonl" --centrifuge-json "$OUT/bench_tinyllama_4096.jsonl" 2>&1 | tee "$OUT/pt_tinyllama_4096.txt" | tail -15
       python3 tools/bench_pytorch.py --config qwen2.5-1.5b --seq 2048 --json "$OUT/pt_qwen_2048.jsonl" --centrifuge-json "$OUT/bench_qwen_2048.jsonl" 2>&1 | tee "$OUT/pt_qwen_2048.txt" | tail -15 ;;
     sdpa)
-      python3 tools/bench_pytorch.py --sdpa-attention --heads 32 --kv-heads 4 --head-dim 64 --seq 4096 2>&1 | tee "$OUT/sdpa_d64.txt" | tail -6
-      python3 tools/bench_pytorch.py --sdpa-attention --heads 32 --kv-heads 8 --head-dim 128 --seq 4096 2>&1 | tee "$OUT/sdpa_d128.txt" | tail -6
+      # SDPA's flash and cuDNN back ends (issue 17 names both), then ours in both paths
+      for be in flash cudnn; do
+        python3 tools/bench_pytorch.py --sdpa-attention --sdpa-backend $be --heads 32 --kv-heads 4 --head-dim 64 --seq 4096 2>&1 | tee "$OUT/sdpa_${be}_d64.txt" | tail -3
+        python3 tools/bench_pytorch.py --sdpa-attention --sdpa-backend $be --heads 32 --kv-heads 8 --head-dim 128 --seq 4096 2>&1 | tee "$OUT/sdpa_${be}_d128.txt" | tail -3
+      done
       "$G/bench_attention" 2>&1 | tee "$OUT/bench_attention.txt" | tail -20 ;;
     utility)
       W=/tmp/utility; rm -rf "$W"
