@@ -4,7 +4,8 @@
 # .gpucarry/ by tools/gpu_carry.sh, then tests and benchmarks.
 # Usage on the GPU machine: tools/gpu_session.sh PART...  (logs under $OUT)
 #   parts: tests sanitize bench-main bench-old bench-sweeps bench-3b pytorch
-#          parity peft-parity dp-check dp-bench tp-check tp-bench rows-x4 rows-x8 bench-accum
+#          parity peft-parity dp-check dp-bench dp-ctas tp-check tp-bench rows-x4 rows-x8
+#          bench-accum profile
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G=$PWD/.gpucarry
@@ -93,6 +94,18 @@ for part in "$@"; do
       # issue 20 on nvidia-h200-x8: TP=8 rows of the paper's Table 2
       RUN_TIMEOUT=400 bash tools/tp_bench.sh "$CF" "$OUT/rows_x8" \
         "llama3.1-8b:2048:tp8 qwen3-14b:2048:tp8 qwen3-32b:4096:tp8 alia-40b:4096:tp8" 2>&1 | tee "$OUT/rows_x8.txt" ;;
+    profile)
+      # issue 17: where the regular step's time goes (per op category, CUDA events), grad-accum 8
+      for cs in ${ACCUM_MODELS:-tinyllama-1.1b:4096}; do
+        "$CF" bench --device cuda --config ${cs%%:*} --seq ${cs##*:} --batch 1 --grad-accum 8 --modes regular,centrifuge \
+          --keep 0.5 --steps 4 --warmup 2 --profile 2>&1 | tee "$OUT/profile_${cs%%:*}.txt" | tail -30
+      done ;;
+    dp-ctas)
+      # issue 14: does capping NCCL's CTAs (SMs taken from the backward) help the centrifuge DP=2 step ratio?
+      for ctas in default 8 4; do
+        if [ $ctas = default ]; then unset NCCL_MAX_CTAS; else export NCCL_MAX_CTAS=$ctas; fi
+        MODES="regular centrifuge" bash tools/dp_bench.sh "$CF" "$OUT/dp_ctas_$ctas" "qwen2.5-1.5b:2048" 2>&1 | tee "$OUT/dp_ctas_$ctas.txt"
+      done; unset NCCL_MAX_CTAS ;;
     dp-bench)
       bash tools/dp_bench.sh "$CF" "$OUT/dp_bench" 2>&1 | tee "$OUT/dp_bench.txt" ;;
     bench-sweeps)
