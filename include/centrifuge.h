@@ -150,7 +150,15 @@ typedef struct {
     /* A PEFT adapter directory (adapter_config.json + adapter_model.safetensors)
      * to load onto the model; its config sets `lora` (which must then be unset). */
     const char *adapter_dir;
+    /* With `config`: keep only its first `layers` transformer layers (0: all),
+     * a smaller model of the same width for quick tests and dry runs. Not
+     * with model_dir (a directory's config.json says its own). */
+    int layers;
 } cf_model_opts;
+
+/* The config a model opened with opts gets (config or model_dir, layers
+ * applied), without opening it. */
+int cf_model_opts_config(const cf_model_opts *opts, cf_config *out);
 
 /* Opens a model as opts says; config and model_dir exclusive (neither:
  * the built-in "tiny"). */

@@ -160,4 +160,19 @@ else fail "LoRA resume differs from the uninterrupted run"; fi
 expect_error "resume with another --lora-dropout" "lora" -- train --config tiny --lora-rank 4 --lora-dropout 0.1 --seed 11 \
   --batch 2 --seq 32 --quiet --lr 1e-2 --steps 8 --out "$T/lpart" --resume
 
+echo "== --layers: the first N layers of a --config, resumable, recorded in the manifest"
+Y="train --config tiny --seed 5 --batch 2 --seq 32 --quiet --lr 1e-2 --save-every 2"
+"$BIN" $Y --layers 2 --steps 2 --out "$T/y" >/dev/null 2>&1
+if grep -q '"num_hidden_layers": 2,' "$T/y/step_00000002/config.json" 2>/dev/null &&
+   grep -q 'layers 2' "$T/y/run.json"; then ok "--layers 2: the checkpoint has 2 layers, run.json says so"
+else fail "--layers 2: checkpoint config or manifest wrong"; fi
+if "$BIN" $Y --layers 2 --steps 4 --out "$T/y" --resume >/dev/null 2>&1 &&
+   grep -q '"num_hidden_layers": 2,' "$T/y/step_00000004/config.json" 2>/dev/null; then ok "--layers 2 resumes to step 4"
+else fail "--layers 2 did not resume"; fi
+expect_error "resume with another --layers" "with --config/--model 'config:tiny, layers 2'; this command has 'config:tiny, layers 3'" -- \
+  $Y --layers 3 --steps 6 --out "$T/y" --resume
+expect_error "--layers beyond the config" "--layers 9: tiny has 4 layers" -- $Y --layers 9 --steps 2
+expect_error "--layers with --model" "--layers cuts a --config" -- train --model "$T/y/step_00000002" --layers 1 --steps 1
+expect_error "bench --layers 0" "layers" -- bench --config tiny --layers 0
+
 cli_summary

@@ -564,6 +564,31 @@ static int rm_entry(const char *p, const struct stat *sb, int flag, struct FTW *
     return remove(p);
 }
 
+/* cf_model_opts.layers: the config a model would open with keeps the
+ * first N layers of a --config and nothing else changes; a model directory,
+ * a count beyond the config and a negative count are refused. */
+TEST(model_opts_layers_cut_a_config_and_are_refused_elsewhere) {
+    cf_config full, cut;
+    CHECK(cf_config_builtin(&full, "qwen3-32b") == 0);
+    cf_model_opts o = {0};
+    o.config = "qwen3-32b";
+    o.layers = 4;
+    CHECK(cf_model_opts_config(&o, &cut) == 0);
+    CHECK(cut.num_hidden_layers == 4);
+    cut.num_hidden_layers = full.num_hidden_layers;
+    CHECK(memcmp(&cut, &full, sizeof cut) == 0);
+    o.layers = full.num_hidden_layers + 1;
+    CHECK(cf_model_opts_config(&o, &cut) != 0 && strstr(cf_last_error(), "layers") != NULL);
+    o.layers = -1;
+    CHECK(cf_model_opts_config(&o, &cut) != 0);
+    o.layers = 2;
+    o.config = NULL;
+    o.model_dir = "/nonexistent";
+    CHECK(cf_model_opts_config(&o, &cut) != 0 && strstr(cf_last_error(), "own config.json") != NULL);
+    o.model_dir = NULL;   /* neither: the built-in tiny, cut */
+    CHECK(cf_model_opts_config(&o, &cut) == 0 && cut.num_hidden_layers == 2);
+}
+
 int main(void) {
     snprintf(g_dir, sizeof g_dir, "/tmp/cf_test_config_XXXXXX");
     if (!mkdtemp(g_dir)) { perror("mkdtemp"); return 2; }
@@ -605,6 +630,7 @@ int main(void) {
     RUN(config_save_writes_the_fields_transformers_reads);
     RUN(config_save_refuses_invalid_config_and_writes_nothing);
     RUN(config_save_is_atomic_and_leaves_no_temp_files);
+    RUN(model_opts_layers_cut_a_config_and_are_refused_elsewhere);
 
     nftw(g_dir, rm_entry, 8, FTW_DEPTH | FTW_PHYS);
     return test_summary();

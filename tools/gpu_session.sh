@@ -5,7 +5,7 @@
 # Usage on the GPU machine: tools/gpu_session.sh PART...  (logs under $OUT)
 #   parts: tests sanitize bench-main bench-old bench-sweeps bench-3b pytorch
 #          parity peft-parity dp-check dp-bench dp-ctas tp-check tp-bench rows-x4 rows-x8
-#          bench-accum profile
+#          rows-x8-dry bench-accum profile
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G=$PWD/.gpucarry
@@ -106,6 +106,11 @@ for part in "$@"; do
         if [ $ctas = default ]; then unset NCCL_MAX_CTAS; else export NCCL_MAX_CTAS=$ctas; fi
         MODES="regular centrifuge" bash tools/dp_bench.sh "$CF" "$OUT/dp_ctas_$ctas" "qwen2.5-1.5b:2048" 2>&1 | tee "$OUT/dp_ctas_$ctas.txt"
       done; unset NCCL_MAX_CTAS ;;
+    rows-x8-dry)
+      # issue 20's dry run on nvidia-h200-x2: the TP=8 models' shapes at TP=2 with their first 8 layers
+      # (every kernel, split and collective of the real run; memory and time per layer, not per model)
+      EXTRA="--layers 8" RUN_TIMEOUT=300 bash tools/tp_bench.sh "$CF" "$OUT/rows_x8_dry" \
+        "llama3.1-8b:2048:tp2 qwen3-14b:2048:tp2 qwen3-32b:4096:tp2 alia-40b:4096:tp2" 2>&1 | tee "$OUT/rows_x8_dry.txt" ;;
     dp-bench)
       bash tools/dp_bench.sh "$CF" "$OUT/dp_bench" 2>&1 | tee "$OUT/dp_bench.txt" ;;
     bench-sweeps)

@@ -8,7 +8,8 @@
 #   processes, one per GPU; dp1 is one process)
 #   (default: qwen2.5-7b and llama3.1-8b @2048 and tinyllama-1.1b @4096, each tp2 and dp2)
 # Environment: STEPS (6), ACCUM (2, micro-batches per step per DP rank),
-#   MODES ("regular centrifuge").
+#   MODES ("regular centrifuge"), EXTRA (more train arguments, e.g. "--layers 8"
+#   for a dry run of a large model's shapes on fewer GPUs).
 set -u
 BIN=$(readlink -f "$1"); OUT=$2; mkdir -p "$OUT"
 RUNS=${3:-"qwen2.5-7b:2048:tp2 qwen2.5-7b:2048:dp2 llama3.1-8b:2048:tp2 llama3.1-8b:2048:dp2 tinyllama-1.1b:4096:tp2 tinyllama-1.1b:4096:dp2"}
@@ -18,7 +19,7 @@ for run in $RUNS; do
   IFS=: read -r cfg seq par <<<"$run"
   for mode in $MODES; do
     log="$OUT/${cfg}_${seq}_${par}_${mode}.jsonl"
-    args="train --device cuda --config $cfg --seq $seq --batch 1 --grad-accum $ACCUM --steps $STEPS --warmup 1 --lr 1e-5 --select self --keep 0.5 --mode $mode --builtin-tokens 2M --quiet --log-file $log"
+    args="train --device cuda --config $cfg --seq $seq --batch 1 --grad-accum $ACCUM --steps $STEPS --warmup 1 --lr 1e-5 --select self --keep 0.5 --mode $mode --builtin-tokens 2M --quiet --log-file $log ${EXTRA:-}"
     tp=1; dp=1
     case $par in
       tp*dp*) tp=${par#tp}; tp=${tp%dp*}; dp=${par#*dp} ;;

@@ -136,7 +136,7 @@ static int bench_point(cf_model *m, const cf_mode *modes, int nm, int A, int B, 
 int cmd_bench(int argc, char **argv) {
     const char *config = "cpu-20m", *model_dir = NULL, *device = "cpu", *modes_s = "regular,loss-only,centrifuge";
     const char *lora_targets = "q,k,v,o";
-    long lora_rank = 0;
+    long lora_rank = 0, layers = 0;
     double lora_alpha = -1;
     const char *keeps_s = "0.5", *seqs_s = "512", *json = NULL, *select_s = "random";
     long batch = 1, grad_accum = 1, steps = 10, warmup = 2, seed = 1;
@@ -158,6 +158,7 @@ int cmd_bench(int argc, char **argv) {
         {"--json", CF_OPT_STR, &json, 0, 0, "write JSON lines here", 0},
         {"--seed", CF_OPT_INT, &seed, 0, 1L << 62, "seed", 0},
         {"--profile", CF_OPT_FLAG, &profile, 0, 0, "also print time per op category (one synchronised step)", 0},
+        {"--layers", CF_OPT_INT, &layers, 1, 4096, "with --config: only its first N layers", 0},
         {"--lora-rank", CF_OPT_INT, &lora_rank, 1, 4096, "LoRA adapters of this rank (base frozen)", 0},
         {"--lora-alpha", CF_OPT_FLOAT, &lora_alpha, 1e-6, 1e6, "LoRA alpha (default: the rank)", 0},
         {"--lora-targets", CF_OPT_STR, &lora_targets, 0, 0, "LoRA modules (default q,k,v,o)", 0},
@@ -203,6 +204,7 @@ int cmd_bench(int argc, char **argv) {
         if (cf_backend_parse(device, &mo.backend, &mo.device) != 0) return cf_cli_error("bench", 2);
         mo.config = config;
         mo.model_dir = model_dir;
+        mo.layers = (int)layers;
         mem.batch = batch;
         mem.grad_accum = grad_accum;
         mem.train = 1;
@@ -215,6 +217,7 @@ int cmd_bench(int argc, char **argv) {
     if (cf_backend_parse(device, &mo.backend, &mo.device) != 0) return cf_cli_error("bench", 2);
     mo.config = config;
     mo.model_dir = model_dir;
+    mo.layers = (int)layers;
     mo.seed = (uint64_t)seed;
     if (lora_rank > 0) {
         mo.lora.rank = (int)lora_rank;
@@ -227,8 +230,10 @@ int cmd_bench(int argc, char **argv) {
     if (json && !(jf = cf_output_stream(json, 0))) { cf_model_free(m); return cf_cli_error("bench", 1); }
     const cf_config *c = cf_model_config(m);
     if (peak_tflops < 0) peak_tflops = mo.backend == CF_BACKEND_CUDA ? 989.0 : 0.0;
-    printf("bench: %s, %.1fM params, device %s, batch %ld, median of %ld steps after %ld warm-up\n",
-           config ? config : model_dir, cf_model_num_params(m) / 1e6, device, batch, steps, warmup);
+    char cut[48] = "";
+    if (layers) snprintf(cut, sizeof cut, " (first %d layers)", c->num_hidden_layers);
+    printf("bench: %s%s, %.1fM params, device %s, batch %ld, median of %ld steps after %ld warm-up\n",
+           config ? config : model_dir, cut, cf_model_num_params(m) / 1e6, device, batch, steps, warmup);
     if (grad_accum > 1)
         printf("       grad-accum %ld: a step is %ld micro-batches of %ld sequences and one optimizer update; "
                "stage times summed over them\n", grad_accum, grad_accum, batch);

@@ -308,7 +308,7 @@ int cmd_train(int argc, char **argv) {
     int rslora = 0;
     long batch = 4, seq = 64, steps = 50, accum = 1, warmup = -1, save_every = 0, eval_every = 0;
     long eval_batches = 8, seed = 1337, max_bad = 5, keep_last = 2, builtin_tokens = 1000000;
-    long print_every = 1, vocab_size = 0, data_seed = -1;
+    long print_every = 1, vocab_size = 0, data_seed = -1, layers = 0;
     int shuffle = 0, vocab_from_data = 0, progress_only = 0;
     double lr = 1e-3, min_lr = -1, wd = 0.1, b1 = 0.9, b2 = 0.95, eps = 1e-8, clip = 1.0, keep = 0.5;
     double drop = -1, dist_timeout = 600;
@@ -366,6 +366,7 @@ int cmd_train(int argc, char **argv) {
         {"--print-every", CF_OPT_INT, &print_every, 1, 1L << 40, "progress line every N steps (default 1)", 0},
         {"--progress", CF_OPT_FLAG, &progress_only, 0, 0, "one progress line with an ETA instead of a line per step", 0},
         {"--vocab-size", CF_OPT_INT, &vocab_size, 1, 1 << 30, "with --config: override its vocab_size", 0},
+        {"--layers", CF_OPT_INT, &layers, 1, 4096, "with --config: only its first N layers (quick tests, dry runs)", 0},
         {"--vocab-from-data", CF_OPT_FLAG, &vocab_from_data, 0, 0, "with --config: vocab_size = largest id in --data (and --tokenizer) + 1", 0},
         {"--tokenizer", CF_OPT_STR, &tokenizer, 0, 0, "tokenizer.json or its directory: copied into every checkpoint", 0},
     };
@@ -414,6 +415,10 @@ int cmd_train(int argc, char **argv) {
     if (ref_path && !data) { cf_fail("--ref needs --data (the token shard it was scored on)"); return cf_cli_error("train", 2); }
     if (resume && !out) { cf_fail("--resume needs --out"); return cf_cli_error("train", 2); }
     if (vocab_size && vocab_from_data) { cf_fail("give --vocab-size or --vocab-from-data, not both"); return cf_cli_error("train", 2); }
+    if (layers && model_dir) {
+        cf_fail("--layers cuts a --config's layers; a --model directory keeps its own");
+        return cf_cli_error("train", 2);
+    }
     if ((vocab_size || vocab_from_data) && model_dir) {
         cf_fail("--%s sizes a --config's vocabulary; a --model directory keeps its own",
                 vocab_size ? "vocab-size" : "vocab-from-data");
@@ -474,6 +479,10 @@ int cmd_train(int argc, char **argv) {
     {
         char mf[600];
         model_field(mf, sizeof mf, config, model_dir);
+        if (layers > 0) {   /* (absent without --layers, as in manifests written before it existed) */
+            size_t used = strlen(mf);
+            snprintf(mf + used, sizeof mf - used, ", layers %ld", layers);
+        }
         int filtering = mode != CF_MODE_REGULAR;
         cf_manifest_set(&want, "model", "%s", mf);
         cf_manifest_set(&want, "mode", "%s", cf_mode_name(mode));
@@ -606,6 +615,7 @@ int cmd_train(int argc, char **argv) {
             if (lora.rank > 0) {   /* the base model as at the start; adapters from the checkpoint */
                 mo.config = config;
                 mo.model_dir = model_dir;
+                mo.layers = (int)layers;
             }
             cf_model_opts mck = mo;
             char mck_dir[4096];
@@ -637,6 +647,7 @@ int cmd_train(int argc, char **argv) {
         mo.seed = (uint64_t)seed;
         mo.freeze = freeze;
         mo.lora = lora;
+        mo.layers = (int)layers;
         char cfg_tmp[4096] = "";
         if (!model_dir && (vocab_size || vocab_from_data || tkz)) {
             /* the config with its vocabulary (and BOS/EOS) sized to the data / tokenizer */

@@ -497,6 +497,7 @@ cf_model *cf_dist_checkpoint_load(cf_dist *d, const char *dir, const cf_model_op
         o.adapter_dir = path;
     } else {
         o.config = NULL;
+        o.layers = 0;   /* the checkpoint's config.json has them */
         o.model_dir = path;
     }
     cf_model *m = cf_dist_open_model(d, &o);

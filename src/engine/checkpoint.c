@@ -354,6 +354,7 @@ cf_model *cf_checkpoint_load(const char *dir, const cf_model_opts *opts, int64_t
         o.adapter_dir = path;
     } else {
         o.config = NULL;
+        o.layers = 0;   /* the checkpoint's config.json has them */
         o.model_dir = path;
     }
     cf_model *m = cf_model_open(&o);

@@ -170,18 +170,6 @@ int cf_memory_estimate_config(const cf_config *cfg, cf_backend_kind backend, con
 
 /* --------------------------------------------------------------- checking */
 
-static int config_of(const cf_model_opts *mo, cf_config *cfg) {
-    if (mo->config && mo->model_dir) return cf_fail("give --config or --model, not both");
-    if (mo->model_dir) {
-        char path[4096];
-        if (cf_path_join(path, sizeof path, mo->model_dir, "config.json") != 0) return -1;
-        return cf_config_load(cfg, path);
-    }
-    const char *name = mo->config ? mo->config : "tiny";
-    if (strchr(name, '/') || strstr(name, ".json")) return cf_config_load(cfg, name);
-    return cf_config_builtin(cfg, name);
-}
-
 static double gib(uint64_t b) { return (double)b / 1073741824.0; }
 
 int cf_memory_check(const cf_model_opts *mo, const cf_memory_opts *o, cf_memory_estimate *out) {
@@ -197,7 +185,7 @@ int cf_memory_check(const cf_model_opts *mo, const cf_memory_opts *o, cf_memory_
     if (!oo.lora && mo->lora.rank > 0) oo.lora = &mo->lora;
     if (!oo.lora && mo->adapter_dir && cf_lora_read_config(mo->adapter_dir, &adapter) == 0) oo.lora = &adapter;
     cf_tp_local loc;
-    if (config_of(mo, &cfg) != 0 || cf_config_validate(&cfg) != 0 ||
+    if (cf_model_opts_config(mo, &cfg) != 0 || cf_config_validate(&cfg) != 0 ||
         (oo.tp > 1 && cf_tp_local_config(&cfg, oo.tp, 0, &loc) != 0)) {
         cf_fail("%s", saved);
         if (out) memset(out, 0, sizeof *out);

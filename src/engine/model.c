@@ -508,21 +508,29 @@ static int load_weights(cf_model *m, const char *dir) {
     return rc;
 }
 
-static cf_model *model_open(const cf_model_opts *o, const cf_tp_sync *tp, cf_layout_fn layout, void *lctx) {
-    if (o->config && o->model_dir) { cf_fail("give --config or --model, not both"); return NULL; }
-    cf_config cfg;
+int cf_model_opts_config(const cf_model_opts *o, cf_config *cfg) {
+    if (o->config && o->model_dir) return cf_fail("give --config or --model, not both");
+    if (o->layers < 0) return cf_fail("--layers %d: must be at least 1", o->layers);
     if (o->model_dir) {
+        if (o->layers > 0)
+            return cf_fail("--layers cuts a --config; %s has its own config.json (and weights for every layer)",
+                           o->model_dir);
         char path[4096];
-        if (cf_path_join(path, sizeof path, o->model_dir, "config.json") != 0) return NULL;
-        if (cf_config_load(&cfg, path) != 0) return NULL;
-    } else {
-        const char *name = o->config ? o->config : "tiny";
-        if (strchr(name, '/') || strstr(name, ".json")) {
-            if (cf_config_load(&cfg, name) != 0) return NULL;
-        } else if (cf_config_builtin(&cfg, name) != 0) {
-            return NULL;
-        }
+        if (cf_path_join(path, sizeof path, o->model_dir, "config.json") != 0) return -1;
+        return cf_config_load(cfg, path);
     }
+    const char *name = o->config ? o->config : "tiny";
+    int rc = strchr(name, '/') || strstr(name, ".json") ? cf_config_load(cfg, name) : cf_config_builtin(cfg, name);
+    if (rc != 0 || o->layers == 0) return rc;
+    if (o->layers > cfg->num_hidden_layers)
+        return cf_fail("--layers %d: %s has %d layers", o->layers, name, cfg->num_hidden_layers);
+    cfg->num_hidden_layers = o->layers;
+    return cf_config_validate(cfg);
+}
+
+static cf_model *model_open(const cf_model_opts *o, const cf_tp_sync *tp, cf_layout_fn layout, void *lctx) {
+    cf_config cfg;
+    if (cf_model_opts_config(o, &cfg) != 0) return NULL;
     cf_model_opts oo = *o;
     if (o->adapter_dir) {
         if (o->lora.rank > 0) { cf_fail("give an adapter directory or LoRA settings, not both"); return NULL; }
