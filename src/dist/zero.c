@@ -275,6 +275,17 @@ static int hook_bucket_ready(void *p, int layer) {
  * Qwen2.5-1.5B (tied) that was 0.93 GB per step, for TinyLlama 0.26 GB,
  * against n x C bf16 rows. */
 #define CF_EMB_GATHER_BYTES ((size_t)64 << 20)
+/* The chunk budget: CF_EMB_GATHER_BYTES, or CF_DP_GATHER_BYTES from the
+ * environment (tests/gpu/dp_check.sh makes it small to run several chunks). */
+static size_t gather_budget(void) {
+    static size_t v;
+    if (!v) {
+        const char *e = getenv("CF_DP_GATHER_BYTES");
+        long long x = e && *e ? atoll(e) : 0;
+        v = x > 0 ? (size_t)x : CF_EMB_GATHER_BYTES;
+    }
+    return v;
+}
 static int hook_embedding_rows(void *p, const void *dout, const int *tokens, int n, int cap, int vbase) {
     cf_dist *d = p;
     cf_model *m = d->m;
@@ -290,7 +301,7 @@ static int hook_embedding_rows(void *p, const void *dout, const int *tokens, int
     int64_t r0, r1;
     cf_zero_plan_rows(&d->plan, d->dp_rank, te, C, &r0, &r1);
     /* chunk rows per rank: the same on every rank (same C, dp, cap) */
-    size_t fit = CF_EMB_GATHER_BYTES / ((size_t)d->dp * row);
+    size_t fit = gather_budget() / ((size_t)d->dp * row);
     int chunk = (int)(fit < (size_t)cap ? (fit > 0 ? fit : 1) : (size_t)cap);
     if (chunk > d->emb_chunk) {
         cudaFree(d->emb_rows);

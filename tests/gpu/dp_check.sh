@@ -41,6 +41,17 @@ CUDA_VISIBLE_DEVICES=0 "$BIN" $COMMON $LORA --grad-accum 2 --log-file "$OUT/one_
 torchrun --nproc_per_node 2 --master_port 29645 --no-python "$BIN" $COMMON $LORA --grad-accum 1 --log-file "$OUT/dp_lora.jsonl" >"$OUT/dp_lora.err" 2>&1 || { echo "    DP=2 failed"; tail -5 "$OUT/dp_lora.err"; fail=1; }
 [ -s "$OUT/dp_lora.jsonl" ] && { compare "$OUT/dp_lora.jsonl" "$OUT/one_lora.jsonl" 2e-2 || { echo "    FAIL"; fail=1; }; }
 
+echo "== the embedding rows gathered in many chunks (CF_DP_GATHER_BYTES=65536: 32 rows a chunk), centrifuge"
+CUDA_VISIBLE_DEVICES=0 "$BIN" $COMMON --mode centrifuge --grad-accum 2 --log-file "$OUT/one_chunks.jsonl" 2>"$OUT/one_chunks.err" || { echo "    1 GPU failed"; fail=1; }
+CF_DP_GATHER_BYTES=65536 torchrun --nproc_per_node 2 --master_port 29646 --no-python "$BIN" $COMMON --mode centrifuge --grad-accum 1 --log-file "$OUT/dp_chunks.jsonl" >"$OUT/dp_chunks.err" 2>&1 || { echo "    DP=2 failed"; tail -5 "$OUT/dp_chunks.err"; fail=1; }
+[ -s "$OUT/dp_chunks.jsonl" ] && { compare "$OUT/dp_chunks.jsonl" "$OUT/one_chunks.jsonl" 2e-2 || { echo "    FAIL"; fail=1; }; }
+
+echo "== untied embeddings (tiny-llama, vocab 320): DP=2 vs 1 GPU, centrifuge, accumulation 2 per rank"
+UNTIED="train --device cuda --config tiny-llama --vocab-size 320 --builtin-tokens 2M --batch 4 --seq 256 --lr 2e-3 --warmup 3 --seed 7 --select self --keep 0.5 --quiet --steps $STEPS --mode centrifuge"
+CUDA_VISIBLE_DEVICES=0 "$BIN" $UNTIED --grad-accum 4 --log-file "$OUT/one_untied.jsonl" 2>"$OUT/one_untied.err" || { echo "    1 GPU failed"; tail -3 "$OUT/one_untied.err"; fail=1; }
+torchrun --nproc_per_node 2 --master_port 29647 --no-python "$BIN" $UNTIED --grad-accum 2 --log-file "$OUT/dp_untied.jsonl" >"$OUT/dp_untied.err" 2>&1 || { echo "    DP=2 failed"; tail -5 "$OUT/dp_untied.err"; fail=1; }
+[ -s "$OUT/dp_untied.jsonl" ] && { compare "$OUT/dp_untied.jsonl" "$OUT/one_untied.jsonl" 2e-2 || { echo "    FAIL"; fail=1; }; }
+
 echo "== resume after SIGKILL of the DP=2 job (centrifuge)"
 R=$OUT/resume; rm -rf "$R"; mkdir -p "$R"
 torchrun --nproc_per_node 2 --master_port 29650 --no-python "$BIN" $BASE --steps 200 --mode centrifuge --out "$R/run" --save-every 50 --log-file "$R/full.jsonl" >/dev/null 2>&1 || { echo "    uninterrupted run failed"; fail=1; }
