@@ -538,6 +538,17 @@ def parse_list(s, conv, what):
     return vals
 
 
+def tree_commit():
+    """The short commit of the checkout this script is in, or None."""
+    import subprocess
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=os.path.dirname(os.path.abspath(__file__)),
+                             capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or None if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(
         description="PyTorch + transformers (SDPA, bf16, fused AdamW) baseline for `centrifuge bench`.",
@@ -641,6 +652,13 @@ def main(argv=None):
                          "--sdpa-attention)")
     rows = (bench_attention(args, torch) if args.sdpa_attention else bench_ddp(args, torch) if args.ddp
             else bench_training(args, torch))
+    # every record names the tree that ran it (CF_COMMIT from tools/gpu_session.sh, whose copy
+    # of the tree has no .git; else git), one process, no tensor parallelism
+    commit = os.environ.get("CF_COMMIT") or tree_commit()
+    for r in rows:
+        r.setdefault("commit", commit)
+        r.setdefault("world_size", 1)
+        r.setdefault("tp", 1)
     if args.json:
         tmp = args.json + ".tmp"
         with open(tmp, "w") as f:

@@ -15,6 +15,8 @@ export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-16}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 cat "$G/commit.txt" 2>/dev/null | tee "$OUT/commit.txt"
 CF="$G/centrifuge-cuda"
+# the commit of the carried binaries, for tools/bench_pytorch.py's records (this copy has no .git)
+CF_COMMIT=$(head -c 7 "$G/commit.txt" 2>/dev/null); export CF_COMMIT
 for part in "$@"; do
   echo "=== $part $(date +%T)"
   case $part in
