@@ -117,4 +117,32 @@ static inline double fd_directional(cf_model *m, int i, const float *d, double e
     return (lp - lm) / (2 * eps);
 }
 
+/* The directional finite difference along tensor i's own gradient (g: the
+ * packed gradients of all tensors): *gn = |g_i|, and *fd, which should
+ * equal it; *fd = 0 when g_i is all zero (no direction). */
+static inline void fd_along_gradient(cf_model *m, int i, const float *g, double eps, double (*loss)(void *), void *ctx,
+                                     double *fd, double *gn) {
+    size_t n = cf_model_tensor_numel(m, i);
+    const float *gi = g + toff(m, i);
+    *gn = grad_norm(gi, n);
+    *fd = 0;
+    if (!(*gn > 0)) return;
+    float *d = malloc(n * sizeof(float));
+    for (size_t j = 0; j < n; j++) d[j] = (float)(gi[j] / *gn);
+    *fd = fd_directional(m, i, d, eps, loss, ctx);
+    free(d);
+}
+
+/* The backward of the forward just run, in `mode` over the rows keep marks
+ * (NULL: every row), or (stopgrad) centrifuge's dense stop-gradient
+ * reference over them. 0, or -1 with cf_fail. */
+static inline int backward_with_mask(cf_model *m, cf_mode mode, const uint8_t *keep, int stopgrad) {
+    cf_kept kept;
+    int rc = keep ? cf_kept_from_mask(m, keep, &kept) : 0;
+    if (rc == 0)
+        rc = stopgrad ? cf_backward_reference_stopgrad(m, &kept, 1.0f, NULL)
+                      : cf_backward(m, mode, keep ? &kept : NULL, 1.0f, NULL);
+    return rc;
+}
+
 #endif

@@ -67,11 +67,7 @@ static float *run(cf_model *m, const int32_t *tok, cf_mode mode, const uint8_t *
     CHECK(fwd_fixed(m, tok, NULL) == 0);
     CHECK(m->drop_on && m->drop_ctr == CTR);
     cf_zero_grad(m);
-    cf_kept kept;
-    int rc = keep ? cf_kept_from_mask(m, keep, &kept) : 0;
-    if (rc == 0)
-        rc = stopgrad ? cf_backward_reference_stopgrad(m, &kept, 1.0f, NULL)
-                      : cf_backward(m, mode, keep ? &kept : NULL, 1.0f, NULL);
+    int rc = backward_with_mask(m, mode, keep, stopgrad);
     CHECK_MSG(rc == 0, "backward: %s", cf_last_error());
     return all_grads(m);
 }
@@ -154,18 +150,13 @@ TEST(adapter_gradients_with_dropout_match_finite_differences_with_the_mask_fixed
                 const char *name = cf_model_tensor_name(m, i);
                 if (!strstr(name, "lora_")) continue;
                 adapters++;
-                size_t n = cf_model_tensor_numel(m, i);
-                const float *gi = g + toff(m, i);
-                double gn = grad_norm(gi, n);
-                CHECK_MSG(gn > 0, "%s: all-zero adapter gradient", name);
                 /* along the gradient: the derivative is |g| */
-                float *d = malloc(n * sizeof(float));
-                for (size_t j = 0; j < n; j++) d[j] = (float)(gi[j] / gn);
                 loss_ctx lc = {m, tok, lo ? keep : NULL};
-                double fd = fd_directional(m, i, d, 1e-3, loss_of, &lc);
+                double fd, gn;
+                fd_along_gradient(m, i, g, 1e-3, loss_of, &lc, &fd, &gn);
+                CHECK_MSG(gn > 0, "%s: all-zero adapter gradient", name);
                 CHECK_MSG(fabs(fd - gn) <= 2e-3 + 2e-2 * gn, "%s %s %s: fd %.6g analytic %.6g", types[ti],
                           lo ? "loss-only" : "regular", name, fd, gn);
-                free(d);
             }
             int L = cf_model_config(m)->num_hidden_layers;
             CHECK_MSG(adapters == L * 14, "%s: %d adapter tensors, want %d", types[ti], adapters, L * 14);

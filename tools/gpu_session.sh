@@ -15,6 +15,8 @@ export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-16}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 cat "$G/commit.txt" 2>/dev/null | tee "$OUT/commit.txt"
 CF="$G/centrifuge-cuda"
+# peft, from a carried wheel where the machine has none (pip download peft --no-deps -d .gpucarry-whl)
+need_peft() { python3 -c 'import peft' 2>/dev/null || pip install -q --no-index --no-deps .gpucarry-whl/peft-*.whl 2>&1 | tail -1; }
 # the commit of the carried binaries, for tools/bench_pytorch.py's records (this copy has no .git)
 CF_COMMIT=$(head -c 7 "$G/commit.txt" 2>/dev/null); export CF_COMMIT
 for part in "$@"; do
@@ -47,9 +49,8 @@ for part in "$@"; do
       done ;;
     lora-bench)
       # paper Table 2's LoRA row: Llama3.2-3B, rank 64 on q,k,v,o, keep 0.5, then all seven targets;
-      # PyTorch + transformers + PEFT on the same shapes after each (peft from a carried wheel
-      # in .gpucarry-whl/ where the machine has none: pip download peft --no-deps -d .gpucarry-whl)
-      python3 -c 'import peft' 2>/dev/null || pip install -q --no-index --no-deps .gpucarry-whl/peft-*.whl 2>&1 | tail -1
+      # PyTorch + transformers + PEFT on the same shapes after each
+      need_peft
       for tg in q,k,v,o all; do
         j="$OUT/bench_lora3b_2048_$(echo $tg | tr -d ,)"
         "$CF" bench --device cuda --config llama3.2-3b --seq 2048 --modes regular,loss-only,centrifuge --keep 0.5 \
@@ -144,7 +145,7 @@ for part in "$@"; do
       OMP_NUM_THREADS=2 "$G/centrifuge" bench --config cpu-20m --seq 512 --modes regular,loss-only,centrifuge --keep 0.8,0.6,0.5,0.4,0.2 --steps 5 --warmup 1 --json "$OUT/cpu_bench_keep.jsonl" 2>&1 | tee "$OUT/cpu_bench_keep.txt" ;;
     peft-parity)
       # issue 15: PEFT loads centrifuge-cuda's adapters (and the reverse) with per-token losses within bf16 tolerance
-      python3 -c 'import peft' 2>/dev/null || pip install -q --no-index --no-deps .gpucarry-whl/peft-*.whl 2>&1 | tail -1
+      need_peft
       python3 tools/peft_parity.py --bin "$CF" --device cuda --tol 2e-2 2>&1 | grep -v -i warn | tee "$OUT/peft_parity.txt" | tail -20 ;;
     parity)
       python3 tools/hf_parity.py --bin .gpucarry/centrifuge 2>&1 | tee "$OUT/hf_parity.txt" | tail -20 ;;

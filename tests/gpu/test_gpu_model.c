@@ -16,6 +16,7 @@
 #include "backend/backend.h"
 #include "base/common.h"
 #include "engine/model_internal.h"
+#include "model_helpers.h"
 #include "test.h"
 
 static const char *TYPES[] = {"tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny"};
@@ -25,12 +26,6 @@ static const char *TYPES[] = {"tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-
  * test also runs at S0 = 40 with the tolerances it has always had. */
 enum { B = 2, S = 256, S0 = 40 };
 
-/* Offset of tensor i in the packed host arrays of these tests. */
-static size_t toff(const cf_model *m, int i) {
-    size_t o = 0;
-    for (int j = 0; j < i; j++) o += cf_model_tensor_numel(m, j);
-    return o;
-}
 
 static void copy_weights(cf_model *dst, cf_model *src) {
     for (int i = 0; i < cf_model_num_tensors(src); i++) {
@@ -64,12 +59,6 @@ static cf_model *cpu_model(const char *name, uint64_t seed) {
     return m;
 }
 
-static float *grads(cf_model *m) {
-    float *g = calloc(cf_model_num_params(m), sizeof(float));   /* frozen tensors: zeros */
-    for (int i = 0; i < cf_model_num_tensors(m); i++)
-        if (cf_model_tensor_trainable(m, i)) cf_model_get_grad(m, i, g + toff(m, i));
-    return g;
-}
 
 /* per-tensor relative L2 error ||a - ref|| / ||ref||, the worst over tensors
  * (METHOD: bf16 operands land between 1e-3 and 1e-2 per op; two layers of
@@ -94,13 +83,9 @@ static float *run_s(cf_model *m, const int32_t *tok, int Sq, cf_mode mode, const
                     float *losses) {
     cf_forward(m, tok, B, Sq, losses);
     cf_zero_grad(m);
-    cf_kept kept;
-    int rc = keep ? cf_kept_from_mask(m, keep, &kept) : 0;
-    if (rc == 0)
-        rc = stopgrad ? cf_backward_reference_stopgrad(m, &kept, 1.0f, NULL)
-                      : cf_backward(m, mode, keep ? &kept : NULL, 1.0f, NULL);
+    int rc = backward_with_mask(m, mode, keep, stopgrad);
     CHECK_MSG(rc == 0, "backward: %s", cf_last_error());
-    return grads(m);
+    return all_grads(m);
 }
 
 static float *run(cf_model *m, const int32_t *tok, cf_mode mode, const uint8_t *keep, int stopgrad, float *losses) {
