@@ -430,6 +430,13 @@ typedef struct {
 } cf_tp_traffic;
 int cf_dist_tp_traffic(cf_dist *d, cf_tp_traffic *out);
 int cf_dist_device(const cf_dist *d);
+/* The data-parallel gradient reduction's wire format, before
+ * cf_dist_open_model: 0 fp32 (the default: the exact sum of the ranks'
+ * fp32 gradients), 1 bf16 (half the bytes, as PyTorch's DDP reduces bf16
+ * models: each bucket is rounded to bf16 into the bf16 weights of its own
+ * layer, which are dead until the step's all-gather rewrites them, summed
+ * in bf16 by NCCL and widened back to fp32 in the local shard). */
+int cf_dist_set_grad_bf16(cf_dist *d, int bf16);
 /* "torchrun: rank 1 of 2 (local 1 of 2), rendezvous ..." */
 const char *cf_dist_describe(const cf_dist *d);
 /* Opens the model on this rank's GPU with its ZeRO-1 shard of master

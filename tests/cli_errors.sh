@@ -87,6 +87,11 @@ expect_error "model dir missing" "config.json" -- eval --model "$T/nowhere" --da
 
 # tensor parallelism: launch mistakes (checked before any GPU is touched)
 expect_error "--tp without a launcher" "needs 2 processes" -- train --config tiny --tp 2 --steps 1
+expect_error "--dp-grad-dtype fp16" "--dp-grad-dtype: fp32 or bf16, got 'fp16'" -- train --config tiny --dp-grad-dtype fp16 --steps 1
+n=$((n+1))
+if "$BIN" train --config tiny --dp-grad-dtype bf16 --steps 1 --batch 2 --seq 32 >/dev/null 2>"$T/err" &&
+   grep -q "no effect in a single process" "$T/err"; then echo "  ok   --dp-grad-dtype bf16 in one process: a note, and it trains"
+else echo "  FAIL --dp-grad-dtype bf16 in one process"; fails=$((fails+1)); fi
 expect_error "--tp 0" "tp" -- train --config tiny --tp 0 --steps 1
 n=$((n+1))
 WORLD_SIZE=3 RANK=0 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29555 "$BIN" train --config tiny --tp 2 --steps 1 >"$T/out" 2>"$T/err"; rc=$?

@@ -5,7 +5,7 @@
 # Usage on the GPU machine: tools/gpu_session.sh PART...  (logs under $OUT)
 #   parts: tests sanitize bench-main bench-old bench-sweeps bench-3b pytorch
 #          parity peft-parity dp-check dp-bench dp-ctas tp-check tp-bench rows-x4 rows-x8
-#          rows-x8-dry bench-accum profile
+#          rows-x8-dry bench-accum profile dp-bf16
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G=$PWD/.gpucarry
@@ -114,6 +114,10 @@ for part in "$@"; do
       # (every kernel, split and collective of the real run; memory and time per layer, not per model)
       EXTRA="--layers 8" RUN_TIMEOUT=300 bash tools/tp_bench.sh "$CF" "$OUT/rows_x8_dry" \
         "llama3.1-8b:2048:tp2 qwen3-14b:2048:tp2 qwen3-32b:4096:tp2 alia-40b:4096:tp2" 2>&1 | tee "$OUT/rows_x8_dry.txt" ;;
+    dp-bf16)
+      # issue 14: bf16 gradients on the wire (train --dp-grad-dtype bf16): DP=2 = one GPU, then the scaling
+      DP_EXTRA="--dp-grad-dtype bf16" bash tests/gpu/dp_check.sh "$CF" "$OUT/dp_check_bf16" 2>&1 | tee "$OUT/dp_check_bf16.txt"
+      EXTRA="--dp-grad-dtype bf16" bash tools/dp_bench.sh "$CF" "$OUT/dp_bench_bf16" 2>&1 | tee "$OUT/dp_bench_bf16.txt" ;;
     dp-bench)
       bash tools/dp_bench.sh "$CF" "$OUT/dp_bench" 2>&1 | tee "$OUT/dp_bench.txt" ;;
     bench-sweeps)

@@ -300,7 +300,7 @@ static const char *TRAIN_USAGE =
 int cmd_train(int argc, char **argv) {
     const char *config = NULL, *model_dir = NULL, *data = NULL, *ref_path = NULL, *val = NULL;
     const char *out = NULL, *log_path = NULL, *mode_s = NULL, *select_s = NULL, *device = "cpu";
-    const char *freeze = NULL, *tokenizer = NULL;
+    const char *freeze = NULL, *tokenizer = NULL, *dp_grad = "fp32";
     /* LoRA (PEFT's defaults where it has them: alpha 8 at rank 8) */
     const char *lora_targets = "q,k,v,o";
     long lora_rank = 0;
@@ -355,6 +355,7 @@ int cmd_train(int argc, char **argv) {
         {"--quiet", CF_OPT_FLAG, &quiet, 0, 0, "no progress lines", 0},
         {"--dist-timeout", CF_OPT_FLOAT, &dist_timeout, 1, 86400, "data parallel: seconds to wait for other ranks (default 600)", 0},
         {"--tp", CF_OPT_INT, &tp, 1, 1024, "tensor parallel degree: ranks per TP group (default 1; the rest data parallel)", 0},
+        {"--dp-grad-dtype", CF_OPT_STR, &dp_grad, 0, 0, "data parallel: gradients on the wire, fp32 (default) or bf16", 0},
         {"--freeze", CF_OPT_STR, &freeze, 0, 0, "comma list of name parts to freeze (e.g. embed_tokens,lm_head)", 0},
         {"--lora-rank", CF_OPT_INT, &lora_rank, 1, 4096, "train LoRA adapters of this rank (base frozen); checkpoints are PEFT adapters", 0},
         {"--lora-alpha", CF_OPT_FLOAT, &lora_alpha, 1e-6, 1e6, "LoRA alpha (default: the rank); scale alpha/rank", 0},
@@ -415,6 +416,10 @@ int cmd_train(int argc, char **argv) {
     if (ref_path && !data) { cf_fail("--ref needs --data (the token shard it was scored on)"); return cf_cli_error("train", 2); }
     if (resume && !out) { cf_fail("--resume needs --out"); return cf_cli_error("train", 2); }
     if (vocab_size && vocab_from_data) { cf_fail("give --vocab-size or --vocab-from-data, not both"); return cf_cli_error("train", 2); }
+    if (strcmp(dp_grad, "fp32") != 0 && strcmp(dp_grad, "bf16") != 0) {
+        cf_fail("--dp-grad-dtype: fp32 or bf16, got '%s'", dp_grad);
+        return cf_cli_error("train", 2);
+    }
     if (layers && model_dir) {
         cf_fail("--layers cuts a --config's layers; a --model directory keeps its own");
         return cf_cli_error("train", 2);
@@ -535,6 +540,9 @@ int cmd_train(int argc, char **argv) {
     /* Data parallel when a launcher (torchrun, srun, mpirun) started
      * several ranks: each rank trains on its GPU, rank 0 reports. */
     if (cf_dist_init_tp(&dist, (int)tp, dist_timeout) != 0) goto fail;
+    if (cf_dist_set_grad_bf16(dist, !strcmp(dp_grad, "bf16")) != 0) goto fail;
+    if (!dist && !strcmp(dp_grad, "bf16") && !quiet)
+        fprintf(stderr, "train: note: --dp-grad-dtype bf16 has no effect in a single process (nothing is reduced)\n");
     rank = cf_dist_rank(dist);
     world = cf_dist_world(dist);
     dp = cf_dist_dp(dist);             /* the data is split over the DP ranks */
@@ -549,6 +557,7 @@ int cmd_train(int argc, char **argv) {
     }
     cf_manifest_set(&want, "world_size", "%d", world);
     cf_manifest_set(&want, "tp", "%ld", tp);
+    if (strcmp(dp_grad, "fp32") != 0) cf_manifest_set(&want, "dp_grad", "%s", dp_grad);   /* for the record */
 
     /* --out is this run's alone (a lock held until exit); a fresh run never
      * writes into another run's checkpoints; --resume continues only the run

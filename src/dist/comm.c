@@ -251,12 +251,19 @@ int cf_comm_size(const cf_comm *c) { return c->size; }
 int cf_comm_device(const cf_comm *c) { return c->device; }
 int cf_comm_aborted(const cf_comm *c) { return c->aborted; }
 
-int cf_comm_reduce_scatter_f32(cf_comm *c, const float *send, float *recv, size_t recv_count, void *stream) {
-    if (usable(c) != 0) return -1;
+int cf_comm_reduce_scatter(cf_comm *c, const void *send, void *recv, size_t recv_count, cf_comm_dtype dtype,
+                           void *stream) {
+    ncclDataType_t t = ncclFloat32;
+    if (usable(c) != 0 || nccl_dtype(dtype, &t) != 0) return -1;
+    if (dtype != CF_COMM_F32 && dtype != CF_COMM_BF16) return cf_fail("reduce_scatter: f32 or bf16 only");
     c->seq++;
-    snprintf(c->last_op, sizeof c->last_op, "reduce_scatter of %zu f32 per rank (sum, collective #%llu)", recv_count,
-             c->seq);
-    return enqueued(c, ncclReduceScatter(send, recv, recv_count, ncclFloat32, ncclSum, c->nc, (cudaStream_t)stream));
+    snprintf(c->last_op, sizeof c->last_op, "reduce_scatter of %zu %s per rank (sum, collective #%llu)", recv_count,
+             dtype_name(dtype), c->seq);
+    return enqueued(c, ncclReduceScatter(send, recv, recv_count, t, ncclSum, c->nc, (cudaStream_t)stream));
+}
+
+int cf_comm_reduce_scatter_f32(cf_comm *c, const float *send, float *recv, size_t recv_count, void *stream) {
+    return cf_comm_reduce_scatter(c, send, recv, recv_count, CF_COMM_F32, stream);
 }
 
 int cf_comm_all_gather(cf_comm *c, void *buf, size_t count_per_rank, cf_comm_dtype dtype, void *stream) {
@@ -430,6 +437,10 @@ int cf_comm_size(const cf_comm *c) { return 1; }
 int cf_comm_device(const cf_comm *c) { return -1; }
 int cf_comm_aborted(const cf_comm *c) { return 0; }
 int cf_comm_reduce_scatter_f32(cf_comm *c, const float *send, float *recv, size_t recv_count, void *stream) {
+    return cf_fail(CF_NO_CUDA);
+}
+int cf_comm_reduce_scatter(cf_comm *c, const void *send, void *recv, size_t recv_count, cf_comm_dtype dtype,
+                           void *stream) {
     return cf_fail(CF_NO_CUDA);
 }
 int cf_comm_all_gather(cf_comm *c, void *buf, size_t count_per_rank, cf_comm_dtype dtype, void *stream) {

@@ -51,6 +51,9 @@ int cf_comm_aborted(const cf_comm *c);
 /* ZeRO gradients: recv[i] = sum over ranks of send[rank * recv_count + i].
  * In place when recv == send + rank * recv_count (NCCL's rule). */
 int cf_comm_reduce_scatter_f32(cf_comm *c, const float *send, float *recv, size_t recv_count, void *stream);
+/* The same for dtype F32 or BF16 (sum). */
+int cf_comm_reduce_scatter(cf_comm *c, const void *send, void *recv, size_t recv_count, cf_comm_dtype dtype,
+                           void *stream);
 
 /* In-place all-gather: buf holds size * count_per_rank elements; this rank's
  * piece, at buf + rank * count_per_rank, goes to every rank. dtype BF16 or F32. */

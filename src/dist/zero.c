@@ -62,6 +62,7 @@ struct cf_dist {
     void *emb_rows;        /* [dp, emb_chunk, C] act */
     int *emb_tok;          /* [dp, emb_chunk] token ids, -1 = no row */
     int emb_chunk;
+    int grad_bf16;         /* bf16 gradients on the wire (cf_dist_set_grad_bf16) */
 };
 
 int cf_dist_rank(const cf_dist *d) { return d ? d->env.rank : 0; }
@@ -80,6 +81,12 @@ int cf_dist_tp_traffic(cf_dist *d, cf_tp_traffic *out) {
  * another split would read the wrong shards). */
 static uint64_t layout_hash(const cf_dist *d) { return d->plan.hash ^ ((uint64_t)d->tp * 0x9e3779b97f4a7c15ULL); }
 int cf_dist_device(const cf_dist *d) { return d ? d->device : 0; }
+int cf_dist_set_grad_bf16(cf_dist *d, int bf16) {
+    if (!d) return 0;   /* one process: nothing is reduced */
+    if (d->m) return cf_fail("data parallel: the gradient wire format is set before the model is opened");
+    d->grad_bf16 = bf16 != 0;
+    return 0;
+}
 const char *cf_dist_describe(const cf_dist *d) { return d ? d->describe : "single process"; }
 
 void cf_dist_free(cf_dist *d) {
@@ -249,14 +256,33 @@ static cf_cuda_ctx *ctx_of(cf_dist *d) { return (cf_cuda_ctx *)d->m->b->device_c
 static int hook_bucket_ready(void *p, int layer) {
     cf_dist *d = p;
     cf_cuda_ctx *cx = ctx_of(d);
+    cf_model *m = d->m;
+    float *grad = m->opt.grad;
+    const size_t A = m->b->act_size;
+    /* bf16 on the wire: each bucket rounded into its own compute weights
+     * (the layer's backward, which read them, is enqueued before this;
+     * nothing reads them again until the step's all-gather rewrites them) */
+    if (d->grad_bf16)
+        for (int k = 0; k < d->plan.num_buckets; k++) {
+            const cf_zero_bucket *bk = &d->plan.buckets[k];
+            if (bk->key == layer)
+                m->b->weights_from_master(m->b, (char *)m->w + (size_t)bk->start * A, grad + bk->start, (size_t)bk->len);
+        }
     if (cf_cuda_comm_wait_compute(cx) != 0) return -1;
-    float *grad = d->m->opt.grad;
     for (int k = 0; k < d->plan.num_buckets; k++) {
         const cf_zero_bucket *bk = &d->plan.buckets[k];
         if (bk->key != layer) continue;
-        float *start = grad + bk->start;
-        if (cf_comm_reduce_scatter_f32(d->dp_comm, start, start + (int64_t)d->dp_rank * bk->shard_len,
-                                       (size_t)bk->shard_len, cx->comm_stream) != 0)
+        const int64_t mine = (int64_t)d->dp_rank * bk->shard_len;
+        if (!d->grad_bf16) {
+            float *start = grad + bk->start;
+            if (cf_comm_reduce_scatter_f32(d->dp_comm, start, start + mine, (size_t)bk->shard_len, cx->comm_stream) != 0)
+                return -1;
+            continue;
+        }
+        char *w = (char *)m->w + (size_t)bk->start * A;
+        if (cf_comm_reduce_scatter(d->dp_comm, w, w + (size_t)mine * A, (size_t)bk->shard_len, CF_COMM_BF16,
+                                   cx->comm_stream) != 0 ||
+            cf_cuda_bf16_to_f32_comm(cx, grad + bk->start + mine, w + (size_t)mine * A, (size_t)bk->shard_len) != 0)
             return -1;
     }
     return 0;
@@ -419,6 +445,15 @@ cf_model *cf_dist_open_model(cf_dist *d, const cf_model_opts *o) {
         s->sum_scalars = hook_sum_scalars;
         s->weights_updated = hook_weights_updated;
         s->embedding_rows = hook_embedding_rows;
+        if (d->grad_bf16) {
+            if (m->b->act_size != 2) {
+                cf_model_free(m);
+                d->m = NULL;
+                cf_fail("data parallel: bf16 gradients need the bf16 (cuda) backend");
+                return NULL;
+            }
+            s->weights_staged = 1;
+        }
     }
     /* Every rank initialised or loaded the same weights (deterministic in
      * the seed and the files; cf_dist_agree on the arguments checks that

@@ -99,6 +99,11 @@ typedef struct {
     int (*sum_scalars)(void *ctx, cf_scalars *dev);
     /* The local shard of the compute weights was updated: share it. */
     int (*weights_updated)(void *ctx);
+    /* 1: the reduction used the compute weights of each bucket as its
+     * staging area (bf16 gradients on the wire), so they hold gradients
+     * after the backward of the step's last micro-batch: a skipped step
+     * must rebuild them from the master weights (cf_step_ex). */
+    int weights_staged;
     /* Optional. On the last micro-batch the embedding's gradient (tied:
      * the shared embedding / LM-head one) is final after the LM head's
      * backward except for the embedding's scatter-add of this micro-batch,

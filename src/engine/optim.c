@@ -215,6 +215,15 @@ int cf_step_ex(cf_model *m, const cf_adamw_params *hp, float *grad_norm, double 
     if (loss_sum) *loss_sum = sc.loss_sum;
     if (!isfinite(norm) || !isfinite(sc.loss_sum)) {
         cf_zero_grad(m);
+        if (o->sync.weights_staged && o->sync.weights_updated) {
+            /* the weights served as the reduction's staging area: the local
+             * shard again from the (unchanged) master, then everyone's */
+            for (int s = 0; s < o->lay.nseg; s++) {
+                const cf_segment *g = &o->lay.seg[s];
+                b->weights_from_master(b, (char *)m->w + g->woff * b->act_size, o->master + g->loff, g->len);
+            }
+            if (o->sync.weights_updated(o->sync.ctx) != 0) return -1;
+        }
         cf_stage_end(m, CF_STAGE_OPTIMIZER);
         return b->check(b) != 0 ? -1 : 1;
     }

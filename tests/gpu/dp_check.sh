@@ -10,7 +10,8 @@
 set -u
 BIN=$(readlink -f "$1"); OUT=$2; mkdir -p "$OUT"
 STEPS=${STEPS:-30}
-BASE="train --device cuda --config math-25m --builtin-tokens 2M --batch 4 --seq 256 --lr 2e-3 --warmup 3 --seed 7 --select self --keep 0.5 --quiet"
+# DP_EXTRA: more arguments for every run (e.g. "--dp-grad-dtype bf16")
+BASE="train --device cuda --config math-25m --builtin-tokens 2M --batch 4 --seq 256 --lr 2e-3 --warmup 3 --seed 7 --select self --keep 0.5 --quiet ${DP_EXTRA:-}"
 COMMON="$BASE --steps $STEPS"
 fail=0
 compare() {  # compare two --log files: per-step loss within rel tolerance
@@ -47,7 +48,7 @@ CF_DP_GATHER_BYTES=65536 torchrun --nproc_per_node 2 --master_port 29646 --no-py
 [ -s "$OUT/dp_chunks.jsonl" ] && { compare "$OUT/dp_chunks.jsonl" "$OUT/one_chunks.jsonl" 2e-2 || { echo "    FAIL"; fail=1; }; }
 
 echo "== untied embeddings (tiny-llama, vocab 320): DP=2 vs 1 GPU, centrifuge, accumulation 2 per rank"
-UNTIED="train --device cuda --config tiny-llama --vocab-size 320 --builtin-tokens 2M --batch 4 --seq 256 --lr 2e-3 --warmup 3 --seed 7 --select self --keep 0.5 --quiet --steps $STEPS --mode centrifuge"
+UNTIED="train --device cuda --config tiny-llama --vocab-size 320 --builtin-tokens 2M --batch 4 --seq 256 --lr 2e-3 --warmup 3 --seed 7 --select self --keep 0.5 --quiet --steps $STEPS --mode centrifuge ${DP_EXTRA:-}"
 CUDA_VISIBLE_DEVICES=0 "$BIN" $UNTIED --grad-accum 4 --log-file "$OUT/one_untied.jsonl" 2>"$OUT/one_untied.err" || { echo "    1 GPU failed"; tail -3 "$OUT/one_untied.err"; fail=1; }
 torchrun --nproc_per_node 2 --master_port 29647 --no-python "$BIN" $UNTIED --grad-accum 2 --log-file "$OUT/dp_untied.jsonl" >"$OUT/dp_untied.err" 2>&1 || { echo "    DP=2 failed"; tail -5 "$OUT/dp_untied.err"; fail=1; }
 [ -s "$OUT/dp_untied.jsonl" ] && { compare "$OUT/dp_untied.jsonl" "$OUT/one_untied.jsonl" 2e-2 || { echo "    FAIL"; fail=1; }; }

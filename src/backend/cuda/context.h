@@ -166,6 +166,10 @@ int cf_cuda_staging_issued(cf_cuda_ctx *ctx);
 int cf_cuda_comm_wait_compute(cf_cuda_ctx *ctx);
 int cf_cuda_compute_wait_comm(cf_cuda_ctx *ctx);
 
+/* dst[i] = src[i] (bf16 -> fp32) for i < n, on the communication stream
+ * (after the collective that produced src); 0, or -1 (recorded). */
+int cf_cuda_bf16_to_f32_comm(cf_cuda_ctx *ctx, float *dst, const void *src, size_t n);
+
 /* Writes "3.2 GiB" / "512.0 MiB" / "100 bytes" into buf; returns buf. */
 const char *cf_cuda_format_bytes(size_t bytes, char *buf, size_t cap);
 

@@ -156,6 +156,18 @@ void cf_cuda_weights_from_master(cf_backend *b, void *w, const float *master, si
     CF_CK_LAUNCH(ctx, "f32_to_bf16");
 }
 
+static __global__ void bf16_to_f32_kernel(float *dst, const bf16 *src, size_t n) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        dst[i] = __bfloat162float(src[i]);
+}
+
+int cf_cuda_bf16_to_f32_comm(cf_cuda_ctx *ctx, float *dst, const void *src, size_t n) {
+    if (!n) return 0;
+    if (cf_cuda_ctx_use(ctx) != 0) return -1;
+    bf16_to_f32_kernel<<<cf_grid_for(n, 256), 256, 0, ctx->comm_stream>>>(dst, (const bf16 *)src, n);
+    return CF_CK_LAUNCH(ctx, "bf16_to_f32 (communication stream)") ? 0 : -1;
+}
+
 /* ================================================================= status */
 
 size_t cf_cuda_memory_peak(cf_backend *b) {
