@@ -522,6 +522,71 @@ TEST(plan_rows_of_a_rank_are_exactly_the_rows_its_slice_touches) {
     }
 }
 
+/* The helpers of the pipelined step (zero.c): cf_zero_plan_others is the
+ * bucket minus the rank's slice; cf_zero_plan_row_spill is the whole rows
+ * of cf_zero_plan_rows minus the slice; cf_zero_plan_buckets_done names
+ * exactly the buckets with no segment after s. All against brute force,
+ * element by element. */
+TEST(plan_others_row_spill_and_buckets_done_match_brute_force) {
+    int64_t numel[64];
+    int key[64];
+    int n = llama_like(numel, key, 3, 8, 20, 29);
+    numel[0] = 29 * 8;   /* the embedding as rows of 8 */
+    for (int W = 1; W <= 8; W++) {
+        cf_zero_plan p;
+        if (cf_zero_plan_build(&p, numel, key, n, W, 4) != 0) { CHECK(0); continue; }
+        char *mark = calloc((size_t)p.total, 1);
+        int bad = 0;
+        for (int r = 0; r < W; r++) {
+            for (int b = 0; b < p.num_buckets; b++) {
+                int64_t fs, ls, len, st[2] = {0, 0}, ln[2] = {0, 0};
+                cf_zero_plan_slice(&p, r, b, &fs, &ls, &len);
+                int c = cf_zero_plan_others(&p, r, b, st, ln);
+                memset(mark, 0, (size_t)p.total);
+                for (int i = 0; i < c; i++)
+                    for (int64_t e = st[i]; e < st[i] + ln[i]; e++) bad += e < 0 || e >= p.total || mark[e]++;
+                const cf_zero_bucket *bk = &p.buckets[b];
+                for (int64_t e = 0; e < p.total; e++) {
+                    int want = e >= bk->start && e < bk->start + bk->len && !(e >= fs && e < fs + len);
+                    bad += mark[e] != want;
+                }
+            }
+            /* row spill of the embedding (tensor 0) */
+            int64_t r0, r1, fs, ls, len, st[2] = {0, 0}, ln[2] = {0, 0};
+            cf_zero_plan_rows(&p, r, 0, 8, &r0, &r1);
+            cf_zero_plan_slice(&p, r, p.bucket[0], &fs, &ls, &len);
+            int c = cf_zero_plan_row_spill(&p, r, 0, 8, st, ln);
+            memset(mark, 0, (size_t)p.total);
+            for (int i = 0; i < c; i++)
+                for (int64_t e = st[i]; e < st[i] + ln[i]; e++) bad += e < 0 || e >= p.total || mark[e]++;
+            for (int64_t e = 0; e < p.total; e++) {
+                int64_t o = e - p.offset[0];
+                int want = r1 > r0 && o >= r0 * 8 && o < r1 * 8 && !(e >= fs && e < fs + len);
+                bad += mark[e] != want;
+            }
+            /* buckets done after each segment */
+            cf_zero_segment *seg;
+            int ns;
+            if (cf_zero_plan_segments(&p, r, &seg, &ns) != 0) { bad++; continue; }
+            int prev = 0;
+            for (int s = 0; s < ns; s++) {
+                int done = cf_zero_plan_buckets_done(&p, seg, ns, s);
+                /* safe: no bucket before `done` has a segment still to update */
+                for (int t = s + 1; t < ns; t++) bad += seg[t].bucket < done;
+                /* as early as possible: the next segment's bucket is the first not done */
+                if (s + 1 < ns) bad += done != seg[s + 1].bucket;
+                bad += done < prev || done > p.num_buckets;
+                prev = done;
+            }
+            if (ns > 0) bad += cf_zero_plan_buckets_done(&p, seg, ns, ns - 1) != p.num_buckets;
+            free(seg);
+        }
+        CHECK_MSG(bad == 0, "W=%d: %d mismatches", W, bad);
+        free(mark);
+        cf_zero_plan_free(&p);
+    }
+}
+
 TEST(plan_sharded_allgather_and_reduce_scatter_round_trip_the_flat_buffer) {
     /* Simulates ZeRO-1 on the host: each rank's shard is cut out of the flat
      * buffer by its slices, the all-gather rebuilds the buffer, and a
@@ -948,6 +1013,7 @@ int main(void) {
     RUN(plan_world_1_pads_only_to_the_alignment);
     RUN(plan_buckets_are_runs_of_equal_keys_padded_to_world_times_align);
     RUN(plan_rows_of_a_rank_are_exactly_the_rows_its_slice_touches);
+    RUN(plan_others_row_spill_and_buckets_done_match_brute_force);
     RUN(plan_sharded_allgather_and_reduce_scatter_round_trip_the_flat_buffer);
     RUN(plan_llama3_8b_sizes_with_8_ranks_have_no_overflow_and_exact_totals);
     RUN(plan_hash_changes_with_world_align_sizes_keys_and_order);

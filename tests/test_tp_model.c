@@ -298,9 +298,10 @@ static void *grid_main(void *p) {
     return NULL;
 }
 
-static void run_grid(const char *name, cf_mode mode, int accum, uint64_t seed) {
+static void run_grid_vocab(const char *name, int vocab, cf_mode mode, int accum, uint64_t seed) {
     cf_config cfg;
     CHECK(cf_config_builtin(&cfg, name) == 0);
+    if (vocab > 0) cfg.vocab_size = vocab;
     cf_model *one = cf_model_create(&cfg, CF_BACKEND_CPU, seed);
     CHECK(one != NULL);
     if (!one) return;
@@ -361,6 +362,7 @@ static void run_grid(const char *name, cf_mode mode, int accum, uint64_t seed) {
         cf_model_free(jobs[g].m);
         cf_zero_plan_free(&jobs[g].dr.plan);
         free(jobs[g].dr.tensor_of);
+        free(jobs[g].dr.seg);
     }
     for (int i = 0; i < 2; i++) { tpt_group_destroy(&tg[i]); dpt_group_destroy(&dg[i]); }
     free(ref_w);
@@ -375,6 +377,10 @@ static void run_grid(const char *name, cf_mode mode, int accum, uint64_t seed) {
  * after the LM head and the embedding rows of the last micro-batch are
  * added to the reduced slices afterwards (cf_grad_sync.embedding_rows),
  * also after accumulation. */
+static void run_grid(const char *name, cf_mode mode, int accum, uint64_t seed) {
+    run_grid_vocab(name, 0, mode, accum, seed);
+}
+
 TEST(tp2_by_dp2_grid_with_zero1_equals_one_process_on_the_global_batch) {
     run_grid("tiny-qwen3", CF_MODE_CENTRIFUGE, 1, 501);
     run_grid("tiny-llama", CF_MODE_REGULAR, 1, 502);
@@ -382,6 +388,10 @@ TEST(tp2_by_dp2_grid_with_zero1_equals_one_process_on_the_global_batch) {
     run_grid("tiny-qwen2", CF_MODE_CENTRIFUGE, 2, 504);
     run_grid("tiny-qwen2", CF_MODE_REGULAR, 2, 505);
     run_grid("tiny-llama", CF_MODE_CENTRIFUGE, 2, 506);   /* untied */
+    /* 62 rows: 31 per TP rank, so each DP slice ends mid-row and the
+     * embedding rows spill into the neighbour's slice (cleared again) */
+    run_grid_vocab("tiny-qwen2", 62, CF_MODE_CENTRIFUGE, 2, 507);
+    run_grid_vocab("tiny-llama", 62, CF_MODE_REGULAR, 2, 508);
 }
 
 static const tp_case CASES[] = {

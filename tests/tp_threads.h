@@ -115,6 +115,8 @@ typedef struct {
     cf_model *m;          /* set after the model is open */
     cf_zero_plan plan;    /* filled by dpt_layout */
     int *tensor_of;
+    cf_zero_segment *seg; /* the local segments (dpt_install) */
+    int nseg, gathered;   /* buckets [0, gathered) all-gathered this step */
 } dpt_rank;
 
 static inline void dpt_group_init(dpt_group *g, int size) {
@@ -156,6 +158,10 @@ static inline int dpt_bucket_ready(void *ctx, int layer) {
         if (bk->key != layer) continue;
         /* reduce-scatter: this rank's slice of the bucket gets the sum */
         dpt_sum_into(r, r->m->opt.grad, (size_t)(bk->start + (int64_t)r->rank * bk->shard_len), (size_t)bk->shard_len);
+        /* the other slices are cleared (clears_nonlocal), as zero.c does */
+        int64_t st[2], len[2];
+        int n = cf_zero_plan_others(&r->plan, r->rank, k, st, len);
+        for (int i = 0; i < n; i++) memset(r->m->opt.grad + st[i], 0, (size_t)len[i] * sizeof(float));
     }
     return 0;
 }
@@ -180,22 +186,36 @@ static inline int dpt_sum_scalars(void *ctx, cf_scalars *sc) {
     return 0;
 }
 
-/* all-gather of the compute weights: every rank's slice of every bucket */
-static inline int dpt_weights_updated(void *ctx) {
-    dpt_rank *r = ctx;
+/* all-gather of the compute weights of buckets [gathered, upto): every
+ * rank's slice, one bucket at a time (each a collective of all ranks, in
+ * bucket order, reached at whatever segment completes it on each rank) */
+static inline int dpt_gather(dpt_rank *r, int upto) {
     dpt_group *g = r->g;
     float *w = r->m->w;
-    g->ptr[r->rank] = w;
-    pthread_barrier_wait(&g->bar);
-    for (int b = 0; b < r->plan.num_buckets; b++) {
+    for (int b = r->gathered; b < upto; b++) {
         const cf_zero_bucket *bk = &r->plan.buckets[b];
+        g->ptr[r->rank] = w;
+        pthread_barrier_wait(&g->bar);
         for (int k = 0; k < g->size; k++) {
             if (k == r->rank) continue;
             size_t off = (size_t)(bk->start + (int64_t)k * bk->shard_len);
             memcpy(w + off, (const float *)g->ptr[k] + off, (size_t)bk->shard_len * sizeof(float));
         }
+        pthread_barrier_wait(&g->bar);
     }
-    pthread_barrier_wait(&g->bar);
+    if (upto > r->gathered) r->gathered = upto;
+    return 0;
+}
+
+static inline int dpt_segment_updated(void *ctx, int s) {
+    dpt_rank *r = ctx;
+    return dpt_gather(r, cf_zero_plan_buckets_done(&r->plan, r->seg, r->nseg, s));
+}
+
+static inline int dpt_weights_updated(void *ctx) {
+    dpt_rank *r = ctx;
+    dpt_gather(r, r->plan.num_buckets);
+    r->gathered = 0;
     return 0;
 }
 
@@ -222,6 +242,9 @@ static inline int dpt_embedding_rows(void *ctx, const void *dout, const int *tok
         m->b->embedding_bwd(m->b, dembed + (size_t)r0 * m->cfg.hidden_size, o->dout, o->tokens, o->n,
                             m->cfg.hidden_size, vbase + (int)r0, (int)(r1 - r0));
     }
+    int64_t st[2], len[2];
+    int ns = te >= 0 ? cf_zero_plan_row_spill(&r->plan, r->rank, te, m->cfg.hidden_size, st, len) : 0;
+    for (int i = 0; i < ns; i++) memset(m->opt.grad + st[i], 0, (size_t)len[i] * sizeof(float));
     pthread_barrier_wait(&g->bar);
     return te >= 0 ? 0 : -1;
 }
@@ -237,7 +260,11 @@ static inline void dpt_install(dpt_rank *r, cf_model *m) {
     s->finish = dpt_finish;
     s->sum_scalars = dpt_sum_scalars;
     s->weights_updated = dpt_weights_updated;
+    s->segment_updated = dpt_segment_updated;
+    s->clears_nonlocal = 1;
     s->embedding_rows = dpt_embedding_rows;
+    r->gathered = 0;
+    if (cf_zero_plan_segments(&r->plan, r->rank, &r->seg, &r->nseg) != 0 || r->nseg != m->opt.lay.nseg) abort();
 }
 
 #endif

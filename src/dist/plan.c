@@ -138,6 +138,34 @@ void cf_zero_plan_rows(const cf_zero_plan *p, int rank, int tensor, int64_t row_
     *r1 = (z - t0 + row_len - 1) / row_len;
 }
 
+int cf_zero_plan_others(const cf_zero_plan *p, int rank, int bucket, int64_t start[2], int64_t len[2]) {
+    const cf_zero_bucket *k = &p->buckets[bucket];
+    int64_t lo, local, n;
+    cf_zero_plan_slice(p, rank, bucket, &lo, &local, &n);
+    int c = 0;
+    if (lo > k->start) { start[c] = k->start; len[c++] = lo - k->start; }
+    if (lo + n < k->start + k->len) { start[c] = lo + n; len[c++] = k->start + k->len - (lo + n); }
+    return c;
+}
+
+int cf_zero_plan_row_spill(const cf_zero_plan *p, int rank, int tensor, int64_t row_len, int64_t start[2],
+                           int64_t len[2]) {
+    int64_t r0, r1;
+    cf_zero_plan_rows(p, rank, tensor, row_len, &r0, &r1);
+    if (r1 <= r0) return 0;
+    int64_t lo, local, n;
+    cf_zero_plan_slice(p, rank, p->bucket[tensor], &lo, &local, &n);
+    const int64_t a = p->offset[tensor] + r0 * row_len, z = p->offset[tensor] + r1 * row_len;
+    int c = 0;
+    if (a < lo) { start[c] = a; len[c++] = lo - a; }
+    if (z > lo + n) { start[c] = lo + n; len[c++] = z - (lo + n); }
+    return c;
+}
+
+int cf_zero_plan_buckets_done(const cf_zero_plan *p, const cf_zero_segment *seg, int nseg, int s) {
+    return s + 1 < nseg ? seg[s + 1].bucket : p->num_buckets;
+}
+
 /* Counts the segments of rank r, filling seg[] when it is not NULL. */
 static int64_t walk_segments(const cf_zero_plan *p, int rank, cf_zero_segment *seg) {
     int64_t count = 0;

@@ -92,6 +92,21 @@ void cf_zero_plan_slice(const cf_zero_plan *p, int rank, int bucket, int64_t *fl
  * and last may reach into the neighbours' slices. */
 void cf_zero_plan_rows(const cf_zero_plan *p, int rank, int tensor, int64_t row_len, int64_t *r0, int64_t *r1);
 
+/* The parts of bucket b outside rank r's slice, as up to two flat ranges
+ * (start[i], len[i]); returns their count. A rank clears them once the
+ * bucket is reduce-scattered: their sums went to the other ranks. */
+int cf_zero_plan_others(const cf_zero_plan *p, int rank, int bucket, int64_t start[2], int64_t len[2]);
+
+/* The whole rows of cf_zero_plan_rows reach past rank r's slice at their
+ * ends: those flat ranges (up to two), to clear after writing the rows. */
+int cf_zero_plan_row_spill(const cf_zero_plan *p, int rank, int tensor, int64_t row_len, int64_t start[2],
+                           int64_t len[2]);
+
+/* After segment s of a rank's segments (cf_zero_plan_segments, local order)
+ * is updated, buckets [0, returned) hold no segment still to update: they
+ * can be all-gathered while the later ones are updated. */
+int cf_zero_plan_buckets_done(const cf_zero_plan *p, const cf_zero_segment *seg, int nseg, int s);
+
 /* The segments of rank r's local shard, in local order: its slices intersected
  * with the tensors. They cover every non-padding element of the shard exactly
  * once and no padding. *out is malloc'ed (free it); *count may be 0. */

@@ -63,6 +63,10 @@ struct cf_dist {
     int *emb_tok;          /* [dp, emb_chunk] token ids, -1 = no row */
     int emb_chunk;
     int grad_bf16;         /* bf16 gradients on the wire (cf_dist_set_grad_bf16) */
+    /* the local shard's segments (the optimizer's, same order) and the
+     * buckets [0, gathered) already all-gathered in this step */
+    cf_zero_segment *seg;
+    int nseg, gathered;
 };
 
 int cf_dist_rank(const cf_dist *d) { return d ? d->env.rank : 0; }
@@ -97,6 +101,7 @@ void cf_dist_free(cf_dist *d) {
     cf_comm_destroy(d->comm);
     cf_zero_plan_free(&d->plan);
     free(d->tensor_of);
+    free(d->seg);
 #ifdef CF_WITH_CUDA
     cudaFree(d->emb_rows);
     cudaFree(d->emb_tok);
@@ -253,6 +258,14 @@ static int zero_layout(void *ctx, const cf_model *m, cf_optim_layout *lay) {
 
 static cf_cuda_ctx *ctx_of(cf_dist *d) { return (cf_cuda_ctx *)d->m->b->device_context(d->m->b); }
 
+/* Zeroes the flat gradient ranges (start[i], len[i]) on `st`. */
+static int clear_grad(cf_dist *d, cudaStream_t st, const int64_t *start, const int64_t *len, int n) {
+    for (int i = 0; i < n; i++)
+        if (cudaMemsetAsync(d->m->opt.grad + start[i], 0, (size_t)len[i] * sizeof(float), st) != cudaSuccess)
+            return cf_fail("rank %d: cudaMemsetAsync of the gradient failed", d->env.rank);
+    return 0;
+}
+
 static int hook_bucket_ready(void *p, int layer) {
     cf_dist *d = p;
     cf_cuda_ctx *cx = ctx_of(d);
@@ -277,12 +290,18 @@ static int hook_bucket_ready(void *p, int layer) {
             float *start = grad + bk->start;
             if (cf_comm_reduce_scatter_f32(d->dp_comm, start, start + mine, (size_t)bk->shard_len, cx->comm_stream) != 0)
                 return -1;
-            continue;
+        } else {
+            char *w = (char *)m->w + (size_t)bk->start * A;
+            if (cf_comm_reduce_scatter(d->dp_comm, w, w + (size_t)mine * A, (size_t)bk->shard_len, CF_COMM_BF16,
+                                       cx->comm_stream) != 0 ||
+                cf_cuda_bf16_to_f32_comm(cx, grad + bk->start + mine, w + (size_t)mine * A, (size_t)bk->shard_len) != 0)
+                return -1;
         }
-        char *w = (char *)m->w + (size_t)bk->start * A;
-        if (cf_comm_reduce_scatter(d->dp_comm, w, w + (size_t)mine * A, (size_t)bk->shard_len, CF_COMM_BF16,
-                                   cx->comm_stream) != 0 ||
-            cf_cuda_bf16_to_f32_comm(cx, grad + bk->start + mine, w + (size_t)mine * A, (size_t)bk->shard_len) != 0)
+        /* the other slices' sums are the other ranks': clear them here, on
+         * the communication stream, so the step need not clear the whole
+         * buffer (cf_grad_sync.clears_nonlocal) */
+        int64_t st[2], len[2];
+        if (clear_grad(d, cx->comm_stream, st, len, cf_zero_plan_others(&d->plan, d->dp_rank, k, st, len)) != 0)
             return -1;
     }
     return 0;
@@ -364,6 +383,11 @@ static int hook_embedding_rows(void *p, const void *dout, const int *tokens, int
             b->embedding_bwd(b, dembed + (size_t)r0 * C, d->emb_rows, d->emb_tok, d->dp * chunk, C,
                              vbase + (int)r0, (int)(r1 - r0));
     }
+    /* the first and last of those rows reach into the neighbours' slices,
+     * which must stay zero (clears_nonlocal) */
+    int64_t st[2], len[2];
+    if (clear_grad(d, cx->stream, st, len, cf_zero_plan_row_spill(&d->plan, d->dp_rank, te, C, st, len)) != 0)
+        return -1;
     return b->check(b);
 }
 
@@ -386,15 +410,17 @@ static int hook_sum_scalars(void *p, cf_scalars *dev) {
     return cf_cuda_compute_wait_comm(cx);
 }
 
-static int hook_weights_updated(void *p) {
-    cf_dist *d = p;
+/* All-gathers the bf16 weights of buckets [d->gathered, upto) in place
+ * once the compute stream has updated their local slices. */
+static int gather_buckets(cf_dist *d, int upto) {
+    if (upto <= d->gathered) return 0;
     cf_cuda_ctx *cx = ctx_of(d);
     if (cf_cuda_comm_wait_compute(cx) != 0) return -1;
     char *w = d->m->w;
     size_t A = d->m->b->act_size;
     cf_comm_dtype dt = A == 2 ? CF_COMM_BF16 : CF_COMM_F32;
     if (cf_comm_group_begin(d->dp_comm) != 0) return -1;
-    for (int k = 0; k < d->plan.num_buckets; k++) {
+    for (int k = d->gathered; k < upto; k++) {
         const cf_zero_bucket *bk = &d->plan.buckets[k];
         if (cf_comm_all_gather(d->dp_comm, w + (size_t)bk->start * A, (size_t)bk->shard_len, dt, cx->comm_stream) != 0) {
             cf_comm_group_end(d->dp_comm);
@@ -402,7 +428,25 @@ static int hook_weights_updated(void *p) {
         }
     }
     if (cf_comm_group_end(d->dp_comm) != 0) return -1;
-    return cf_cuda_compute_wait_comm(cx);
+    d->gathered = upto;
+    return 0;
+}
+
+/* AdamW updated segment s: the buckets it completed go out now, while the
+ * compute stream updates the next ones (the all-gather of the last
+ * bucket is all that is left at the end of the step). Every rank gathers
+ * every bucket once per step, in bucket order, at whatever segment it
+ * completes on that rank: the same collectives in the same order. */
+static int hook_segment_updated(void *p, int s) {
+    cf_dist *d = p;
+    return gather_buckets(d, cf_zero_plan_buckets_done(&d->plan, d->seg, d->nseg, s));
+}
+
+static int hook_weights_updated(void *p) {
+    cf_dist *d = p;
+    if (gather_buckets(d, d->plan.num_buckets) != 0) return -1;
+    d->gathered = 0;
+    return cf_cuda_compute_wait_comm(ctx_of(d));
 }
 #endif
 
@@ -444,7 +488,17 @@ cf_model *cf_dist_open_model(cf_dist *d, const cf_model_opts *o) {
         s->finish = hook_finish;
         s->sum_scalars = hook_sum_scalars;
         s->weights_updated = hook_weights_updated;
+        s->segment_updated = hook_segment_updated;
+        s->clears_nonlocal = 1;
         s->embedding_rows = hook_embedding_rows;
+        free(d->seg);
+        d->seg = NULL;
+        if (cf_zero_plan_segments(&d->plan, d->dp_rank, &d->seg, &d->nseg) != 0 || d->nseg != m->opt.lay.nseg) {
+            cf_model_free(m);
+            d->m = NULL;
+            cf_fail("internal: the ZeRO-1 segments disagree with the optimizer layout");
+            return NULL;
+        }
         if (d->grad_bf16) {
             if (m->b->act_size != 2) {
                 cf_model_free(m);

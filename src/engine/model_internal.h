@@ -97,8 +97,17 @@ typedef struct {
     /* Sum the device scalars (squared gradient norm, loss sum) over the
      * processes. */
     int (*sum_scalars)(void *ctx, cf_scalars *dev);
-    /* The local shard of the compute weights was updated: share it. */
+    /* Optional. AdamW has updated the local segments 0..s (cf_optim_layout
+     * order): the buckets they complete may be shared already, overlapping
+     * the update of the later segments. */
+    int (*segment_updated)(void *ctx, int s);
+    /* The local shard of the compute weights was updated: share what
+     * segment_updated has not (all of it without that hook). */
     int (*weights_updated)(void *ctx);
+    /* 1: after `finish`, the gradient outside the local shard is zero (the
+     * hooks cleared each bucket's other slices once reduced), so the step
+     * need not clear the whole buffer after the update. */
+    int clears_nonlocal;
     /* 1: the reduction used the compute weights of each bucket as its
      * staging area (bf16 gradients on the wire), so they hold gradients
      * after the backward of the step's last micro-batch: a skipped step

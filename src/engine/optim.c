@@ -239,10 +239,13 @@ int cf_step_ex(cf_model *m, const cf_adamw_params *hp, float *grad_norm, double 
                  p->decay ? hp->weight_decay : 0.0f, scale, (int)o->step);
         /* adamw zeroed the segment: a tensor it covers whole holds zeros */
         if (o->gzero && g->goff == o->lay.goff[g->tensor] && g->len == p->numel) o->gzero[g->tensor] = 1;
+        if (o->sync.segment_updated && o->sync.segment_updated(o->sync.ctx, s) != 0) return -1;
     }
     if (o->sync.weights_updated) {
-        /* the non-local parts of the gradient were reduced elsewhere */
-        cf_zero_grad(m);
+        /* the non-local parts of the gradient were reduced elsewhere: they
+         * are zero already, or zeroed here */
+        if (!o->sync.clears_nonlocal) cf_zero_grad(m);
+        else if (o->gzero) memset(o->gzero, 1, (size_t)m->ntensors);
         if (o->sync.weights_updated(o->sync.ctx) != 0) return -1;
     }
     cf_stage_end(m, CF_STAGE_OPTIMIZER);
