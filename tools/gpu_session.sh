@@ -105,7 +105,7 @@ for part in "$@"; do
       done ;;
     dp-ctas)
       # issue 14: does capping NCCL's CTAs (SMs taken from the backward) help the centrifuge DP=2 step ratio?
-      for ctas in default 8 4; do
+      for ctas in default 16 8 4; do
         if [ $ctas = default ]; then unset NCCL_MAX_CTAS; else export NCCL_MAX_CTAS=$ctas; fi
         MODES="regular centrifuge" bash tools/dp_bench.sh "$CF" "$OUT/dp_ctas_$ctas" "qwen2.5-1.5b:2048" 2>&1 | tee "$OUT/dp_ctas_$ctas.txt"
       done; unset NCCL_MAX_CTAS ;;
