@@ -288,6 +288,93 @@ TEST(rmsnorm_fwd_bwd_match_cpu_vector_and_scalar_paths) {
     free_all();
 }
 
+/* a bf16 copy of h that starts 2 bytes past a 16-byte boundary: the kernels'
+ * scalar fallback for a tensor whose shape would take the 16-byte path */
+static void *gact_misaligned(const float *h, size_t n) {
+    float *h1 = hnew(n + 1);
+    memcpy(h1 + 1, h, n * sizeof(float));
+    char *p = gact(h1, n + 1);
+    free(h1);
+    return p + 2;
+}
+
+/* The column sum of the bias gradient (matmul_bwd with dbias only) over
+ * shapes that take the 16-byte path (N % 8 == 0, aligned), the scalar one
+ * (N % 8 != 0, or dout misaligned), a partial last column block, one row
+ * chunk (T = 1, 7) and many (T up to 5000: up to 256 chunks of rows). Both
+ * backends add the same bf16 values in fp32, in different orders: 1e-4
+ * relative (a lost or doubled row of ~1 against sums of ~sqrt(T) shows).
+ * Twice from the same start: bitwise the same. */
+TEST(colsum_dbias_matches_cpu_vector_scalar_and_row_chunks) {
+    static const struct { int T, N, misalign; } cs[] = {
+        {1, 256, 0}, {7, 100, 0}, {1000, 1536, 0}, {1000, 256, 0}, {1000, 100, 0},
+        {333, 264, 1}, {4096, 40, 0}, {5000, 8, 0}, {2048, 1537, 0},
+    };
+    for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
+        const int T = cs[i].T, N = cs[i].N;
+        float *dy = HOLD(hrand((size_t)T * N, 1.f)), *db0 = HOLD(hrand(N, 1.f));
+        float *ref = HOLD(hcopy(db0, N));
+        cpu->matmul_bwd(cpu, NULL, NULL, ref, dy, NULL, NULL, T, 1, N, 0);
+        void *gdy = cs[i].misalign ? gact_misaligned(dy, (size_t)T * N) : gact(dy, (size_t)T * N);
+        float *got[2];
+        for (int rep = 0; rep < 2; rep++) {
+            void *gdb = gf32(db0, N);
+            gpu->matmul_bwd(gpu, NULL, NULL, gdb, gdy, NULL, NULL, T, 1, N, 0);
+            got[rep] = get_f32(gdb, N);
+        }
+        char what[96];
+        snprintf(what, sizeof what, "colsum dbias += T=%d N=%d%s", T, N, cs[i].misalign ? " misaligned" : "");
+        cmp(what, got[0], ref, N, 1e-4);
+        CHECK_MSG(bitwise_equal(got[0], got[1], N), "%s: not run-to-run identical", what);
+        free_all();
+    }
+}
+
+/* rmsnorm backward with the weight gradient's partial sums fused in: the
+ * model widths (C = 1536, 3072; 16-byte path), C % 256 != 0 (lanes with
+ * fewer columns), C % 8 != 0 and a misaligned dout (scalar path), C past the
+ * shared-memory limit (dw by the separate column sum), T = 1, 7 and T not a
+ * multiple of the rows per block; dinp written and accumulated; dw NULL (a
+ * frozen weight: dinp alone). dinp bf16: 1e-2. dw: the same fp32 products
+ * summed in another order: 1e-4, and bitwise the same on a second run. */
+TEST(rmsnorm_bwd_fused_dw_matches_cpu_shapes_chunks_and_null_dw) {
+    static const struct { int T, C, misalign; } cs[] = {
+        {1, 1536, 0}, {7, 3072, 0}, {1000, 1536, 0}, {1000, 3072, 0}, {1023, 1000, 0},
+        {333, 1001, 0}, {1025, 264, 1}, {65, 13000, 0}, {4099, 128, 0},
+    };
+    for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
+        const int T = cs[i].T, C = cs[i].C;
+        float *x = HOLD(hrand((size_t)T * C, 2.f)), *w = HOLD(hrand(C, 1.f)), *dy = HOLD(hrand((size_t)T * C, 1.f));
+        float *dx0 = HOLD(hrand((size_t)T * C, 1.f)), *dw0 = HOLD(hrand(C, 1.f));
+        float *ry = HOLD(hnew((size_t)T * C)), *rr = HOLD(hnew(T));
+        cpu->rmsnorm_fwd(cpu, ry, rr, x, w, T, C, 1e-5f);
+        void *gx = gact(x, (size_t)T * C), *gw = gact(w, C), *gr = gf32(rr, T);
+        void *gdy = cs[i].misalign ? gact_misaligned(dy, (size_t)T * C) : gact(dy, (size_t)T * C);
+        printf("    T=%d C=%d%s\n", T, C, cs[i].misalign ? " (dout misaligned)" : "");
+        for (int acc = 0; acc < 2; acc++)
+            for (int with_dw = 0; with_dw < 2; with_dw++) {
+                float *rdx = HOLD(hcopy(dx0, (size_t)T * C)), *rdw = HOLD(hcopy(dw0, C));
+                cpu->rmsnorm_bwd(cpu, rdx, with_dw ? rdw : NULL, dy, x, w, rr, T, C, acc);
+                float *gdw1 = NULL;
+                for (int rep = 0; rep < 1 + with_dw; rep++) {
+                    void *gdx = acc ? gact(dx0, (size_t)T * C) : gact_nan((size_t)T * C);
+                    void *gdw = with_dw ? gf32(dw0, C) : NULL;
+                    gpu->rmsnorm_bwd(gpu, gdx, gdw, gdy, gx, gw, gr, T, C, acc);
+                    if (rep) {
+                        CHECK_MSG(bitwise_equal(get_f32(gdw, C), gdw1, C), "rmsnorm_bwd dw: not run-to-run identical");
+                        continue;
+                    }
+                    char what[96];
+                    snprintf(what, sizeof what, "rmsnorm_bwd dinp%s%s", acc ? " (accumulate)" : "",
+                             with_dw ? "" : " (dw NULL)");
+                    cmp(what, get_act(gdx, (size_t)T * C), rdx, (size_t)T * C, TOL_BF16);
+                    if (with_dw) cmp("rmsnorm_bwd dw +=", gdw1 = get_f32(gdw, C), rdw, C, 1e-4);
+                }
+            }
+        free_all();
+    }
+}
+
 /* rope: in place, bf16 in and out, fp32 angles: 1e-2. */
 TEST(rope_fwd_bwd_match_cpu) {
     const int T = 50, nh = 3, D = 64;
@@ -1240,6 +1327,8 @@ int main(void) {
     RUN_IF(matmul_fwd_matches_cpu_with_and_without_bias);
     RUN_IF(matmul_bwd_matches_cpu_dinp_dw_dbias_and_accumulate);
     RUN_IF(rmsnorm_fwd_bwd_match_cpu_vector_and_scalar_paths);
+    RUN_IF(colsum_dbias_matches_cpu_vector_scalar_and_row_chunks);
+    RUN_IF(rmsnorm_bwd_fused_dw_matches_cpu_shapes_chunks_and_null_dw);
     RUN_IF(rope_fwd_bwd_match_cpu);
     RUN_IF(swiglu_fwd_bwd_match_cpu_vector_and_scalar_paths);
     RUN_IF(add_matches_cpu_out_of_place_and_in_place);

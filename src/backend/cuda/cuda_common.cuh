@@ -111,6 +111,9 @@ void cf_cuda_gemm_release(cf_cuda_ctx *ctx);
 /* gemm.cu: out[c] += sum_t f(t, c) (dbias: dout; rmsnorm dw: dout * x * rstd),
  * deterministic */
 void cf_cuda_colsum(cf_cuda_ctx *ctx, float *out, const bf16 *dout, const bf16 *x, const float *rstd, int T, int C);
+/* gemm.cu: out[c] += sum_k partial[k, c] over k < nchunks, in a fixed order
+ * (the last step of cf_cuda_colsum; norm.cu writes its own partials) */
+void cf_cuda_colsum_final(cf_cuda_ctx *ctx, float *out, const float *partial, int nchunks, int C);
 
 /* -------------------------------------------- ops, by file (backend.cu) */
 
