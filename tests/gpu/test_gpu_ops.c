@@ -375,25 +375,35 @@ TEST(rmsnorm_bwd_fused_dw_matches_cpu_shapes_chunks_and_null_dw) {
     }
 }
 
-/* rope: in place, bf16 in and out, fp32 angles: 1e-2. */
+/* rope: in place, bf16 in and out, fp32 angles: 1e-2. Head dims 64 and
+ * 128 (16-byte path), 36 (D/2 = 18: scalar) and a misaligned x (scalar);
+ * one or many heads (Qwen's 12, Llama's 24); T = 1 and larger. */
 TEST(rope_fwd_bwd_match_cpu) {
-    const int T = 50, nh = 3, D = 64;
-    const size_t n = (size_t)T * nh * D;
-    float *x = HOLD(hrand(n, 1.f)), *invf = HOLD(hnew(D / 2));
-    int *pos = HOLD(inew(T));
-    for (int i = 0; i < D / 2; i++) invf[i] = powf(10000.f, -2.f * i / D);
-    for (int t = 0; t < T; t++) pos[t] = (int)cf_rng_below(&rng, 4096);
-    void *gp = gi32(pos, T), *gf = gf32(invf, D / 2);
-    for (int dir = 0; dir < 2; dir++) {
-        float *ref = HOLD(hcopy(x, n));
-        if (dir) cpu->rope_bwd(cpu, ref, pos, invf, T, nh, D);
-        else cpu->rope_fwd(cpu, ref, pos, invf, T, nh, D);
-        void *gx = gact(x, n);
-        if (dir) gpu->rope_bwd(gpu, gx, gp, gf, T, nh, D);
-        else gpu->rope_fwd(gpu, gx, gp, gf, T, nh, D);
-        cmp(dir ? "rope_bwd" : "rope_fwd", get_act(gx, n), ref, n, TOL_BF16);
+    static const struct { int T, nh, D, misalign; } cs[] = {
+        {50, 3, 64, 0}, {37, 12, 128, 0}, {1, 24, 128, 0}, {300, 2, 128, 0}, {7, 2, 128, 1}, {9, 4, 36, 0}, {11, 5, 64, 1},
+    };
+    for (size_t ci = 0; ci < sizeof cs / sizeof cs[0]; ci++) {
+        const int T = cs[ci].T, nh = cs[ci].nh, D = cs[ci].D;
+        const size_t n = (size_t)T * nh * D;
+        float *x = HOLD(hrand(n, 1.f)), *invf = HOLD(hnew(D / 2));
+        int *pos = HOLD(inew(T));
+        for (int i = 0; i < D / 2; i++) invf[i] = powf(10000.f, -2.f * i / D);
+        for (int t = 0; t < T; t++) pos[t] = (int)cf_rng_below(&rng, 4096);
+        void *gp = gi32(pos, T), *gf = gf32(invf, D / 2);
+        for (int dir = 0; dir < 2; dir++) {
+            float *ref = HOLD(hcopy(x, n));
+            if (dir) cpu->rope_bwd(cpu, ref, pos, invf, T, nh, D);
+            else cpu->rope_fwd(cpu, ref, pos, invf, T, nh, D);
+            void *gx = cs[ci].misalign ? gact_misaligned(x, n) : gact(x, n);
+            if (dir) gpu->rope_bwd(gpu, gx, gp, gf, T, nh, D);
+            else gpu->rope_fwd(gpu, gx, gp, gf, T, nh, D);
+            char what[96];
+            snprintf(what, sizeof what, "%s T=%d nh=%d D=%d%s", dir ? "rope_bwd" : "rope_fwd", T, nh, D,
+                     cs[ci].misalign ? " misaligned" : "");
+            cmp(what, get_act(gx, n), ref, n, TOL_BF16);
+        }
+        free_all();
     }
-    free_all();
 }
 
 /* swiglu: bf16 outputs of fp32 math: 1e-2. */
