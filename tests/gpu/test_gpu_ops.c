@@ -333,14 +333,15 @@ TEST(colsum_dbias_matches_cpu_vector_scalar_and_row_chunks) {
 /* rmsnorm backward with the weight gradient's partial sums fused in: the
  * model widths (C = 1536, 3072; 16-byte path), C % 256 != 0 (lanes with
  * fewer columns), C % 8 != 0 and a misaligned dout (scalar path), C past the
- * shared-memory limit (dw by the separate column sum), T = 1, 7 and T not a
- * multiple of the rows per block; dinp written and accumulated; dw NULL (a
+ * shared-memory limit (dw by the separate column sum), T = 1, 7, T not a
+ * multiple of the rows per block, T > 4096 (two rows per warp); dinp written
+ * and accumulated; dw NULL (a
  * frozen weight: dinp alone). dinp bf16: 1e-2. dw: the same fp32 products
  * summed in another order: 1e-4, and bitwise the same on a second run. */
 TEST(rmsnorm_bwd_fused_dw_matches_cpu_shapes_chunks_and_null_dw) {
     static const struct { int T, C, misalign; } cs[] = {
         {1, 1536, 0}, {7, 3072, 0}, {1000, 1536, 0}, {1000, 3072, 0}, {1023, 1000, 0},
-        {333, 1001, 0}, {1025, 264, 1}, {65, 13000, 0}, {4099, 128, 0},
+        {333, 1001, 0}, {1025, 264, 1}, {65, 13000, 0}, {4099, 128, 0}, {4500, 3072, 0},
     };
     for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
         const int T = cs[i].T, C = cs[i].C;

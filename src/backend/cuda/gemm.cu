@@ -67,34 +67,36 @@ static __global__ void colsum_partial_kernel(float *partial, const bf16 *dout, c
     }
 }
 
-/* block (32, 16): 32 columns; thread y sums chunks y, y+16, .. then the 16
+/* block (32, 32): 32 columns; thread y sums chunks y, y+32, .. then the 32
  * sums are added in order: out[c] += sum_k partial[k, c] */
 static __global__ void colsum_final_kernel(float *out, const float *partial, int nchunks, int C) {
-    __shared__ float red[16][32];
+    __shared__ float red[32][33];
     const int c = blockIdx.x * 32 + threadIdx.x;
     float s = 0.f;
-    if (c < C)
-        for (int k = threadIdx.y; k < nchunks; k += 16) s += partial[(size_t)k * C + c];
+    if (c < C) {
+#pragma unroll 8
+        for (int k = threadIdx.y; k < nchunks; k += 32) s += partial[(size_t)k * C + c];
+    }
     red[threadIdx.y][threadIdx.x] = s;
     __syncthreads();
     if (threadIdx.y == 0 && c < C) {
         float v = 0.f;
-        for (int y = 0; y < 16; y++) v += red[y][threadIdx.x];
+        for (int y = 0; y < 32; y++) v += red[y][threadIdx.x];
         out[c] += v;
     }
 }
 void cf_cuda_colsum_final(cf_cuda_ctx *ctx, float *out, const float *partial, int nchunks, int C) {
-    colsum_final_kernel<<<(C + 31) / 32, dim3(32, 16), 0, ctx->stream>>>(out, partial, nchunks, C);
+    colsum_final_kernel<<<(C + 31) / 32, dim3(32, 32), 0, ctx->stream>>>(out, partial, nchunks, C);
     CF_CK_LAUNCH(ctx, "colsum_final");
 }
 
 void cf_cuda_colsum(cf_cuda_ctx *ctx, float *out, const bf16 *dout, const bf16 *x, const float *rstd, int T, int C) {
     if (T <= 0 || C <= 0) return;
-    /* about 256 blocks in all (the q/k/v biases at small T: a few column
+    /* about 512 blocks in all (the q/k/v biases at small T: a few column
      * blocks, so many short chunks), at least 8 rows per chunk (one per
      * threadIdx.y), at most 256 chunks for the final kernel */
     const int cblocks = (C + COLSUM_COLS - 1) / COLSUM_COLS;
-    const int want = max(1, 256 / cblocks);
+    const int want = max(1, min(256, 512 / cblocks));
     const int rows = 8 * ((T + 8 * want - 1) / (8 * want));
     const int nchunks = (T + rows - 1) / rows;
     float *partial = (float *)cf_cuda_scratch(ctx, CF_SCR_COLSUM, (size_t)nchunks * C * sizeof(float));

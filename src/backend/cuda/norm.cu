@@ -71,7 +71,8 @@ struct __align__(16) float8 { float v[8]; };
 template <bool VEC, bool DW>
 static __global__ void rmsnorm_bwd_kernel(bf16 *dinp, float *partial, const bf16 *dout, const bf16 *inp,
                                           const bf16 *w, const float *rstd, int T, int C, int rows, int accumulate) {
-    extern __shared__ float dw_s[]; /* [warps][C] with DW */
+    extern __shared__ float4 dw_smem[]; /* [warps][C] floats with DW, 16-byte aligned */
+    float *dw_s = (float *)dw_smem;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
     float *acc = dw_s + (size_t)warp * C;
     if (DW) {
@@ -81,8 +82,8 @@ static __global__ void rmsnorm_bwd_kernel(bf16 *dinp, float *partial, const bf16
             for (int c = lane; c < C; c += 32) acc[c] = 0.f;
         }
     }
-    const int t1 = min(T, (blockIdx.x + 1) * rows);
-    for (int row = blockIdx.x * rows + warp; row < t1; row += nw) {
+    const int t0 = blockIdx.x * rows, t1 = min(T, t0 + rows);
+    for (int row = t0 + warp; row < t1; row += nw) {
         const bf16 *x = inp + (size_t)row * C, *g = dout + (size_t)row * C;
         bf16 *dx = dinp + (size_t)row * C;
         const float r = rstd[row];
@@ -139,27 +140,25 @@ static __global__ void rmsnorm_bwd_kernel(bf16 *dinp, float *partial, const bf16
     }
 }
 
-/* Warps per block: 4, fewer where their dw rows would pass 48 KB of shared
- * memory (the default limit); 0 (dw by cf_cuda_colsum) past C = 12288. */
+/* Warps per block: 8, fewer where their dw rows would pass 48 KB of shared
+ * memory (the default limit: 4 at C = 3072); none (dx alone, then dw by
+ * cf_cuda_colsum) past C = 12288. Rows per warp: 1 up to 4096 warps in all
+ * (31 per SM on an H100), more past that: enough loads in flight, while the
+ * fp32 partial rows (one per block) stay a small fraction of the input. */
 #define RMSNORM_BWD_SMEM (48 << 10)
+#define RMSNORM_BWD_WARPS 4096
 template <bool VEC>
 static void rmsnorm_bwd_launch(cf_cuda_ctx *ctx, bf16 *dinp, float *dw, const bf16 *dout, const bf16 *inp,
                                const bf16 *w, const float *rstd, int T, int C, int accumulate) {
-    int nw = dw ? min(4, RMSNORM_BWD_SMEM / (C * (int)sizeof(float))) : 4;
-    if (nw < 1) { /* dx here, dw[c] += sum_t dout[t,c] x[t,c] rstd[t] by the column sum */
-        rmsnorm_bwd_kernel<VEC, false><<<(T + 3) / 4, 128, 0, ctx->stream>>>(dinp, NULL, dout, inp, w, rstd, T, C,
-                                                                              4, accumulate);
-        if (CF_CK_LAUNCH(ctx, "rmsnorm_bwd")) cf_cuda_colsum(ctx, dw, dout, inp, rstd, T, C);
+    const int nw = min(8, RMSNORM_BWD_SMEM / (C * (int)sizeof(float)));
+    if (!dw || nw < 1) { /* one row per warp; dw NULL: a frozen norm weight */
+        rmsnorm_bwd_kernel<VEC, false><<<(T + 7) / 8, 256, 0, ctx->stream>>>(dinp, NULL, dout, inp, w, rstd, T, C, 8,
+                                                                              accumulate);
+        /* dw[c] += sum_t dout[t,c] x[t,c] rstd[t] */
+        if (CF_CK_LAUNCH(ctx, "rmsnorm_bwd") && dw) cf_cuda_colsum(ctx, dw, dout, inp, rstd, T, C);
         return;
     }
-    if (!dw) { /* a frozen norm weight: one row per warp */
-        rmsnorm_bwd_kernel<VEC, false><<<(T + nw - 1) / nw, 32 * nw, 0, ctx->stream>>>(dinp, NULL, dout, inp, w, rstd,
-                                                                                       T, C, nw, accumulate);
-        CF_CK_LAUNCH(ctx, "rmsnorm_bwd");
-        return;
-    }
-    /* rows per block: a multiple of the warps, at most 256 blocks (partial rows) */
-    const int rows = nw * ((T + 256 * nw - 1) / (256 * nw)), nblocks = (T + rows - 1) / rows;
+    const int rows = nw * ((T + RMSNORM_BWD_WARPS - 1) / RMSNORM_BWD_WARPS), nblocks = (T + rows - 1) / rows;
     float *partial = (float *)cf_cuda_scratch(ctx, CF_SCR_COLSUM, (size_t)nblocks * C * sizeof(float));
     if (!partial) return;
     rmsnorm_bwd_kernel<VEC, true><<<nblocks, 32 * nw, (size_t)nw * C * sizeof(float), ctx->stream>>>(
@@ -169,8 +168,7 @@ static void rmsnorm_bwd_launch(cf_cuda_ctx *ctx, bf16 *dinp, float *dw, const bf
 void cf_cuda_rmsnorm_bwd(cf_backend *b, void *dinp, float *dw, const void *dout, const void *inp, const void *w,
                          const float *rstd, int T, int C, int accumulate) {
     cf_cuda_ctx *ctx = cf_cuda_enter(b);
-    if (!ctx || T <= 0) return;
-    /* dw NULL: a frozen norm weight */
+    if (!ctx || T <= 0 || C <= 0) return;
     if (C % 8 == 0 && cf_aligned16(dinp) && cf_aligned16(dout) && cf_aligned16(inp) && cf_aligned16(w))
         rmsnorm_bwd_launch<true>(ctx, (bf16 *)dinp, dw, (const bf16 *)dout, (const bf16 *)inp, (const bf16 *)w, rstd,
                                  T, C, accumulate);
