@@ -407,6 +407,45 @@ TEST(rope_fwd_bwd_match_cpu) {
     }
 }
 
+/* rope_qk: q and k (own rows, heads and positions) in one launch, against
+ * the CPU's rope_fwd / rope_bwd of each: 1e-2. Either part empty; a
+ * misaligned k (both parts take the scalar path); D/2 % 8 != 0. */
+TEST(rope_qk_matches_cpu_rope_of_each_part) {
+    static const struct { int Tq, Hq, Tk, Hk, D, misalign; } cs[] = {
+        {50, 12, 80, 2, 128, 0}, {1, 24, 7, 8, 128, 0}, {33, 4, 0, 2, 64, 0},
+        {0, 4, 9, 2, 64, 0}, {20, 3, 25, 1, 64, 1}, {9, 4, 5, 2, 36, 0},
+    };
+    for (size_t ci = 0; ci < sizeof cs / sizeof cs[0]; ci++) {
+        const int Tq = cs[ci].Tq, Hq = cs[ci].Hq, Tk = cs[ci].Tk, Hk = cs[ci].Hk, D = cs[ci].D;
+        const size_t nq = (size_t)Tq * Hq * D, nk = (size_t)Tk * Hk * D;
+        float *q = HOLD(hrand(nq, 1.f)), *k = HOLD(hrand(nk, 1.f)), *invf = HOLD(hnew(D / 2));
+        int *qpos = HOLD(inew(Tq)), *kpos = HOLD(inew(Tk));
+        for (int i = 0; i < D / 2; i++) invf[i] = powf(10000.f, -2.f * i / D);
+        for (int t = 0; t < Tq; t++) qpos[t] = (int)cf_rng_below(&rng, 4096);
+        for (int t = 0; t < Tk; t++) kpos[t] = (int)cf_rng_below(&rng, 4096);
+        void *gqp = gi32(qpos, Tq), *gkp = gi32(kpos, Tk), *gf = gf32(invf, D / 2);
+        for (int dir = 0; dir < 2; dir++) {
+            float *rq = HOLD(hcopy(q, nq)), *rk = HOLD(hcopy(k, nk));
+            if (dir) {
+                cpu->rope_bwd(cpu, rq, qpos, invf, Tq, Hq, D);
+                cpu->rope_bwd(cpu, rk, kpos, invf, Tk, Hk, D);
+            } else {
+                cpu->rope_fwd(cpu, rq, qpos, invf, Tq, Hq, D);
+                cpu->rope_fwd(cpu, rk, kpos, invf, Tk, Hk, D);
+            }
+            void *gq = gact(q, nq), *gk = cs[ci].misalign ? gact_misaligned(k, nk) : gact(k, nk);
+            gpu->rope_qk(gpu, gq, gqp, Tq, Hq, gk, gkp, Tk, Hk, gf, D, dir);
+            char what[96];
+            snprintf(what, sizeof what, "rope_qk %s q Tq=%d Hq=%d D=%d", dir ? "bwd" : "fwd", Tq, Hq, D);
+            if (nq) cmp(what, get_act(gq, nq), rq, nq, TOL_BF16);
+            snprintf(what, sizeof what, "rope_qk %s k Tk=%d Hk=%d%s", dir ? "bwd" : "fwd", Tk, Hk,
+                     cs[ci].misalign ? " misaligned" : "");
+            if (nk) cmp(what, get_act(gk, nk), rk, nk, TOL_BF16);
+        }
+        free_all();
+    }
+}
+
 /* swiglu: bf16 outputs of fp32 math: 1e-2. */
 TEST(swiglu_fwd_bwd_match_cpu_vector_and_scalar_paths) {
     const size_t ns[2] = {1000, 1001};
@@ -1383,6 +1422,7 @@ int main(void) {
     RUN_IF(colsum_dbias_matches_cpu_vector_scalar_and_row_chunks);
     RUN_IF(rmsnorm_bwd_fused_dw_matches_cpu_shapes_chunks_and_null_dw);
     RUN_IF(rope_fwd_bwd_match_cpu);
+    RUN_IF(rope_qk_matches_cpu_rope_of_each_part);
     RUN_IF(swiglu_fwd_bwd_match_cpu_vector_and_scalar_paths);
     RUN_IF(add_matches_cpu_out_of_place_and_in_place);
     RUN_IF(dropout_mask_matches_cpu_bitwise_vector_scalar_row_index_and_in_place);

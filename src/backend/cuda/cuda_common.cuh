@@ -142,6 +142,8 @@ void cf_cuda_rmsnorm_bwd(cf_backend *b, void *dinp, float *dw, const void *dout,
 /* rope.cu */
 void cf_cuda_rope_fwd(cf_backend *b, void *x, const int *pos, const float *inv_freq, int T, int nh, int D);
 void cf_cuda_rope_bwd(cf_backend *b, void *dx, const int *pos, const float *inv_freq, int T, int nh, int D);
+void cf_cuda_rope_qk(cf_backend *b, void *q, const int *qpos, int Tq, int Hq, void *k, const int *kpos, int Tk,
+                     int Hk, const float *inv_freq, int D, int bwd);
 /* swiglu.cu */
 void cf_cuda_swiglu_fwd(cf_backend *b, void *h, const void *gate, const void *up, size_t n);
 void cf_cuda_swiglu_bwd_rows(cf_backend *b, void *h, void *dgate, void *dup, const void *dh, const void *gate,
