@@ -357,10 +357,13 @@ static int bwd_bm_for(int D) {
  * heads of one group in turn with the same K, V tile (loaded once) and
  * writes one partial of dk, dv for them: fewer blocks (each one's gather,
  * prologue and epilogue shared by hpb heads) and 1/hpb of the fp32
- * partials to write and reduce. 2 where it divides H/Hkv and the grid keeps
- * at least 2 blocks per SM with it, else 1: on small shapes (Qwen2.5-1.5B:
+ * partials to write and reduce. 2 where it divides H/Hkv and the grid has
+ * at least 1.5 blocks per SM with it, else 1: on small shapes (Qwen2.5-1.5B:
  * H = 12, 1024 kept keys per sequence: 6 x 8 blocks at hpb = 2 on 132 SMs)
- * the lost parallelism costs more than the shared work saves
+ * most SMs would idle. The bound keeps 2 where it was measured faster (H100,
+ * H = 32, 2048 kept keys, B = 1: 256 blocks, centrifuge 4-5% faster than
+ * with hpb = 1 in the single calls of docs/HOPPER_ATTENTION.md's call 3);
+ * the small-shape side is not measured yet
  * (CF_ATTN_SM90_BWD_HPB=n forces n, for timing, read once; ctx->attn_bwd_hpb
  * forces it per context, for tests). */
 static_assert(BwdSm90<64, 128>::BN == BwdSm90<128, 64>::BN && BwdSm90<64, 64>::BN == BwdSm90<128, 64>::BN,
@@ -371,7 +374,7 @@ int attn_sm90_bwd_hpb(const cf_cuda_ctx *ctx, int H, int Hkv, int B, int kmaxlen
     int hpb = ctx->attn_bwd_hpb > 0 ? ctx->attn_bwd_hpb : forced;
     if (hpb < 1) {
         const long blocks_at_2 = (long)(H / 2) * ((kmaxlen + BN - 1) / BN) * B;
-        hpb = blocks_at_2 < 2L * ctx->sm_count ? 1 : 2;
+        hpb = 2 * blocks_at_2 < 3L * ctx->sm_count ? 1 : 2;
     }
     while (hpb > 1 && G % hpb) hpb--;
     return hpb;
