@@ -385,6 +385,31 @@ TEST(rope_bwd_matches_finite_differences) {
     free(c.x); free(c.R); free(c.y); free(g);
 }
 
+/* rope_qk: q (ROPE_NH heads at rope_pos) and k (2 heads at other
+ * positions, another row count) in one call: exactly rope_fwd / rope_bwd of
+ * each. */
+TEST(rope_qk_is_rope_of_q_and_of_k) {
+    cf_rng r;
+    cf_rng_seed(&r, 304);
+    enum { TK = 4, HK = 2 };
+    static const int kpos[TK] = {3, 0, 513, 9};
+    const int nq = ROPE_T * ROPE_NH * ROPE_D, nk = TK * HK * ROPE_D;
+    float inv_freq[ROPE_D / 2], q[ROPE_T * ROPE_NH * ROPE_D], k[TK * HK * ROPE_D];
+    float q1[ROPE_T * ROPE_NH * ROPE_D], k1[TK * HK * ROPE_D];
+    rope_freqs(inv_freq, ROPE_D);
+    for (int bwd = 0; bwd < 2; bwd++) {
+        fill_normal(q, nq, &r, 1);
+        fill_normal(k, nk, &r, 1);
+        memcpy(q1, q, sizeof q);
+        memcpy(k1, k, sizeof k);
+        (bwd ? be->rope_bwd : be->rope_fwd)(be, q, rope_pos, inv_freq, ROPE_T, ROPE_NH, ROPE_D);
+        (bwd ? be->rope_bwd : be->rope_fwd)(be, k, kpos, inv_freq, TK, HK, ROPE_D);
+        be->rope_qk(be, q1, rope_pos, ROPE_T, ROPE_NH, k1, kpos, TK, HK, inv_freq, ROPE_D, bwd);
+        CHECK(memcmp(q, q1, sizeof q) == 0);
+        CHECK(memcmp(k, k1, sizeof k) == 0);
+    }
+}
+
 /* ----------------------------------------------------------------- swiglu */
 
 typedef struct { int n; double *g, *u, *R; } swi_ctx;
@@ -1575,6 +1600,7 @@ int main(void) {
     RUN(rope_fwd_matches_hf_rotate_half_reference);
     RUN(rope_bwd_inverts_rope_fwd);
     RUN(rope_bwd_matches_finite_differences);
+    RUN(rope_qk_is_rope_of_q_and_of_k);
     RUN(swiglu_fwd_and_bwd_match_reference_and_finite_differences);
     RUN(swiglu_bwd_rows_through_the_index_equals_explicit_gather_and_recomputes_h);
     RUN(add_works_out_of_place_and_in_place);

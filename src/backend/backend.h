@@ -134,6 +134,10 @@ struct cf_backend {
                      int nh, int D);
     void (*rope_bwd)(cf_backend *b, void *dx, const int *pos, const float *inv_freq, int T,
                      int nh, int D);
+    /* rope_fwd (bwd = 0) or rope_bwd (bwd = 1) of q[Tq, Hq, D] at qpos and of
+     * k[Tk, Hk, D] at kpos in one call (one launch on the GPU) */
+    void (*rope_qk)(cf_backend *b, void *q, const int *qpos, int Tq, int Hq, void *k, const int *kpos,
+                    int Tk, int Hk, const float *inv_freq, int D, int bwd);
     /* h = silu(gate) * up, over n elements */
     void (*swiglu_fwd)(cf_backend *b, void *h, const void *gate, const void *up, size_t n);
     /* The SwiGLU backward of the MLP, reading gate and up of the forward

@@ -345,8 +345,7 @@ static int backward_body(cf_model *m, cf_mode mode, const cf_kept *kept, float t
             (zero_filtered_rows(m, m->d_k, (size_t)kd, sg->keep) != 0 ||
              zero_filtered_rows(m, m->d_v, (size_t)kd, sg->keep) != 0))
             return -1;
-        OP(CF_PROF_ROPE, b->rope_bwd(b, m->d_q, pos, m->inv_freq, n, H, D));
-        OP(CF_PROF_ROPE, b->rope_bwd(b, m->d_k, kpos, m->inv_freq, nk, Hkv, D));
+        OP(CF_PROF_ROPE, b->rope_qk(b, m->d_q, pos, n, H, m->d_k, kpos, nk, Hkv, m->inv_freq, D, 1));
         void *dq = m->d_q, *dk = m->d_k;
         if (c->qk_norm) {
             OP(CF_PROF_NORM, b->rmsnorm_bwd(b, m->d_qn, cf_grad(m, p->qn), m->d_q, SAVED(m, a->qpre),

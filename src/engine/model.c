@@ -1029,8 +1029,7 @@ int cf_forward(cf_model *m, const int32_t *tokens, int B, int S, float *losses) 
             OP(CF_PROF_GEMM, cf_linear_fwd(m, &p->k, a->k, ln1, T, C, kd));
         }
         OP(CF_PROF_GEMM, cf_linear_fwd(m, &p->v, a->v, ln1, T, C, kd));
-        OP(CF_PROF_ROPE, b->rope_fwd(b, q, pos, m->inv_freq, T, H, D));
-        OP(CF_PROF_ROPE, b->rope_fwd(b, a->k, pos, m->inv_freq, T, Hkv, D));
+        OP(CF_PROF_ROPE, b->rope_qk(b, q, pos, T, H, a->k, pos, T, Hkv, m->inv_freq, D, 0));
         OP(CF_PROF_ATTN, b->attention_fwd(b, m->saved[a->att].full, m->saved[a->lse].full, q, a->k, a->v, &shape));
         OP(CF_PROF_GEMM, cf_linear_fwd(m, &p->o, m->tmp, m->saved[a->att].full, T, qd, C));
         if (tp && cf_tp_allreduce(m, m->tmp, (size_t)T * C, CF_TP_ACT, CF_TP_FWD) != 0) return -1;

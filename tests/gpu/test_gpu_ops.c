@@ -288,25 +288,162 @@ TEST(rmsnorm_fwd_bwd_match_cpu_vector_and_scalar_paths) {
     free_all();
 }
 
-/* rope: in place, bf16 in and out, fp32 angles: 1e-2. */
-TEST(rope_fwd_bwd_match_cpu) {
-    const int T = 50, nh = 3, D = 64;
-    const size_t n = (size_t)T * nh * D;
-    float *x = HOLD(hrand(n, 1.f)), *invf = HOLD(hnew(D / 2));
-    int *pos = HOLD(inew(T));
-    for (int i = 0; i < D / 2; i++) invf[i] = powf(10000.f, -2.f * i / D);
-    for (int t = 0; t < T; t++) pos[t] = (int)cf_rng_below(&rng, 4096);
-    void *gp = gi32(pos, T), *gf = gf32(invf, D / 2);
-    for (int dir = 0; dir < 2; dir++) {
-        float *ref = HOLD(hcopy(x, n));
-        if (dir) cpu->rope_bwd(cpu, ref, pos, invf, T, nh, D);
-        else cpu->rope_fwd(cpu, ref, pos, invf, T, nh, D);
-        void *gx = gact(x, n);
-        if (dir) gpu->rope_bwd(gpu, gx, gp, gf, T, nh, D);
-        else gpu->rope_fwd(gpu, gx, gp, gf, T, nh, D);
-        cmp(dir ? "rope_bwd" : "rope_fwd", get_act(gx, n), ref, n, TOL_BF16);
+/* a bf16 copy of h that starts 2 bytes past a 16-byte boundary: the kernels'
+ * scalar fallback for a tensor whose shape would take the 16-byte path */
+static void *gact_misaligned(const float *h, size_t n) {
+    float *h1 = hnew(n + 1);
+    memcpy(h1 + 1, h, n * sizeof(float));
+    char *p = gact(h1, n + 1);
+    free(h1);
+    return p + 2;
+}
+
+/* The column sum of the bias gradient (matmul_bwd with dbias only) over
+ * shapes that take the 16-byte path (N % 8 == 0, aligned), the scalar one
+ * (N % 8 != 0, or dout misaligned), a partial last column block, one row
+ * chunk (T = 1, 7) and many (T up to 5000: up to 256 chunks of rows). Both
+ * backends add the same bf16 values in fp32, in different orders: 1e-4
+ * relative (a lost or doubled row of ~1 against sums of ~sqrt(T) shows).
+ * Twice from the same start: bitwise the same. */
+TEST(colsum_dbias_matches_cpu_vector_scalar_and_row_chunks) {
+    static const struct { int T, N, misalign; } cs[] = {
+        {1, 256, 0}, {7, 100, 0}, {1000, 1536, 0}, {1000, 256, 0}, {1000, 100, 0},
+        {333, 264, 1}, {4096, 40, 0}, {5000, 8, 0}, {2048, 1537, 0},
+    };
+    for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
+        const int T = cs[i].T, N = cs[i].N;
+        float *dy = HOLD(hrand((size_t)T * N, 1.f)), *db0 = HOLD(hrand(N, 1.f));
+        float *ref = HOLD(hcopy(db0, N));
+        cpu->matmul_bwd(cpu, NULL, NULL, ref, dy, NULL, NULL, T, 1, N, 0);
+        void *gdy = cs[i].misalign ? gact_misaligned(dy, (size_t)T * N) : gact(dy, (size_t)T * N);
+        float *got[2];
+        for (int rep = 0; rep < 2; rep++) {
+            void *gdb = gf32(db0, N);
+            gpu->matmul_bwd(gpu, NULL, NULL, gdb, gdy, NULL, NULL, T, 1, N, 0);
+            got[rep] = get_f32(gdb, N);
+        }
+        char what[96];
+        snprintf(what, sizeof what, "colsum dbias += T=%d N=%d%s", T, N, cs[i].misalign ? " misaligned" : "");
+        cmp(what, got[0], ref, N, 1e-4);
+        CHECK_MSG(bitwise_equal(got[0], got[1], N), "%s: not run-to-run identical", what);
+        free_all();
     }
-    free_all();
+}
+
+/* rmsnorm backward with the weight gradient's partial sums fused in: the
+ * model widths (C = 1536, 3072; 16-byte path), C % 256 != 0 (lanes with
+ * fewer columns), C % 8 != 0 and a misaligned dout (scalar path), C past the
+ * shared-memory limit (dw by the separate column sum), T = 1, 7, T not a
+ * multiple of the rows per block, T > 4096 (two rows per warp); dinp written
+ * and accumulated; dw NULL (a
+ * frozen weight: dinp alone). dinp bf16: 1e-2. dw: the same fp32 products
+ * summed in another order: 1e-4, and bitwise the same on a second run. */
+TEST(rmsnorm_bwd_fused_dw_matches_cpu_shapes_chunks_and_null_dw) {
+    static const struct { int T, C, misalign; } cs[] = {
+        {1, 1536, 0}, {7, 3072, 0}, {1000, 1536, 0}, {1000, 3072, 0}, {1023, 1000, 0},
+        {333, 1001, 0}, {1025, 264, 1}, {65, 13000, 0}, {4099, 128, 0}, {4500, 3072, 0},
+    };
+    for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
+        const int T = cs[i].T, C = cs[i].C;
+        float *x = HOLD(hrand((size_t)T * C, 2.f)), *w = HOLD(hrand(C, 1.f)), *dy = HOLD(hrand((size_t)T * C, 1.f));
+        float *dx0 = HOLD(hrand((size_t)T * C, 1.f)), *dw0 = HOLD(hrand(C, 1.f));
+        float *ry = HOLD(hnew((size_t)T * C)), *rr = HOLD(hnew(T));
+        cpu->rmsnorm_fwd(cpu, ry, rr, x, w, T, C, 1e-5f);
+        void *gx = gact(x, (size_t)T * C), *gw = gact(w, C), *gr = gf32(rr, T);
+        void *gdy = cs[i].misalign ? gact_misaligned(dy, (size_t)T * C) : gact(dy, (size_t)T * C);
+        printf("    T=%d C=%d%s\n", T, C, cs[i].misalign ? " (dout misaligned)" : "");
+        for (int acc = 0; acc < 2; acc++)
+            for (int with_dw = 0; with_dw < 2; with_dw++) {
+                float *rdx = HOLD(hcopy(dx0, (size_t)T * C)), *rdw = HOLD(hcopy(dw0, C));
+                cpu->rmsnorm_bwd(cpu, rdx, with_dw ? rdw : NULL, dy, x, w, rr, T, C, acc);
+                float *gdw1 = NULL;
+                for (int rep = 0; rep < 1 + with_dw; rep++) {
+                    void *gdx = acc ? gact(dx0, (size_t)T * C) : gact_nan((size_t)T * C);
+                    void *gdw = with_dw ? gf32(dw0, C) : NULL;
+                    gpu->rmsnorm_bwd(gpu, gdx, gdw, gdy, gx, gw, gr, T, C, acc);
+                    if (rep) {
+                        CHECK_MSG(bitwise_equal(get_f32(gdw, C), gdw1, C), "rmsnorm_bwd dw: not run-to-run identical");
+                        continue;
+                    }
+                    char what[96];
+                    snprintf(what, sizeof what, "rmsnorm_bwd dinp%s%s", acc ? " (accumulate)" : "",
+                             with_dw ? "" : " (dw NULL)");
+                    cmp(what, get_act(gdx, (size_t)T * C), rdx, (size_t)T * C, TOL_BF16);
+                    if (with_dw) cmp("rmsnorm_bwd dw +=", gdw1 = get_f32(gdw, C), rdw, C, 1e-4);
+                }
+            }
+        free_all();
+    }
+}
+
+/* rope: in place, bf16 in and out, fp32 angles: 1e-2. Head dims 64 and
+ * 128 (16-byte path), 36 (D/2 = 18: scalar) and a misaligned x (scalar);
+ * one or many heads (Qwen's 12, Llama's 24); T = 1 and larger. */
+TEST(rope_fwd_bwd_match_cpu) {
+    static const struct { int T, nh, D, misalign; } cs[] = {
+        {50, 3, 64, 0}, {37, 12, 128, 0}, {1, 24, 128, 0}, {300, 2, 128, 0}, {7, 2, 128, 1}, {9, 4, 36, 0}, {11, 5, 64, 1},
+    };
+    for (size_t ci = 0; ci < sizeof cs / sizeof cs[0]; ci++) {
+        const int T = cs[ci].T, nh = cs[ci].nh, D = cs[ci].D;
+        const size_t n = (size_t)T * nh * D;
+        float *x = HOLD(hrand(n, 1.f)), *invf = HOLD(hnew(D / 2));
+        int *pos = HOLD(inew(T));
+        for (int i = 0; i < D / 2; i++) invf[i] = powf(10000.f, -2.f * i / D);
+        for (int t = 0; t < T; t++) pos[t] = (int)cf_rng_below(&rng, 4096);
+        void *gp = gi32(pos, T), *gf = gf32(invf, D / 2);
+        for (int dir = 0; dir < 2; dir++) {
+            float *ref = HOLD(hcopy(x, n));
+            if (dir) cpu->rope_bwd(cpu, ref, pos, invf, T, nh, D);
+            else cpu->rope_fwd(cpu, ref, pos, invf, T, nh, D);
+            void *gx = cs[ci].misalign ? gact_misaligned(x, n) : gact(x, n);
+            if (dir) gpu->rope_bwd(gpu, gx, gp, gf, T, nh, D);
+            else gpu->rope_fwd(gpu, gx, gp, gf, T, nh, D);
+            char what[96];
+            snprintf(what, sizeof what, "%s T=%d nh=%d D=%d%s", dir ? "rope_bwd" : "rope_fwd", T, nh, D,
+                     cs[ci].misalign ? " misaligned" : "");
+            cmp(what, get_act(gx, n), ref, n, TOL_BF16);
+        }
+        free_all();
+    }
+}
+
+/* rope_qk: q and k (own rows, heads and positions) in one launch, against
+ * the CPU's rope_fwd / rope_bwd of each: 1e-2. Either part empty; a
+ * misaligned k (both parts take the scalar path); D/2 % 8 != 0. */
+TEST(rope_qk_matches_cpu_rope_of_each_part) {
+    static const struct { int Tq, Hq, Tk, Hk, D, misalign; } cs[] = {
+        {50, 12, 80, 2, 128, 0}, {1, 24, 7, 8, 128, 0}, {33, 4, 0, 2, 64, 0},
+        {0, 4, 9, 2, 64, 0}, {20, 3, 25, 1, 64, 1}, {9, 4, 5, 2, 36, 0},
+    };
+    for (size_t ci = 0; ci < sizeof cs / sizeof cs[0]; ci++) {
+        const int Tq = cs[ci].Tq, Hq = cs[ci].Hq, Tk = cs[ci].Tk, Hk = cs[ci].Hk, D = cs[ci].D;
+        const size_t nq = (size_t)Tq * Hq * D, nk = (size_t)Tk * Hk * D;
+        float *q = HOLD(hrand(nq, 1.f)), *k = HOLD(hrand(nk, 1.f)), *invf = HOLD(hnew(D / 2));
+        int *qpos = HOLD(inew(Tq)), *kpos = HOLD(inew(Tk));
+        for (int i = 0; i < D / 2; i++) invf[i] = powf(10000.f, -2.f * i / D);
+        for (int t = 0; t < Tq; t++) qpos[t] = (int)cf_rng_below(&rng, 4096);
+        for (int t = 0; t < Tk; t++) kpos[t] = (int)cf_rng_below(&rng, 4096);
+        void *gqp = gi32(qpos, Tq), *gkp = gi32(kpos, Tk), *gf = gf32(invf, D / 2);
+        for (int dir = 0; dir < 2; dir++) {
+            float *rq = HOLD(hcopy(q, nq)), *rk = HOLD(hcopy(k, nk));
+            if (dir) {
+                cpu->rope_bwd(cpu, rq, qpos, invf, Tq, Hq, D);
+                cpu->rope_bwd(cpu, rk, kpos, invf, Tk, Hk, D);
+            } else {
+                cpu->rope_fwd(cpu, rq, qpos, invf, Tq, Hq, D);
+                cpu->rope_fwd(cpu, rk, kpos, invf, Tk, Hk, D);
+            }
+            void *gq = gact(q, nq), *gk = cs[ci].misalign ? gact_misaligned(k, nk) : gact(k, nk);
+            gpu->rope_qk(gpu, gq, gqp, Tq, Hq, gk, gkp, Tk, Hk, gf, D, dir);
+            char what[96];
+            snprintf(what, sizeof what, "rope_qk %s q Tq=%d Hq=%d D=%d", dir ? "bwd" : "fwd", Tq, Hq, D);
+            if (nq) cmp(what, get_act(gq, nq), rq, nq, TOL_BF16);
+            snprintf(what, sizeof what, "rope_qk %s k Tk=%d Hk=%d%s", dir ? "bwd" : "fwd", Tk, Hk,
+                     cs[ci].misalign ? " misaligned" : "");
+            if (nk) cmp(what, get_act(gk, nk), rk, nk, TOL_BF16);
+        }
+        free_all();
+    }
 }
 
 /* swiglu: bf16 outputs of fp32 math: 1e-2. */
@@ -1090,6 +1227,48 @@ TEST(attention_hopper_matches_portable_kernels) {
     }
 }
 
+/* The Hopper backward with 1 and 2 query heads per block (the grid-size
+ * rule picks 1 on these small problems, 2 on large ones; both forced here
+ * through the context): each against the CPU, and against each other (dk,
+ * dv partials of 1 or 2 heads, reduced over H/hpb of them: a layout error
+ * shows as O(1)), FULL, CENTRIFUGE and CENTRIFUGE_KV, GQA groups of 4 and 8. */
+TEST(attention_hopper_bwd_one_and_two_heads_per_block_match) {
+    if (attn_path_of(gpu) != 2) {
+        printf("    skipped: the shared context runs the portable kernels\n");
+        return;
+    }
+    cf_cuda_ctx *ctx = gpu->device_context(gpu);
+    const attn_case cc[] = {{2, 300, 8, 2, 64, 3}, {3, 200, 8, 1, 128, 2}};
+    const cf_attn_bwd_mode modes[3] = {CF_ATTN_BWD_FULL, CF_ATTN_BWD_CENTRIFUGE, CF_ATTN_BWD_CENTRIFUGE_KV};
+    static const char *const mname[3] = {"FULL", "CENTRIFUGE", "CENTRIFUGE_KV"};
+    char nm[128], what[256];
+    for (int ci = 0; ci < 2; ci++) {
+        attn_problem p;
+        attn_setup(&p, cc[ci]);
+        const attn_case c = p.c;
+        case_name(c, nm, sizeof nm);
+        int *rows, n, *ss = HOLD(inew(c.B + 1));
+        make_kept(c, &rows, ss, &n, 0.5);
+        for (int m = 0; m < 3; m++) {
+            grads g[2];
+            for (int h = 0; h < 2; h++) {
+                ctx->attn_bwd_hpb = h + 1;
+                snprintf(what, sizeof what, "%s hpb=%d %s", mname[m], h + 1, nm);
+                g[h] = attn_bwd_both(&p, modes[m], rows, ss, n, what, TOL_GRAD, 1);
+            }
+            ctx->attn_bwd_hpb = 0;
+            const size_t nq = m == 0 ? p.T : (size_t)n, nkr = m == 1 ? (size_t)n : p.T;
+            snprintf(what, sizeof what, "%s dq hpb=1 vs 2 %s", mname[m], nm);
+            cmp(what, g[0].dq, g[1].dq, nq * c.H * c.D, TOL_BF16);
+            snprintf(what, sizeof what, "%s dk hpb=1 vs 2 %s", mname[m], nm);
+            cmp(what, g[0].dk, g[1].dk, nkr * c.Hkv * c.D, TOL_BF16);
+            snprintf(what, sizeof what, "%s dv hpb=1 vs 2 %s", mname[m], nm);
+            cmp(what, g[0].dv, g[1].dv, nkr * c.Hkv * c.D, TOL_BF16);
+        }
+        free_all();
+    }
+}
+
 /* ================================================= contexts and errors */
 
 /* An op that fails leaves its context failed: check, synchronize, upload and
@@ -1240,7 +1419,10 @@ int main(void) {
     RUN_IF(matmul_fwd_matches_cpu_with_and_without_bias);
     RUN_IF(matmul_bwd_matches_cpu_dinp_dw_dbias_and_accumulate);
     RUN_IF(rmsnorm_fwd_bwd_match_cpu_vector_and_scalar_paths);
+    RUN_IF(colsum_dbias_matches_cpu_vector_scalar_and_row_chunks);
+    RUN_IF(rmsnorm_bwd_fused_dw_matches_cpu_shapes_chunks_and_null_dw);
     RUN_IF(rope_fwd_bwd_match_cpu);
+    RUN_IF(rope_qk_matches_cpu_rope_of_each_part);
     RUN_IF(swiglu_fwd_bwd_match_cpu_vector_and_scalar_paths);
     RUN_IF(add_matches_cpu_out_of_place_and_in_place);
     RUN_IF(dropout_mask_matches_cpu_bitwise_vector_scalar_row_index_and_in_place);
@@ -1260,6 +1442,7 @@ int main(void) {
     RUN_IF(attention_centrifuge_kv_bwd_matches_cpu_several_tiles_uneven_kept);
     RUN_IF(attention_path_is_hopper_on_sm90);
     RUN_IF(attention_hopper_matches_portable_kernels);
+    RUN_IF(attention_hopper_bwd_one_and_two_heads_per_block_match);
     RUN_IF(errors_are_sticky_and_a_second_context_is_independent);
     RUN_IF(two_contexts_interleaved_give_the_same_results);
     CHECK_MSG(gpu->check(gpu) == 0, "the shared GPU backend failed: %s", cf_last_error());

@@ -336,6 +336,13 @@ static void cpu_rope_bwd(cf_backend *b, void *dx, const int *pos, const float *i
     rope_apply(dx, pos, inv_freq, T, nh, D, -1.0f);
 }
 
+static void cpu_rope_qk(cf_backend *b, void *q, const int *qpos, int Tq, int Hq, void *k,
+                        const int *kpos, int Tk, int Hk, const float *inv_freq, int D, int bwd) {
+    if (cpu_failed(b)) return;
+    rope_apply(q, qpos, inv_freq, Tq, Hq, D, bwd ? -1.0f : 1.0f);
+    rope_apply(k, kpos, inv_freq, Tk, Hk, D, bwd ? -1.0f : 1.0f);
+}
+
 /* ------------------------------------------------------------------ swiglu */
 
 /* h = silu(g) * u, silu(g) = g / (1 + exp(-g)) */
@@ -693,6 +700,7 @@ cf_backend *cf_backend_cpu_create(void) {
     b->rmsnorm_bwd = cpu_rmsnorm_bwd;
     b->rope_fwd = cpu_rope_fwd;
     b->rope_bwd = cpu_rope_bwd;
+    b->rope_qk = cpu_rope_qk;
     b->swiglu_fwd = cpu_swiglu_fwd;
     b->swiglu_bwd_rows = cpu_swiglu_bwd_rows;
     b->add = cpu_add;

@@ -113,6 +113,9 @@ typedef struct cf_cuda_ctx {
      * bit per Hopper kernel whose shared-memory limit has been raised */
     int attn_path;
     unsigned attn_sm90_attr_done;
+    /* query heads per Hopper backward block: 0 = chosen by the grid's size
+     * (attention/bwd_sm90.cu: attn_sm90_bwd_hpb); tests set 1 or 2 */
+    int attn_bwd_hpb;
 
     /* time marks on the compute stream (backend.h: mark), created lazily */
 #define CF_CUDA_MARKS 4096

@@ -111,6 +111,9 @@ void cf_cuda_gemm_release(cf_cuda_ctx *ctx);
 /* gemm.cu: out[c] += sum_t f(t, c) (dbias: dout; rmsnorm dw: dout * x * rstd),
  * deterministic */
 void cf_cuda_colsum(cf_cuda_ctx *ctx, float *out, const bf16 *dout, const bf16 *x, const float *rstd, int T, int C);
+/* gemm.cu: out[c] += sum_k partial[k, c] over k < nchunks, in a fixed order
+ * (the last step of cf_cuda_colsum; norm.cu writes its own partials) */
+void cf_cuda_colsum_final(cf_cuda_ctx *ctx, float *out, const float *partial, int nchunks, int C);
 
 /* -------------------------------------------- ops, by file (backend.cu) */
 
@@ -139,6 +142,8 @@ void cf_cuda_rmsnorm_bwd(cf_backend *b, void *dinp, float *dw, const void *dout,
 /* rope.cu */
 void cf_cuda_rope_fwd(cf_backend *b, void *x, const int *pos, const float *inv_freq, int T, int nh, int D);
 void cf_cuda_rope_bwd(cf_backend *b, void *dx, const int *pos, const float *inv_freq, int T, int nh, int D);
+void cf_cuda_rope_qk(cf_backend *b, void *q, const int *qpos, int Tq, int Hq, void *k, const int *kpos, int Tk,
+                     int Hk, const float *inv_freq, int D, int bwd);
 /* swiglu.cu */
 void cf_cuda_swiglu_fwd(cf_backend *b, void *h, const void *gate, const void *up, size_t n);
 void cf_cuda_swiglu_bwd_rows(cf_backend *b, void *h, void *dgate, void *dup, const void *dh, const void *gate,

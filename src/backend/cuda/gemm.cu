@@ -1,7 +1,8 @@
 /*
  * gemm.cu — the dense GEMMs of the linear layers through cuBLASLt (bf16
  * inputs, fp32 compute), and the deterministic column sums of their bias
- * gradient (also used by the RMSNorm weight gradient, norm.cu).
+ * gradient (whose final kernel also adds up the RMSNorm weight gradient's
+ * partial sums, norm.cu).
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -14,61 +15,99 @@
 /*
  * partial[chunk, c] = sum over rows t of the chunk of f(t, c), with
  *   f = dout[t,c]                      (bias gradient)
- *   f = dout[t,c] * x[t,c] * rstd[t]   (rmsnorm weight gradient)
- * block (32, 8): 64 columns (2 per thread), rows strided by 8, reduced in
- * shared memory in a fixed order. Then out[c] += sum_chunk partial[chunk, c],
- * chunks in order. Run to run identical.
+ *   f = dout[t,c] * x[t,c] * rstd[t]   (rmsnorm weight gradient, large C)
+ * block (32, 8) owns 256 columns, 8 per thread: with VEC 8 consecutive ones
+ * (one 16-byte load per tensor and row), else columns x, x+32, .. (coalesced
+ * 2-byte loads). Rows of the chunk strided by 8 over threadIdx.y, reduced in
+ * shared memory in a fixed order. Then colsum_final_kernel:
+ * out[c] += sum_chunk partial[chunk, c], in a fixed order. Run to run
+ * identical (the chunking depends on T and C only).
  */
-#define COLSUM_ROWS 64
+#define COLSUM_COLS 256
+template <bool VEC>
 static __global__ void colsum_partial_kernel(float *partial, const bf16 *dout, const bf16 *x, const float *rstd, int T,
-                                      int C) {
-    __shared__ float red[8][64];
-    const int c0 = blockIdx.x * 64 + 2 * threadIdx.x;
-    const int t0 = blockIdx.y * COLSUM_ROWS, t1 = min(T, t0 + COLSUM_ROWS);
-    float s0 = 0.f, s1 = 0.f;
-    for (int t = t0 + threadIdx.y; t < t1; t += 8) {
-        const size_t base = (size_t)t * C;
+                                             int C, int rows_per_chunk) {
+    __shared__ float red[8][COLSUM_COLS];
+    const int tx = threadIdx.x, ty = threadIdx.y, base = blockIdx.x * COLSUM_COLS;
+    const int t0 = blockIdx.y * rows_per_chunk, t1 = min(T, t0 + rows_per_chunk);
+    float s[8]; /* columns base + 8 tx + k (VEC), base + tx + 32 k (scalar) */
+    for (int k = 0; k < 8; k++) s[k] = 0.f;
+    for (int t = t0 + ty; t < t1; t += 8) {
+        const size_t row = (size_t)t * C;
         const float r = rstd ? rstd[t] : 1.f;
-        if (c0 < C) {
-            float v = __bfloat162float(dout[base + c0]);
-            if (x) v *= __bfloat162float(x[base + c0]) * r;
-            s0 += v;
-        }
-        if (c0 + 1 < C) {
-            float v = __bfloat162float(dout[base + c0 + 1]);
-            if (x) v *= __bfloat162float(x[base + c0 + 1]) * r;
-            s1 += v;
+        if (VEC) {
+            const int c = base + 8 * tx;
+            if (c < C) {
+                float d[8], xf[8];
+                unpack8(*(const pack8 *)(dout + row + c), d);
+                if (x) {
+                    unpack8(*(const pack8 *)(x + row + c), xf);
+                    for (int k = 0; k < 8; k++) d[k] *= xf[k] * r;
+                }
+                for (int k = 0; k < 8; k++) s[k] += d[k];
+            }
+        } else {
+            for (int k = 0; k < 8; k++) {
+                const int c = base + tx + 32 * k;
+                if (c < C) {
+                    float v = __bfloat162float(dout[row + c]);
+                    if (x) v *= __bfloat162float(x[row + c]) * r;
+                    s[k] += v;
+                }
+            }
         }
     }
-    red[threadIdx.y][2 * threadIdx.x] = s0;
-    red[threadIdx.y][2 * threadIdx.x + 1] = s1;
+    for (int k = 0; k < 8; k++) red[ty][VEC ? 8 * tx + k : tx + 32 * k] = s[k];
     __syncthreads();
-    if (threadIdx.y == 0) {
-        for (int k = 0; k < 2; k++) {
-            int c = c0 + k;
-            float s = 0.f;
-            for (int y = 0; y < 8; y++) s += red[y][2 * threadIdx.x + k];
-            if (c < C) partial[(size_t)blockIdx.y * C + c] = s;
-        }
+    const int j = ty * 32 + tx, c = base + j;
+    if (c < C) {
+        float v = 0.f;
+        for (int y = 0; y < 8; y++) v += red[y][j];
+        partial[(size_t)blockIdx.y * C + c] = v;
     }
 }
+
+/* block (32, 32): 32 columns; thread y sums chunks y, y+32, .. then the 32
+ * sums are added in order: out[c] += sum_k partial[k, c] */
 static __global__ void colsum_final_kernel(float *out, const float *partial, int nchunks, int C) {
-    int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= C) return;
+    __shared__ float red[32][33];
+    const int c = blockIdx.x * 32 + threadIdx.x;
     float s = 0.f;
-    for (int k = 0; k < nchunks; k++) s += partial[(size_t)k * C + c];
-    out[c] += s;
+    if (c < C) {
+#pragma unroll 8
+        for (int k = threadIdx.y; k < nchunks; k += 32) s += partial[(size_t)k * C + c];
+    }
+    red[threadIdx.y][threadIdx.x] = s;
+    __syncthreads();
+    if (threadIdx.y == 0 && c < C) {
+        float v = 0.f;
+        for (int y = 0; y < 32; y++) v += red[y][threadIdx.x];
+        out[c] += v;
+    }
 }
+void cf_cuda_colsum_final(cf_cuda_ctx *ctx, float *out, const float *partial, int nchunks, int C) {
+    colsum_final_kernel<<<(C + 31) / 32, dim3(32, 32), 0, ctx->stream>>>(out, partial, nchunks, C);
+    CF_CK_LAUNCH(ctx, "colsum_final");
+}
+
 void cf_cuda_colsum(cf_cuda_ctx *ctx, float *out, const bf16 *dout, const bf16 *x, const float *rstd, int T, int C) {
     if (T <= 0 || C <= 0) return;
-    int nchunks = (T + COLSUM_ROWS - 1) / COLSUM_ROWS;
+    /* about 512 blocks in all (the q/k/v biases at small T: a few column
+     * blocks, so many short chunks), at least 8 rows per chunk (one per
+     * threadIdx.y), at most 256 chunks for the final kernel */
+    const int cblocks = (C + COLSUM_COLS - 1) / COLSUM_COLS;
+    const int want = max(1, min(256, 512 / cblocks));
+    const int rows = 8 * ((T + 8 * want - 1) / (8 * want));
+    const int nchunks = (T + rows - 1) / rows;
     float *partial = (float *)cf_cuda_scratch(ctx, CF_SCR_COLSUM, (size_t)nchunks * C * sizeof(float));
     if (!partial) return;
-    dim3 grid((C + 63) / 64, nchunks), block(32, 8);
-    colsum_partial_kernel<<<grid, block, 0, ctx->stream>>>(partial, dout, x, rstd, T, C);
+    dim3 grid(cblocks, nchunks), block(32, 8);
+    if (C % 8 == 0 && cf_aligned16(dout) && (!x || cf_aligned16(x)))
+        colsum_partial_kernel<true><<<grid, block, 0, ctx->stream>>>(partial, dout, x, rstd, T, C, rows);
+    else
+        colsum_partial_kernel<false><<<grid, block, 0, ctx->stream>>>(partial, dout, x, rstd, T, C, rows);
     if (!CF_CK_LAUNCH(ctx, "colsum_partial")) return;
-    colsum_final_kernel<<<(C + 255) / 256, 256, 0, ctx->stream>>>(out, partial, nchunks, C);
-    CF_CK_LAUNCH(ctx, "colsum_final");
+    cf_cuda_colsum_final(ctx, out, partial, nchunks, C);
 }
 
 /* ============================================================== matmul */

@@ -357,25 +357,37 @@ static int bwd_bm_for(int D) {
  * heads of one group in turn with the same K, V tile (loaded once) and
  * writes one partial of dk, dv for them: fewer blocks (each one's gather,
  * prologue and epilogue shared by hpb heads) and 1/hpb of the fp32
- * partials to write and reduce. 2 by default where it divides H/Hkv
- * (CF_ATTN_SM90_BWD_HPB to time others; read once). */
-int attn_sm90_bwd_hpb(int D, int H, int Hkv) {
-    static const int want = env_int("CF_ATTN_SM90_BWD_HPB", 2);
-    const int G = H / Hkv;
-    int hpb = want < 1 ? 1 : want;
+ * partials to write and reduce. 2 where it divides H/Hkv and the grid has
+ * at least 1.5 blocks per SM with it, else 1: on small shapes (Qwen2.5-1.5B:
+ * H = 12, 1024 kept keys per sequence: 6 x 8 blocks at hpb = 2 on 132 SMs)
+ * most SMs would idle. The bound keeps 2 where it was measured faster (H100,
+ * H = 32, 2048 kept keys, B = 1: 256 blocks, centrifuge 4-5% faster than
+ * with hpb = 1 in the single calls of docs/HOPPER_ATTENTION.md's call 3);
+ * the small-shape side is not measured yet
+ * (CF_ATTN_SM90_BWD_HPB=n forces n, for timing, read once; ctx->attn_bwd_hpb
+ * forces it per context, for tests). */
+static_assert(BwdSm90<64, 128>::BN == BwdSm90<128, 64>::BN && BwdSm90<64, 64>::BN == BwdSm90<128, 64>::BN,
+              "one key tile for every variant");
+int attn_sm90_bwd_hpb(const cf_cuda_ctx *ctx, int H, int Hkv, int B, int kmaxlen) {
+    static const int forced = env_int("CF_ATTN_SM90_BWD_HPB", 0);
+    const int G = H / Hkv, BN = BwdSm90<128, 64>::BN;
+    int hpb = ctx->attn_bwd_hpb > 0 ? ctx->attn_bwd_hpb : forced;
+    if (hpb < 1) {
+        const long blocks_at_2 = (long)(H / 2) * ((kmaxlen + BN - 1) / BN) * B;
+        hpb = 2 * blocks_at_2 < 3L * ctx->sm_count ? 1 : 2;
+    }
     while (hpb > 1 && G % hpb) hpb--;
     return hpb;
 }
 
 template <int D, int BM>
-static int bwd_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int kmaxlen, int tps) {
+static int bwd_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int kmaxlen, int tps, int hpb) {
     using C = BwdSm90<D, BM>;
     CUtensorMap mq, mo;
     if (!attn_sm90_map_rows(&mq, a.q, nq_rows, a.H, D, C::BM) || !attn_sm90_map_rows(&mo, a.dout, nq_rows, a.H, D, C::BM))
         return 0;
     const void *fn = (const void *)attn_bwd_sm90_kernel<D, BM>;
     if (!attn_sm90_prepare(ctx, fn, C::SMEM, D == 128 ? 2 : BM == 64 ? 3 : 6)) return -1;
-    int hpb = attn_sm90_bwd_hpb(D, a.H, a.Hkv);
     dim3 grid(a.H / hpb, (kmaxlen + C::BN - 1) / C::BN, a.B), block(C::THREADS);
     void *args[] = {(void *)&mq, (void *)&mo, (void *)&a, (void *)&tps, (void *)&hpb};
     return CF_CK(ctx, cudaLaunchKernel(fn, grid, block, args, C::SMEM, ctx->stream)) ? 1 : -1;
@@ -383,11 +395,11 @@ static int bwd_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int
 
 int attn_sm90_bwd_nw(int D) { return bwd_bm_for(D) == 64 ? D / 2 : D; }
 
-int attn_bwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D, int nq_rows, int kmaxlen, int tps) {
+int attn_bwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D, int nq_rows, int kmaxlen, int tps, int hpb) {
     if (kmaxlen <= 0) return 1;
-    if (D == 64) return bwd_bm_for(64) == 128 ? bwd_sm90_launch<64, 128>(ctx, a, nq_rows, kmaxlen, tps)
-                                              : bwd_sm90_launch<64, 64>(ctx, a, nq_rows, kmaxlen, tps);
-    if (D == 128) return bwd_sm90_launch<128, 64>(ctx, a, nq_rows, kmaxlen, tps);
+    if (D == 64) return bwd_bm_for(64) == 128 ? bwd_sm90_launch<64, 128>(ctx, a, nq_rows, kmaxlen, tps, hpb)
+                                              : bwd_sm90_launch<64, 64>(ctx, a, nq_rows, kmaxlen, tps, hpb);
+    if (D == 128) return bwd_sm90_launch<128, 64>(ctx, a, nq_rows, kmaxlen, tps, hpb);
     return 0;
 }
 

@@ -306,11 +306,13 @@ int attn_fwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D);
 /* bwd_sm90.cu: the main backward kernel (as bwd.cu's) over k-side tiles of
  * up to kmaxlen rows per sequence, q side of nq_rows rows in all; dq goes
  * to a.dq_acc in slot order with tps query tiles (64 rows) per sequence,
- * tps even (sm90.cuh: dq_slot_base) */
-int attn_bwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D, int nq_rows, int kmaxlen, int tps);
-/* bwd_sm90.cu: query heads per block of attn_bwd_sm90 (a divisor of H/Hkv):
- * with GQA its dk, dv go to a.dkx, a.dvx as [nk, H/hpb, D] fp32 partials */
-int attn_sm90_bwd_hpb(int D, int H, int Hkv);
+ * tps even (sm90.cuh: dq_slot_base); hpb query heads per block, from
+ * attn_sm90_bwd_hpb (the caller sizes and reduces the GQA partials with it) */
+int attn_bwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D, int nq_rows, int kmaxlen, int tps, int hpb);
+/* bwd_sm90.cu: query heads per block of attn_bwd_sm90 (a divisor of H/Hkv)
+ * for B sequences of up to kmaxlen k-side rows: with GQA its dk, dv go to
+ * a.dkx, a.dvx as [nk, H/hpb, D] fp32 partials */
+int attn_sm90_bwd_hpb(const cf_cuda_ctx *ctx, int H, int Hkv, int B, int kmaxlen);
 /* bwd_centrifuge_sm90.cu: centrifuge part 2 (a.krow = the nf filtered rows,
  * a.kstart their sequence starts): dq = part 1 (a.dq_acc, slot order) +
  * the filtered keys' terms, written to a.dq (bf16) */

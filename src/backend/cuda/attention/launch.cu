@@ -246,7 +246,7 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
     if (!CF_CK_LAUNCH(ctx, "attention bwd prep")) return;
     /* GQA: fp32 partials of dk, dv per group of hpb query heads (1 on the
      * portable path), summed by attn_gqa_reduce */
-    int hpb = try_hopper ? attn_sm90_bwd_hpb(D, H, Hkv) : 1;
+    int hpb = try_hopper ? attn_sm90_bwd_hpb(ctx, H, Hkv, B, kmaxlen) : 1;
     if (H != Hkv) { /* sized for hpb = 1, which a fallback uses */
         a.dkx = (float *)cf_cuda_scratch(ctx, CF_SCR_ATTN_DKX, (size_t)nk * H * D * sizeof(float));
         a.dvx = (float *)cf_cuda_scratch(ctx, CF_SCR_ATTN_DVX, (size_t)nk * H * D * sizeof(float));
@@ -265,7 +265,7 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
         if (!acc || !CF_CK(ctx, cudaMemsetAsync(acc, 0, acc_n * sizeof(float), ctx->stream))) return;
         AttnArgs h = a;
         h.dq_acc = acc;
-        hopper = attn_bwd_sm90(ctx, h, D, n, kmaxlen, tps);
+        hopper = attn_bwd_sm90(ctx, h, D, n, kmaxlen, tps, hpb);
         if (hopper < 0) return;
         a.dq_acc = acc;
     }
