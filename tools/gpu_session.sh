@@ -5,7 +5,7 @@
 # Usage on the GPU machine: tools/gpu_session.sh PART...  (logs under $OUT)
 #   parts: tests sanitize bench-main bench-old bench-sweeps bench-3b pytorch
 #          parity peft-parity dp-check dp-bench dp-ctas tp-check tp-bench rows-x4 rows-x8
-#          rows-x8-dry bench-accum profile dp-bf16
+#          rows-x8-dry bench-accum profile dp-bf16 ab-profile attn-shapes
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G=$PWD/.gpucarry
@@ -103,6 +103,20 @@ for part in "$@"; do
         "$CF" bench --device cuda --config ${cs%%:*} --seq ${cs##*:} --batch 1 --grad-accum 8 --modes regular,centrifuge \
           --keep 0.5 --steps 4 --warmup 2 --profile 2>&1 | tee "$OUT/profile_${cs%%:*}.txt" | tail -30
       done ;;
+    ab-profile)
+      # issue 17: the per-op profile of this build against the carried earlier one (centrifuge-cuda-old), alternating
+      for cs in ${ACCUM_MODELS:-qwen2.5-1.5b:2048}; do for v in old new; do
+        b="$CF"; [ $v = old ] && b="$G/centrifuge-cuda-old"
+        "$b" bench --device cuda --config ${cs%%:*} --seq ${cs##*:} --batch 1 --grad-accum 8 --modes regular,centrifuge \
+          --keep 0.5 --steps 4 --warmup 2 --profile 2>&1 | tee "$OUT/abprof_${v}_${cs%%:*}.txt" | grep -E "profile|  0\.50" | sed "s/^/$v /"
+      done; done ;;
+    attn-shapes)
+      # attention alone at the models' shapes (TinyLlama, Qwen2.5-1.5B, Llama3.2-3B): the automatic choice of
+      # query heads per backward block, then 1 and 2 forced
+      for sh in "4096 32 4 64" "2048 12 2 128" "2048 24 8 128"; do for hpb in auto 1 2; do
+        if [ $hpb = auto ]; then unset CF_ATTN_SM90_BWD_HPB; else export CF_ATTN_SM90_BWD_HPB=$hpb; fi
+        echo "hpb $hpb, S H Hkv D = $sh"; BENCH_ATTN_PATHS=auto "$G/bench_attention" $sh 2>&1 | grep -E "forward|backward"
+      done; done 2>&1 | tee "$OUT/attn_shapes.txt"; unset CF_ATTN_SM90_BWD_HPB ;;
     dp-ctas)
       # issue 14: does capping NCCL's CTAs (SMs taken from the backward) help the centrifuge DP=2 step ratio?
       for ctas in default 16 8 4; do
