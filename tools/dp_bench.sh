@@ -4,7 +4,7 @@
 # loss-only and centrifuge (keep 0.5), for each model below; tokens/s is the
 # median over the steps after two warm-up steps, from train --log.
 #   tools/dp_bench.sh ./centrifuge-cuda OUTDIR [MODELS]
-# MODELS: "config:seq ..." (default "tinyllama-1.1b:4096 qwen2.5-1.5b:2048"); env MODES, STEPS, EXTRA (more train arguments)
+# MODELS: "config:seq ..." (default "tinyllama-1.1b:4096 qwen2.5-1.5b:2048"); env MODES, DPS (default "1 2"), STEPS, EXTRA (more train arguments)
 set -u
 BIN=$(readlink -f "$1"); OUT=$2; mkdir -p "$OUT"
 MODELS=${3:-"tinyllama-1.1b:4096 qwen2.5-1.5b:2048"}
@@ -13,7 +13,7 @@ printf "%-16s %5s %-11s %4s %12s %10s %10s %10s %10s\n" model seq mode DP "token
 for ms in $MODELS; do
   cfg=${ms%%:*}; seq=${ms##*:}
   for mode in ${MODES:-regular loss-only centrifuge}; do
-    for dp in 1 2; do
+    for dp in ${DPS:-1 2}; do
       log="$OUT/${cfg}_${seq}_${mode}_dp$dp.jsonl"
       args="train --device cuda --config $cfg --seq $seq --batch 1 --grad-accum 4 --steps $STEPS --warmup 1 --lr 1e-5 --select self --keep 0.5 --mode $mode --builtin-tokens 4M --quiet --log-file $log ${EXTRA:-}"
       if [ $dp -eq 1 ]; then CUDA_VISIBLE_DEVICES=0 timeout 300 "$BIN" $args >"$log.err" 2>&1

@@ -5,7 +5,7 @@
 # Usage on the GPU machine: tools/gpu_session.sh PART...  (logs under $OUT)
 #   parts: tests sanitize bench-main bench-old bench-sweeps bench-3b pytorch
 #          parity peft-parity dp-check dp-bench dp-ctas tp-check tp-bench rows-x4 rows-x8
-#          rows-x8-dry bench-accum profile dp-bf16 ab-profile attn-shapes
+#          rows-x8-dry bench-accum profile dp-bf16 ab-profile attn-shapes dp-prio
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G=$PWD/.gpucarry
@@ -117,6 +117,12 @@ for part in "$@"; do
         if [ $hpb = auto ]; then unset CF_ATTN_SM90_BWD_HPB; else export CF_ATTN_SM90_BWD_HPB=$hpb; fi
         echo "hpb $hpb, S H Hkv D = $sh"; BENCH_ATTN_PATHS=auto "$G/bench_attention" $sh 2>&1 | grep -E "forward|backward"
       done; done 2>&1 | tee "$OUT/attn_shapes.txt"; unset CF_ATTN_SM90_BWD_HPB ;;
+    dp-prio)
+      # issue 14: the communication stream at the device's highest priority (CF_COMM_PRIORITY=high), then normal, DP=2
+      for p in high normal; do
+        CF_COMM_PRIORITY=$p DPS=2 MODES="regular centrifuge" STEPS=${STEPS:-6} bash tools/dp_bench.sh "$CF" "$OUT/dp_prio_$p" \
+          "${PRIO_MODELS:-tinyllama-1.1b:4096}" 2>&1 | tee "$OUT/dp_prio_$p.txt"
+      done ;;
     dp-ctas)
       # issue 14: does capping NCCL's CTAs (SMs taken from the backward) help the centrifuge DP=2 step ratio?
       for ctas in default 16 8 4; do

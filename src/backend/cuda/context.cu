@@ -219,11 +219,26 @@ cf_cuda_ctx *cf_cuda_ctx_create(int device) {
     ctx->smem_optin = prop.sharedMemPerBlockOptin;
     ctx->workspace_size = (size_t)32 << 20;
 
+    /* CF_COMM_PRIORITY=high: the communication stream at the device's
+     * highest priority, so that a collective's blocks are scheduled as soon
+     * as compute blocks retire instead of queueing behind a whole GEMM wave
+     * (an experiment of issue 14; default: the same priority as compute) */
+    const char *pe = getenv("CF_COMM_PRIORITY");
+    if (pe && *pe && strcmp(pe, "high") != 0 && strcmp(pe, "normal") != 0) {
+        free(ctx);
+        cf_fail("CF_COMM_PRIORITY=%s: expected high or normal", pe);
+        return NULL;
+    }
+    int comm_prio = 0, lo_prio = 0;
+    if (pe && strcmp(pe, "high") == 0 && cudaDeviceGetStreamPriorityRange(&lo_prio, &comm_prio) != cudaSuccess) {
+        cudaGetLastError();
+        comm_prio = 0;
+    }
     int prev = -1;
     if (cudaGetDevice(&prev) != cudaSuccess) prev = -1;
     int ok = CF_CK(ctx, cudaSetDevice(device)) &&
              CF_CK(ctx, cudaStreamCreateWithFlags(&ctx->stream, cudaStreamNonBlocking)) &&
-             CF_CK(ctx, cudaStreamCreateWithFlags(&ctx->comm_stream, cudaStreamNonBlocking)) &&
+             CF_CK(ctx, cudaStreamCreateWithPriority(&ctx->comm_stream, cudaStreamNonBlocking, comm_prio)) &&
              CF_CK(ctx, cudaEventCreateWithFlags(&ctx->ev_compute, cudaEventDisableTiming)) &&
              CF_CK(ctx, cudaEventCreateWithFlags(&ctx->ev_comm, cudaEventDisableTiming)) &&
              CF_CK(ctx, cudaEventCreateWithFlags(&ctx->ev_staging, cudaEventDisableTiming)) &&
