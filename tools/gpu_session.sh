@@ -5,7 +5,7 @@
 # Usage on the GPU machine: tools/gpu_session.sh PART...  (logs under $OUT)
 #   parts: tests sanitize bench-main bench-old bench-sweeps bench-3b pytorch
 #          parity peft-parity dp-check dp-bench dp-ctas tp-check tp-bench rows-x4 rows-x8
-#          rows-x8-dry bench-accum profile dp-bf16 ab-profile attn-shapes dp-prio
+#          rows-x8-dry bench-accum profile dp-bf16 ab-profile attn-shapes dp-prio bench-pair
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G=$PWD/.gpucarry
@@ -123,6 +123,14 @@ for part in "$@"; do
         CF_COMM_PRIORITY=$p DPS=2 MODES="regular centrifuge" STEPS=${STEPS:-6} bash tools/dp_bench.sh "$CF" "$OUT/dp_prio_$p" \
           "${PRIO_MODELS:-tinyllama-1.1b:4096}" 2>&1 | tee "$OUT/dp_prio_$p.txt"
       done ;;
+    bench-pair)
+      # issue 17: the same 8 sequences per step as micro-batch 1 x grad-accum 8 and as micro-batch 2 x grad-accum 4:
+      # does doubling the rows of the weight-gradient GEMMs (M = kept rows) take the centrifuge backward toward 0.5?
+      for cs in ${ACCUM_MODELS:-qwen2.5-1.5b:2048}; do for ba in 1:8 2:4; do
+        "$CF" bench --device cuda --config ${cs%%:*} --seq ${cs##*:} --batch ${ba%%:*} --grad-accum ${ba##*:} \
+          --modes regular,centrifuge --keep 0.5 --steps ${ACCUM_STEPS:-6} --warmup 2 --profile \
+          --json "$OUT/pair_${cs%%:*}_b${ba%%:*}.jsonl" 2>&1 | tee "$OUT/pair_${cs%%:*}_b${ba%%:*}.txt" | grep -E "profile|  0\.50"
+      done; done ;;
     dp-ctas)
       # issue 14: does capping NCCL's CTAs (SMs taken from the backward) help the centrifuge DP=2 step ratio?
       for ctas in default 16 8 4; do
