@@ -394,6 +394,131 @@ TEST(tp2_by_dp2_grid_with_zero1_equals_one_process_on_the_global_batch) {
     run_grid_vocab("tiny-llama", 62, CF_MODE_REGULAR, 2, 508);
 }
 
+/* ------------------------------------------ data parallel alone: 3, 4 ranks */
+
+enum { DPX_MAX = 4 };
+
+typedef struct {
+    dpt_rank dr;
+    const char *dir;
+    cf_mode mode;
+    int accum;
+    int32_t (*tokens)[DPX_MAX * GRID_MAX_ACCUM][S + 1];
+    int ok;
+    char err[512];
+    double loss[GRID_STEPS];
+    float norm[GRID_STEPS];
+    float *weights;
+    cf_model *m;
+} dpx_job;
+
+static void *dpx_main(void *p) {
+    dpx_job *j = p;
+    cf_model_opts o = {0};
+    o.backend = CF_BACKEND_CPU;
+    o.model_dir = j->dir;
+    cf_model *m = cf_model_open_with(&o, dpt_layout, &j->dr);
+    j->m = m;
+    if (!m) { snprintf(j->err, sizeof j->err, "%s", cf_last_error()); return NULL; }
+    dpt_install(&j->dr, m);
+    cf_train_opts to = grid_opts(j->mode, j->accum);
+    cf_trainer *tr = cf_trainer_create(m, &to);
+    for (int st = 0; tr && st < GRID_STEPS; st++) {
+        cf_micro_batch mb[GRID_MAX_ACCUM];
+        for (int i = 0; i < j->accum; i++) mb[i] = (cf_micro_batch){j->tokens[st][j->dr.rank * j->accum + i], NULL};
+        cf_step_stats ss;
+        if (cf_trainer_step(tr, mb, HP.lr, &ss) != 0) { snprintf(j->err, sizeof j->err, "%s", cf_last_error()); break; }
+        j->loss[st] = ss.loss;
+        j->norm[st] = ss.grad_norm;
+        if (st == GRID_STEPS - 1) j->ok = 1;
+    }
+    cf_trainer_free(tr);
+    if (j->ok) j->weights = pack(m, 0);
+    return NULL;
+}
+
+/* dp ranks of ZeRO-1 (no TP), each on its micro-batches, against one
+ * process on all of them. With 3 and 4 ranks the buckets' slices fall at
+ * other places than with 2: slices that end mid-row of the embedding, ranks
+ * whose slice of a small bucket is all padding (no segment: gathered when a
+ * later bucket completes or at the end), and ranks reaching each bucket's
+ * all-gather at different segments of the pipelined step. */
+static void run_dp(const char *name, int vocab, int dp, cf_mode mode, int accum, uint64_t seed) {
+    cf_config cfg;
+    CHECK(cf_config_builtin(&cfg, name) == 0);
+    if (vocab > 0) cfg.vocab_size = vocab;
+    cf_model *one = cf_model_create(&cfg, CF_BACKEND_CPU, seed);
+    CHECK(one != NULL && dp <= DPX_MAX && accum <= GRID_MAX_ACCUM);
+    if (!one || dp > DPX_MAX || accum > GRID_MAX_ACCUM) { cf_model_free(one); return; }
+    randomize_weights(one, seed ^ 0x5eed, 0.25f, 0.2f);
+    char dir[] = "/tmp/cf_dpx_modelXXXXXX";
+    CHECK(mkdtemp(dir) != NULL);
+    CHECK(cf_model_save(one, dir, "float32", 0) == 0);
+    static int32_t tokens[GRID_STEPS][DPX_MAX * GRID_MAX_ACCUM][S + 1];
+    random_tokens(&tokens[0][0][0], GRID_STEPS * DPX_MAX * GRID_MAX_ACCUM * (S + 1), cfg.vocab_size, seed + 1);
+
+    cf_train_opts to = grid_opts(mode, dp * accum);
+    cf_trainer *tr = cf_trainer_create(one, &to);
+    double ref_loss[GRID_STEPS];
+    float ref_norm[GRID_STEPS];
+    for (int st = 0; st < GRID_STEPS; st++) {
+        cf_micro_batch mb[DPX_MAX * GRID_MAX_ACCUM];
+        for (int i = 0; i < dp * accum; i++) mb[i] = (cf_micro_batch){tokens[st][i], NULL};
+        cf_step_stats ss;
+        CHECK(cf_trainer_step(tr, mb, HP.lr, &ss) == 0);
+        ref_loss[st] = ss.loss;
+        ref_norm[st] = ss.grad_norm;
+    }
+    cf_trainer_free(tr);
+    float *ref_w = pack(one, 0);
+
+    dpt_group g;
+    dpt_group_init(&g, dp);
+    dpx_job jobs[DPX_MAX];
+    pthread_t th[DPX_MAX];
+    memset(jobs, 0, sizeof jobs);
+    for (int r = 0; r < dp; r++) {
+        jobs[r].dr.g = &g;
+        jobs[r].dr.rank = r;
+        jobs[r].dir = dir; jobs[r].mode = mode; jobs[r].tokens = tokens; jobs[r].accum = accum;
+        pthread_create(&th[r], NULL, dpx_main, &jobs[r]);
+    }
+    for (int r = 0; r < dp; r++) pthread_join(th[r], NULL);
+    const size_t nw = cf_model_num_params(one);
+    for (int r = 0; r < dp; r++) {
+        dpx_job *j = &jobs[r];
+        CHECK_MSG(j->ok, "%s %s DP=%d rank %d: %s", name, cf_mode_name(mode), dp, r, j->err);
+        if (!j->ok) continue;
+        for (int st = 0; st < GRID_STEPS; st++) {
+            CHECK_CLOSE(j->loss[st], ref_loss[st], 1e-5);
+            CHECK_CLOSE(j->norm[st], ref_norm[st], 1e-4);
+        }
+        double e = 0;
+        for (size_t i = 0; i < nw; i++) e = fmax(e, fabs((double)j->weights[i] - ref_w[i]));
+        CHECK_MSG(e < 2e-4, "%s %s DP=%d rank %d: weights off by %g after %d steps", name, cf_mode_name(mode), dp, r,
+                  e, GRID_STEPS);
+    }
+    CHECK(ref_norm[0] > HP.grad_clip);   /* clipping is active */
+    for (int r = 0; r < dp; r++) {
+        free(jobs[r].weights);
+        cf_model_free(jobs[r].m);
+        cf_zero_plan_free(&jobs[r].dr.plan);
+        free(jobs[r].dr.tensor_of);
+        free(jobs[r].dr.seg);
+    }
+    dpt_group_destroy(&g);
+    free(ref_w);
+    cf_model_free(one);
+    rm_rf(dir);
+}
+
+TEST(dp3_and_dp4_with_zero1_equal_one_process_on_the_global_batch) {
+    run_dp("tiny-qwen2", 61, 3, CF_MODE_CENTRIFUGE, 2, 601);   /* tied, odd vocabulary */
+    run_dp("tiny-llama", 0, 3, CF_MODE_REGULAR, 1, 602);       /* untied */
+    run_dp("tiny-qwen3", 0, 4, CF_MODE_CENTRIFUGE_KV, 2, 603);
+    run_dp("tiny-llama", 61, 4, CF_MODE_LOSS_ONLY, 1, 604);
+}
+
 static const tp_case CASES[] = {
     {"tiny-llama", 63, 1},    /* padded vocabulary (63 -> 64), o_proj bias on the row-parallel side */
     {"tiny-qwen2", 0, 0},     /* q/k/v biases split, tied embeddings split once */
@@ -435,6 +560,7 @@ TEST(tp_refuses_what_it_cannot_split) {
 
 int main(void) {
     RUN(tp2_equals_one_process_in_every_mode_and_model_type);
+    RUN(dp3_and_dp4_with_zero1_equal_one_process_on_the_global_batch);
     RUN(tp_refuses_what_it_cannot_split);
     RUN(tp2_by_dp2_grid_with_zero1_equals_one_process_on_the_global_batch);
     return test_summary();
