@@ -6,13 +6,17 @@
  * One step on W ranks (plan.h for the buffers):
  *   backward, last micro-batch: as each layer's gradients are final, its
  *       bucket is reduce-scattered (sum) in place on the communication
- *       stream, overlapping the backward of the earlier layers;
+ *       stream, overlapping the backward of the earlier layers; the other
+ *       ranks' slices of it are then cleared there (the step never clears
+ *       the whole buffer);
  *   optimizer: the compute stream waits for the reductions; the squared
  *       norm of the local shard and the loss sum are all-reduced (the host
  *       waits here, with a deadline, so a dead peer cannot hang the run);
  *       AdamW updates the local shard (fp32 master, m, v) and its bf16
- *       compute weights; each bucket of bf16 weights is all-gathered in
- *       place; the compute stream waits before the next forward.
+ *       compute weights segment by segment, and each bucket of bf16
+ *       weights is all-gathered in place as soon as its segments are done,
+ *       overlapping the update of the next ones; the compute stream waits
+ *       for the last before the next forward.
  * The gradient of every rank is the sum over ranks of its local gradient:
  * with the trainer's loss weight 1/(counted tokens of all ranks) that is the
  * one-process gradient of the global batch.
