@@ -448,9 +448,15 @@ static int hook_segment_updated(void *p, int s) {
 
 static int hook_weights_updated(void *p) {
     cf_dist *d = p;
+    cf_cuda_ctx *cx = ctx_of(d);
     if (gather_buckets(d, d->plan.num_buckets) != 0) return -1;
     d->gathered = 0;
-    return cf_cuda_compute_wait_comm(ctx_of(d));
+    /* The host waits for the all-gathers here, with the deadline: the step's
+     * timing read that follows waits for the compute stream without one,
+     * and a peer that died after the norm's all-reduce would leave it
+     * waiting forever. (It waited for them there anyway: nothing is lost.) */
+    if (cf_comm_wait(d->dp_comm, cx->comm_stream, d->timeout_s) != 0) return -1;
+    return cf_cuda_compute_wait_comm(cx);
 }
 #endif
 
