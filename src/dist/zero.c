@@ -31,6 +31,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "base/common.h"
 #include "dist/comm.h"
@@ -400,6 +401,24 @@ static int hook_finish(void *p) {
     return cf_cuda_compute_wait_comm(ctx_of(d));
 }
 
+/* Fault injection for tests/gpu/dp_check.sh: CF_TEST_DIE_AFTER_NORM=N makes
+ * DP rank 1 exit right after the norm's all-reduce of the step that follows
+ * N updates (cf_optim.step == N), so
+ * the other ranks meet a dead peer in the step's all-gathers (they must fail
+ * within --dist-timeout, not hang). */
+static void test_fault_after_norm(const cf_dist *d) {
+    static long step = -2;
+    if (step == -2) {
+        const char *e = getenv("CF_TEST_DIE_AFTER_NORM");
+        step = e && *e ? atol(e) : -1;
+    }
+    if (step >= 0 && d->dp_rank == 1 && d->m->opt.step == step) {
+        fprintf(stderr, "rank %d: CF_TEST_DIE_AFTER_NORM=%ld: exiting after the norm's all-reduce\n", d->env.rank,
+                step);
+        _exit(3);
+    }
+}
+
 static int hook_sum_scalars(void *p, cf_scalars *dev) {
     cf_dist *d = p;
     cf_cuda_ctx *cx = ctx_of(d);
@@ -411,6 +430,7 @@ static int hook_sum_scalars(void *p, cf_scalars *dev) {
         return -1;
     /* the host waits here, with a deadline: a dead peer fails the run */
     if (cf_comm_wait(d->dp_comm, cx->comm_stream, d->timeout_s) != 0) return -1;
+    test_fault_after_norm(d);
     return cf_cuda_compute_wait_comm(cx);
 }
 

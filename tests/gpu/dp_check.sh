@@ -81,6 +81,18 @@ echo "    WORLD_SIZE without RANK: rc=$rc: $(tail -1 "$OUT/badenv.err")"; [ $rc 
 RANK=3 WORLD_SIZE=4 LOCAL_RANK=3 LOCAL_WORLD_SIZE=4 timeout 60 "$BIN" $BASE --steps 3 >"$OUT/toomany.err" 2>&1; rc=$?
 echo "    more ranks than GPUs: rc=$rc: $(tail -1 "$OUT/toomany.err")"; [ $rc -ne 0 ] && [ $rc -ne 124 ] || fail=1
 
+echo "== a rank that dies during the step's all-gathers (after the norm's all-reduce of step 3)"
+# started by hand: torchrun and mpirun would kill the survivor themselves
+for r in 0 1; do
+  RANK=$r WORLD_SIZE=2 LOCAL_RANK=$r LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29690 CF_TEST_DIE_AFTER_NORM=3 \
+    timeout 180 "$BIN" $BASE --steps 10 --mode centrifuge --dist-timeout 15 >"$OUT/die_$r.err" 2>&1 &
+  eval "pid$r=\$!"
+done
+t0=$(date +%s); wait $pid0; rc0=$?; t1=$(date +%s); wait $pid1; rc1=$?
+echo "    rank 1: rc=$rc1 ($(grep -o 'CF_TEST_DIE_AFTER_NORM=[0-9]*: exiting' "$OUT/die_1.err" | head -1))"
+echo "    rank 0: rc=$rc0 after $((t1 - t0)) s: $(tail -1 "$OUT/die_0.err")"
+[ $rc1 -eq 3 ] && [ $rc0 -ne 0 ] && [ $rc0 -ne 124 ] && grep -qE "did not finish within|NCCL error" "$OUT/die_0.err" || { echo "    FAIL"; fail=1; }
+
 rm -rf "$R/run"   # checkpoints: too large to bring back
 echo "== dp_check: $([ $fail -eq 0 ] && echo PASS || echo FAIL)"
 exit $fail
