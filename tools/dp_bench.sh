@@ -30,3 +30,20 @@ PY
     done
   done
 done
+# summary: scaling (DP=2 tokens/s over 2 x DP=1) and each mode's step over regular's, at DP=1 and DP=2
+python3 - "$OUT/table.txt" <<'PY' | tee "$OUT/summary.txt"
+import sys
+rows = {}
+for line in open(sys.argv[1]):
+    f = line.split()
+    if len(f) == 9 and f[3].isdigit():
+        rows[(f[0], f[1], f[2], int(f[3]))] = (float(f[4]), float(f[5]))
+for (cfg, seq) in sorted({(k[0], k[1]) for k in rows}):
+    for mode in sorted({k[2] for k in rows if k[:2] == (cfg, seq)}):
+        one, two = rows.get((cfg, seq, mode, 1)), rows.get((cfg, seq, mode, 2))
+        reg1, reg2 = rows.get((cfg, seq, "regular", 1)), rows.get((cfg, seq, "regular", 2))
+        sc = f"{two[0] / (2 * one[0]):.3f}" if one and two else "-"
+        r1 = f"{one[1] / reg1[1]:.4f}" if one and reg1 else "-"
+        r2 = f"{two[1] / reg2[1]:.4f}" if two and reg2 else "-"
+        print(f"{cfg} @{seq} {mode:<11} scaling {sc}  step/regular DP=1 {r1}  DP=2 {r2}")
+PY
