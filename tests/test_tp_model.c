@@ -244,7 +244,7 @@ static void run_case(const tp_case *tc, cf_mode mode, uint64_t seed) {
 
 /* ---------------------------------------------- 2-D: TP = 2 x DP = 2 */
 
-enum { GRID_STEPS = 2, GRID_MAX_ACCUM = 2 };
+enum { GRID_STEPS = 2, GRID_MAX_ACCUM = 2, DPX_MAX = 4 };
 
 typedef struct {
     tpt_rank tr;
@@ -274,6 +274,29 @@ static cf_train_opts grid_opts(cf_mode mode, int accum) {
     return o;
 }
 
+/* GRID_STEPS training steps of m on micro-batches first .. first+accum-1 of
+ * each step (micro-batch i of step st at tokens + (st * per_step + i) rows of
+ * S + 1); their losses and gradient norms in loss, norm. 0, or -1 with the
+ * error in err. The one process and every rank of the tests below. */
+static int train_steps(cf_model *m, cf_mode mode, int accum, const int32_t *tokens, int per_step, int first,
+                       double *loss, float *norm, char *err, size_t errlen) {
+    cf_train_opts to = grid_opts(mode, accum);
+    cf_trainer *tr = cf_trainer_create(m, &to);
+    int rc = tr && accum <= DPX_MAX * GRID_MAX_ACCUM ? 0 : -1;
+    for (int st = 0; rc == 0 && st < GRID_STEPS; st++) {
+        cf_micro_batch mb[DPX_MAX * GRID_MAX_ACCUM];
+        for (int i = 0; i < accum; i++)
+            mb[i] = (cf_micro_batch){tokens + ((size_t)st * per_step + first + i) * (S + 1), NULL};
+        cf_step_stats ss;
+        rc = cf_trainer_step(tr, mb, HP.lr, &ss);
+        loss[st] = ss.loss;
+        norm[st] = ss.grad_norm;
+    }
+    if (rc != 0) snprintf(err, errlen, "%s", cf_last_error());
+    cf_trainer_free(tr);
+    return rc;
+}
+
 /* One rank of the grid: its TP slice, its DP shard, its micro-batch. */
 static void *grid_main(void *p) {
     grid_job *j = p;
@@ -282,18 +305,8 @@ static void *grid_main(void *p) {
     j->m = m;
     if (!m) { snprintf(j->err, sizeof j->err, "%s", cf_last_error()); return NULL; }
     dpt_install(&j->dr, m);
-    cf_train_opts to = grid_opts(j->mode, j->accum);
-    cf_trainer *tr = cf_trainer_create(m, &to);
-    for (int st = 0; tr && st < GRID_STEPS; st++) {
-        cf_micro_batch mb[GRID_MAX_ACCUM];
-        for (int i = 0; i < j->accum; i++) mb[i] = (cf_micro_batch){j->tokens[st][j->dr.rank * j->accum + i], NULL};
-        cf_step_stats ss;
-        if (cf_trainer_step(tr, mb, HP.lr, &ss) != 0) { snprintf(j->err, sizeof j->err, "%s", cf_last_error()); break; }
-        j->loss[st] = ss.loss;
-        j->norm[st] = ss.grad_norm;
-        if (st == GRID_STEPS - 1) j->ok = 1;
-    }
-    cf_trainer_free(tr);
+    j->ok = train_steps(m, j->mode, j->accum, &j->tokens[0][0][0], 2 * GRID_MAX_ACCUM, j->dr.rank * j->accum, j->loss,
+                        j->norm, j->err, sizeof j->err) == 0;
     if (j->ok) j->weights = pack(m, 0);
     return NULL;
 }
@@ -313,19 +326,11 @@ static void run_grid_vocab(const char *name, int vocab, cf_mode mode, int accum,
     random_tokens(&tokens[0][0][0], GRID_STEPS * 2 * GRID_MAX_ACCUM * (S + 1), cfg.vocab_size, seed + 1);
 
     /* one process: every micro-batch of every step, accumulated */
-    cf_train_opts to = grid_opts(mode, 2 * accum);
-    cf_trainer *tr = cf_trainer_create(one, &to);
     double ref_loss[GRID_STEPS];
     float ref_norm[GRID_STEPS];
-    for (int st = 0; st < GRID_STEPS; st++) {
-        cf_micro_batch mb[2 * GRID_MAX_ACCUM];
-        for (int i = 0; i < 2 * accum; i++) mb[i] = (cf_micro_batch){tokens[st][i], NULL};
-        cf_step_stats ss;
-        CHECK(cf_trainer_step(tr, mb, HP.lr, &ss) == 0);
-        ref_loss[st] = ss.loss;
-        ref_norm[st] = ss.grad_norm;
-    }
-    cf_trainer_free(tr);
+    char err[512];
+    CHECK_MSG(train_steps(one, mode, 2 * accum, &tokens[0][0][0], 2 * GRID_MAX_ACCUM, 0, ref_loss, ref_norm, err,
+                          sizeof err) == 0, "one process: %s", err);
     float *ref_w = pack(one, 0);
 
     /* 4 ranks: global g = dp * 2 + tp (TP innermost) */
@@ -360,9 +365,7 @@ static void run_grid_vocab(const char *name, int vocab, cf_mode mode, int accum,
     for (int g = 0; g < 4; g++) {
         free(jobs[g].weights);
         cf_model_free(jobs[g].m);
-        cf_zero_plan_free(&jobs[g].dr.plan);
-        free(jobs[g].dr.tensor_of);
-        free(jobs[g].dr.seg);
+        dpt_rank_free(&jobs[g].dr);
     }
     for (int i = 0; i < 2; i++) { tpt_group_destroy(&tg[i]); dpt_group_destroy(&dg[i]); }
     free(ref_w);
@@ -396,8 +399,6 @@ TEST(tp2_by_dp2_grid_with_zero1_equals_one_process_on_the_global_batch) {
 
 /* ------------------------------------------ data parallel alone: 3, 4 ranks */
 
-enum { DPX_MAX = 4 };
-
 typedef struct {
     dpt_rank dr;
     const char *dir;
@@ -421,18 +422,8 @@ static void *dpx_main(void *p) {
     j->m = m;
     if (!m) { snprintf(j->err, sizeof j->err, "%s", cf_last_error()); return NULL; }
     dpt_install(&j->dr, m);
-    cf_train_opts to = grid_opts(j->mode, j->accum);
-    cf_trainer *tr = cf_trainer_create(m, &to);
-    for (int st = 0; tr && st < GRID_STEPS; st++) {
-        cf_micro_batch mb[GRID_MAX_ACCUM];
-        for (int i = 0; i < j->accum; i++) mb[i] = (cf_micro_batch){j->tokens[st][j->dr.rank * j->accum + i], NULL};
-        cf_step_stats ss;
-        if (cf_trainer_step(tr, mb, HP.lr, &ss) != 0) { snprintf(j->err, sizeof j->err, "%s", cf_last_error()); break; }
-        j->loss[st] = ss.loss;
-        j->norm[st] = ss.grad_norm;
-        if (st == GRID_STEPS - 1) j->ok = 1;
-    }
-    cf_trainer_free(tr);
+    j->ok = train_steps(m, j->mode, j->accum, &j->tokens[0][0][0], DPX_MAX * GRID_MAX_ACCUM,
+                        j->dr.rank * j->accum, j->loss, j->norm, j->err, sizeof j->err) == 0;
     if (j->ok) j->weights = pack(m, 0);
     return NULL;
 }
@@ -457,19 +448,11 @@ static void run_dp(const char *name, int vocab, int dp, cf_mode mode, int accum,
     static int32_t tokens[GRID_STEPS][DPX_MAX * GRID_MAX_ACCUM][S + 1];
     random_tokens(&tokens[0][0][0], GRID_STEPS * DPX_MAX * GRID_MAX_ACCUM * (S + 1), cfg.vocab_size, seed + 1);
 
-    cf_train_opts to = grid_opts(mode, dp * accum);
-    cf_trainer *tr = cf_trainer_create(one, &to);
     double ref_loss[GRID_STEPS];
     float ref_norm[GRID_STEPS];
-    for (int st = 0; st < GRID_STEPS; st++) {
-        cf_micro_batch mb[DPX_MAX * GRID_MAX_ACCUM];
-        for (int i = 0; i < dp * accum; i++) mb[i] = (cf_micro_batch){tokens[st][i], NULL};
-        cf_step_stats ss;
-        CHECK(cf_trainer_step(tr, mb, HP.lr, &ss) == 0);
-        ref_loss[st] = ss.loss;
-        ref_norm[st] = ss.grad_norm;
-    }
-    cf_trainer_free(tr);
+    char err[512];
+    CHECK_MSG(train_steps(one, mode, dp * accum, &tokens[0][0][0], DPX_MAX * GRID_MAX_ACCUM, 0, ref_loss, ref_norm,
+                          err, sizeof err) == 0, "one process: %s", err);
     float *ref_w = pack(one, 0);
 
     dpt_group g;
@@ -502,9 +485,7 @@ static void run_dp(const char *name, int vocab, int dp, cf_mode mode, int accum,
     for (int r = 0; r < dp; r++) {
         free(jobs[r].weights);
         cf_model_free(jobs[r].m);
-        cf_zero_plan_free(&jobs[r].dr.plan);
-        free(jobs[r].dr.tensor_of);
-        free(jobs[r].dr.seg);
+        dpt_rank_free(&jobs[r].dr);
     }
     dpt_group_destroy(&g);
     free(ref_w);

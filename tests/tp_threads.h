@@ -267,4 +267,13 @@ static inline void dpt_install(dpt_rank *r, cf_model *m) {
     if (cf_zero_plan_segments(&r->plan, r->rank, &r->seg, &r->nseg) != 0 || r->nseg != m->opt.lay.nseg) abort();
 }
 
+/* What dpt_layout and dpt_install allocated for a rank. */
+static inline void dpt_rank_free(dpt_rank *r) {
+    cf_zero_plan_free(&r->plan);
+    free(r->tensor_of);
+    free(r->seg);
+    r->tensor_of = NULL;
+    r->seg = NULL;
+}
+
 #endif

@@ -9,6 +9,7 @@ Each FILE is the text `bench --profile` printed (one "profile <mode> <cat>
 <fwd>/<bwd> ..." line per mode); LABEL names it in the plot (e.g. "qwen old").
 """
 import argparse
+import os
 import re
 import sys
 
@@ -72,7 +73,16 @@ def main(argv=None):
     ax.set_title(a.title or "time per op category (bench --profile)")
     ax.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
-    fig.savefig(a.png, dpi=110)
+    # written whole or not at all: a temporary file, then renamed over the target
+    tmp = a.png + ".tmp.png"
+    try:
+        fig.savefig(tmp, dpi=110)
+        os.replace(tmp, a.png)
+    except OSError as e:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        print(f"plot_profile: {a.png}: {e.strerror or e}", file=sys.stderr)
+        return 1
     print(f"wrote {a.png}: {len(bars)} bars, {len(cats)} categories")
     return 0
 

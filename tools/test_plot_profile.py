@@ -57,5 +57,13 @@ class PlotProfileTest(unittest.TestCase):
             self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
 
 
+    @unittest.skipIf(matplotlib is None, "matplotlib not installed")
+    def test_an_unwritable_target_fails_with_one_line_and_leaves_nothing(self):
+        d = tempfile.mkdtemp()
+        png = os.path.join(d, "missing-dir", "p.png")
+        self.assertEqual(plot_profile.main([f"q={self.write(TEXT)}", "--png", png]), 1)
+        self.assertFalse(os.path.exists(os.path.join(d, "missing-dir")))
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -363,7 +363,8 @@ static int bwd_bm_for(int D) {
  * most SMs would idle. The bound keeps 2 where it was measured faster (H100,
  * H = 32, 2048 kept keys, B = 1: 256 blocks, centrifuge 4-5% faster than
  * with hpb = 1 in the single calls of docs/HOPPER_ATTENTION.md's call 3);
- * the small-shape side is not measured yet
+ * on the small side Qwen2.5-1.5B's full backward went from 0.259 to 0.172 ms
+ * (docs/BENCHMARKS.md run 13)
  * (CF_ATTN_SM90_BWD_HPB=n forces n, for timing, read once; ctx->attn_bwd_hpb
  * forces it per context, for tests). */
 static_assert(BwdSm90<64, 128>::BN == BwdSm90<128, 64>::BN && BwdSm90<64, 64>::BN == BwdSm90<128, 64>::BN,
