@@ -433,9 +433,9 @@ TEST(swiglu_fwd_and_bwd_match_reference_and_finite_differences) {
     g[1] = 90.0f;
     fill_normal(u, n, &r, 1);
     fill_normal(R, n, &r, 1);
-    be->swiglu_fwd(be, h, g, u, n);
+    be->swiglu_fwd(be, h, g, u, 1, n, n);
     for (int i = 0; i < n; i++) CHECK_CLOSE(h[i], silu_d(g[i]) * u[i], FWD_TOL);
-    be->swiglu_bwd_rows(be, h2, dg, du, R, g, u, NULL, 1, n, n);   /* one row of n columns */
+    be->swiglu_bwd_rows(be, h2, dg, du, R, g, u, NULL, 1, n, n, n);   /* one row of n columns */
     swi_ctx c = {n, to_double(g, n), to_double(u, n), to_double(R, n)};
     double gg[n], gu[n];
     fd_grad(gg, c.g, n, swi_loss, &c);
@@ -1562,21 +1562,21 @@ TEST(swiglu_bwd_rows_through_the_index_equals_explicit_gather_and_recomputes_h) 
     float g2[N * F], u2[N * F], h_ref[N * F], dg_ref[N * F], du_ref[N * F], h[N * F], dg[N * F], du[N * F];
     be->gather_rows(be, g2, gate, rows, N, F * sizeof(float));
     be->gather_rows(be, u2, up, rows, N, F * sizeof(float));
-    be->swiglu_fwd(be, h_ref, g2, u2, N * F);
-    be->swiglu_bwd_rows(be, h_ref, dg_ref, du_ref, dh, g2, u2, NULL, N, F, F);   /* explicit gather, then no index */
-    be->swiglu_fwd(be, h_ref, g2, u2, N * F);
-    be->swiglu_bwd_rows(be, h, dg, du, dh, gate, up, rows, N, F, F);
+    be->swiglu_fwd(be, h_ref, g2, u2, N, F, F);
+    be->swiglu_bwd_rows(be, h_ref, dg_ref, du_ref, dh, g2, u2, NULL, N, F, F, F);   /* explicit gather, then no index */
+    be->swiglu_fwd(be, h_ref, g2, u2, N, F, F);
+    be->swiglu_bwd_rows(be, h, dg, du, dh, gate, up, rows, N, F, F, F);
     CHECK(rel_err(h, h_ref, N * F) < 1e-6);   /* silu(g)*u, rounding may differ in the last bit */
     CHECK(memcmp(dg, dg_ref, sizeof dg) == 0);
     CHECK(memcmp(du, du_ref, sizeof du) == 0);
     /* rows == NULL reads rows 0..n-1 */
-    be->swiglu_bwd_rows(be, h, dg, du, dh, gate, up, NULL, N, F, F);
-    be->swiglu_fwd(be, h_ref, gate, up, N * F);
+    be->swiglu_bwd_rows(be, h, dg, du, dh, gate, up, NULL, N, F, F, F);
+    be->swiglu_fwd(be, h_ref, gate, up, N, F, F);
     CHECK(rel_err(h, h_ref, N * F) < 1e-6);
     /* ld = 2F: dgate and dup as the two halves of one [N, 2F] matrix */
     float packed[N * 2 * F], h2[N * F];
-    be->swiglu_bwd_rows(be, h, dg, du, dh, gate, up, rows, N, F, F);
-    be->swiglu_bwd_rows(be, h2, packed, packed + F, dh, gate, up, rows, N, F, 2 * F);
+    be->swiglu_bwd_rows(be, h, dg, du, dh, gate, up, rows, N, F, F, F);
+    be->swiglu_bwd_rows(be, h2, packed, packed + F, dh, gate, up, rows, N, F, F, 2 * F);
     int same = memcmp(h, h2, sizeof h) == 0;
     for (int i = 0; i < N; i++)
         same &= memcmp(packed + i * 2 * F, dg + i * F, F * sizeof(float)) == 0 &&

@@ -138,18 +138,27 @@ struct cf_backend {
      * k[Tk, Hk, D] at kpos in one call (one launch on the GPU) */
     void (*rope_qk)(cf_backend *b, void *q, const int *qpos, int Tq, int Hq, void *k, const int *kpos,
                     int Tk, int Hk, const float *inv_freq, int D, int bwd);
-    /* h = silu(gate) * up, over n elements */
-    void (*swiglu_fwd)(cf_backend *b, void *h, const void *gate, const void *up, size_t n);
+    /* The fused q/k/v projection's split, with RoPE: qkv[T, (Hq + 2 Hk) D]
+     * holds each row's q | k | v (the output of one GEMM with [Wq; Wk; Wv]);
+     * q[T, Hq, D] and k[T, Hk, D] get their parts rotated as rope_fwd at
+     * pos[T] (the same arithmetic, so the same values), v[T, Hk, D] a copy. */
+    void (*qkv_split_rope)(cf_backend *b, void *q, void *k, void *v, const void *qkv, const int *pos, int T,
+                           int Hq, int Hk, const float *inv_freq, int D);
+    /* h[t, c] = silu(gate[t, c]) * up[t, c] for t < T, c < F: h has rows of
+     * F; gate and up rows ld_in >= F elements apart (ld_in = 2F with up =
+     * gate + F: the [T, 2F] output of the fused gate/up GEMM). */
+    void (*swiglu_fwd)(cf_backend *b, void *h, const void *gate, const void *up, int T, int F, int ld_in);
     /* The SwiGLU backward of the MLP, reading gate and up of the forward
      * through the row index (so the filter never copies them): for i < n,
      * r = rows ? rows[i] : i, over F columns:
      *   h[i]     = silu(gate[r]) * up[r]        (the down projection's input, recomputed)
      *   dgate[i] = dh[i] * up[r] * silu'(gate[r]),  dup[i] = dh[i] * silu(gate[r])
-     * h, dh, gate, up have rows of F; dgate and dup rows ld >= F elements
-     * apart (ld = 2F with dup = dgate + F: the [n, 2F] input of the fused
-     * gate/up backward GEMM). */
+     * h and dh have rows of F; gate and up rows ld_in >= F elements apart
+     * (as swiglu_fwd); dgate and dup rows ld >= F elements apart (ld = 2F
+     * with dup = dgate + F: the [n, 2F] input of the fused gate/up backward
+     * GEMM). */
     void (*swiglu_bwd_rows)(cf_backend *b, void *h, void *dgate, void *dup, const void *dh, const void *gate,
-                            const void *up, const int *rows, int n, int F, int ld);
+                            const void *up, const int *rows, int n, int F, int ld_in, int ld);
     /* out = a + c (out may alias a) */
     void (*add)(cf_backend *b, void *out, const void *a, const void *c, size_t n);
     /* x = s * x over n elements (LoRA's scale on its rank-r activations) */

@@ -313,8 +313,10 @@ static int backward_body(cf_model *m, cf_mode mode, const cf_kept *kept, float t
         const int fused = gate_up_fused(m, p);
         void *d_gate = m->d_gate;
         void *d_up = (char *)m->d_gate + (fused ? (size_t)F : (size_t)n * F) * b->act_size;
-        OP(CF_PROF_ELTWISE, b->swiglu_bwd_rows(b, m->tmp, d_gate, d_up, m->d_h, SAVED(m, a->gate), SAVED(m, a->up),
-                                               compact ? m->rows : NULL, n, F, fused ? 2 * F : F));
+        void *gate, *up;
+        const int ldgu = cf_gate_up(m, l, &gate, &up);
+        OP(CF_PROF_ELTWISE, b->swiglu_bwd_rows(b, m->tmp, d_gate, d_up, m->d_h, gate, up, compact ? m->rows : NULL, n,
+                                               F, ldgu, fused ? 2 * F : F));
         OP(CF_PROF_GEMM, cf_linear_bwd_weight(m, &p->down, m->d_resid, m->tmp, n, F, C));
         if (fused) {
             /* dln2 = [dgate dup] [Wg; Wu],  [dWg; dWu] += [dgate dup]^T ln2 */

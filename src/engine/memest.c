@@ -141,6 +141,11 @@ int cf_memory_estimate_config(const cf_config *cfg, cf_backend_kind backend, con
     uint64_t g = 0, ng = 0;
     saved_row_bytes(cfg, A, &g, &ng);
     uint64_t row = g + ng;
+    /* the fused q/k/v GEMM's output, where it is wider than the scratch
+     * buffer it otherwise uses (model.c, alloc_acts; assumed fused) */
+    uint64_t tmp_wide = C > qd ? C : qd;
+    if (F > tmp_wide) tmp_wide = F;
+    if (!cfg->qkv_bias && !cfg->qk_norm && qd + 2 * kd > tmp_wide) row += (qd + 2 * kd) * A;
     if (o->train) {
         /* the filter's compact copies: allocated for T rows, touched for the kept ones */
         if (o->compact) row += (uint64_t)((double)g * (o->keep > 0 && o->keep < 1 ? o->keep : 1.0) + 0.5);

@@ -350,6 +350,33 @@ static int tp_mark_params(cf_model *m) {
     return 0;
 }
 
+/* Whether tensor j's compute weights follow tensor i's in m->w. */
+static int stored_after(const cf_model *m, int i, int j) {
+    return m->params[j].woff == m->params[i].woff + m->params[i].numel;
+}
+
+/* Issue 17: the forward runs q, k, v as one GEMM with [Wq; Wk; Wv] (its
+ * split fused with RoPE) and gate, up as one with [Wg; Wu], where the layout
+ * allows. The parameter table puts each group back to back, but whether
+ * their compute weights stay so depends on the optimizer layout (a ZeRO-1
+ * plan pads between tensors, frozen and trainable tensors live apart), so
+ * it is checked here, per layer, on the offsets of this process (under TP
+ * its column slices). A bias, an adapter or (qwen3) a per-head norm between
+ * the GEMM and RoPE keeps the projections apart. CF_FUSED_PROJ=0 in the
+ * environment turns both off (A/B timing, cross-checks). */
+static void plan_fused_proj(cf_model *m) {
+    const char *e = getenv("CF_FUSED_PROJ");
+    const int on = !(e && *e == '0');
+    for (int l = 0; l < m->cfg.num_hidden_layers; l++) {
+        cf_layer_params *p = &m->lp[l];
+        p->fused_qkv = on && !m->cfg.qk_norm && p->q.b < 0 && p->k.b < 0 && p->v.b < 0 && p->q.la < 0 &&
+                       p->k.la < 0 && p->v.la < 0 && stored_after(m, p->q.w, p->k.w) &&
+                       stored_after(m, p->k.w, p->v.w);
+        p->fused_gate_up = on && p->gate.b < 0 && p->up.b < 0 && p->gate.la < 0 && p->up.la < 0 &&
+                           stored_after(m, p->gate.w, p->up.w);
+    }
+}
+
 static cf_model *model_alloc(const cf_config *cfg, const cf_model_opts *o, const cf_tp_sync *tp,
                              cf_layout_fn layout, void *lctx) {
     if (cf_config_validate(cfg) != 0) return NULL;
@@ -378,6 +405,7 @@ static cf_model *model_alloc(const cf_config *cfg, const cf_model_opts *o, const
     memset(&lay, 0, sizeof lay);
     int rc = layout ? layout(lctx, m, &lay) : cf_optim_layout_whole(m, &lay);
     if (rc != 0 || cf_optim_init(m, &lay) != 0) { cf_model_free(m); return NULL; }
+    plan_fused_proj(m);
     m->inv_freq = b->alloc(b, (size_t)cfg->head_dim / 2 * sizeof(float));
     m->scalars = b->alloc(b, sizeof(cf_scalars));
     if (!m->inv_freq || !m->scalars) { cf_model_free(m); return NULL; }
@@ -830,7 +858,7 @@ static void free_acts(cf_model *m) {
     free(m->la); m->la = NULL;
     free(m->resid); m->resid = NULL;
     void **bufs[] = {&m->d_resid, &m->d_ln, &m->d_att, &m->d_q, &m->d_qn, &m->d_k, &m->d_kn, &m->d_v, &m->d_h,
-                     &m->d_gate, &m->tmp, (void **)&m->losses, (void **)&m->dloss, (void **)&m->doc,
+                     &m->d_gate, &m->tmp, &m->qkv, (void **)&m->losses, (void **)&m->dloss, (void **)&m->doc,
                      (void **)&m->ref_dev, (void **)&m->keep_dev, (void **)&m->rows, (void **)&m->seq_start,
                      &m->lora_v, &m->lora_du, (void **)&m->tp_stats};
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) { b->free(b, *bufs[i]); *bufs[i] = NULL; }
@@ -870,9 +898,14 @@ static int alloc_acts(cf_model *m, int T) {
         bad |= (a->lse = save_slot(m, "lse", H * F4)) < 0;
         bad |= (a->ln2 = save_slot(m, "ln2", C * A)) < 0;
         bad |= (a->rstd2 = save_slot(m, "rstd2", F4)) < 0;
-        /* read through the row index by swiglu_bwd_rows: never gathered */
-        bad |= (a->gate = save_slot_as(m, "gate", F * A, 0)) < 0;
-        bad |= (a->up = save_slot_as(m, "up", F * A, 0)) < 0;
+        /* read through the row index by swiglu_bwd_rows: never gathered.
+         * Fused: the gate/up GEMM's [T, 2F] output itself (cf_gate_up). */
+        if (m->lp[l].fused_gate_up) {
+            bad |= (a->gate = a->up = save_slot_as(m, "gate_up", 2 * F * A, 0)) < 0;
+        } else {
+            bad |= (a->gate = save_slot_as(m, "gate", F * A, 0)) < 0;
+            bad |= (a->up = save_slot_as(m, "up", F * A, 0)) < 0;
+        }
         a->k = b->alloc(b, (size_t)T * kd * A);
         a->v = b->alloc(b, (size_t)T * kd * A);
         bad |= !a->k || !a->v;
@@ -916,6 +949,9 @@ static int alloc_acts(cf_model *m, int T) {
      * backward, as one [T, 2F] matrix with the halves interleaved by row */
     m->d_gate = b->alloc(b, (size_t)T * 2 * F * A);
     m->tmp = b->alloc(b, (size_t)T * wide * A);
+    int any_qkv = 0;
+    for (int l = 0; l < L; l++) any_qkv |= m->lp[l].fused_qkv;
+    if (any_qkv && qd + 2 * kd > wide && !(m->qkv = b->alloc(b, (size_t)T * (qd + 2 * kd) * A))) return -1;
     m->losses = b->alloc(b, (size_t)T * F4);
     m->dloss = b->alloc(b, (size_t)T * F4);
     m->ref_dev = b->alloc(b, (size_t)T * F4);
@@ -1016,28 +1052,42 @@ int cf_forward(cf_model *m, const int32_t *tokens, int B, int S, float *losses) 
         void *ln1 = m->saved[a->ln1].full, *q = m->saved[a->q].full;
         void *xmid = m->saved[a->x_mid].full, *ln2 = m->saved[a->ln2].full;
         /* h = silu(gate) * up is not saved: the backward recomputes it */
-        void *gate = m->saved[a->gate].full, *up = m->saved[a->up].full, *h = m->d_h;
+        void *gate, *up, *h = m->d_h;
+        const int ldgu = cf_gate_up(m, l, &gate, &up);
         OP(CF_PROF_NORM, b->rmsnorm_fwd(b, ln1, m->saved[a->rstd1].full, x, cf_weight(m, p->ln1), T, C, c->rms_norm_eps));
-        if (c->qk_norm) {
-            void *qpre = m->saved[a->qpre].full, *kpre = m->saved[a->kpre].full;
-            OP(CF_PROF_GEMM, cf_linear_fwd(m, &p->q, qpre, ln1, T, C, qd));
-            OP(CF_PROF_GEMM, cf_linear_fwd(m, &p->k, kpre, ln1, T, C, kd));
-            OP(CF_PROF_NORM, b->rmsnorm_fwd(b, q, m->saved[a->rstdq].full, qpre, cf_weight(m, p->qn), T * H, D, c->rms_norm_eps));
-            OP(CF_PROF_NORM, b->rmsnorm_fwd(b, a->k, m->saved[a->rstdk].full, kpre, cf_weight(m, p->kn), T * Hkv, D, c->rms_norm_eps));
+        if (p->fused_qkv) {
+            /* q | k | v rows from one GEMM (plain linears: no bias, no
+             * adapter), split into their slots with RoPE in one pass */
+            void *qkv = m->qkv ? m->qkv : m->tmp;
+            OP(CF_PROF_GEMM, b->matmul_fwd(b, qkv, ln1, cf_weight(m, p->q.w), NULL, T, C, qd + 2 * kd));
+            OP(CF_PROF_ROPE, b->qkv_split_rope(b, q, a->k, a->v, qkv, pos, T, H, Hkv, m->inv_freq, D));
         } else {
-            OP(CF_PROF_GEMM, cf_linear_fwd(m, &p->q, q, ln1, T, C, qd));
-            OP(CF_PROF_GEMM, cf_linear_fwd(m, &p->k, a->k, ln1, T, C, kd));
+            if (c->qk_norm) {
+                void *qpre = m->saved[a->qpre].full, *kpre = m->saved[a->kpre].full;
+                OP(CF_PROF_GEMM, cf_linear_fwd(m, &p->q, qpre, ln1, T, C, qd));
+                OP(CF_PROF_GEMM, cf_linear_fwd(m, &p->k, kpre, ln1, T, C, kd));
+                OP(CF_PROF_NORM, b->rmsnorm_fwd(b, q, m->saved[a->rstdq].full, qpre, cf_weight(m, p->qn), T * H, D, c->rms_norm_eps));
+                OP(CF_PROF_NORM, b->rmsnorm_fwd(b, a->k, m->saved[a->rstdk].full, kpre, cf_weight(m, p->kn), T * Hkv, D, c->rms_norm_eps));
+            } else {
+                OP(CF_PROF_GEMM, cf_linear_fwd(m, &p->q, q, ln1, T, C, qd));
+                OP(CF_PROF_GEMM, cf_linear_fwd(m, &p->k, a->k, ln1, T, C, kd));
+            }
+            OP(CF_PROF_GEMM, cf_linear_fwd(m, &p->v, a->v, ln1, T, C, kd));
+            OP(CF_PROF_ROPE, b->rope_qk(b, q, pos, T, H, a->k, pos, T, Hkv, m->inv_freq, D, 0));
         }
-        OP(CF_PROF_GEMM, cf_linear_fwd(m, &p->v, a->v, ln1, T, C, kd));
-        OP(CF_PROF_ROPE, b->rope_qk(b, q, pos, T, H, a->k, pos, T, Hkv, m->inv_freq, D, 0));
         OP(CF_PROF_ATTN, b->attention_fwd(b, m->saved[a->att].full, m->saved[a->lse].full, q, a->k, a->v, &shape));
         OP(CF_PROF_GEMM, cf_linear_fwd(m, &p->o, m->tmp, m->saved[a->att].full, T, qd, C));
         if (tp && cf_tp_allreduce(m, m->tmp, (size_t)T * C, CF_TP_ACT, CF_TP_FWD) != 0) return -1;
         OP(CF_PROF_ELTWISE, b->add(b, xmid, x, m->tmp, (size_t)T * C));
         OP(CF_PROF_NORM, b->rmsnorm_fwd(b, ln2, m->saved[a->rstd2].full, xmid, cf_weight(m, p->ln2), T, C, c->rms_norm_eps));
-        OP(CF_PROF_GEMM, cf_linear_fwd(m, &p->gate, gate, ln2, T, C, F));
-        OP(CF_PROF_GEMM, cf_linear_fwd(m, &p->up, up, ln2, T, C, F));
-        OP(CF_PROF_ELTWISE, b->swiglu_fwd(b, h, gate, up, (size_t)T * F));
+        if (p->fused_gate_up) {
+            /* [gate | up] rows = ln2 [Wg; Wu]^T, straight into the saved slot */
+            OP(CF_PROF_GEMM, b->matmul_fwd(b, gate, ln2, cf_weight(m, p->gate.w), NULL, T, C, 2 * F));
+        } else {
+            OP(CF_PROF_GEMM, cf_linear_fwd(m, &p->gate, gate, ln2, T, C, F));
+            OP(CF_PROF_GEMM, cf_linear_fwd(m, &p->up, up, ln2, T, C, F));
+        }
+        OP(CF_PROF_ELTWISE, b->swiglu_fwd(b, h, gate, up, T, F, ldgu));
         OP(CF_PROF_GEMM, cf_linear_fwd(m, &p->down, m->tmp, h, T, F, C));
         if (tp && cf_tp_allreduce(m, m->tmp, (size_t)T * C, CF_TP_ACT, CF_TP_FWD) != 0) return -1;
         OP(CF_PROF_ELTWISE, b->add(b, m->saved[m->resid[l + 1]].full, xmid, m->tmp, (size_t)T * C));

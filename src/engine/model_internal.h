@@ -52,10 +52,13 @@ typedef struct {
                        partial sum, so only TP rank 0 adds the bias */
 } cf_linear;
 
-/* Parameters of one transformer layer (-1 = absent). */
+/* Parameters of one transformer layer (-1 = absent). fused_qkv and
+ * fused_gate_up: the forward runs q, k, v as one GEMM and gate, up as one
+ * (decided once the weights' offsets are known: model.c, plan_fused_proj). */
 typedef struct {
     int ln1, ln2, qn, kn;                /* norm weights */
     cf_linear q, k, v, o, gate, up, down;
+    int fused_qkv, fused_gate_up;
 } cf_layer_params;
 
 /* A contiguous piece of the optimizer's local shard: len elements at local
@@ -176,7 +179,9 @@ typedef struct {
     int gather;
 } cf_saved;
 
-/* Saved activations of one layer (token-major, T rows). */
+/* Saved activations of one layer (token-major, T rows). With fused gate/up
+ * (cf_layer_params.fused_gate_up) up == gate: one slot of [T, 2F] rows,
+ * gate in columns 0..F-1 and up in F..2F-1 (cf_gate_up). */
 typedef struct {
     int x_mid, ln1, rstd1, qpre, rstdq, kpre, rstdk, q, att, lse, ln2, rstd2, gate, up;
     void *k, *v;        /* full K (after norm and RoPE) and V: never compacted */
@@ -234,6 +239,9 @@ struct cf_model {
     const int *lora_rows;
     /* backward scratch */
     void *d_resid, *d_ln, *d_att, *d_q, *d_qn, *d_k, *d_kn, *d_v, *d_h, *d_gate, *tmp;
+    /* the fused q/k/v GEMM's output [T, qd + 2 kd]: its own buffer only
+     * where tmp is too narrow (else NULL and tmp is used) */
+    void *qkv;
 
     /* kept rows: one selection of one forward (kept.c) */
     uint64_t fwd_id;       /* counts forwards */
@@ -267,6 +275,20 @@ int cf_grad_take_zero(cf_model *m, int i);
 
 /* Saved activation as the backward reads it. */
 #define SAVED(m, idx) ((m)->saved[(idx)].cur)
+
+/* Layer l's saved gate and up (never gathered, so full) and the distance
+ * between their rows in elements: F, or 2F in the fused gate/up slot. */
+static inline int cf_gate_up(cf_model *m, int l, void **gate, void **up) {
+    const cf_layer_acts *a = &m->la[l];
+    const int F = m->cfg.intermediate_size;
+    *gate = m->saved[a->gate].full;
+    if (!m->lp[l].fused_gate_up) {
+        *up = m->saved[a->up].full;
+        return F;
+    }
+    *up = (char *)*gate + (size_t)F * m->b->act_size;
+    return 2 * F;
+}
 
 /* Per-op-category profiling: OP(cat, call) times `call` when profiling. */
 double cf_prof_begin(cf_model *m);

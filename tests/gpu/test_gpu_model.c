@@ -361,12 +361,12 @@ TEST(gpu_swiglu_bwd_rows_matches_cpu) {
             out_c[k] = malloc(NF * 4); out_g[k] = malloc(NF * 4);
             go[k] = g->alloc(g, NF * 2);
         }
-        c->swiglu_bwd_rows(c, out_c[0], out_c[1], out_c[2], dh, gate, up, rows, n, F, F);
-        g->swiglu_bwd_rows(g, go[0], go[1], go[2], ddh, dgate, dup, drows, n, F, F);
+        c->swiglu_bwd_rows(c, out_c[0], out_c[1], out_c[2], dh, gate, up, rows, n, F, F, F);
+        g->swiglu_bwd_rows(g, go[0], go[1], go[2], ddh, dgate, dup, drows, n, F, F, F);
         /* ld = 2F: dgate and dup as the two halves of one [n, 2F] matrix
          * (the fused gate/up backward's input): the same bits per half */
         void *gp = g->alloc(g, (size_t)n * 2 * F * 2), *gh2 = g->alloc(g, NF * 2);
-        g->swiglu_bwd_rows(g, gh2, gp, (char *)gp + (size_t)F * 2, ddh, dgate, dup, drows, n, F, 2 * F);
+        g->swiglu_bwd_rows(g, gh2, gp, (char *)gp + (size_t)F * 2, ddh, dgate, dup, drows, n, F, F, 2 * F);
         float *pk = malloc((size_t)n * 2 * F * 4), *sep = malloc(NF * 4);
         g->act_to_f32(g, pk, gp, (size_t)n * 2 * F);
         int same = 1;

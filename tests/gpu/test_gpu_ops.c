@@ -453,14 +453,14 @@ TEST(swiglu_fwd_bwd_match_cpu_vector_and_scalar_paths) {
         const size_t n = ns[k];
         float *g = HOLD(hrand(n, 2.f)), *u = HOLD(hrand(n, 1.f)), *dh = HOLD(hrand(n, 1.f));
         float *rh = HOLD(hnew(n)), *rdg = HOLD(hnew(n)), *rdu = HOLD(hnew(n));
-        cpu->swiglu_fwd(cpu, rh, g, u, n);
+        cpu->swiglu_fwd(cpu, rh, g, u, 1, (int)n, (int)n);
         float *rh2 = HOLD(hnew(n));
-        cpu->swiglu_bwd_rows(cpu, rh2, rdg, rdu, dh, g, u, NULL, 1, (int)n, (int)n);
+        cpu->swiglu_bwd_rows(cpu, rh2, rdg, rdu, dh, g, u, NULL, 1, (int)n, (int)n, (int)n);
         void *gg = gact(g, n), *gu = gact(u, n), *gdh = gact(dh, n);
         void *gh = gact_nan(n), *gdg = gact_nan(n), *gdu = gact_nan(n);
-        gpu->swiglu_fwd(gpu, gh, gg, gu, n);
+        gpu->swiglu_fwd(gpu, gh, gg, gu, 1, (int)n, (int)n);
         void *gh2 = gact_nan(n);
-        gpu->swiglu_bwd_rows(gpu, gh2, gdg, gdu, gdh, gg, gu, NULL, 1, (int)n, (int)n);
+        gpu->swiglu_bwd_rows(gpu, gh2, gdg, gdu, gdh, gg, gu, NULL, 1, (int)n, (int)n, (int)n);
         printf("    n=%zu\n", n);
         cmp("swiglu_fwd", get_act(gh, n), rh, n, TOL_BF16);
         cmp("swiglu_bwd dgate", get_act(gdg, n), rdg, n, TOL_BF16);

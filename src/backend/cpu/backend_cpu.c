@@ -343,33 +343,63 @@ static void cpu_rope_qk(cf_backend *b, void *q, const int *qpos, int Tq, int Hq,
     rope_apply(k, kpos, inv_freq, Tk, Hk, D, bwd ? -1.0f : 1.0f);
 }
 
+/* Split of the fused q/k/v rows: q and k rotated exactly as rope_apply
+ * does (same theta, cos, sin and products, so the same bits), v copied. */
+static void cpu_qkv_split_rope(cf_backend *b, void *q_, void *k_, void *v_, const void *qkv_, const int *pos,
+                               int T, int Hq, int Hk, const float *inv_freq, int D) {
+    if (cpu_failed(b)) return;
+    float *q = q_, *k = k_, *v = v_;
+    const float *qkv = qkv_;
+    const int half = D / 2, nh = Hq + 2 * Hk;
+#pragma omp parallel for schedule(static)
+    for (int t = 0; t < T; t++) {
+        const float *row = qkv + (size_t)t * nh * D;
+        float *qt = q + (size_t)t * Hq * D, *kt = k + (size_t)t * Hk * D;
+        memcpy(qt, row, (size_t)Hq * D * sizeof(float));
+        memcpy(kt, row + (size_t)Hq * D, (size_t)Hk * D * sizeof(float));
+        memcpy(v + (size_t)t * Hk * D, row + (size_t)(Hq + Hk) * D, (size_t)Hk * D * sizeof(float));
+        for (int i = 0; i < half; i++) {
+            const float theta = (float)pos[t] * inv_freq[i];
+            const float c = cosf(theta), s = sinf(theta);
+            for (int h = 0; h < Hq + Hk; h++) {
+                float *xh = h < Hq ? qt + (size_t)h * D : kt + (size_t)(h - Hq) * D;
+                const float x1 = xh[i], x2 = xh[i + half];
+                xh[i] = x1 * c - x2 * s;
+                xh[i + half] = x2 * c + x1 * s;
+            }
+        }
+    }
+}
+
 /* ------------------------------------------------------------------ swiglu */
 
-/* h = silu(g) * u, silu(g) = g / (1 + exp(-g)) */
-static void cpu_swiglu_fwd(cf_backend *b, void *h_, const void *gate_, const void *up_,
-                           size_t n) {
+/* h = silu(g) * u, silu(g) = g / (1 + exp(-g)); gate/up rows ld_in apart */
+static void cpu_swiglu_fwd(cf_backend *b, void *h_, const void *gate_, const void *up_, int T, int F,
+                           int ld_in) {
     if (cpu_failed(b)) return;
     float *h = h_;
     const float *gate = gate_, *up = up_;
 #pragma omp parallel for schedule(static)
-    for (size_t i = 0; i < n; i++) {
-        const float g = gate[i];
-        h[i] = g / (1.0f + expf(-g)) * up[i];
-    }
+    for (int t = 0; t < T; t++)
+        for (int c = 0; c < F; c++) {
+            const float g = gate[(size_t)t * ld_in + c];
+            h[(size_t)t * F + c] = g / (1.0f + expf(-g)) * up[(size_t)t * ld_in + c];
+        }
 }
 
-/* SwiGLU backward on rows gathered through `rows` (see backend.h; dgate and
- * dup rows ld apart). With
+/* SwiGLU backward on rows gathered through `rows` (see backend.h; gate and
+ * up rows ld_in apart, dgate and dup rows ld apart). With
  * sig = 1/(1+exp(-g)): silu = g sig, silu' = sig (1 + g (1 - sig));
  * dgate = dh * u * silu'(g), dup = dh * silu(g). */
 static void cpu_swiglu_bwd_rows(cf_backend *b, void *h_, void *dgate_, void *dup_, const void *dh_,
-                                const void *gate_, const void *up_, const int *rows, int n, int F, int ld) {
+                                const void *gate_, const void *up_, const int *rows, int n, int F, int ld_in,
+                                int ld) {
     if (cpu_failed(b)) return;
     float *h = h_, *dgate = dgate_, *dup = dup_;
     const float *dh = dh_, *gate = gate_, *up = up_;
 #pragma omp parallel for schedule(static)
     for (int i = 0; i < n; i++) {
-        const size_t src = (size_t)(rows ? rows[i] : i) * F, dst = (size_t)i * F, dd = (size_t)i * ld;
+        const size_t src = (size_t)(rows ? rows[i] : i) * ld_in, dst = (size_t)i * F, dd = (size_t)i * ld;
         for (int c = 0; c < F; c++) {
             const float g = gate[src + c], u = up[src + c], d = dh[dst + c];
             const float sig = 1.0f / (1.0f + expf(-g));
@@ -701,6 +731,7 @@ cf_backend *cf_backend_cpu_create(void) {
     b->rope_fwd = cpu_rope_fwd;
     b->rope_bwd = cpu_rope_bwd;
     b->rope_qk = cpu_rope_qk;
+    b->qkv_split_rope = cpu_qkv_split_rope;
     b->swiglu_fwd = cpu_swiglu_fwd;
     b->swiglu_bwd_rows = cpu_swiglu_bwd_rows;
     b->add = cpu_add;

@@ -144,10 +144,12 @@ void cf_cuda_rope_fwd(cf_backend *b, void *x, const int *pos, const float *inv_f
 void cf_cuda_rope_bwd(cf_backend *b, void *dx, const int *pos, const float *inv_freq, int T, int nh, int D);
 void cf_cuda_rope_qk(cf_backend *b, void *q, const int *qpos, int Tq, int Hq, void *k, const int *kpos, int Tk,
                      int Hk, const float *inv_freq, int D, int bwd);
+void cf_cuda_qkv_split_rope(cf_backend *b, void *q, void *k, void *v, const void *qkv, const int *pos, int T,
+                            int Hq, int Hk, const float *inv_freq, int D);
 /* swiglu.cu */
-void cf_cuda_swiglu_fwd(cf_backend *b, void *h, const void *gate, const void *up, size_t n);
+void cf_cuda_swiglu_fwd(cf_backend *b, void *h, const void *gate, const void *up, int T, int F, int ld_in);
 void cf_cuda_swiglu_bwd_rows(cf_backend *b, void *h, void *dgate, void *dup, const void *dh, const void *gate,
-                             const void *up, const int *rows, int n, int F, int ld);
+                             const void *up, const int *rows, int n, int F, int ld_in, int ld);
 void cf_cuda_add(cf_backend *b, void *out, const void *a, const void *c, size_t n);
 void cf_cuda_scale(cf_backend *b, void *x, float s, size_t n);
 /* dropout.cu */

@@ -1,6 +1,7 @@
 /*
  * rope.cu — rotate-half rotary position embedding, in place, forward and
- * backward (the transposed rotation), of one tensor or of q and k together.
+ * backward (the transposed rotation), of one tensor or of q and k together;
+ * and the split of the fused q/k/v projection's rows with RoPE applied.
  */
 #include "backend/cuda/cuda_common.cuh"
 
@@ -83,4 +84,71 @@ void cf_cuda_rope_bwd(cf_backend *b, void *dx, const int *pos, const float *inv_
 void cf_cuda_rope_qk(cf_backend *b, void *q, const int *qpos, int Tq, int Hq, void *k, const int *kpos, int Tk,
                      int Hk, const float *inv_freq, int D, int bwd) {
     rope(b, rope_part{(bf16 *)q, qpos, Tq, Hq}, rope_part{(bf16 *)k, kpos, Tk, Hk}, inv_freq, D, bwd ? -1.f : 1.f);
+}
+
+/* ======================================================= qkv split + rope */
+
+/*
+ * The rows of the fused projection, qkv[T, (Hq + 2 Hk) D] = q | k | v, into
+ * q[T, Hq, D] and k[T, Hk, D] rotated as rope_kernel does (the same float
+ * arithmetic) and v[T, Hk, D] copied: one read and one write of each
+ * element instead of three GEMM outputs and an in-place RoPE pass. One
+ * thread per (t, head, V consecutive i), heads q first, then k, then v;
+ * V = 8: 16-byte loads and stores.
+ */
+template <int V>
+static __global__ void qkv_split_rope_kernel(bf16 *q, bf16 *k, bf16 *v, const bf16 *qkv, const int *pos, int T,
+                                             int Hq, int Hk, const float *inv_freq, int D) {
+    const int half = D / 2, groups = half / V, nh = Hq + 2 * Hk;
+    const size_t n = (size_t)T * nh * groups;
+    for (size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n; idx += (size_t)gridDim.x * blockDim.x) {
+        const int i0 = (int)(idx % groups) * V;
+        const size_t th = idx / groups; /* t * nh + head */
+        const size_t t = th / nh;
+        const int h = (int)(th % nh);
+        const bf16 *x1p = qkv + th * D + i0, *x2p = x1p + half;
+        bf16 *o1 = h < Hq        ? q + (t * Hq + h) * D
+                   : h < Hq + Hk ? k + (t * Hk + (h - Hq)) * D
+                                 : v + (t * Hk + (h - Hq - Hk)) * D;
+        o1 += i0;
+        bf16 *o2 = o1 + half;
+        float x1[V], x2[V];
+        if (V == 8) {
+            unpack8(*(const pack8 *)x1p, x1);
+            unpack8(*(const pack8 *)x2p, x2);
+        } else {
+            for (int j = 0; j < V; j++) x1[j] = __bfloat162float(x1p[j]), x2[j] = __bfloat162float(x2p[j]);
+        }
+        if (h < Hq + Hk) {
+            const float p = (float)pos[t];
+            for (int j = 0; j < V; j++) {
+                float s, c;
+                sincosf(p * inv_freq[i0 + j], &s, &c);
+                const float a = x1[j], b = x2[j];
+                x1[j] = a * c - b * s;
+                x2[j] = b * c + a * s;
+            }
+        }
+        if (V == 8) {
+            *(pack8 *)o1 = pack8_from(x1);
+            *(pack8 *)o2 = pack8_from(x2);
+        } else {
+            for (int j = 0; j < V; j++) o1[j] = __float2bfloat16_rn(x1[j]), o2[j] = __float2bfloat16_rn(x2[j]);
+        }
+    }
+}
+void cf_cuda_qkv_split_rope(cf_backend *b, void *q, void *k, void *v, const void *qkv, const int *pos, int T,
+                            int Hq, int Hk, const float *inv_freq, int D) {
+    cf_cuda_ctx *ctx = cf_cuda_enter(b);
+    if (!ctx || T <= 0 || D < 2 || Hq < 0 || Hk < 0 || Hq + 2 * Hk == 0) return;
+    const size_t rows = (size_t)T * (Hq + 2 * Hk);
+    /* 16-byte path: every head's halves start 16-byte aligned (D/2 % 8 == 0
+     * and aligned bases); else scalar */
+    if ((D / 2) % 8 == 0 && cf_aligned16(q) && cf_aligned16(k) && cf_aligned16(v) && cf_aligned16(qkv))
+        qkv_split_rope_kernel<8><<<cf_grid_for(rows * (D / 16), 256), 256, 0, ctx->stream>>>(
+            (bf16 *)q, (bf16 *)k, (bf16 *)v, (const bf16 *)qkv, pos, T, Hq, Hk, inv_freq, D);
+    else
+        qkv_split_rope_kernel<1><<<cf_grid_for(rows * (D / 2), 256), 256, 0, ctx->stream>>>(
+            (bf16 *)q, (bf16 *)k, (bf16 *)v, (const bf16 *)qkv, pos, T, Hq, Hk, inv_freq, D);
+    CF_CK_LAUNCH(ctx, "qkv_split_rope");
 }

@@ -6,20 +6,25 @@
 #include "backend/cuda/cuda_common.cuh"
 
 
-/* h = silu(g) * u, silu(g) = g * sigmoid(g) */
-static __global__ void swiglu_fwd_kernel(bf16 *h, const bf16 *gate, const bf16 *up, size_t n) {
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        float g = __bfloat162float(gate[i]), u = __bfloat162float(up[i]);
-        h[i] = __float2bfloat16_rn(g / (1.f + expf(-g)) * u);
+/* h = silu(g) * u, silu(g) = g * sigmoid(g); h has rows of F, gate and up
+ * rows of ld (2F: the two halves of the fused gate/up GEMM's output) */
+static __global__ void swiglu_fwd_kernel(bf16 *h, const bf16 *gate, const bf16 *up, int T, int F, int ld) {
+    const size_t n = (size_t)T * F;
+    for (size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n; idx += (size_t)gridDim.x * blockDim.x) {
+        const size_t src = idx / F * ld + idx % F;
+        float g = __bfloat162float(gate[src]), u = __bfloat162float(up[src]);
+        h[idx] = __float2bfloat16_rn(g / (1.f + expf(-g)) * u);
     }
 }
-static __global__ void swiglu_fwd_vec_kernel(pack8 *h, const pack8 *gate, const pack8 *up, size_t n8) {
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n8; i += (size_t)gridDim.x * blockDim.x) {
+static __global__ void swiglu_fwd_vec_kernel(pack8 *h, const pack8 *gate, const pack8 *up, int T, int F8, int ld8) {
+    const size_t n8 = (size_t)T * F8;
+    for (size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n8; idx += (size_t)gridDim.x * blockDim.x) {
+        const size_t src = idx / F8 * ld8 + idx % F8;
         float g[8], u[8], o[8];
-        unpack8(gate[i], g);
-        unpack8(up[i], u);
+        unpack8(gate[src], g);
+        unpack8(up[src], u);
         for (int k = 0; k < 8; k++) o[k] = g[k] / (1.f + expf(-g[k])) * u[k];
-        h[i] = pack8_from(o);
+        h[idx] = pack8_from(o);
     }
 }
 /* dg = dh * u * sig * (1 + g (1 - sig)),  du = dh * silu(g) */
@@ -31,15 +36,16 @@ __device__ __forceinline__ void swiglu_grad(float g, float u, float dh, float *d
 
 /* SwiGLU backward with gate/up read through the row index; also writes the
  * recomputed product h (the down projection's input) for the kept rows.
- * dgate and dup rows are ld elements apart (ld8 packs of 8: F when they are
- * separate matrices, 2F when they are the two halves of one [n, 2F] matrix
- * for the fused gate/up backward GEMM). */
+ * gate and up rows are ldi elements apart (ldi8 packs of 8: F, or 2F for
+ * the halves of the fused gate/up forward GEMM's output); dgate and dup rows
+ * ld apart (F when they are separate matrices, 2F when they are the two
+ * halves of one [n, 2F] matrix for the fused gate/up backward GEMM). */
 static __global__ void swiglu_bwd_rows_vec_kernel(pack8 *h, pack8 *dgate, pack8 *dup, const pack8 *dh, const pack8 *gate,
-                                                  const pack8 *up, const int *rows, int n, int F8, int ld8) {
+                                                  const pack8 *up, const int *rows, int n, int F8, int ldi8, int ld8) {
     const size_t total = (size_t)n * F8;
     for (size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += (size_t)gridDim.x * blockDim.x) {
         const size_t i = idx / F8, c = idx % F8;
-        const size_t src = (size_t)(rows ? rows[i] : (int)i) * F8 + c, dst = i * ld8 + c;
+        const size_t src = (size_t)(rows ? rows[i] : (int)i) * ldi8 + c, dst = i * ld8 + c;
         float g[8], u[8], d[8], o[8], dg[8], du[8];
         unpack8(gate[src], g);
         unpack8(up[src], u);
@@ -54,11 +60,11 @@ static __global__ void swiglu_bwd_rows_vec_kernel(pack8 *h, pack8 *dgate, pack8 
     }
 }
 static __global__ void swiglu_bwd_rows_kernel(bf16 *h, bf16 *dgate, bf16 *dup, const bf16 *dh, const bf16 *gate,
-                                              const bf16 *up, const int *rows, int n, int F, int ld) {
+                                              const bf16 *up, const int *rows, int n, int F, int ldi, int ld) {
     const size_t total = (size_t)n * F;
     for (size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += (size_t)gridDim.x * blockDim.x) {
         const size_t i = idx / F, c = idx % F;
-        const size_t src = (size_t)(rows ? rows[i] : (int)i) * F + c, dst = i * ld + c;
+        const size_t src = (size_t)(rows ? rows[i] : (int)i) * ldi + c, dst = i * ld + c;
         const float g = __bfloat162float(gate[src]), u = __bfloat162float(up[src]);
         float dg, du;
         swiglu_grad(g, u, __bfloat162float(dh[idx]), &dg, &du);
@@ -68,29 +74,29 @@ static __global__ void swiglu_bwd_rows_kernel(bf16 *h, bf16 *dgate, bf16 *dup, c
     }
 }
 void cf_cuda_swiglu_bwd_rows(cf_backend *b, void *h, void *dgate, void *dup, const void *dh, const void *gate,
-                               const void *up, const int *rows, int n, int F, int ld) {
+                               const void *up, const int *rows, int n, int F, int ld_in, int ld) {
     cf_cuda_ctx *ctx = cf_cuda_enter(b);
     if (!ctx || n <= 0 || F <= 0) return;
-    if (F % 8 == 0 && ld % 8 == 0 && cf_aligned16(h) && cf_aligned16(dgate) && cf_aligned16(dup) && cf_aligned16(dh) &&
-        cf_aligned16(gate) && cf_aligned16(up))
+    if (F % 8 == 0 && ld_in % 8 == 0 && ld % 8 == 0 && cf_aligned16(h) && cf_aligned16(dgate) && cf_aligned16(dup) &&
+        cf_aligned16(dh) && cf_aligned16(gate) && cf_aligned16(up))
         swiglu_bwd_rows_vec_kernel<<<cf_grid_for((size_t)n * (F / 8), 256), 256, 0, ctx->stream>>>(
             (pack8 *)h, (pack8 *)dgate, (pack8 *)dup, (const pack8 *)dh, (const pack8 *)gate, (const pack8 *)up, rows,
-            n, F / 8, ld / 8);
+            n, F / 8, ld_in / 8, ld / 8);
     else
         swiglu_bwd_rows_kernel<<<cf_grid_for((size_t)n * F, 256), 256, 0, ctx->stream>>>(
             (bf16 *)h, (bf16 *)dgate, (bf16 *)dup, (const bf16 *)dh, (const bf16 *)gate, (const bf16 *)up, rows, n,
-            F, ld);
+            F, ld_in, ld);
     CF_CK_LAUNCH(ctx, "swiglu_bwd_rows");
 }
-void cf_cuda_swiglu_fwd(cf_backend *b, void *h, const void *gate, const void *up, size_t n) {
+void cf_cuda_swiglu_fwd(cf_backend *b, void *h, const void *gate, const void *up, int T, int F, int ld_in) {
     cf_cuda_ctx *ctx = cf_cuda_enter(b);
-    if (!ctx || !n) return;
-    if (n % 8 == 0 && cf_aligned16(h) && cf_aligned16(gate) && cf_aligned16(up))
-        swiglu_fwd_vec_kernel<<<cf_grid_for(n / 8, 256), 256, 0, ctx->stream>>>(
-            (pack8 *)h, (const pack8 *)gate, (const pack8 *)up, n / 8);
+    if (!ctx || T <= 0 || F <= 0) return;
+    if (F % 8 == 0 && ld_in % 8 == 0 && cf_aligned16(h) && cf_aligned16(gate) && cf_aligned16(up))
+        swiglu_fwd_vec_kernel<<<cf_grid_for((size_t)T * (F / 8), 256), 256, 0, ctx->stream>>>(
+            (pack8 *)h, (const pack8 *)gate, (const pack8 *)up, T, F / 8, ld_in / 8);
     else
-        swiglu_fwd_kernel<<<cf_grid_for(n, 256), 256, 0, ctx->stream>>>(
-            (bf16 *)h, (const bf16 *)gate, (const bf16 *)up, n);
+        swiglu_fwd_kernel<<<cf_grid_for((size_t)T * F, 256), 256, 0, ctx->stream>>>(
+            (bf16 *)h, (const bf16 *)gate, (const bf16 *)up, T, F, ld_in);
     CF_CK_LAUNCH(ctx, "swiglu_fwd");
 }
 
