@@ -483,6 +483,76 @@ TEST(trainer_gradient_accumulation_equals_the_whole_batch) {
     }
 }
 
+/* A model of config `name` (LoRA on `lora` targets, none if 0) with the
+ * forward's projections fused where the layout allows (fused = 1) or never
+ * (CF_FUSED_PROJ=0), weights as make_model's. */
+static cf_model *fused_model(const char *name, unsigned lora, int fused, uint64_t seed) {
+    cf_model_opts o = {0};
+    o.config = name;
+    o.backend = CF_BACKEND_CPU;
+    o.seed = seed;
+    if (lora) o.lora = (cf_lora_opts){4, 8.0f, lora, 0.0f, 0};
+    if (!fused) setenv("CF_FUSED_PROJ", "0", 1);
+    cf_model *m = cf_model_open(&o);
+    unsetenv("CF_FUSED_PROJ");
+    if (!m) { printf("    %s\n", cf_last_error()); return NULL; }
+    randomize_weights(m, seed ^ 0x5eed, 0.25f, 0.2f);
+    return m;
+}
+
+/* Issue 17: the fused forward (one q/k/v GEMM split with RoPE, one gate/up
+ * GEMM into a [T, 2F] slot) gives the unfused forward's losses and
+ * gradients, regular and centrifuge, and the same weights after a step:
+ * llama (both fused), qwen2 (q/k/v biases: gate/up only), qwen3 (q/k norm:
+ * gate/up only), LoRA on q and up (an adapted projection keeps its group
+ * apart: neither fused) and LoRA on o and down only (both fused). fp32:
+ * only the GEMMs' summation order over other widths may differ, so ~1e-6. */
+TEST(fused_projections_give_the_unfused_losses_gradients_and_step) {
+    static const struct { const char *name; unsigned lora; int qkv, gu; } cs[] = {
+        {"tiny-llama", 0, 1, 1},
+        {"tiny-qwen2", 0, 0, 1},
+        {"tiny-qwen3", 0, 0, 1},
+        {"tiny-llama", CF_LORA_Q | CF_LORA_UP, 0, 0},
+        {"tiny-mistral", CF_LORA_O | CF_LORA_DOWN, 1, 1},
+    };
+    for (size_t ci = 0; ci < sizeof cs / sizeof cs[0]; ci++) {
+        cf_model *f = fused_model(cs[ci].name, cs[ci].lora, 1, 41 + ci);
+        cf_model *u = fused_model(cs[ci].name, cs[ci].lora, 0, 41 + ci);
+        if (!f || !u) { CHECK(0); cf_model_free(f); cf_model_free(u); continue; }
+        const int L = cf_model_config(f)->num_hidden_layers;
+        for (int l = 0; l < L; l++) {
+            CHECK_MSG(f->lp[l].fused_qkv == cs[ci].qkv && f->lp[l].fused_gate_up == cs[ci].gu,
+                      "%s layer %d: fused q/k/v %d gate/up %d, want %d %d", cs[ci].name, l, f->lp[l].fused_qkv,
+                      f->lp[l].fused_gate_up, cs[ci].qkv, cs[ci].gu);
+            CHECK(!u->lp[l].fused_qkv && !u->lp[l].fused_gate_up);
+        }
+        int32_t tok[B * (S + 1)];
+        random_tokens(tok, B * (S + 1), cf_model_config(f)->vocab_size, 500 + ci);
+        float lf[B * S], lu[B * S];
+        CHECK(cf_forward(f, tok, B, S, lf) == 0 && cf_forward(u, tok, B, S, lu) == 0);
+        CHECK_MSG(rel_l2(lf, lu, B * S) < 1e-6, "%s: losses differ by %.3g", cs[ci].name, rel_l2(lf, lu, B * S));
+        uint8_t keep[B * S];
+        cf_select(lf, NULL, B, S, 0.5f, CF_SELECT_SELF, 0, 3, keep);
+        for (int mi = 0; mi < 2; mi++) {
+            const cf_mode mode = mi ? CF_MODE_CENTRIFUGE : CF_MODE_REGULAR;
+            float *gf = grads_of(f, tok, mode, keep, NULL), *gu = grads_of(u, tok, mode, keep, NULL);
+            const char *where = "?";
+            double e = max_rel(f, gf, gu, &where);
+            CHECK_MSG(e < 1e-5, "%s %s: gradients differ by %.3g at %s", cs[ci].name, cf_mode_name(mode), e, where);
+            free(gf);
+            free(gu);
+        }
+        /* the centrifuge gradients of the last backward: one step each */
+        cf_adamw_params hp = {1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.0f};
+        CHECK(cf_step(f, &hp, NULL) == 0 && cf_step(u, &hp, NULL) == 0);
+        CHECK(cf_forward(f, tok, B, S, lf) == 0 && cf_forward(u, tok, B, S, lu) == 0);
+        CHECK_MSG(rel_l2(lf, lu, B * S) < 1e-5, "%s: losses after a step differ by %.3g", cs[ci].name,
+                  rel_l2(lf, lu, B * S));
+        cf_model_free(f);
+        cf_model_free(u);
+    }
+}
+
 int main(void) {
     RUN(kept_count_is_round_of_the_decimal_keep_fraction);
     RUN(kept_rows_are_refused_after_the_next_forward_or_selection);
@@ -495,6 +565,7 @@ int main(void) {
     RUN(equivalences_of_design_section_1_hold_for_every_model_type);
     RUN(doc_mask_gradients_match_finite_differences_and_centrifuge_equals_stopgrad_reference);
     RUN(saved_model_loads_back_with_identical_losses);
+    RUN(fused_projections_give_the_unfused_losses_gradients_and_step);
     RUN(training_steps_reduce_the_loss_on_a_repeated_batch);
     return test_summary();
 }

@@ -410,6 +410,33 @@ TEST(rope_qk_is_rope_of_q_and_of_k) {
     }
 }
 
+/* qkv_split_rope: the rows of a fused [T, (Hq + 2 Hk) D] projection (q |
+ * k | v) split into q, k, v with q and k rotated: exactly the copies of
+ * each part followed by rope_qk (the unfused forward). */
+TEST(qkv_split_rope_is_the_split_then_rope_qk) {
+    cf_rng r;
+    cf_rng_seed(&r, 305);
+    enum { HQ = ROPE_NH, HK = 2, W = (HQ + 2 * HK) * ROPE_D };
+    float inv_freq[ROPE_D / 2], qkv[ROPE_T * W];
+    float q[ROPE_T * HQ * ROPE_D], k[ROPE_T * HK * ROPE_D], v[ROPE_T * HK * ROPE_D];
+    float q1[ROPE_T * HQ * ROPE_D], k1[ROPE_T * HK * ROPE_D], v1[ROPE_T * HK * ROPE_D];
+    rope_freqs(inv_freq, ROPE_D);
+    fill_normal(qkv, ROPE_T * W, &r, 1);
+    for (int t = 0; t < ROPE_T; t++) {
+        memcpy(q + t * HQ * ROPE_D, qkv + t * W, HQ * ROPE_D * sizeof(float));
+        memcpy(k + t * HK * ROPE_D, qkv + t * W + HQ * ROPE_D, HK * ROPE_D * sizeof(float));
+        memcpy(v + t * HK * ROPE_D, qkv + t * W + (HQ + HK) * ROPE_D, HK * ROPE_D * sizeof(float));
+    }
+    be->rope_qk(be, q, rope_pos, ROPE_T, HQ, k, rope_pos, ROPE_T, HK, inv_freq, ROPE_D, 0);
+    be->qkv_split_rope(be, q1, k1, v1, qkv, rope_pos, ROPE_T, HQ, HK, inv_freq, ROPE_D);
+    CHECK(memcmp(q, q1, sizeof q) == 0);
+    CHECK(memcmp(k, k1, sizeof k) == 0);
+    CHECK(memcmp(v, v1, sizeof v) == 0);
+    /* k of row 2 (position 7) was rotated, v of it copied */
+    CHECK(k1[2 * HK * ROPE_D] != qkv[2 * W + HQ * ROPE_D]);
+    CHECK(v1[2 * HK * ROPE_D] == qkv[2 * W + (HQ + HK) * ROPE_D]);
+}
+
 /* ----------------------------------------------------------------- swiglu */
 
 typedef struct { int n; double *g, *u, *R; } swi_ctx;
@@ -1584,6 +1611,33 @@ TEST(swiglu_bwd_rows_through_the_index_equals_explicit_gather_and_recomputes_h) 
     CHECK(same);
 }
 
+/* ld_in = 2F: gate and up as the two halves of one [T, 2F] matrix (the
+ * fused gate/up GEMM's output), forward and backward (through the row
+ * index): the same bits as from two [T, F] matrices. */
+TEST(swiglu_with_gate_up_rows_2F_apart_equals_separate_matrices) {
+    enum { T = 9, F = 12, N = 4 };
+    const int rows[N] = {0, 3, 4, 8};
+    float gate[T * F], up[T * F], gu[T * 2 * F], dh[N * F];
+    cf_rng r;
+    cf_rng_seed(&r, 78);
+    for (int i = 0; i < T * F; i++) { gate[i] = 3.0f * cf_rng_normal(&r); up[i] = cf_rng_normal(&r); }
+    for (int i = 0; i < N * F; i++) dh[i] = cf_rng_normal(&r);
+    for (int t = 0; t < T; t++) {
+        memcpy(gu + t * 2 * F, gate + t * F, F * sizeof(float));
+        memcpy(gu + t * 2 * F + F, up + t * F, F * sizeof(float));
+    }
+    float h[T * F], h2[T * F];
+    be->swiglu_fwd(be, h, gate, up, T, F, F);
+    be->swiglu_fwd(be, h2, gu, gu + F, T, F, 2 * F);
+    CHECK(memcmp(h, h2, sizeof h) == 0);
+    float hb[N * F], dg[N * F], du[N * F], hb2[N * F], dg2[N * F], du2[N * F];
+    be->swiglu_bwd_rows(be, hb, dg, du, dh, gate, up, rows, N, F, F, F);
+    be->swiglu_bwd_rows(be, hb2, dg2, du2, dh, gu, gu + F, rows, N, F, 2 * F, F);
+    CHECK(memcmp(hb, hb2, sizeof hb) == 0);
+    CHECK(memcmp(dg, dg2, sizeof dg) == 0);
+    CHECK(memcmp(du, du2, sizeof du) == 0);
+}
+
 int main(void) {
     be = cf_backend_cpu_create();
     if (!be) {
@@ -1601,8 +1655,10 @@ int main(void) {
     RUN(rope_bwd_inverts_rope_fwd);
     RUN(rope_bwd_matches_finite_differences);
     RUN(rope_qk_is_rope_of_q_and_of_k);
+    RUN(qkv_split_rope_is_the_split_then_rope_qk);
     RUN(swiglu_fwd_and_bwd_match_reference_and_finite_differences);
     RUN(swiglu_bwd_rows_through_the_index_equals_explicit_gather_and_recomputes_h);
+    RUN(swiglu_with_gate_up_rows_2F_apart_equals_separate_matrices);
     RUN(add_works_out_of_place_and_in_place);
     RUN(embedding_fwd_copies_token_rows);
     RUN(embedding_bwd_sums_repeated_tokens_in_row_order_bitwise);
