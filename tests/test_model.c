@@ -483,14 +483,16 @@ TEST(trainer_gradient_accumulation_equals_the_whole_batch) {
     }
 }
 
-/* A model of config `name` (LoRA on `lora` targets, none if 0) with the
+/* A model of config `name` (LoRA on `lora` targets, none if 0; tensors
+ * matching `freeze` frozen) with the
  * forward's projections fused where the layout allows (fused = 1) or never
  * (CF_FUSED_PROJ=0), weights as make_model's. */
-static cf_model *fused_model(const char *name, unsigned lora, int fused, uint64_t seed) {
+static cf_model *fused_model(const char *name, unsigned lora, const char *freeze, int fused, uint64_t seed) {
     cf_model_opts o = {0};
     o.config = name;
     o.backend = CF_BACKEND_CPU;
     o.seed = seed;
+    o.freeze = freeze;
     if (lora) o.lora = (cf_lora_opts){4, 8.0f, lora, 0.0f, 0};
     if (!fused) setenv("CF_FUSED_PROJ", "0", 1);
     cf_model *m = cf_model_open(&o);
@@ -505,19 +507,25 @@ static cf_model *fused_model(const char *name, unsigned lora, int fused, uint64_
  * gradients, regular and centrifuge, and the same weights after a step:
  * llama (both fused), qwen2 (q/k/v biases: gate/up only), qwen3 (q/k norm:
  * gate/up only), LoRA on q and up (an adapted projection keeps its group
- * apart: neither fused) and LoRA on o and down only (both fused). fp32:
- * only the GEMMs' summation order over other widths may differ, so ~1e-6. */
+ * apart: neither fused), LoRA on o and down only (both fused), q frozen or
+ * v and up frozen (their weights live apart from the trainable ones: that
+ * group not fused) and q, k, v frozen (back to back among the frozen
+ * tensors: both fused). fp32: only the GEMMs' summation order over other
+ * widths may differ, so ~1e-6. */
 TEST(fused_projections_give_the_unfused_losses_gradients_and_step) {
-    static const struct { const char *name; unsigned lora; int qkv, gu; } cs[] = {
-        {"tiny-llama", 0, 1, 1},
-        {"tiny-qwen2", 0, 0, 1},
-        {"tiny-qwen3", 0, 0, 1},
-        {"tiny-llama", CF_LORA_Q | CF_LORA_UP, 0, 0},
-        {"tiny-mistral", CF_LORA_O | CF_LORA_DOWN, 1, 1},
+    static const struct { const char *name; unsigned lora; const char *freeze; int qkv, gu; } cs[] = {
+        {"tiny-llama", 0, NULL, 1, 1},
+        {"tiny-qwen2", 0, NULL, 0, 1},
+        {"tiny-qwen3", 0, NULL, 0, 1},
+        {"tiny-llama", CF_LORA_Q | CF_LORA_UP, NULL, 0, 0},
+        {"tiny-mistral", CF_LORA_O | CF_LORA_DOWN, NULL, 1, 1},
+        {"tiny-llama", 0, "q_proj", 0, 1},
+        {"tiny-llama", 0, "v_proj,up_proj", 0, 0},
+        {"tiny-llama", 0, "q_proj,k_proj,v_proj", 1, 1},
     };
     for (size_t ci = 0; ci < sizeof cs / sizeof cs[0]; ci++) {
-        cf_model *f = fused_model(cs[ci].name, cs[ci].lora, 1, 41 + ci);
-        cf_model *u = fused_model(cs[ci].name, cs[ci].lora, 0, 41 + ci);
+        cf_model *f = fused_model(cs[ci].name, cs[ci].lora, cs[ci].freeze, 1, 41 + ci);
+        cf_model *u = fused_model(cs[ci].name, cs[ci].lora, cs[ci].freeze, 0, 41 + ci);
         if (!f || !u) { CHECK(0); cf_model_free(f); cf_model_free(u); continue; }
         const int L = cf_model_config(f)->num_hidden_layers;
         for (int l = 0; l < L; l++) {
