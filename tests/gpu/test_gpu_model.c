@@ -94,13 +94,24 @@ static float *run(cf_model *m, const int32_t *tok, cf_mode mode, const uint8_t *
 
 /* Losses: |gpu - cpu| <= ltol + 1e-2 |cpu|. At S = 256 the bf16 error of
  * the longer softmax sums adds up: ltol 5e-2 there (seen: 0.030 for qwen3,
- * whose q/k norms amplify it), 3e-2 at S = 40 as before. */
-static void model_matches_cpu(int Sq, double ltol) {
+ * whose q/k norms amplify it), 3e-2 at S = 40 as before. fused = 0: the
+ * GPU model with CF_FUSED_PROJ=0 (separate q/k/v and gate/up GEMMs); else
+ * the default, checked to fuse q/k/v (but with qwen2's biases or qwen3's
+ * q/k norms) and gate/up in every layer, so the fused ops run here. */
+static void model_matches_cpu(int Sq, double ltol, int fused) {
     for (int ti = 0; ti < NTYPES; ti++) {
         cf_model *mc = cpu_model(TYPES[ti], 11 + ti);
-        cf_model *mg = cf_model_create(cf_model_config(mc), CF_BACKEND_CUDA, 1);
+        if (!fused) setenv("CF_FUSED_PROJ", "0", 1);
+        cf_model *mg = mc ? cf_model_create(cf_model_config(mc), CF_BACKEND_CUDA, 1) : NULL;
+        unsetenv("CF_FUSED_PROJ");
         CHECK_MSG(mc && mg, "%s: %s", TYPES[ti], cf_last_error());
         if (!mc || !mg) { cf_model_free(mc); cf_model_free(mg); continue; }
+        const cf_config *cc = cf_model_config(mc);
+        for (int l = 0; l < cc->num_hidden_layers; l++)
+            CHECK_MSG(mg->lp[l].fused_qkv == (fused && !cc->qkv_bias && !cc->qk_norm) &&
+                          mg->lp[l].fused_gate_up == fused,
+                      "%s layer %d: fused q/k/v %d, gate/up %d", TYPES[ti], l, mg->lp[l].fused_qkv,
+                      mg->lp[l].fused_gate_up);
         copy_weights(mg, mc);
         int V = cf_model_config(mc)->vocab_size;
         int32_t tok[B * (S + 1)];   /* room for the longest */
@@ -136,9 +147,11 @@ static void model_matches_cpu(int Sq, double ltol) {
     }
 }
 
-TEST(gpu_model_losses_and_gradients_match_cpu_in_every_mode) { model_matches_cpu(S0, 3e-2); }
+TEST(gpu_model_losses_and_gradients_match_cpu_in_every_mode) { model_matches_cpu(S0, 3e-2, 1); }
 
-TEST(gpu_model_matches_cpu_over_several_attention_tiles_with_uneven_kept_counts) { model_matches_cpu(S, 5e-2); }
+TEST(gpu_model_with_unfused_projections_matches_cpu_in_every_mode) { model_matches_cpu(S0, 3e-2, 0); }
+
+TEST(gpu_model_matches_cpu_over_several_attention_tiles_with_uneven_kept_counts) { model_matches_cpu(S, 5e-2, 1); }
 
 TEST(gpu_equivalences_of_design_section_1_hold_with_bf16_tolerances) {
     for (int ti = 0; ti < NTYPES; ti++) {
@@ -445,6 +458,7 @@ int main(void) {
     RUN(gpu_adamw_refreshes_bf16_weights_and_zeroes_gradients_in_one_pass);
     RUN(gpu_batched_filter_gather_equals_per_tensor_gather);
     RUN(gpu_model_losses_and_gradients_match_cpu_in_every_mode);
+    RUN(gpu_model_with_unfused_projections_matches_cpu_in_every_mode);
     RUN(gpu_model_matches_cpu_over_several_attention_tiles_with_uneven_kept_counts);
     RUN(gpu_lora_losses_and_adapter_gradients_match_cpu);
     RUN(gpu_equivalences_of_design_section_1_hold_with_bf16_tolerances);

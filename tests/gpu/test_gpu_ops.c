@@ -446,6 +446,85 @@ TEST(rope_qk_matches_cpu_rope_of_each_part) {
     }
 }
 
+/* qkv_split_rope: the fused projection's [T, (Hq + 2 Hk) D] rows into q
+ * and k rotated (1e-2, as rope) and v copied (exact), against the CPU op
+ * (which test_ops checks against the split then rope_qk). The 16-byte path,
+ * D/2 % 8 != 0 and a misaligned input (scalar paths); outputs NaN-poisoned. */
+TEST(qkv_split_rope_matches_cpu) {
+    static const struct { int T, Hq, Hk, D, misalign; } cs[] = {
+        {50, 12, 2, 128, 0}, {7, 4, 4, 64, 0}, {9, 4, 2, 36, 0}, {20, 3, 1, 64, 1},
+    };
+    for (size_t ci = 0; ci < sizeof cs / sizeof cs[0]; ci++) {
+        const int T = cs[ci].T, Hq = cs[ci].Hq, Hk = cs[ci].Hk, D = cs[ci].D;
+        const size_t n = (size_t)T * (Hq + 2 * Hk) * D, nq = (size_t)T * Hq * D, nk = (size_t)T * Hk * D;
+        float *qkv = HOLD(hrand(n, 1.f)), *invf = HOLD(hnew(D / 2));
+        float *rq = HOLD(hnew(nq)), *rk = HOLD(hnew(nk)), *rv = HOLD(hnew(nk));
+        int *pos = HOLD(inew(T));
+        for (int i = 0; i < D / 2; i++) invf[i] = powf(10000.f, -2.f * i / D);
+        for (int t = 0; t < T; t++) pos[t] = (int)cf_rng_below(&rng, 4096);
+        cpu->qkv_split_rope(cpu, rq, rk, rv, qkv, pos, T, Hq, Hk, invf, D);
+        void *gx = cs[ci].misalign ? gact_misaligned(qkv, n) : gact(qkv, n);
+        void *gq = gact_nan(nq), *gk = gact_nan(nk), *gv = gact_nan(nk);
+        gpu->qkv_split_rope(gpu, gq, gk, gv, gx, gi32(pos, T), T, Hq, Hk, gf32(invf, D / 2), D);
+        char what[96];
+        snprintf(what, sizeof what, "qkv_split_rope q T=%d Hq=%d Hk=%d D=%d%s", T, Hq, Hk, D,
+                 cs[ci].misalign ? " misaligned" : "");
+        cmp(what, get_act(gq, nq), rq, nq, TOL_BF16);
+        cmp("qkv_split_rope k", get_act(gk, nk), rk, nk, TOL_BF16);
+        CHECK_MSG(bitwise_equal(get_act(gv, nk), rv, nk), "qkv_split_rope v: not an exact copy");
+        free_all();
+    }
+}
+
+/* swiglu_fwd and swiglu_bwd_rows with gate and up the halves of one
+ * [T, 2F] matrix (ld_in = 2F, the fused gate/up GEMM's output): against
+ * the CPU (1e-2), and bitwise what the GPU gives for two [T, F] matrices
+ * on the same kernel path. 16-byte path (F = 1000), odd F and a misaligned
+ * matrix (scalar paths). */
+TEST(swiglu_with_gate_up_rows_2F_apart_matches_cpu_and_separate_matrices) {
+    static const struct { int F, misalign; } cs[] = {{1000, 0}, {1001, 0}, {1000, 1}};
+    const int T = 37;
+    for (size_t ci = 0; ci < sizeof cs / sizeof cs[0]; ci++) {
+        const int F = cs[ci].F;
+        const size_t nf = (size_t)T * F, n2 = 2 * nf;
+        float *gu = HOLD(hrand(n2, 2.f)), *dh = HOLD(hrand(nf, 1.f));
+        float *g = HOLD(hnew(nf)), *u = HOLD(hnew(nf));
+        for (int t = 0; t < T; t++) {
+            memcpy(g + (size_t)t * F, gu + (size_t)t * 2 * F, F * sizeof(float));
+            memcpy(u + (size_t)t * F, gu + (size_t)t * 2 * F + F, F * sizeof(float));
+        }
+        int rows[37], nr = 0;
+        for (int t = 0; t < T; t++) if (t % 3) rows[nr++] = t;
+        float *rh = HOLD(hnew(nf)), *rbh = HOLD(hnew(nf)), *rdg = HOLD(hnew(nf)), *rdu = HOLD(hnew(nf));
+        cpu->swiglu_fwd(cpu, rh, gu, gu + F, T, F, 2 * F);
+        cpu->swiglu_bwd_rows(cpu, rbh, rdg, rdu, dh, gu, gu + F, rows, nr, F, 2 * F, F);
+        char *ggu = cs[ci].misalign ? gact_misaligned(gu, n2) : gact(gu, n2);
+        void *gg = gact(g, nf), *gup = gact(u, nf), *gdh = gact(dh, nf), *grows = gi32(rows, nr);
+        const size_t half = (size_t)F * 2;   /* bytes to the up half */
+        void *gh = gact_nan(nf), *gh1 = gact_nan(nf);
+        gpu->swiglu_fwd(gpu, gh, ggu, ggu + half, T, F, 2 * F);
+        gpu->swiglu_fwd(gpu, gh1, gg, gup, T, F, F);
+        void *gbh = gact_nan(nf), *gdg = gact_nan(nf), *gdu = gact_nan(nf);
+        void *gbh1 = gact_nan(nf), *gdg1 = gact_nan(nf), *gdu1 = gact_nan(nf);
+        gpu->swiglu_bwd_rows(gpu, gbh, gdg, gdu, gdh, ggu, ggu + half, grows, nr, F, 2 * F, F);
+        gpu->swiglu_bwd_rows(gpu, gbh1, gdg1, gdu1, gdh, gg, gup, grows, nr, F, F, F);
+        const size_t nb = (size_t)nr * F;
+        printf("    F=%d%s\n", F, cs[ci].misalign ? " misaligned" : "");
+        cmp("swiglu_fwd ld_in 2F", get_act(gh, nf), rh, nf, TOL_BF16);
+        cmp("swiglu_bwd_rows ld_in 2F h", get_act(gbh, nb), rbh, nb, TOL_BF16);
+        cmp("swiglu_bwd_rows ld_in 2F dgate", get_act(gdg, nb), rdg, nb, TOL_BF16);
+        cmp("swiglu_bwd_rows ld_in 2F dup", get_act(gdu, nb), rdu, nb, TOL_BF16);
+        /* the same kernel path (misaligned: scalar against 16-byte) */
+        if (!cs[ci].misalign)
+            CHECK_MSG(bitwise_equal(get_act(gh, nf), get_act(gh1, nf), nf) &&
+                          bitwise_equal(get_act(gbh, nb), get_act(gbh1, nb), nb) &&
+                          bitwise_equal(get_act(gdg, nb), get_act(gdg1, nb), nb) &&
+                          bitwise_equal(get_act(gdu, nb), get_act(gdu1, nb), nb),
+                      "F=%d: ld_in = 2F differs from separate matrices", F);
+        free_all();
+    }
+}
+
 /* swiglu: bf16 outputs of fp32 math: 1e-2. */
 TEST(swiglu_fwd_bwd_match_cpu_vector_and_scalar_paths) {
     const size_t ns[2] = {1000, 1001};
@@ -1424,6 +1503,8 @@ int main(void) {
     RUN_IF(rope_fwd_bwd_match_cpu);
     RUN_IF(rope_qk_matches_cpu_rope_of_each_part);
     RUN_IF(swiglu_fwd_bwd_match_cpu_vector_and_scalar_paths);
+    RUN_IF(qkv_split_rope_matches_cpu);
+    RUN_IF(swiglu_with_gate_up_rows_2F_apart_matches_cpu_and_separate_matrices);
     RUN_IF(add_matches_cpu_out_of_place_and_in_place);
     RUN_IF(dropout_mask_matches_cpu_bitwise_vector_scalar_row_index_and_in_place);
     RUN_IF(gather_rows_copies_rows_exactly);

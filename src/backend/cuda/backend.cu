@@ -6,7 +6,7 @@
  *
  *   memory.cu     alloc/free, transfers, dtype conversions, weights_from_master
  *   gemm.cu       cuBLASLt matmul forward/backward, deterministic column sums
- *   norm.cu       RMSNorm           rope.cu        RoPE
+ *   norm.cu       RMSNorm           rope.cu        RoPE, q/k/v split
  *   swiglu.cu     SwiGLU, add       embedding.cu   embedding
  *   dropout.cu    LoRA dropout (counter-based mask, backend/dropout_mask.h)
  *   lmhead.cu     LM head + cross-entropy
