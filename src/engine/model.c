@@ -15,6 +15,8 @@
  *   h     = silu(ln2 Wg^T) * (ln2 Wu^T)
  *   x'    = x_mid + h Wd^T
  * then lnf = rmsnorm(x_L) * w_norm and per-token cross-entropy of lnf Wlm^T.
+ * Where the weights lie back to back, q/k/v are one GEMM (split and rotated
+ * by one op) and gate/up one GEMM (plan_fused_proj).
  *
  * Filtering (DESIGN §1-2): after the full forward, cf_filter_backward
  * gathers every saved activation except K and V to the kept rows, and the
