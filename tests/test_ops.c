@@ -170,6 +170,33 @@ TEST(matmul_fwd_matches_double_reference_with_and_without_bias) {
     free(inp); free(w); free(bias); free(out);
 }
 
+TEST(matmul_fwd_residual_adds_the_residual_to_the_product_in_place_or_not) {
+    cf_rng r;
+    cf_rng_seed(&r, 109);
+    const int T = 5, K = 7, N = 6;
+    float *inp = fnew(T * K), *w = fnew(N * K), *bias = fnew(N), *res = fnew(T * N), *out = fnew(T * N);
+    fill_normal(inp, T * K, &r, 1);
+    fill_normal(w, N * K, &r, 1);
+    fill_normal(bias, N, &r, 1);
+    fill_normal(res, T * N, &r, 1);
+    for (int v = 0; v < 4; v++) {
+        const int with_bias = v & 1, in_place = v >> 1;
+        float *dst = out;
+        if (in_place) { memcpy(out, res, (size_t)T * N * sizeof(float)); }
+        else for (int i = 0; i < T * N; i++) out[i] = 1234.0f; /* must be overwritten */
+        be->matmul_fwd_residual(be, dst, inp, w, with_bias ? bias : NULL, in_place ? out : res, T, K, N);
+        double err = 0;
+        for (int t = 0; t < T; t++)
+            for (int n = 0; n < N; n++) {
+                double y = res[t * N + n] + (with_bias ? bias[n] : 0);
+                for (int k = 0; k < K; k++) y += (double)inp[t * K + k] * w[n * K + k];
+                err = fmax(err, fabs(out[t * N + n] - y));
+            }
+        CHECK_MSG(err < FWD_TOL, "bias=%d in place=%d max err %g", with_bias, in_place, err);
+    }
+    free(inp); free(w); free(bias); free(res); free(out);
+}
+
 TEST(matmul_bwd_matches_finite_differences_and_accumulates_dw_dbias) {
     cf_rng r;
     cf_rng_seed(&r, 102);
@@ -1647,6 +1674,7 @@ int main(void) {
     RUN(memory_alloc_is_aligned_and_transfers_roundtrip);
     RUN(memory_alloc_failure_returns_null_with_error);
     RUN(matmul_fwd_matches_double_reference_with_and_without_bias);
+    RUN(matmul_fwd_residual_adds_the_residual_to_the_product_in_place_or_not);
     RUN(matmul_bwd_matches_finite_differences_and_accumulates_dw_dbias);
     RUN(matmul_bwd_accumulate_adds_to_dinp_and_null_dinp_dbias_are_skipped);
     RUN(rmsnorm_fwd_matches_double_reference_and_saves_rstd);

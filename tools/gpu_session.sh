@@ -5,7 +5,7 @@
 # Usage on the GPU machine: tools/gpu_session.sh PART...  (logs under $OUT)
 #   parts: tests sanitize bench-main bench-old bench-sweeps bench-3b pytorch
 #          parity peft-parity dp-check dp-bench dp-ctas tp-check tp-bench rows-x4 rows-x8
-#          rows-x8-dry bench-accum profile dp-bf16 ab-profile attn-shapes dp-prio bench-pair
+#          rows-x8-dry bench-accum profile dp-bf16 ab-profile ab-fused attn-shapes dp-prio bench-pair
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G=$PWD/.gpucarry
@@ -75,15 +75,27 @@ for part in "$@"; do
     tp-bench)
       bash tools/tp_bench.sh "$CF" "$OUT/tp_bench" 2>&1 | tee "$OUT/tp_bench.txt" ;;
     bench-accum)
-      # issue 17: training-sized steps (grad-accum 8), ours then PyTorch's, same session, per model
-      for cs in ${ACCUM_MODELS:-tinyllama-1.1b:4096}; do
-        c=${cs%%:*}; sq=${cs##*:}; j="$OUT/bench_accum8_${c}_$sq"
-        "$CF" bench --device cuda --config $c --seq $sq --batch 1 --grad-accum 8 \
+      # issue 17: training-sized steps, ours then PyTorch's, same session, per model and per
+      # micro-batch x grad-accum in ACCUM_SHAPES (default 1:8; "1:8 2:4" adds two sequences per micro-batch)
+      for cs in ${ACCUM_MODELS:-tinyllama-1.1b:4096}; do for ba in ${ACCUM_SHAPES:-1:8}; do
+        c=${cs%%:*}; sq=${cs##*:}; bb=${ba%%:*}; aa=${ba##*:}; j="$OUT/bench_accum${aa}_${c}_$sq"
+        [ "$bb" != 1 ] && j="$OUT/bench_b${bb}_accum${aa}_${c}_$sq"
+        "$CF" bench --device cuda --config $c --seq $sq --batch $bb --grad-accum $aa \
           --modes regular,loss-only,centrifuge --keep 0.5 --steps ${ACCUM_STEPS:-10} --warmup 2 --json "$j.jsonl" 2>&1 | tee "$j.txt"
-        python3 tools/bench_pytorch.py --config $c --seq $sq --batch 1 --grad-accum 8 \
+        python3 tools/bench_pytorch.py --config $c --seq $sq --batch $bb --grad-accum $aa \
           --modes regular,loss-only --keep 0.5 --steps ${ACCUM_STEPS:-10} --warmup 2 --json "${j}_pt.jsonl" \
           --centrifuge-json "$j.jsonl" 2>&1 | tee "${j}_pt.txt" | tail -12
-      done ;;
+      done; done ;;
+    ab-fused)
+      # issue 17 part 2: the per-op profile of the carried earlier build (old), this build with the fused
+      # projections off (CF_FUSED_PROJ=0: the residual epilogue only) and this build, alternating, grad-accum 8
+      for cs in ${ACCUM_MODELS:-tinyllama-1.1b:4096}; do for v in old unfused new; do
+        b="$CF"; [ $v = old ] && b="$G/centrifuge-cuda-old"
+        CF_FUSED_PROJ=$([ $v = unfused ] && echo 0 || echo 1) "$b" bench --device cuda --config ${cs%%:*} \
+          --seq ${cs##*:} --batch 1 --grad-accum 8 --modes regular,centrifuge --keep 0.5 --steps ${ACCUM_STEPS:-4} --warmup 2 \
+          --profile --json "$OUT/abfused_${v}_${cs%%:*}.jsonl" 2>&1 | tee "$OUT/abfused_${v}_${cs%%:*}.txt" \
+          | grep -E "profile|  0\.50" | sed "s/^/$v /"
+      done; done ;;
     rows-x4)
       # issue 19 on nvidia-h200-x4: DP=1,2,4 scaling (grad-accum 4) and TP=4 Qwen2.5-7B, then PyTorch DDP
       MODES="regular loss-only centrifuge" ACCUM=4 bash tools/tp_bench.sh "$CF" "$OUT/rows_x4" \

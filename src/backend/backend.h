@@ -115,6 +115,10 @@ struct cf_backend {
     /* out[T,N] = inp[T,K] W[N,K]^T (+ bias[N]) */
     void (*matmul_fwd)(cf_backend *b, void *out, const void *inp, const void *w,
                        const void *bias, int T, int K, int N);
+    /* out[T,N] = resid[T,N] + inp[T,K] W[N,K]^T (+ bias[N]); out may alias
+     * resid (the residual stream's add, fused into the GEMM on the GPU) */
+    void (*matmul_fwd_residual)(cf_backend *b, void *out, const void *inp, const void *w,
+                                const void *bias, const void *resid, int T, int K, int N);
     /* dinp[T,K] (=, or += if flags & CF_MM_ACC_DINP) dout W ;
      * dw[N,K] += dout^T inp (= if flags & CF_MM_DW_SET: the caller knows dw
      * holds zeros, so it is written without being read) ;

@@ -75,7 +75,18 @@ static void print_profile(cf_model *m, cf_mode mode, int A, int B, int S, double
         double prof[2][CF_PROF_N];
         cf_model_profile(m, prof);
         printf("      profile %-11s", cf_mode_name(mode));
-        for (int c = 0; c < CF_PROF_N; c++) printf(" %s %.2f/%.2f", cf_prof_name(c), prof[0][c] * 1e3, prof[1][c] * 1e3);
+        double sum[2] = {0, 0};
+        for (int c = 0; c < CF_PROF_N; c++) {
+            printf(" %s %.2f/%.2f", cf_prof_name(c), prof[0][c] * 1e3, prof[1][c] * 1e3);
+            sum[0] += prof[0][c];
+            sum[1] += prof[1][c];
+        }
+        /* other: the stage's time outside every op's marks, i.e. the GPU
+         * waiting for the host to launch (an op's mark is recorded just
+         * before it, so such a gap is charged to no op) plus the few ops
+         * outside the categories: an upper bound of what fewer launches
+         * (CUDA graphs) could save */
+        printf(" other %.2f/%.2f", (st.t.forward - sum[0]) * 1e3, (st.t.backward - sum[1]) * 1e3);
         printf("  (ms fwd/bwd%s)\n", A > 1 ? ", one micro-batch" : "");
     }
     cf_model_set_profile(m, 0);

@@ -37,10 +37,16 @@ static uint64_t drop_key(const cf_model *m, const cf_linear *l) {
     return cf_dropout_key(m->drop_seed, m->drop_ctr, (uint64_t)l->la);
 }
 
-void cf_linear_fwd(cf_model *m, const cf_linear *l, void *out, const void *in, int T, int K, int N) {
+/* out = in W^T (+ b), plus resid when resid is not NULL (the residual
+ * stream's add in the GEMM's epilogue; the adapter's output is added after) */
+static void linear_fwd(cf_model *m, const cf_linear *l, void *out, const void *in, const void *resid, int T, int K,
+                       int N) {
     cf_backend *b = m->b;
     const void *bias = l->row_tp && m->tp.rank != 0 ? NULL : cf_weight(m, l->b);
-    b->matmul_fwd(b, out, in, cf_weight(m, l->w), bias, T, K, N);
+    if (resid)
+        b->matmul_fwd_residual(b, out, in, cf_weight(m, l->w), bias, resid, T, K, N);
+    else
+        b->matmul_fwd(b, out, in, cf_weight(m, l->w), bias, T, K, N);
     if (l->la < 0) return;
     int r = m->lora.rank;
     void *u = m->saved[l->su].full;
@@ -53,6 +59,15 @@ void cf_linear_fwd(cf_model *m, const cf_linear *l, void *out, const void *in, i
     b->scale(b, u, m->lora_scale, (size_t)T * r);
     b->matmul_fwd(b, m->lora_v, u, cf_weight(m, l->lb), NULL, T, r, N);
     b->add(b, out, out, m->lora_v, (size_t)T * N);
+}
+
+void cf_linear_fwd(cf_model *m, const cf_linear *l, void *out, const void *in, int T, int K, int N) {
+    linear_fwd(m, l, out, in, NULL, T, K, N);
+}
+
+void cf_linear_fwd_residual(cf_model *m, const cf_linear *l, void *out, const void *in, const void *resid, int T,
+                            int K, int N) {
+    linear_fwd(m, l, out, in, resid, T, K, N);
 }
 
 void cf_linear_bwd_input(cf_model *m, const cf_linear *l, void *din, const void *dout, int T, int K, int N,

@@ -1078,9 +1078,15 @@ int cf_forward(cf_model *m, const int32_t *tokens, int B, int S, float *losses) 
             OP(CF_PROF_ROPE, b->rope_qk(b, q, pos, T, H, a->k, pos, T, Hkv, m->inv_freq, D, 0));
         }
         OP(CF_PROF_ATTN, b->attention_fwd(b, m->saved[a->att].full, m->saved[a->lse].full, q, a->k, a->v, &shape));
-        OP(CF_PROF_GEMM, cf_linear_fwd(m, &p->o, m->tmp, m->saved[a->att].full, T, qd, C));
-        if (tp && cf_tp_allreduce(m, m->tmp, (size_t)T * C, CF_TP_ACT, CF_TP_FWD) != 0) return -1;
-        OP(CF_PROF_ELTWISE, b->add(b, xmid, x, m->tmp, (size_t)T * C));
+        /* x_mid = x + attn W_o^T: one GEMM with the add in its epilogue, except
+         * under TP, where the partial sums are all-reduced before the add */
+        if (tp) {
+            OP(CF_PROF_GEMM, cf_linear_fwd(m, &p->o, m->tmp, m->saved[a->att].full, T, qd, C));
+            if (cf_tp_allreduce(m, m->tmp, (size_t)T * C, CF_TP_ACT, CF_TP_FWD) != 0) return -1;
+            OP(CF_PROF_ELTWISE, b->add(b, xmid, x, m->tmp, (size_t)T * C));
+        } else {
+            OP(CF_PROF_GEMM, cf_linear_fwd_residual(m, &p->o, xmid, m->saved[a->att].full, x, T, qd, C));
+        }
         OP(CF_PROF_NORM, b->rmsnorm_fwd(b, ln2, m->saved[a->rstd2].full, xmid, cf_weight(m, p->ln2), T, C, c->rms_norm_eps));
         if (p->fused_gate_up) {
             /* [gate | up] rows = ln2 [Wg; Wu]^T, straight into the saved slot */
@@ -1090,9 +1096,14 @@ int cf_forward(cf_model *m, const int32_t *tokens, int B, int S, float *losses) 
             OP(CF_PROF_GEMM, cf_linear_fwd(m, &p->up, up, ln2, T, C, F));
         }
         OP(CF_PROF_ELTWISE, b->swiglu_fwd(b, h, gate, up, T, F, ldgu));
-        OP(CF_PROF_GEMM, cf_linear_fwd(m, &p->down, m->tmp, h, T, F, C));
-        if (tp && cf_tp_allreduce(m, m->tmp, (size_t)T * C, CF_TP_ACT, CF_TP_FWD) != 0) return -1;
-        OP(CF_PROF_ELTWISE, b->add(b, m->saved[m->resid[l + 1]].full, xmid, m->tmp, (size_t)T * C));
+        void *xnext = m->saved[m->resid[l + 1]].full;
+        if (tp) {
+            OP(CF_PROF_GEMM, cf_linear_fwd(m, &p->down, m->tmp, h, T, F, C));
+            if (cf_tp_allreduce(m, m->tmp, (size_t)T * C, CF_TP_ACT, CF_TP_FWD) != 0) return -1;
+            OP(CF_PROF_ELTWISE, b->add(b, xnext, xmid, m->tmp, (size_t)T * C));
+        } else {
+            OP(CF_PROF_GEMM, cf_linear_fwd_residual(m, &p->down, xnext, h, xmid, T, F, C));
+        }
     }
     OP(CF_PROF_NORM, b->rmsnorm_fwd(b, m->saved[m->s_lnf].full, m->saved[m->s_rstdf].full, m->saved[m->resid[L]].full,
                    cf_weight(m, m->p_norm), T, C, c->rms_norm_eps));

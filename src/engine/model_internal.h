@@ -335,6 +335,9 @@ int cf_model_save_tp(cf_model *m, const char *dir, const char *dtype, int write)
 
 /* ---- linear.c ---- */
 void cf_linear_fwd(cf_model *m, const cf_linear *l, void *out, const void *in, int T, int K, int N);
+/* out = resid + in W^T (+ b) (+ adapter): the residual add fused into the GEMM */
+void cf_linear_fwd_residual(cf_model *m, const cf_linear *l, void *out, const void *in, const void *resid, int T,
+                            int K, int N);
 /* din (=, or += if accumulate) dout W; din may be NULL. */
 void cf_linear_bwd_input(cf_model *m, const cf_linear *l, void *din, const void *dout, int T, int K, int N,
                          int accumulate);

@@ -209,6 +209,26 @@ TEST(embedding_bwd_sums_repeated_tokens_in_row_order_bitwise) {
     free_all();
 }
 
+/* The residual add in the GEMM's epilogue: out = resid + x W^T (+ bias),
+ * into a separate buffer and in place over the residual, against the CPU. */
+TEST(matmul_fwd_residual_matches_cpu_in_place_and_not) {
+    const int T = 77, K = 96, N = 136;
+    float *x = HOLD(hrand((size_t)T * K, 1.f)), *w = HOLD(hrand((size_t)N * K, 0.1f)), *bias = HOLD(hrand(N, 1.f));
+    float *res = HOLD(hrand((size_t)T * N, 2.f));
+    for (int v = 0; v < 4; v++) {
+        const int wb = v & 1, in_place = v >> 1;
+        float *ref = HOLD(hnew((size_t)T * N));
+        cpu->matmul_fwd_residual(cpu, ref, x, w, wb ? bias : NULL, res, T, K, N);
+        void *gres = gact(res, (size_t)T * N), *out = in_place ? gres : gact_nan((size_t)T * N);
+        gpu->matmul_fwd_residual(gpu, out, gact(x, (size_t)T * K), gact(w, (size_t)N * K), wb ? gact(bias, N) : NULL,
+                                 gres, T, K, N);
+        cmp(in_place ? (wb ? "matmul_fwd_residual in place +bias" : "matmul_fwd_residual in place")
+                     : (wb ? "matmul_fwd_residual +bias" : "matmul_fwd_residual"),
+            get_act(out, (size_t)T * N), ref, (size_t)T * N, TOL_BF16);
+    }
+    free_all();
+}
+
 /* matmul fwd: bf16 output of an fp32-accumulated product: 1e-2. */
 TEST(matmul_fwd_matches_cpu_with_and_without_bias) {
     const int T = 77, K = 96, N = 136;
@@ -1496,6 +1516,7 @@ int main(void) {
     RUN_IF(embedding_fwd_copies_rows_exactly);
     RUN_IF(embedding_bwd_sums_repeated_tokens_in_row_order_bitwise);
     RUN_IF(matmul_fwd_matches_cpu_with_and_without_bias);
+    RUN_IF(matmul_fwd_residual_matches_cpu_in_place_and_not);
     RUN_IF(matmul_bwd_matches_cpu_dinp_dw_dbias_and_accumulate);
     RUN_IF(rmsnorm_fwd_bwd_match_cpu_vector_and_scalar_paths);
     RUN_IF(colsum_dbias_matches_cpu_vector_scalar_and_row_chunks);

@@ -206,6 +206,20 @@ static void cpu_matmul_fwd(cf_backend *b, void *out_, const void *inp_, const vo
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, N, K, 1.0f, inp, K, w, K, beta, out, N);
 }
 
+/* out[T,N] = resid[T,N] + inp[T,K] W[N,K]^T (+ bias[N]); out may alias resid */
+static void cpu_matmul_fwd_residual(cf_backend *b, void *out_, const void *inp_, const void *w_,
+                                    const void *bias_, const void *resid_, int T, int K, int N) {
+    if (cpu_failed(b)) return;
+    float *out = out_;
+    const float *inp = inp_, *w = w_, *bias = bias_, *resid = resid_;
+    if (T <= 0 || N <= 0) return;
+    if (out != resid) memcpy(out, resid, (size_t)T * N * sizeof(float));
+    if (bias)
+        for (int t = 0; t < T; t++)
+            for (int n = 0; n < N; n++) out[(size_t)t * N + n] += bias[n];
+    if (K > 0) cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, N, K, 1.0f, inp, K, w, K, 1.0f, out, N);
+}
+
 /* dinp[T,K] (=, or += if flags & CF_MM_ACC_DINP) dout[T,N] W[N,K]
  * dw[N,K]   += dout^T inp   (= if flags & CF_MM_DW_SET)
  * dbias[N]  += sum_t dout[t,:]   (if dbias; parallel over columns, rows in order) */
@@ -725,6 +739,7 @@ cf_backend *cf_backend_cpu_create(void) {
     b->embedding_fwd = cpu_embedding_fwd;
     b->embedding_bwd = cpu_embedding_bwd;
     b->matmul_fwd = cpu_matmul_fwd;
+    b->matmul_fwd_residual = cpu_matmul_fwd_residual;
     b->matmul_bwd = cpu_matmul_bwd;
     b->rmsnorm_fwd = cpu_rmsnorm_fwd;
     b->rmsnorm_bwd = cpu_rmsnorm_bwd;

@@ -94,6 +94,7 @@ extern "C" cf_backend *cf_backend_cuda_create(int device) {
     b->embedding_fwd = cf_cuda_embedding_fwd;
     b->embedding_bwd = cf_cuda_embedding_bwd;
     b->matmul_fwd = cf_cuda_matmul_fwd;
+    b->matmul_fwd_residual = cf_cuda_matmul_fwd_residual;
     b->matmul_bwd = cf_cuda_matmul_bwd;
     b->rmsnorm_fwd = cf_cuda_rmsnorm_fwd;
     b->rmsnorm_bwd = cf_cuda_rmsnorm_bwd;

@@ -222,7 +222,8 @@ cf_cuda_ctx *cf_cuda_ctx_create(int device) {
     /* CF_COMM_PRIORITY=high: the communication stream at the device's
      * highest priority, so that a collective's blocks are scheduled as soon
      * as compute blocks retire instead of queueing behind a whole GEMM wave
-     * (an experiment of issue 14; default: the same priority as compute) */
+     * (an experiment of issue 14; default: the same priority as compute,
+     * since high measured within noise of it at DP=2: BENCHMARKS run 14) */
     const char *pe = getenv("CF_COMM_PRIORITY");
     if (pe && *pe && strcmp(pe, "high") != 0 && strcmp(pe, "normal") != 0) {
         free(ctx);

@@ -132,6 +132,8 @@ int cf_cuda_memory_info(cf_backend *b, size_t *free_bytes, size_t *total_bytes);
 /* gemm.cu */
 void cf_cuda_matmul_fwd(cf_backend *b, void *out, const void *inp, const void *w, const void *bias, int T, int K,
                         int N);
+void cf_cuda_matmul_fwd_residual(cf_backend *b, void *out, const void *inp, const void *w, const void *bias,
+                                 const void *resid, int T, int K, int N);
 void cf_cuda_matmul_bwd(cf_backend *b, void *dinp, float *dw, float *dbias, const void *dout, const void *inp,
                         const void *w, int T, int K, int N, int flags);
 /* norm.cu */

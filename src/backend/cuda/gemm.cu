@@ -373,19 +373,28 @@ static cf_gemm_plan *get_plan(cf_cuda_ctx *ctx, const int key[16], bool transa, 
     return pl;
 }
 
-void cf_cuda_gemm(cf_cuda_ctx *ctx, bool transa, bool transb, int m, int n, int k, const void *A, int lda,
-                  const void *B, int ldb, void *D, cudaDataType_t dtype, int ldd, float beta, const void *bias) {
+/* D = op(A) op(B) + beta C (+ bias), C = D when Cin is NULL; C has D's layout */
+static void gemm_c(cf_cuda_ctx *ctx, bool transa, bool transb, int m, int n, int k, const void *A, int lda,
+                   const void *B, int ldb, void *D, cudaDataType_t dtype, int ldd, float beta, const void *bias,
+                   const void *Cin) {
     if (ctx->failed || m <= 0 || n <= 0) return;
+    const void *C = Cin ? Cin : D;
+    /* the C alignment joins D's in the key (both fill the C/D preference) */
     int key[16] = {transa, transb, m, n, k, lda, ldb, ldd, (int)dtype, bias != NULL,
-                   align_of(A), align_of(B), align_of(D), bias ? align_of(bias) : 0, beta == 0.f, 0};
+                   align_of(A), align_of(B), min(align_of(D), align_of(C)), bias ? align_of(bias) : 0, beta == 0.f, 0};
     cf_gemm_plan *pl = get_plan(ctx, key, transa, transb, m, n, k, lda, ldb, dtype, ldd, bias != NULL, beta);
     if (!pl) return;
     if (bias &&
         !CF_LT(ctx, cublasLtMatmulDescSetAttribute(pl->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias)))
         return;
     const float alpha = 1.f;
-    CF_LT(ctx, cublasLtMatmul(ctx->lt, pl->op, &alpha, A, pl->a, B, pl->b, &beta, D, pl->c, D, pl->d, &pl->algo,
+    CF_LT(ctx, cublasLtMatmul(ctx->lt, pl->op, &alpha, A, pl->a, B, pl->b, &beta, C, pl->c, D, pl->d, &pl->algo,
                               ctx->workspace, ctx->workspace_size, ctx->stream));
+}
+
+void cf_cuda_gemm(cf_cuda_ctx *ctx, bool transa, bool transb, int m, int n, int k, const void *A, int lda,
+                  const void *B, int ldb, void *D, cudaDataType_t dtype, int ldd, float beta, const void *bias) {
+    gemm_c(ctx, transa, transb, m, n, k, A, lda, B, ldb, D, dtype, ldd, beta, bias, NULL);
 }
 
 /* out[T,N] = inp[T,K] W[N,K]^T (+ bias) */
@@ -394,6 +403,17 @@ void cf_cuda_matmul_fwd(cf_backend *b, void *out, const void *inp, const void *w
     cf_cuda_ctx *ctx = cf_cuda_enter(b);
     if (!ctx || T <= 0) return;
     cf_cuda_gemm(ctx, true, false, N, T, K, w, K, inp, K, out, CUDA_R_16BF, N, 0.f, bias);
+}
+
+/* out[T,N] = resid[T,N] + inp[T,K] W[N,K]^T (+ bias): the residual add in
+ * the GEMM's epilogue (beta 1 with C = resid), so the sum is rounded to
+ * bf16 once and the separate add's pass over [T,N] (two reads, one write)
+ * goes away. out may alias resid. */
+void cf_cuda_matmul_fwd_residual(cf_backend *b, void *out, const void *inp, const void *w, const void *bias,
+                                 const void *resid, int T, int K, int N) {
+    cf_cuda_ctx *ctx = cf_cuda_enter(b);
+    if (!ctx || T <= 0) return;
+    gemm_c(ctx, true, false, N, T, K, w, K, inp, K, out, CUDA_R_16BF, N, 1.f, bias, resid);
 }
 
 /* dinp[T,K] (+)= dout W ; dw[N,K] (+)= dout^T inp ; dbias += colsum(dout).
