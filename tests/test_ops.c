@@ -297,6 +297,36 @@ TEST(rmsnorm_fwd_matches_double_reference_and_saves_rstd) {
     free(x); free(w); free(out); free(rstd);
 }
 
+TEST(add_rmsnorm_fwd_writes_the_sum_and_its_norm_also_in_place) {
+    cf_rng r;
+    cf_rng_seed(&r, 203);
+    const int T = 6, C = 100;
+    const float eps = 1e-5f;
+    float *a = fnew(T * C), *c = fnew(T * C), *w = fnew(C), *sum = fnew(T * C), *out = fnew(T * C), *rstd = fnew(T);
+    fill_normal(a, T * C, &r, 2);
+    fill_normal(c, T * C, &r, 1);
+    fill_normal(w, C, &r, 1);
+    for (int in_place = 0; in_place < 2; in_place++) {
+        float *s = in_place ? fnew(T * C) : sum;
+        if (in_place) memcpy(s, a, (size_t)T * C * sizeof(float));
+        be->add_rmsnorm_fwd(be, s, out, rstd, in_place ? s : a, c, w, T, C, eps);
+        for (int t = 0; t < T; t++) {
+            double ss = 0;
+            for (int i = 0; i < C; i++) {
+                double v = (double)a[t * C + i] + c[t * C + i];
+                CHECK_CLOSE(s[t * C + i], v, FWD_TOL);
+                ss += v * v;
+            }
+            double rs = 1.0 / sqrt(ss / C + (double)eps);
+            CHECK_CLOSE(rstd[t], rs, FWD_TOL);
+            for (int i = 0; i < C; i++)
+                CHECK_CLOSE(out[t * C + i], ((double)a[t * C + i] + c[t * C + i]) * rs * w[i], FWD_TOL);
+        }
+        if (in_place) free(s);
+    }
+    free(a); free(c); free(w); free(sum); free(out); free(rstd);
+}
+
 TEST(rmsnorm_bwd_matches_finite_differences_and_accumulates) {
     cf_rng r;
     cf_rng_seed(&r, 202);
@@ -1678,6 +1708,7 @@ int main(void) {
     RUN(matmul_bwd_matches_finite_differences_and_accumulates_dw_dbias);
     RUN(matmul_bwd_accumulate_adds_to_dinp_and_null_dinp_dbias_are_skipped);
     RUN(rmsnorm_fwd_matches_double_reference_and_saves_rstd);
+    RUN(add_rmsnorm_fwd_writes_the_sum_and_its_norm_also_in_place);
     RUN(rmsnorm_bwd_matches_finite_differences_and_accumulates);
     RUN(rope_fwd_matches_hf_rotate_half_reference);
     RUN(rope_bwd_inverts_rope_fwd);

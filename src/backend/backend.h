@@ -128,6 +128,11 @@ struct cf_backend {
     /* out = x * rstd * w, rstd[t] = 1/sqrt(mean(x^2)+eps), over rows of C */
     void (*rmsnorm_fwd)(cf_backend *b, void *out, float *rstd, const void *inp, const void *w,
                         int T, int C, float eps);
+    /* The residual add and the RMSNorm after it in one pass: sum = a + c
+     * (rounded to the act dtype), then out, rstd = rmsnorm_fwd(sum, w). sum
+     * may alias a. (Under TP, where the add cannot go into the GEMM.) */
+    void (*add_rmsnorm_fwd)(cf_backend *b, void *sum, void *out, float *rstd, const void *a, const void *c,
+                            const void *w, int T, int C, float eps);
     /* dinp (=, or += if accumulate); dw[C] += */
     void (*rmsnorm_bwd)(cf_backend *b, void *dinp, float *dw, const void *dout, const void *inp,
                         const void *w, const float *rstd, int T, int C, int accumulate);

@@ -1047,6 +1047,10 @@ int cf_forward(cf_model *m, const int32_t *tokens, int B, int S, float *losses) 
     OP(CF_PROF_ELTWISE, b->embedding_fwd(b, m->saved[m->resid[0]].full, m->saved[m->s_tokens].full,
                      cf_weight(m, m->p_embed), T, C, v0, vn));
     if (tp && cf_tp_allreduce(m, m->saved[m->resid[0]].full, (size_t)T * C, CF_TP_ACT, CF_TP_FWD) != 0) return -1;
+    /* under TP the residual adds stay separate ops (after the all-reduce),
+     * each fused with the RMSNorm that reads its sum; normed: the layer's
+     * input norm was done so by the layer before */
+    int normed = 0;
     for (int l = 0; l < L; l++) {
         cf_layer_params *p = &m->lp[l];
         cf_layer_acts *a = &m->la[l];
@@ -1056,7 +1060,9 @@ int cf_forward(cf_model *m, const int32_t *tokens, int B, int S, float *losses) 
         /* h = silu(gate) * up is not saved: the backward recomputes it */
         void *gate, *up, *h = m->d_h;
         const int ldgu = cf_gate_up(m, l, &gate, &up);
-        OP(CF_PROF_NORM, b->rmsnorm_fwd(b, ln1, m->saved[a->rstd1].full, x, cf_weight(m, p->ln1), T, C, c->rms_norm_eps));
+        if (!normed)
+            OP(CF_PROF_NORM, b->rmsnorm_fwd(b, ln1, m->saved[a->rstd1].full, x, cf_weight(m, p->ln1), T, C, c->rms_norm_eps));
+        normed = 0;
         if (p->fused_qkv) {
             /* q | k | v rows from one GEMM (plain linears: no bias, no
              * adapter), split into their slots with RoPE in one pass */
@@ -1083,11 +1089,13 @@ int cf_forward(cf_model *m, const int32_t *tokens, int B, int S, float *losses) 
         if (tp) {
             OP(CF_PROF_GEMM, cf_linear_fwd(m, &p->o, m->tmp, m->saved[a->att].full, T, qd, C));
             if (cf_tp_allreduce(m, m->tmp, (size_t)T * C, CF_TP_ACT, CF_TP_FWD) != 0) return -1;
-            OP(CF_PROF_ELTWISE, b->add(b, xmid, x, m->tmp, (size_t)T * C));
+            OP(CF_PROF_NORM, b->add_rmsnorm_fwd(b, xmid, ln2, m->saved[a->rstd2].full, x, m->tmp, cf_weight(m, p->ln2),
+                                                T, C, c->rms_norm_eps));
         } else {
             OP(CF_PROF_GEMM, cf_linear_fwd_residual(m, &p->o, xmid, m->saved[a->att].full, x, T, qd, C));
+            OP(CF_PROF_NORM, b->rmsnorm_fwd(b, ln2, m->saved[a->rstd2].full, xmid, cf_weight(m, p->ln2), T, C,
+                                            c->rms_norm_eps));
         }
-        OP(CF_PROF_NORM, b->rmsnorm_fwd(b, ln2, m->saved[a->rstd2].full, xmid, cf_weight(m, p->ln2), T, C, c->rms_norm_eps));
         if (p->fused_gate_up) {
             /* [gate | up] rows = ln2 [Wg; Wu]^T, straight into the saved slot */
             OP(CF_PROF_GEMM, b->matmul_fwd(b, gate, ln2, cf_weight(m, p->gate.w), NULL, T, C, 2 * F));
@@ -1100,13 +1108,20 @@ int cf_forward(cf_model *m, const int32_t *tokens, int B, int S, float *losses) 
         if (tp) {
             OP(CF_PROF_GEMM, cf_linear_fwd(m, &p->down, m->tmp, h, T, F, C));
             if (cf_tp_allreduce(m, m->tmp, (size_t)T * C, CF_TP_ACT, CF_TP_FWD) != 0) return -1;
-            OP(CF_PROF_ELTWISE, b->add(b, xnext, xmid, m->tmp, (size_t)T * C));
+            /* the norm that reads x_{l+1}: the next layer's input norm, or the final one */
+            const int last = l + 1 == L;
+            void *nout = m->saved[last ? m->s_lnf : m->la[l + 1].ln1].full;
+            float *nrstd = m->saved[last ? m->s_rstdf : m->la[l + 1].rstd1].full;
+            const void *nw = cf_weight(m, last ? m->p_norm : m->lp[l + 1].ln1);
+            OP(CF_PROF_NORM, b->add_rmsnorm_fwd(b, xnext, nout, nrstd, xmid, m->tmp, nw, T, C, c->rms_norm_eps));
+            normed = 1;
         } else {
             OP(CF_PROF_GEMM, cf_linear_fwd_residual(m, &p->down, xnext, h, xmid, T, F, C));
         }
     }
-    OP(CF_PROF_NORM, b->rmsnorm_fwd(b, m->saved[m->s_lnf].full, m->saved[m->s_rstdf].full, m->saved[m->resid[L]].full,
-                   cf_weight(m, m->p_norm), T, C, c->rms_norm_eps));
+    if (!normed)
+        OP(CF_PROF_NORM, b->rmsnorm_fwd(b, m->saved[m->s_lnf].full, m->saved[m->s_rstdf].full,
+                                        m->saved[m->resid[L]].full, cf_weight(m, m->p_norm), T, C, c->rms_norm_eps));
     if (tp) {
         /* vocab-parallel cross-entropy: each rank's (max, sum of exp, target
          * logit) of its slice, gathered; every rank then combines the same

@@ -279,6 +279,30 @@ TEST(matmul_bwd_matches_cpu_dinp_dw_dbias_and_accumulate) {
 
 /* rmsnorm: out bf16 (1e-2); rstd fp32 from identical inputs (1e-5);
  * dinp bf16 (1e-2), dw fp32 accumulated (2e-2). */
+/* The TP path's residual add fused with the norm after it: the sum (bf16
+ * rounded) and the norm of the rounded sum, against the CPU's add then
+ * norm, on the 16-byte and scalar paths, and with the sum over a in place. */
+TEST(add_rmsnorm_fwd_matches_cpu_vector_scalar_and_in_place) {
+    const int T = 67;
+    const int Cs[2] = {256, 36};
+    for (int ci = 0; ci < 2; ci++) {
+        const int C = Cs[ci];
+        float *x = HOLD(hrand((size_t)T * C, 2.f)), *y = HOLD(hrand((size_t)T * C, 1.f)), *w = HOLD(hrand(C, 1.f));
+        float *rs = HOLD(hnew((size_t)T * C)), *ro = HOLD(hnew((size_t)T * C)), *rr = HOLD(hnew(T));
+        cpu->add_rmsnorm_fwd(cpu, rs, ro, rr, x, y, w, T, C, 1e-5f);
+        for (int in_place = 0; in_place < 2; in_place++) {
+            void *ga = gact(x, (size_t)T * C), *gc = gact(y, (size_t)T * C), *gw = gact(w, C);
+            void *gs = in_place ? ga : gact_nan((size_t)T * C), *go = gact_nan((size_t)T * C), *gr = gf32_nan(T);
+            gpu->add_rmsnorm_fwd(gpu, gs, go, gr, ga, gc, gw, T, C, 1e-5f);
+            printf("    C=%d%s\n", C, in_place ? ", sum over a" : "");
+            cmp("add_rmsnorm_fwd sum", get_act(gs, (size_t)T * C), rs, (size_t)T * C, TOL_BF16);
+            cmp("add_rmsnorm_fwd out", get_act(go, (size_t)T * C), ro, (size_t)T * C, TOL_BF16);
+            cmp("add_rmsnorm_fwd rstd", get_f32(gr, T), rr, T, 2e-3); /* the sum is rounded on the GPU */
+        }
+    }
+    free_all();
+}
+
 TEST(rmsnorm_fwd_bwd_match_cpu_vector_and_scalar_paths) {
     const int T = 67;
     const int Cs[2] = {256, 36};
@@ -1519,6 +1543,7 @@ int main(void) {
     RUN_IF(matmul_fwd_residual_matches_cpu_in_place_and_not);
     RUN_IF(matmul_bwd_matches_cpu_dinp_dw_dbias_and_accumulate);
     RUN_IF(rmsnorm_fwd_bwd_match_cpu_vector_and_scalar_paths);
+    RUN_IF(add_rmsnorm_fwd_matches_cpu_vector_scalar_and_in_place);
     RUN_IF(colsum_dbias_matches_cpu_vector_scalar_and_row_chunks);
     RUN_IF(rmsnorm_bwd_fused_dw_matches_cpu_shapes_chunks_and_null_dw);
     RUN_IF(rope_fwd_bwd_match_cpu);

@@ -272,6 +272,17 @@ static void cpu_rmsnorm_fwd(cf_backend *b, void *out_, float *rstd, const void *
     }
 }
 
+/* sum = a + c, then the RMSNorm of sum (fp32: nothing to round) */
+static void cpu_add_rmsnorm_fwd(cf_backend *b, void *sum_, void *out, float *rstd, const void *a_,
+                                const void *c_, const void *w, int T, int C, float eps) {
+    if (cpu_failed(b)) return;
+    float *sum = sum_;
+    const float *a = a_, *c = c_;
+#pragma omp parallel for schedule(static)
+    for (size_t i = 0; i < (size_t)T * C; i++) sum[i] = a[i] + c[i];
+    cpu_rmsnorm_fwd(b, out, rstd, sum, w, T, C, eps);
+}
+
 /* With xhat = x * rstd and y = xhat * w:
  *   dx[c] = rstd * (w[c] dy[c] - xhat[c] * mean_c'(w[c'] dy[c'] xhat[c']))
  *   dw[c] += sum_t dy[t,c] xhat[t,c]
@@ -742,6 +753,7 @@ cf_backend *cf_backend_cpu_create(void) {
     b->matmul_fwd_residual = cpu_matmul_fwd_residual;
     b->matmul_bwd = cpu_matmul_bwd;
     b->rmsnorm_fwd = cpu_rmsnorm_fwd;
+    b->add_rmsnorm_fwd = cpu_add_rmsnorm_fwd;
     b->rmsnorm_bwd = cpu_rmsnorm_bwd;
     b->rope_fwd = cpu_rope_fwd;
     b->rope_bwd = cpu_rope_bwd;

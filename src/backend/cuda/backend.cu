@@ -97,6 +97,7 @@ extern "C" cf_backend *cf_backend_cuda_create(int device) {
     b->matmul_fwd_residual = cf_cuda_matmul_fwd_residual;
     b->matmul_bwd = cf_cuda_matmul_bwd;
     b->rmsnorm_fwd = cf_cuda_rmsnorm_fwd;
+    b->add_rmsnorm_fwd = cf_cuda_add_rmsnorm_fwd;
     b->rmsnorm_bwd = cf_cuda_rmsnorm_bwd;
     b->rope_fwd = cf_cuda_rope_fwd;
     b->rope_bwd = cf_cuda_rope_bwd;

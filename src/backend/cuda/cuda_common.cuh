@@ -137,6 +137,8 @@ void cf_cuda_matmul_fwd_residual(cf_backend *b, void *out, const void *inp, cons
 void cf_cuda_matmul_bwd(cf_backend *b, void *dinp, float *dw, float *dbias, const void *dout, const void *inp,
                         const void *w, int T, int K, int N, int flags);
 /* norm.cu */
+void cf_cuda_add_rmsnorm_fwd(cf_backend *b, void *sum, void *out, float *rstd, const void *a, const void *c,
+                             const void *w, int T, int C, float eps);
 void cf_cuda_rmsnorm_fwd(cf_backend *b, void *out, float *rstd, const void *inp, const void *w, int T, int C,
                          float eps);
 void cf_cuda_rmsnorm_bwd(cf_backend *b, void *dinp, float *dw, const void *dout, const void *inp, const void *w,

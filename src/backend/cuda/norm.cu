@@ -1,5 +1,6 @@
 /*
- * norm.cu — RMSNorm forward and backward, one warp per row; the backward
+ * norm.cu — RMSNorm forward (alone, or with the residual add before it) and
+ * backward, one warp per row; the backward
  * also writes the weight gradient's deterministic partial column sums, added
  * up by gemm.cu's final column-sum kernel.
  */
@@ -43,6 +44,68 @@ static __global__ void rmsnorm_fwd_kernel(bf16 *out, float *rstd, const bf16 *in
     }
     if (lane == 0) rstd[row] = r;
 }
+/* One warp per row: s = bf16(a + c) is written, and its sum of squares
+ * taken from the rounded values (what rmsnorm_fwd would read back); the
+ * second pass reads s back (the warp's own writes, from L1/L2) for
+ * out = s * rstd * w. One launch and one read of s from memory fewer than
+ * add + rmsnorm_fwd. */
+template <bool VEC>
+static __global__ void add_rmsnorm_fwd_kernel(bf16 *sum, bf16 *out, float *rstd, const bf16 *a, const bf16 *c,
+                                              const bf16 *w, int T, int C, float eps) {
+    const int row = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
+    if (row >= T) return;
+    const size_t off = (size_t)row * C;
+    float ss = 0.f;
+    if (VEC) {
+        for (int i = lane * 8; i < C; i += 256) {
+            float fa[8], fc[8];
+            unpack8(*(const pack8 *)(a + off + i), fa);
+            unpack8(*(const pack8 *)(c + off + i), fc);
+            for (int k = 0; k < 8; k++) fa[k] += fc[k];
+            pack8 p = pack8_from(fa);
+            *(pack8 *)(sum + off + i) = p;
+            unpack8(p, fa);
+            for (int k = 0; k < 8; k++) ss += fa[k] * fa[k];
+        }
+    } else {
+        for (int i = lane; i < C; i += 32) {
+            bf16 s = __float2bfloat16_rn(__bfloat162float(a[off + i]) + __bfloat162float(c[off + i]));
+            sum[off + i] = s;
+            float f = __bfloat162float(s);
+            ss += f * f;
+        }
+    }
+    ss = warp_sum(ss);
+    const float r = rsqrtf(ss / C + eps);
+    if (VEC) {
+        for (int i = lane * 8; i < C; i += 256) {
+            float f[8], wf[8];
+            unpack8(*(const pack8 *)(sum + off + i), f);
+            unpack8(*(const pack8 *)(w + i), wf);
+            for (int k = 0; k < 8; k++) f[k] = f[k] * r * wf[k];
+            *(pack8 *)(out + off + i) = pack8_from(f);
+        }
+    } else {
+        for (int i = lane; i < C; i += 32)
+            out[off + i] = __float2bfloat16_rn(__bfloat162float(sum[off + i]) * r * __bfloat162float(w[i]));
+    }
+    if (lane == 0) rstd[row] = r;
+}
+void cf_cuda_add_rmsnorm_fwd(cf_backend *b, void *sum, void *out, float *rstd, const void *a, const void *c,
+                             const void *w, int T, int C, float eps) {
+    cf_cuda_ctx *ctx = cf_cuda_enter(b);
+    if (!ctx || T <= 0) return;
+    int blocks = (T * 32 + 255) / 256;
+    if (C % 8 == 0 && cf_aligned16(sum) && cf_aligned16(out) && cf_aligned16(a) && cf_aligned16(c) &&
+        cf_aligned16(w))
+        add_rmsnorm_fwd_kernel<true><<<blocks, 256, 0, ctx->stream>>>(
+            (bf16 *)sum, (bf16 *)out, rstd, (const bf16 *)a, (const bf16 *)c, (const bf16 *)w, T, C, eps);
+    else
+        add_rmsnorm_fwd_kernel<false><<<blocks, 256, 0, ctx->stream>>>(
+            (bf16 *)sum, (bf16 *)out, rstd, (const bf16 *)a, (const bf16 *)c, (const bf16 *)w, T, C, eps);
+    CF_CK_LAUNCH(ctx, "add_rmsnorm_fwd");
+}
+
 void cf_cuda_rmsnorm_fwd(cf_backend *b, void *out, float *rstd, const void *inp, const void *w, int T, int C,
                            float eps) {
     cf_cuda_ctx *ctx = cf_cuda_enter(b);
