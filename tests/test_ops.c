@@ -767,8 +767,8 @@ TEST(lmhead_loss_bwd_dw_set_overwrites_over_several_chunks) {
  * gives the recompute path's dx and dwlm (fp32: the summation order of
  * dloss (p - 1) against dloss p - dloss differs, ~1e-7), with dloss-zero
  * rows exactly zero in dx and in the consumed g, over several chunks of the
- * recompute path; CF_MM_DW_SET overwrites dwlm; a NULL dwlm (frozen head)
- * still gives dx. One target outside [0, V): a NaN loss, no one-hot term. */
+ * recompute path (and zero where g holds a NaN); CF_MM_DW_SET overwrites
+ * dwlm; a NULL dwlm (frozen head) still gives dx. One target outside [0, V): a NaN loss, no one-hot term. */
 TEST(lmhead_saved_grad_backward_matches_the_recompute_path) {
     cf_rng r;
     cf_rng_seed(&r, 606);
@@ -816,8 +816,10 @@ TEST(lmhead_saved_grad_backward_matches_the_recompute_path) {
     for (size_t i = 0; i < nw; i++) dWb[i] = NAN;
     be->lmhead_loss_bwd_saved(be, dxb, dWb, g, x, W, dl, LM_T, LM_C, LM_V, CF_MM_DW_SET);
     CHECK_MSG(rel_err(dWb, dWa, nw) < 1e-6, "dwlm = %g", rel_err(dWb, dWa, nw));
-    /* a frozen head: dx only */
+    /* a frozen head: dx only; a dloss-zero row gives 0 whatever g holds */
     be->lmhead_loss_fwd_grad(be, lb, g, x, W, tg, LM_T, LM_C, LM_V);
+    for (int t = 0; t < LM_T; t++)
+        if (dl[t] == 0) g[(size_t)t * LM_V] = NAN;
     for (size_t i = 0; i < nx; i++) dxb[i] = 5.0f;
     be->lmhead_loss_bwd_saved(be, dxb, NULL, g, x, W, dl, LM_T, LM_C, LM_V, 0);
     CHECK_MSG(rel_err(dxb, dxa, nx) < 1e-6, "dx (no dwlm) %g", rel_err(dxb, dxa, nx));

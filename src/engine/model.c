@@ -1029,7 +1029,6 @@ int cf_forward(cf_model *m, const int32_t *tokens, int B, int S, float *losses) 
         (m->s_head = save_slot(m, "lm_head_grad", (size_t)c->vocab_size * b->act_size)) < 0)
         return -1;
     if (m->s_head >= 0) m->saved[m->s_head].gather = save_g;   /* nothing to gather without it */
-    m->head_g_fwd = 0;
     cf_stage_begin(m, CF_STAGE_FORWARD);
 
     /* inputs, targets, positions (and document ids) on the host, then upload */
