@@ -150,13 +150,13 @@ int cf_memory_estimate_config(const cf_config *cfg, cf_backend_kind backend, con
     if (F > tmp_wide) tmp_wide = F;
     if (!cfg->qkv_bias && !cfg->qk_norm && qd + 2 * kd > tmp_wide) row += (qd + 2 * kd) * A;
     if (o->train) {
-        /* the filter's compact copies: allocated for T rows, touched for the kept ones */
         /* issue 17: the training forward's g [T, V] for the LM head's
          * backward (model.c, cf_forward), gathered like the others */
         if (o->tp <= 1 && cf_head_save_env() && T * V * A <= CF_HEAD_SAVE_MAX_BYTES) {
             row += V * A;
             g += V * A;
         }
+        /* the filter's compact copies: allocated for T rows, touched for the kept ones */
         if (o->compact) row += (uint64_t)((double)g * (o->keep > 0 && o->keep < 1 ? o->keep : 1.0) + 0.5);
         uint64_t wide = C > qd ? C : qd;
         if (F > wide) wide = F;
