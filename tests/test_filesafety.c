@@ -433,6 +433,17 @@ TEST(the_memory_estimate_counts_weights_state_and_activations) {
     CHECK(cf_memory_estimate_config(&c, CF_BACKEND_CUDA, &o, &longer) == 0);
     CHECK(longer.activations == 2 * gpu.activations);
     CHECK(gpu.total == gpu.weights + gpu.optimizer + gpu.activations + gpu.other);
+    /* issue 17: the LM head's kept g, T V A, counted within its budget only */
+    cf_memory_estimate nog, big, bignog;
+    o.seq = 1024;
+    setenv("CF_HEAD_SAVE", "0", 1);
+    CHECK(cf_memory_estimate_config(&c, CF_BACKEND_CUDA, &o, &nog) == 0);
+    o.seq = 8192;   /* T V A = 2 GiB: over the budget */
+    CHECK(cf_memory_estimate_config(&c, CF_BACKEND_CUDA, &o, &bignog) == 0);
+    unsetenv("CF_HEAD_SAVE");
+    CHECK(cf_memory_estimate_config(&c, CF_BACKEND_CUDA, &o, &big) == 0);
+    CHECK(gpu.activations - nog.activations == 1024 * (uint64_t)c.vocab_size * 2);
+    CHECK(big.activations == bignog.activations);
     /* an 8B model with a long batch cannot fit a CI machine: one line */
     cf_model_opts mo = {0};
     mo.config = "llama3.1-8b";

@@ -561,6 +561,129 @@ TEST(fused_projections_give_the_unfused_losses_gradients_and_step) {
     }
 }
 
+/* A model of config `name` (LoRA on q and v if lora) whose training
+ * forwards keep the LM head's g (save = 1) or not (CF_HEAD_SAVE=0 at open),
+ * weights as make_model's. */
+static cf_model *head_model(const char *name, int lora, int save, uint64_t seed) {
+    cf_model_opts o = {0};
+    o.config = name;
+    o.backend = CF_BACKEND_CPU;
+    o.seed = seed;
+    if (lora) o.lora = (cf_lora_opts){4, 8.0f, CF_LORA_Q | CF_LORA_V, 0.0f, 0};
+    if (!save) setenv("CF_HEAD_SAVE", "0", 1);
+    cf_model *m = cf_model_open(&o);
+    unsetenv("CF_HEAD_SAVE");
+    if (!m) { printf("    %s\n", cf_last_error()); return NULL; }
+    randomize_weights(m, seed ^ 0x5eed, 0.25f, 0.2f);
+    return m;
+}
+
+/* Two micro-batches of B x S (tok: 2 B rows of S + 1) accumulated on fresh
+ * gradients as the trainer runs them: each forward marked as followed by
+ * its backward, the kept rows the top half by loss per sequence. losses
+ * gets both forwards' losses; *kept counts the forwards that kept g. */
+static float *head_accum_grads(cf_model *m, const int32_t *tok, cf_mode mode, float *losses, int *kept) {
+    cf_zero_grad(m);
+    for (int mb = 0; mb < 2; mb++) {
+        float *l = losses + mb * B * S;
+        m->bwd_follows = 1;
+        CHECK(cf_forward(m, tok + mb * B * (S + 1), B, S, l) == 0);
+        m->bwd_follows = 0;
+        *kept += m->head_g_fwd == m->fwd_id;
+        uint8_t keep[B * S];
+        cf_select(l, NULL, B, S, 0.5f, CF_SELECT_SELF, 0, 3, keep);
+        int rc = backward_with_mask(m, mode, mode == CF_MODE_REGULAR ? NULL : keep, 0);
+        CHECK_MSG(rc == 0, "backward failed: %s", cf_last_error());
+        CHECK(m->head_g_fwd == 0);   /* used up, or never kept */
+    }
+    return all_grads(m);
+}
+
+/* Issue 17: a training forward keeps g = softmax - onehot and its backward
+ * skips the logits recompute; against CF_HEAD_SAVE=0 (the recompute path):
+ * the same losses bit for bit and the same gradients (fp32: ~1e-7, the
+ * order of dloss (p - 1) against dloss p - dloss) in regular, loss-only and
+ * centrifuge modes over two accumulated micro-batches (the first writes
+ * the LM head's gradient: CF_MM_DW_SET), untied (tiny-llama), tied (tiny:
+ * the LM head's gradient is the embedding's) and with LoRA (frozen head).
+ * An inference forward keeps nothing and allocates nothing; a backward
+ * after it recomputes; the trainer's step after it keeps g and matches. */
+TEST(lm_head_saved_grad_gives_the_recompute_paths_losses_and_gradients) {
+    static const struct { const char *name; int lora; } cs[] = {{"tiny-llama", 0}, {"tiny", 0}, {"tiny-qwen2", 1}};
+    const cf_mode modes[] = {CF_MODE_REGULAR, CF_MODE_LOSS_ONLY, CF_MODE_CENTRIFUGE};
+    for (size_t ci = 0; ci < sizeof cs / sizeof cs[0]; ci++) {
+        cf_model *on = head_model(cs[ci].name, cs[ci].lora, 1, 61 + ci);
+        cf_model *off = head_model(cs[ci].name, cs[ci].lora, 0, 61 + ci);
+        if (!on || !off) { CHECK(0); cf_model_free(on); cf_model_free(off); continue; }
+        CHECK(on->head_save && !off->head_save);
+        int32_t tok[2 * B * (S + 1)];
+        random_tokens(tok, 2 * B * (S + 1), cf_model_config(on)->vocab_size, 600 + ci);
+        for (int mi = 0; mi < 3; mi++) {
+            float lon[2 * B * S], loff[2 * B * S];
+            int kon = 0, koff = 0;
+            float *gon = head_accum_grads(on, tok, modes[mi], lon, &kon);
+            float *goff = head_accum_grads(off, tok, modes[mi], loff, &koff);
+            CHECK_MSG(kon == 2 && koff == 0, "%s: forwards keeping g: %d with, %d without", cs[ci].name, kon, koff);
+            CHECK_MSG(memcmp(lon, loff, sizeof lon) == 0, "%s %s: losses differ", cs[ci].name,
+                      cf_mode_name(modes[mi]));
+            const char *where = "?";
+            double e = max_rel(on, gon, goff, &where);
+            CHECK_MSG(e < 1e-5, "%s %s: gradients differ by %.3g at %s", cs[ci].name, cf_mode_name(modes[mi]), e,
+                      where);
+            CHECK(grad_norm(gon, cf_model_num_params(on)) > 0);
+            free(gon);
+            free(goff);
+        }
+        cf_model_free(on);
+        cf_model_free(off);
+    }
+
+    /* inference, then a backward of it (recompute), then the trainer */
+    cf_model *on = head_model("tiny-llama", 0, 1, 71), *off = head_model("tiny-llama", 0, 0, 71);
+    if (!on || !off) { CHECK(0); cf_model_free(on); cf_model_free(off); return; }
+    int32_t tok[2 * B * (S + 1)];
+    random_tokens(tok, 2 * B * (S + 1), cf_model_config(on)->vocab_size, 700);
+    float lon[B * S], loff[B * S];
+    CHECK(cf_forward(on, tok, B, S, lon) == 0 && cf_forward(off, tok, B, S, loff) == 0);
+    CHECK(on->s_head < 0 && on->head_g_fwd == 0 && memcmp(lon, loff, sizeof lon) == 0);
+    cf_zero_grad(on);
+    cf_zero_grad(off);
+    CHECK(cf_backward(on, CF_MODE_REGULAR, NULL, 1.0f, NULL) == 0);
+    CHECK(cf_backward(off, CF_MODE_REGULAR, NULL, 1.0f, NULL) == 0);
+    float *gon = all_grads(on), *goff = all_grads(off);
+    CHECK_MSG(max_rel(on, gon, goff, NULL) == 0, "a backward after inference: gradients differ");
+    free(gon);
+    free(goff);
+    cf_adamw_params hp = {1e-2f, 0.9f, 0.95f, 1e-3f, 0.1f, 1.0f};
+    CHECK(cf_step(on, &hp, NULL) == 0 && cf_step(off, &hp, NULL) == 0);
+    CHECK(cf_forward(on, tok, B, S, lon) == 0);   /* inference before the step, nothing after it */
+    cf_train_opts o = {0};
+    o.mode = CF_MODE_CENTRIFUGE;
+    o.select = (cf_select_opts){CF_SELECT_SELF, 0.5, 0, 1};
+    o.adamw = hp;
+    o.batch = B; o.seq = S; o.grad_accum = 2;
+    cf_trainer *tr_on = cf_trainer_create(on, &o), *tr_off = cf_trainer_create(off, &o);
+    CHECK(tr_on && tr_off);
+    cf_micro_batch mbs[2] = {{tok, NULL}, {tok + B * (S + 1), NULL}};
+    cf_step_stats son, soff;
+    CHECK(cf_trainer_step(tr_on, mbs, 1e-2f, &son) == 0 && cf_trainer_step(tr_off, mbs, 1e-2f, &soff) == 0);
+    CHECK(on->s_head >= 0 && off->s_head < 0 && !on->bwd_follows);
+    CHECK(son.loss == soff.loss);
+    CHECK_CLOSE(son.grad_norm, soff.grad_norm, 1e-5);
+    size_t np = cf_model_num_params(on);
+    float *wa = malloc(np * sizeof(float)), *wb = malloc(np * sizeof(float));
+    for (int i = 0; i < cf_model_num_tensors(on); i++) {
+        cf_model_get_param(on, i, wa + toff(on, i));
+        cf_model_get_param(off, i, wb + toff(off, i));
+    }
+    CHECK_MSG(max_rel(on, wa, wb, NULL) < 1e-5, "weights after the trainer's step differ (%.3g)",
+              max_rel(on, wa, wb, NULL));
+    free(wa); free(wb);
+    cf_trainer_free(tr_on); cf_trainer_free(tr_off);
+    cf_model_free(on);
+    cf_model_free(off);
+}
+
 int main(void) {
     RUN(kept_count_is_round_of_the_decimal_keep_fraction);
     RUN(kept_rows_are_refused_after_the_next_forward_or_selection);
@@ -574,6 +697,7 @@ int main(void) {
     RUN(doc_mask_gradients_match_finite_differences_and_centrifuge_equals_stopgrad_reference);
     RUN(saved_model_loads_back_with_identical_losses);
     RUN(fused_projections_give_the_unfused_losses_gradients_and_step);
+    RUN(lm_head_saved_grad_gives_the_recompute_paths_losses_and_gradients);
     RUN(training_steps_reduce_the_loss_on_a_repeated_batch);
     return test_summary();
 }

@@ -792,6 +792,71 @@ TEST(lmhead_loss_bwd_dw_set_overwrites_over_several_chunks) {
     free(x); free(W); free(dl); free(dx); free(dx2); free(dWa); free(dWb); free(tg);
 }
 
+/* Issue 17: the forward that keeps g = softmax - onehot gives the same
+ * losses bit for bit, g matches a double softmax, and the backward from g
+ * gives the recompute path's dx and dwlm (fp32: the summation order of
+ * dloss (p - 1) against dloss p - dloss differs, ~1e-7), with dloss-zero
+ * rows exactly zero in dx and in the consumed g, over several chunks of the
+ * recompute path (and zero where g holds a NaN); CF_MM_DW_SET overwrites
+ * dwlm; a NULL dwlm (frozen head) still gives dx. One target outside [0, V): a NaN loss, no one-hot term. */
+TEST(lmhead_saved_grad_backward_matches_the_recompute_path) {
+    cf_rng r;
+    cf_rng_seed(&r, 606);
+    const size_t nx = LM_T * LM_C, nw = LM_V * LM_C, ng = LM_T * LM_V;
+    float *x = fnew(nx), *W = fnew(nw), *la = fnew(LM_T), *lb = fnew(LM_T), *g = fnew(ng), *dl = fnew(LM_T);
+    float *dxa = fnew(nx), *dxb = fnew(nx), *dWa = fnew(nw), *dWb = fnew(nw), *dW0 = fnew(nw);
+    int tg[LM_T];
+    lm_inputs(&r, x, W, tg, 1);
+    tg[7] = LM_V;
+    be->lmhead_loss_fwd(be, la, x, W, tg, LM_T, LM_C, LM_V);
+    be->lmhead_loss_fwd_grad(be, lb, g, x, W, tg, LM_T, LM_C, LM_V);
+    CHECK(memcmp(la, lb, LM_T * sizeof(float)) == 0 && isnan(lb[7]));
+    double *xd = to_double(x, nx), *Wd = to_double(W, nw), gerr = 0;
+    for (int t = 0; t < LM_T; t++) {
+        double z[LM_V], m = -INFINITY, s = 0;
+        for (int j = 0; j < LM_V; j++) m = fmax(m, z[j] = dot_d(xd + t * LM_C, Wd + j * LM_C, LM_C));
+        for (int j = 0; j < LM_V; j++) s += exp(z[j] - m);
+        for (int j = 0; j < LM_V; j++)
+            gerr = fmax(gerr, fabs(g[(size_t)t * LM_V + j] - (exp(z[j] - m) / s - (j == tg[t]))));
+    }
+    CHECK_MSG(gerr < FWD_TOL, "g vs double softmax - onehot: max err %g", gerr);
+    int zero = 0;
+    for (int t = 0; t < LM_T; t++) {
+        dl[t] = cf_rng_uniform(&r) < 0.25f ? 0.0f : cf_rng_normal(&r);
+        zero += dl[t] == 0;
+    }
+    CHECK(zero > 0 && dl[7] != 0);
+    /* accumulate onto a nonzero dwlm */
+    fill_normal(dW0, nw, &r, 1);
+    memcpy(dWa, dW0, nw * sizeof(float));
+    memcpy(dWb, dW0, nw * sizeof(float));
+    for (size_t i = 0; i < nx; i++) dxb[i] = 5.0f;
+    be->lmhead_loss_bwd(be, dxa, dWa, x, W, tg, dl, NULL, LM_T, LM_C, LM_V, 0, 0);
+    be->lmhead_loss_bwd_saved(be, dxb, dWb, g, x, W, dl, LM_T, LM_C, LM_V, 0);
+    CHECK_MSG(rel_err(dxb, dxa, nx) < 1e-6, "dx %g", rel_err(dxb, dxa, nx));
+    CHECK_MSG(rel_err(dWb, dWa, nw) < 1e-6, "dwlm += %g", rel_err(dWb, dWa, nw));
+    int ok = 1;
+    for (int t = 0; t < LM_T; t++)
+        if (dl[t] == 0) ok &= max_abs(dxb + (size_t)t * LM_C, LM_C) == 0 && max_abs(g + (size_t)t * LM_V, LM_V) == 0;
+    CHECK_MSG(ok, "a dloss-zero row has a nonzero dx or dlogits");
+    /* CF_MM_DW_SET: dwlm is written, whatever it held */
+    be->lmhead_loss_fwd_grad(be, lb, g, x, W, tg, LM_T, LM_C, LM_V);
+    be->memzero(be, dWa, nw * sizeof(float));
+    be->lmhead_loss_bwd(be, dxa, dWa, x, W, tg, dl, NULL, LM_T, LM_C, LM_V, 0, CF_MM_DW_SET);
+    for (size_t i = 0; i < nw; i++) dWb[i] = NAN;
+    be->lmhead_loss_bwd_saved(be, dxb, dWb, g, x, W, dl, LM_T, LM_C, LM_V, CF_MM_DW_SET);
+    CHECK_MSG(rel_err(dWb, dWa, nw) < 1e-6, "dwlm = %g", rel_err(dWb, dWa, nw));
+    /* a frozen head: dx only; a dloss-zero row gives 0 whatever g holds */
+    be->lmhead_loss_fwd_grad(be, lb, g, x, W, tg, LM_T, LM_C, LM_V);
+    for (int t = 0; t < LM_T; t++)
+        if (dl[t] == 0) g[(size_t)t * LM_V] = NAN;
+    for (size_t i = 0; i < nx; i++) dxb[i] = 5.0f;
+    be->lmhead_loss_bwd_saved(be, dxb, NULL, g, x, W, dl, LM_T, LM_C, LM_V, 0);
+    CHECK_MSG(rel_err(dxb, dxa, nx) < 1e-6, "dx (no dwlm) %g", rel_err(dxb, dxa, nx));
+    free(x); free(W); free(la); free(lb); free(g); free(dl); free(dxa); free(dxb); free(dWa); free(dWb); free(dW0);
+    free(xd); free(Wd);
+}
+
 /* -------------------------------------------------------------- attention */
 
 /* Naive attention in double over n rows that attend among themselves: row j
@@ -1726,6 +1791,7 @@ int main(void) {
     RUN(lmhead_loss_bwd_matches_finite_differences);
     RUN(lmhead_loss_bwd_zero_dloss_rows_give_zero_dx_and_no_dwlm);
     RUN(lmhead_loss_bwd_dw_set_overwrites_over_several_chunks);
+    RUN(lmhead_saved_grad_backward_matches_the_recompute_path);
     RUN(vocab_parallel_slices_reproduce_whole_vocabulary_loss_and_gradients);
     RUN(attention_fwd_matches_naive_reference_causal_gqa_with_and_without_doc_ids);
     RUN(attention_full_bwd_matches_finite_differences_with_and_without_doc_ids);

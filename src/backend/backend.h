@@ -207,6 +207,22 @@ struct cf_backend {
     void (*lmhead_loss_bwd)(cf_backend *b, void *dx, float *dwlm, const void *x, const void *wlm,
                             const int *targets, const float *dloss, const float *lse, int T, int C,
                             int V, int vstart, int flags);
+    /* lmhead_loss_fwd (the same losses), and for a backward that follows
+     * (issue 17) the unscaled gradient of each row's loss w.r.t. its logits,
+     *   g[t,:] = softmax(x_t W^T) - onehot(targets[t])   (act dtype, [T, V]),
+     * written from the logits the forward computes anyway, so that the
+     * backward (lmhead_loss_bwd_saved) need not recompute them. A target
+     * outside [0, V) gives a NaN loss and g without the one-hot term. */
+    void (*lmhead_loss_fwd_grad)(cf_backend *b, float *losses, void *g, const void *x, const void *wlm,
+                                 const int *targets, int T, int C, int V);
+    /* lmhead_loss_bwd from the forward's g (whole vocabulary, no TP): for t < T
+     *   g[t,:] = dloss[t] * g[t,:]   (in place, rounded to the act dtype;
+     *                                 exactly 0 where dloss[t] == 0)
+     * then dx[T,C] = g W (overwrite) and dwlm[V,C] += g^T x (= with
+     * CF_MM_DW_SET; dwlm NULL: a frozen LM head). g is consumed: it holds
+     * dlogits afterwards. */
+    void (*lmhead_loss_bwd_saved)(cf_backend *b, void *dx, float *dwlm, void *g, const void *x, const void *wlm,
+                                  const float *dloss, int T, int C, int V, int flags);
     /* Vocab-parallel forward, first half: for the slice [vstart, vstart+V)
      * held in wlm, stats[t] = {max_j z_tj, sum_j exp(z_tj - max), z_t,target
      * if the target is in the slice else 0} (z = x W^T). */

@@ -284,9 +284,19 @@ static int backward_body(cf_model *m, cf_mode mode, const cf_kept *kept, float t
      * input gradient is a partial sum */
     const int tp = cf_tp_on(m);
     const int v0 = tp ? m->tp.vocab_start : 0, vn = tp ? m->tp.vocab_len : c->vocab_size;
-    OP(CF_PROF_LMHEAD, b->lmhead_loss_bwd(b, m->d_ln, cf_grad(m, m->p_lm_head), SAVED(m, m->s_lnf),
-                       cf_weight(m, m->p_lm_head), SAVED(m, m->s_targets), m->dloss,
-                       tp ? SAVED(m, m->s_lse) : NULL, n, C, vn, v0, cf_grad_take_zero(m, m->p_lm_head)));
+    if (!tp && m->s_head >= 0 && m->head_g_fwd == m->fwd_id) {
+        /* issue 17: the forward kept g = softmax - onehot (of the kept rows
+         * after the filter): dlogits = dloss g in place, then the two GEMMs.
+         * g is consumed; another backward of this forward recomputes. */
+        OP(CF_PROF_LMHEAD, b->lmhead_loss_bwd_saved(b, m->d_ln, cf_grad(m, m->p_lm_head), SAVED(m, m->s_head),
+                           SAVED(m, m->s_lnf), cf_weight(m, m->p_lm_head), m->dloss, n, C, vn,
+                           cf_grad_take_zero(m, m->p_lm_head)));
+        m->head_g_fwd = 0;
+    } else {
+        OP(CF_PROF_LMHEAD, b->lmhead_loss_bwd(b, m->d_ln, cf_grad(m, m->p_lm_head), SAVED(m, m->s_lnf),
+                           cf_weight(m, m->p_lm_head), SAVED(m, m->s_targets), m->dloss,
+                           tp ? SAVED(m, m->s_lse) : NULL, n, C, vn, v0, cf_grad_take_zero(m, m->p_lm_head)));
+    }
     /* Data parallel: the embedding's gradient (tied: shared with the LM
      * head, now final) lacks only this micro-batch's embedding rows, which
      * the hook adds after the reduction; reducing it here, not after the

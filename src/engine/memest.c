@@ -12,7 +12,9 @@
  *   optimizer    Nt x 4 (gradients) + Nt x 12 / world (master, m, v; on the
  *                CPU with one process the fp32 compute copy is the master)
  *   activations  T x (bytes per row of every saved tensor, their compact
- *                copies in centrifuge/strawman mode, the backward scratch)
+ *                copies in centrifuge/strawman mode, the backward scratch;
+ *                training without TP: the LM head's kept g = softmax -
+ *                onehot, V x A per row, when T V A fits its budget)
  *   other        the LM head's logits chunk; host token buffers; on the CPU
  *                the host copies a checkpoint save makes (N x 4 + Nt x 8)
  *
@@ -28,6 +30,7 @@
 #include "base/common.h"
 #include "centrifuge.h"
 #include "dist/tp_plan.h"
+#include "engine/model_internal.h"
 
 /* ------------------------------------------------------------- parameters */
 
@@ -147,6 +150,12 @@ int cf_memory_estimate_config(const cf_config *cfg, cf_backend_kind backend, con
     if (F > tmp_wide) tmp_wide = F;
     if (!cfg->qkv_bias && !cfg->qk_norm && qd + 2 * kd > tmp_wide) row += (qd + 2 * kd) * A;
     if (o->train) {
+        /* issue 17: the training forward's g [T, V] for the LM head's
+         * backward (model.c, cf_forward), gathered like the others */
+        if (o->tp <= 1 && cf_head_save_env() && T * V * A <= CF_HEAD_SAVE_MAX_BYTES) {
+            row += V * A;
+            g += V * A;
+        }
         /* the filter's compact copies: allocated for T rows, touched for the kept ones */
         if (o->compact) row += (uint64_t)((double)g * (o->keep > 0 && o->keep < 1 ? o->keep : 1.0) + 0.5);
         uint64_t wide = C > qd ? C : qd;

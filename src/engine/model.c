@@ -379,6 +379,11 @@ static void plan_fused_proj(cf_model *m) {
     }
 }
 
+int cf_head_save_env(void) {
+    const char *e = getenv("CF_HEAD_SAVE");
+    return !(e && *e == '0');
+}
+
 static cf_model *model_alloc(const cf_config *cfg, const cf_model_opts *o, const cf_tp_sync *tp,
                              cf_layout_fn layout, void *lctx) {
     if (cf_config_validate(cfg) != 0) return NULL;
@@ -408,6 +413,7 @@ static cf_model *model_alloc(const cf_config *cfg, const cf_model_opts *o, const
     int rc = layout ? layout(lctx, m, &lay) : cf_optim_layout_whole(m, &lay);
     if (rc != 0 || cf_optim_init(m, &lay) != 0) { cf_model_free(m); return NULL; }
     plan_fused_proj(m);
+    m->head_save = cf_head_save_env() && !cf_tp_on(m);
     m->inv_freq = b->alloc(b, (size_t)cfg->head_dim / 2 * sizeof(float));
     m->scalars = b->alloc(b, sizeof(cf_scalars));
     if (!m->inv_freq || !m->scalars) { cf_model_free(m); return NULL; }
@@ -855,6 +861,7 @@ static void free_acts(cf_model *m) {
         b->free(b, m->saved[i].compact);
     }
     m->nsaved = 0;
+    m->s_head = -1;
     if (m->la)
         for (int l = 0; l < m->cfg.num_hidden_layers; l++) { b->free(b, m->la[l].k); b->free(b, m->la[l].v); }
     free(m->la); m->la = NULL;
@@ -1010,6 +1017,18 @@ int cf_forward(cf_model *m, const int32_t *tokens, int B, int S, float *losses) 
     m->drop_on = m->train && m->lora.rank > 0 && m->lora.dropout > 0;
     if (m->drop_on) m->drop_ctr = m->drop_next++;
     m->host_losses_fwd = 0;
+    /* Issue 17: a forward that a backward follows (the trainer's) also
+     * writes g = softmax - onehot [T, V] from the logits it computes anyway,
+     * so that backward runs only dx = (dloss g) W and dW += (dloss g)^T x,
+     * a third less than recomputing the logits. g is a saved slot, gathered
+     * by the filter like the others, and allocated at the first such
+     * forward (inference never pays for it); within the memory budget only. */
+    const int save_g = m->bwd_follows && m->head_save &&
+                       (uint64_t)m->cap_T * (uint64_t)c->vocab_size * b->act_size <= CF_HEAD_SAVE_MAX_BYTES;
+    if (save_g && m->s_head < 0 &&
+        (m->s_head = save_slot(m, "lm_head_grad", (size_t)c->vocab_size * b->act_size)) < 0)
+        return -1;
+    if (m->s_head >= 0) m->saved[m->s_head].gather = save_g;   /* nothing to gather without it */
     cf_stage_begin(m, CF_STAGE_FORWARD);
 
     /* inputs, targets, positions (and document ids) on the host, then upload */
@@ -1133,6 +1152,10 @@ int cf_forward(cf_model *m, const int32_t *tokens, int B, int S, float *losses) 
         if (m->tp.allgather_f32(m->tp.ctx, m->tp_stats, (size_t)T * 3) != 0) return -1;
         OP(CF_PROF_LMHEAD, b->xent_combine(b, m->losses, m->saved[m->s_lse].full, m->tp_stats,
                            m->saved[m->s_targets].full, T, m->tp.size, V));
+    } else if (save_g) {
+        OP(CF_PROF_LMHEAD, b->lmhead_loss_fwd_grad(b, m->losses, m->saved[m->s_head].full, m->saved[m->s_lnf].full,
+                           cf_weight(m, m->p_lm_head), m->saved[m->s_targets].full, T, C, c->vocab_size));
+        m->head_g_fwd = m->fwd_id;
     } else {
         OP(CF_PROF_LMHEAD, b->lmhead_loss_fwd(b, m->losses, m->saved[m->s_lnf].full, cf_weight(m, m->p_lm_head),
                            m->saved[m->s_targets].full, T, C, c->vocab_size));

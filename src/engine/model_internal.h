@@ -189,6 +189,13 @@ typedef struct {
 
 #define CF_MAX_SAVED 1024
 
+/* Issue 17: the largest g = softmax - onehot [T, V] (T V x bytes per act
+ * element) a training forward keeps for its backward; above it the
+ * backward recomputes the logits as before. */
+#define CF_HEAD_SAVE_MAX_BYTES ((uint64_t)1 << 30)
+/* 0 when CF_HEAD_SAVE=0 is in the environment (A/B timing, cross-checks). */
+int cf_head_save_env(void);
+
 struct cf_model {
     cf_config cfg;
     cf_backend *b;
@@ -219,6 +226,12 @@ struct cf_model {
     cf_tp_sync tp;         /* tensor parallelism (size <= 1: none) */
     float *tp_stats;       /* backend [tp, T, 3]: the vocab slices' cross-entropy statistics */
     int s_lse;             /* saved [T] fp32: the whole vocabulary's log-sum-exp (TP) */
+    /* Issue 17: a forward that a backward follows keeps the LM head's
+     * g = softmax - onehot of every row, so that backward skips the logits
+     * GEMM (model.c, cf_forward; backward.c) */
+    int head_save;         /* CF_HEAD_SAVE not 0 at open, and no TP */
+    int s_head;            /* saved [T, V] act: g; -1 until a forward keeps it */
+    uint64_t head_g_fwd;   /* the forward whose g s_head holds, unconsumed; 0: none */
     float *dloss;          /* backend [T] */
     float *ref_dev;        /* backend [T]: reference losses for device selection */
     cf_scalars *scalars;   /* backend */
@@ -232,6 +245,7 @@ struct cf_model {
      * adapter's lora_A index), backend/dropout_mask.h) at the original rows
      * lora_rows (the kept rows of a compact backward; NULL: row i is i). */
     int train;              /* cf_model_set_train; the trainer's step only */
+    int bwd_follows;        /* the trainer's step: a backward of this forward follows */
     int drop_on;
     uint64_t drop_seed, drop_next, drop_ctr;
     uint32_t drop_thr;      /* round(P 2^32) */

@@ -79,10 +79,12 @@ int cf_trainer_step(cf_trainer *t, const cf_micro_batch *mb, float lr, cf_step_s
          * uninterrupted one would; off again for any other forward */
         int was_train = m->train;
         m->train = 1;
+        m->bwd_follows = 1;   /* its backward follows: the LM head keeps g (issue 17) */
         m->drop_seed = o->select.seed;
         m->drop_next = ((uint64_t)rank << 48) + (uint64_t)t->step * (uint64_t)o->grad_accum + (uint64_t)mi;
         int frc = cf_forward(m, mb[mi].tokens, o->batch, o->seq, NULL);
         m->train = was_train;
+        m->bwd_follows = 0;
         if (frc != 0) return -1;
         cf_kept kept = {0, 0};
         if (o->mode != CF_MODE_REGULAR) {

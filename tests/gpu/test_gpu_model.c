@@ -79,12 +79,18 @@ static double worst_tensor_err(cf_model *m, const float *a, const float *ref, co
     return worst;
 }
 
+/* A forward marked as followed by its backward, as the trainer's: with
+ * head_save (the default) the LM head keeps g and the backward uses it. */
 static float *run_s(cf_model *m, const int32_t *tok, int Sq, cf_mode mode, const uint8_t *keep, int stopgrad,
                     float *losses) {
+    m->bwd_follows = 1;
     cf_forward(m, tok, B, Sq, losses);
+    m->bwd_follows = 0;
+    CHECK(m->head_g_fwd == (m->head_save ? m->fwd_id : 0));
     cf_zero_grad(m);
     int rc = backward_with_mask(m, mode, keep, stopgrad);
     CHECK_MSG(rc == 0, "backward: %s", cf_last_error());
+    CHECK(m->head_g_fwd == 0);
     return all_grads(m);
 }
 
@@ -97,15 +103,20 @@ static float *run(cf_model *m, const int32_t *tok, cf_mode mode, const uint8_t *
  * whose q/k norms amplify it), 3e-2 at S = 40 as before. fused = 0: the
  * GPU model with CF_FUSED_PROJ=0 (separate q/k/v and gate/up GEMMs); else
  * the default, checked to fuse q/k/v (but with qwen2's biases or qwen3's
- * q/k norms) and gate/up in every layer, so the fused ops run here. */
-static void model_matches_cpu(int Sq, double ltol, int fused) {
+ * q/k norms) and gate/up in every layer, so the fused ops run here.
+ * head_save = 0: the GPU model with CF_HEAD_SAVE=0 (its LM head backward
+ * recomputes the logits); else the default, the forward keeping g. */
+static void model_matches_cpu(int Sq, double ltol, int fused, int head_save) {
     for (int ti = 0; ti < NTYPES; ti++) {
         cf_model *mc = cpu_model(TYPES[ti], 11 + ti);
         if (!fused) setenv("CF_FUSED_PROJ", "0", 1);
+        if (!head_save) setenv("CF_HEAD_SAVE", "0", 1);
         cf_model *mg = mc ? cf_model_create(cf_model_config(mc), CF_BACKEND_CUDA, 1) : NULL;
         unsetenv("CF_FUSED_PROJ");
+        unsetenv("CF_HEAD_SAVE");
         CHECK_MSG(mc && mg, "%s: %s", TYPES[ti], cf_last_error());
         if (!mc || !mg) { cf_model_free(mc); cf_model_free(mg); continue; }
+        CHECK(mg->head_save == head_save);
         const cf_config *cc = cf_model_config(mc);
         for (int l = 0; l < cc->num_hidden_layers; l++)
             CHECK_MSG(mg->lp[l].fused_qkv == (fused && !cc->qkv_bias && !cc->qk_norm) &&
@@ -147,11 +158,13 @@ static void model_matches_cpu(int Sq, double ltol, int fused) {
     }
 }
 
-TEST(gpu_model_losses_and_gradients_match_cpu_in_every_mode) { model_matches_cpu(S0, 3e-2, 1); }
+TEST(gpu_model_losses_and_gradients_match_cpu_in_every_mode) { model_matches_cpu(S0, 3e-2, 1, 1); }
 
-TEST(gpu_model_with_unfused_projections_matches_cpu_in_every_mode) { model_matches_cpu(S0, 3e-2, 0); }
+TEST(gpu_model_with_unfused_projections_matches_cpu_in_every_mode) { model_matches_cpu(S0, 3e-2, 0, 1); }
 
-TEST(gpu_model_matches_cpu_over_several_attention_tiles_with_uneven_kept_counts) { model_matches_cpu(S, 5e-2, 1); }
+TEST(gpu_model_recomputing_the_lm_head_logits_matches_cpu_in_every_mode) { model_matches_cpu(S0, 3e-2, 1, 0); }
+
+TEST(gpu_model_matches_cpu_over_several_attention_tiles_with_uneven_kept_counts) { model_matches_cpu(S, 5e-2, 1, 1); }
 
 TEST(gpu_equivalences_of_design_section_1_hold_with_bf16_tolerances) {
     for (int ti = 0; ti < NTYPES; ti++) {
@@ -459,6 +472,7 @@ int main(void) {
     RUN(gpu_batched_filter_gather_equals_per_tensor_gather);
     RUN(gpu_model_losses_and_gradients_match_cpu_in_every_mode);
     RUN(gpu_model_with_unfused_projections_matches_cpu_in_every_mode);
+    RUN(gpu_model_recomputing_the_lm_head_logits_matches_cpu_in_every_mode);
     RUN(gpu_model_matches_cpu_over_several_attention_tiles_with_uneven_kept_counts);
     RUN(gpu_lora_losses_and_adapter_gradients_match_cpu);
     RUN(gpu_equivalences_of_design_section_1_hold_with_bf16_tolerances);

@@ -863,6 +863,58 @@ TEST(lmhead_loss_fwd_bwd_match_cpu_with_zero_dloss_rows) {
     free_all();
 }
 
+/* Issue 17: the forward that keeps g = softmax - onehot (bf16) and the
+ * backward from it, against the CPU backend's same ops: losses as the plain
+ * forward's (bit for bit on the GPU too: the same kernel pass), g within
+ * bf16 rounding, dx and dW as the recompute path's tolerances (dlogits is
+ * rounded twice here: g, then dloss g), rows with dloss 0 exactly 0 in dx;
+ * CF_MM_DW_SET writes a NaN-filled dW; a NULL dW (frozen head) gives dx. */
+TEST(lmhead_saved_grad_fwd_bwd_match_cpu_with_zero_dloss_rows) {
+    const int T = 37, C = 64, V = 1000;
+    const size_t nx = (size_t)T * C, nw = (size_t)V * C, ng = (size_t)T * V;
+    float *x = HOLD(hrand(nx, 1.f)), *w = HOLD(hrand(nw, 0.3f));
+    int *tg = HOLD(inew(T));
+    float *dl = HOLD(hnew(T)), *dw0 = HOLD(hrand(nw, 0.01f));
+    for (int t = 0; t < T; t++) {
+        tg[t] = (int)cf_rng_below(&rng, V);
+        dl[t] = (t % 3 == 1) ? 0.f : 1.f / T;
+    }
+    float *rl = HOLD(hnew(T)), *rg = HOLD(hnew(ng)), *rdx = HOLD(hnew(nx)), *rdw = HOLD(hcopy(dw0, nw));
+    cpu->lmhead_loss_fwd_grad(cpu, rl, rg, x, w, tg, T, C, V);
+    float *rg0 = HOLD(hcopy(rg, ng));
+    cpu->lmhead_loss_bwd_saved(cpu, rdx, rdw, rg, x, w, dl, T, C, V, 0);
+    void *gx = gact(x, nx), *gw = gact(w, nw), *gt = gi32(tg, T), *gdl = gf32(dl, T);
+    void *gl = gf32_nan(T), *gl0 = gf32_nan(T), *gg = gact_nan(ng), *gdx = gact_nan(nx), *gdw = gf32(dw0, nw);
+    gpu->lmhead_loss_fwd(gpu, gl0, gx, gw, gt, T, C, V);
+    gpu->lmhead_loss_fwd_grad(gpu, gl, gg, gx, gw, gt, T, C, V);
+    float *l = get_f32(gl, T);
+    CHECK_MSG(bitwise_equal(l, get_f32(gl0, T), T), "losses differ from lmhead_loss_fwd's");
+    cmp("lmhead saved: losses", l, rl, T, 1e-3);
+    cmp("lmhead saved: g = softmax - onehot", get_act(gg, ng), rg0, ng, 1e-2);
+    gpu->lmhead_loss_bwd_saved(gpu, gdx, gdw, gg, gx, gw, gdl, T, C, V, 0);
+    float *dx = get_act(gdx, nx);
+    cmp("lmhead saved: dx", dx, rdx, nx, TOL_GRAD);
+    cmp("lmhead saved: dW +=", get_f32(gdw, nw), rdw, nw, TOL_GRAD);
+    int zero_ok = 1;
+    for (int t = 1; t < T; t += 3)
+        for (int c = 0; c < C; c++) zero_ok &= dx[(size_t)t * C + c] == 0.f;
+    CHECK(zero_ok);
+    /* CF_MM_DW_SET: dW written without being read (NaN before) */
+    float *rdz = HOLD(hnew(nw));
+    cpu->lmhead_loss_fwd_grad(cpu, rl, rg, x, w, tg, T, C, V);
+    cpu->lmhead_loss_bwd_saved(cpu, rdx, rdz, rg, x, w, dl, T, C, V, 0);
+    void *gdn = gf32_nan(nw);
+    gpu->lmhead_loss_fwd_grad(gpu, gl, gg, gx, gw, gt, T, C, V);
+    gpu->lmhead_loss_bwd_saved(gpu, gdx, gdn, gg, gx, gw, gdl, T, C, V, CF_MM_DW_SET);
+    cmp("lmhead saved: dW = (CF_MM_DW_SET)", get_f32(gdn, nw), rdz, nw, TOL_GRAD);
+    /* a frozen head */
+    void *gdx2 = gact_nan(nx);
+    gpu->lmhead_loss_fwd_grad(gpu, gl, gg, gx, gw, gt, T, C, V);
+    gpu->lmhead_loss_bwd_saved(gpu, gdx2, NULL, gg, gx, gw, gdl, T, C, V, 0);
+    cmp("lmhead saved: dx (no dW)", get_act(gdx2, nx), rdx, nx, TOL_GRAD);
+    free_all();
+}
+
 /* Vocab-parallel pieces (tensor parallelism): the embedding of a slice of
  * the table, and the LM head over three slices (stats, combine, backward
  * with the combined lse) against the CPU backend's same ops. */
@@ -1559,6 +1611,7 @@ int main(void) {
     RUN_IF(fill_dloss_and_loss_sum_match_cpu);
     RUN_IF(adamw_two_steps_and_weights_from_master_match_cpu);
     RUN_IF(lmhead_loss_fwd_bwd_match_cpu_with_zero_dloss_rows);
+    RUN_IF(lmhead_saved_grad_fwd_bwd_match_cpu_with_zero_dloss_rows);
     RUN_IF(vocab_parallel_embedding_and_lmhead_slices_match_cpu);
     RUN_IF(attention_fwd_matches_cpu_causal_gqa_doc_mask_and_tails);
     RUN_IF(attention_full_bwd_matches_cpu);

@@ -509,9 +509,10 @@ static float row_logsumexp(const float *z, int V) {
  * losses[t] = logsumexp_v(z[t,v]) - z[t,targets[t]], NaN for a target
  * outside [0, V). A vocabulary slice (vocab-parallel cross-entropy, first
  * half; ids vstart..vstart+V-1): stats[t] = {max, sum of exp relative to
- * it, the target's logit when the slice holds it, else 0}. */
-static void cpu_lmhead_fwd(cf_backend *b, float *losses, float *stats, const float *x, const float *wlm,
-                           const int *targets, int T, int C, int V, int vstart) {
+ * it, the target's logit when the slice holds it, else 0}. g != NULL (whole
+ * vocabulary): also g[t,:] = exp(z[t,:] - lse) - onehot(targets[t]). */
+static void cpu_lmhead_fwd(cf_backend *b, float *losses, float *stats, float *g, const float *x,
+                           const float *wlm, const int *targets, int T, int C, int V, int vstart) {
     if (cpu_failed(b) || T <= 0) return;
     const int R = lmhead_chunk_rows(V);
     float *logits = malloc((size_t)CF_MIN(R, T) * V * sizeof(float));
@@ -529,7 +530,13 @@ static void cpu_lmhead_fwd(cf_backend *b, float *losses, float *stats, const flo
             const int tg = targets[t0 + r] - vstart;
             const int have = tg >= 0 && tg < V;
             if (!stats) {
-                losses[t0 + r] = have ? row_logsumexp(z, V) - z[tg] : NAN;
+                const float lse = row_logsumexp(z, V);
+                losses[t0 + r] = have ? lse - z[tg] : NAN;
+                if (g) {
+                    float *gr = g + (size_t)(t0 + r) * V;
+                    for (int j = 0; j < V; j++) gr[j] = expf(z[j] - lse);
+                    if (have) gr[tg] -= 1.0f;
+                }
                 continue;
             }
             float m = -INFINITY;
@@ -547,12 +554,17 @@ static void cpu_lmhead_fwd(cf_backend *b, float *losses, float *stats, const flo
 
 static void cpu_lmhead_loss_fwd(cf_backend *b, float *losses, const void *x, const void *wlm,
                                 const int *targets, int T, int C, int V) {
-    cpu_lmhead_fwd(b, losses, NULL, x, wlm, targets, T, C, V, 0);
+    cpu_lmhead_fwd(b, losses, NULL, NULL, x, wlm, targets, T, C, V, 0);
+}
+
+static void cpu_lmhead_loss_fwd_grad(cf_backend *b, float *losses, void *g, const void *x, const void *wlm,
+                                     const int *targets, int T, int C, int V) {
+    cpu_lmhead_fwd(b, losses, NULL, g, x, wlm, targets, T, C, V, 0);
 }
 
 static void cpu_lmhead_stats_fwd(cf_backend *b, float *stats, const void *x, const void *wlm,
                                  const int *targets, int T, int C, int V, int vstart) {
-    cpu_lmhead_fwd(b, NULL, stats, x, wlm, targets, T, C, V, vstart);
+    cpu_lmhead_fwd(b, NULL, stats, NULL, x, wlm, targets, T, C, V, vstart);
 }
 
 /* For every row, in chunks of rows:
@@ -610,6 +622,22 @@ static void cpu_lmhead_loss_bwd(cf_backend *b, void *dx_, float *dwlm, const voi
             memcpy(dx + (size_t)idx[r] * C, dxs + (size_t)r * C, (size_t)C * sizeof(float));
     }
     free(logits); free(xs); free(dxs); free(idx);
+}
+
+/* The backward from the forward's g = softmax - onehot (no recompute):
+ *   g[t,:] *= dloss[t]   (0 where dloss[t] == 0, whatever g holds)
+ *   dx = g W ; dwlm += g^T x   (matmul_bwd's two GEMMs over all T rows) */
+static void cpu_lmhead_loss_bwd_saved(cf_backend *b, void *dx, float *dwlm, void *g_, const void *x,
+                                      const void *wlm, const float *dloss, int T, int C, int V, int flags) {
+    if (cpu_failed(b) || T <= 0) return;
+    float *g = g_;
+#pragma omp parallel for schedule(static)
+    for (int t = 0; t < T; t++) {
+        float *gr = g + (size_t)t * V;
+        const float d = dloss[t];
+        for (int j = 0; j < V; j++) gr[j] = d == 0.0f ? 0.0f : d * gr[j];
+    }
+    cpu_matmul_bwd(b, dx, dwlm, NULL, g, x, wlm, T, C, V, flags & CF_MM_DW_SET);
 }
 
 /* Second half: the slices' (max, sum, target logit) -> lse and loss. */
@@ -768,6 +796,8 @@ cf_backend *cf_backend_cpu_create(void) {
     b->attention_bwd = cpu_attention_bwd;
     b->lmhead_loss_fwd = cpu_lmhead_loss_fwd;
     b->lmhead_loss_bwd = cpu_lmhead_loss_bwd;
+    b->lmhead_loss_fwd_grad = cpu_lmhead_loss_fwd_grad;
+    b->lmhead_loss_bwd_saved = cpu_lmhead_loss_bwd_saved;
     b->lmhead_stats_fwd = cpu_lmhead_stats_fwd;
     b->xent_combine = cpu_xent_combine;
     b->gather_rows = cpu_gather_rows;

@@ -112,6 +112,8 @@ extern "C" cf_backend *cf_backend_cuda_create(int device) {
     b->attention_bwd = cf_cuda_attention_bwd;
     b->lmhead_loss_fwd = cf_cuda_lmhead_loss_fwd;
     b->lmhead_loss_bwd = cf_cuda_lmhead_loss_bwd;
+    b->lmhead_loss_fwd_grad = cf_cuda_lmhead_loss_fwd_grad;
+    b->lmhead_loss_bwd_saved = cf_cuda_lmhead_loss_bwd_saved;
     b->lmhead_stats_fwd = cf_cuda_lmhead_stats_fwd;
     b->xent_combine = cf_cuda_xent_combine;
     b->gather_rows = cf_cuda_gather_rows;

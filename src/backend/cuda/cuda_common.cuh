@@ -170,6 +170,10 @@ void cf_cuda_lmhead_loss_fwd(cf_backend *b, float *losses, const void *x, const 
 void cf_cuda_lmhead_loss_bwd(cf_backend *b, void *dx, float *dwlm, const void *x, const void *wlm,
                              const int *targets, const float *dloss, const float *lse, int T, int C, int V,
                              int vstart, int flags);
+void cf_cuda_lmhead_loss_fwd_grad(cf_backend *b, float *losses, void *g, const void *x, const void *wlm,
+                                  const int *targets, int T, int C, int V);
+void cf_cuda_lmhead_loss_bwd_saved(cf_backend *b, void *dx, float *dwlm, void *g, const void *x, const void *wlm,
+                                   const float *dloss, int T, int C, int V, int flags);
 void cf_cuda_lmhead_stats_fwd(cf_backend *b, float *stats, const void *x, const void *wlm, const int *targets, int T,
                               int C, int V, int vstart);
 void cf_cuda_xent_combine(cf_backend *b, float *losses, float *lse, const float *parts, const int *targets, int T,

@@ -2,7 +2,9 @@
  * lmhead.cu — the LM head with its cross-entropy, chunked over rows so that
  * no [T, V] buffer exists: per chunk, logits by cuBLASLt (fp32 out), then one
  * block per row for the log-sum-exp, the loss and (backward) the bf16 dlogits,
- * then the two GEMMs of the backward.
+ * then the two GEMMs of the backward. A training forward may instead keep
+ * every row's bf16 g = softmax - onehot (issue 17): its backward then scales
+ * g by dloss and runs the two GEMMs, without recomputing the logits.
  */
 #include "backend/cuda/cuda_common.cuh"
 
@@ -14,7 +16,9 @@
  * logit[target]. For the backward, pass 2 writes the bf16 gradient
  *   dlogits_j = dloss * (exp(logit_j - lse) - [j == target])
  * (all zeros where dloss == 0). As on the CPU backend, a target outside
- * [0, V) gives a NaN loss and a gradient without the one-hot term.
+ * [0, V) gives a NaN loss and a gradient without the one-hot term. In the
+ * forward, dlogits with dloss NULL is the unscaled g = softmax - onehot that
+ * a following backward reads instead of recomputing the logits (issue 17).
  */
 __device__ __forceinline__ void lse_combine(float &m, float &s, float m2, float s2) {
     float mm = fmaxf(m, m2);
@@ -85,7 +89,7 @@ static __global__ void lmhead_rows_kernel(float *losses, float *stats, bf16 *dlo
     const float lse = sm[0];
     if (losses && threadIdx.x == 0) losses[row] = bad ? NAN : lse - lg[tgt];
     if (dlogits) {
-        const float d = dloss ? dloss[row] : 0.f;
+        const float d = dloss ? dloss[row] : 1.f;
         bf16 *out = dlogits + (size_t)row * V;
         for (int j = threadIdx.x; j < V; j += blockDim.x) {
             float g = d == 0.f ? 0.f : d * (expf(lg[j] - lse) - (j == tgt ? 1.f : 0.f));
@@ -102,10 +106,11 @@ static int lm_chunk(int T, int V) {
     return (int)(rows < (size_t)T ? rows : (size_t)T);
 }
 
-/* The forward in chunks of rows: losses of the whole vocabulary, or (stats
- * != NULL) a vocabulary slice's statistics. */
-static void lmhead_fwd(cf_backend *b, float *losses, float *stats, const void *x, const void *wlm, const int *targets,
-                       int T, int C, int V, int vstart) {
+/* The forward in chunks of rows: losses of the whole vocabulary (and, g !=
+ * NULL, g = softmax - onehot of every row), or (stats != NULL) a vocabulary
+ * slice's statistics. */
+static void lmhead_fwd(cf_backend *b, float *losses, float *stats, bf16 *g, const void *x, const void *wlm,
+                       const int *targets, int T, int C, int V, int vstart) {
     cf_cuda_ctx *ctx = cf_cuda_enter(b);
     if (!ctx || T <= 0) return;
     const int chunk = lm_chunk(T, V);
@@ -117,20 +122,25 @@ static void lmhead_fwd(cf_backend *b, float *losses, float *stats, const void *x
         cf_cuda_gemm(ctx, true, false, V, rows, C, wlm, C, xc, C, logits, CUDA_R_32F, V, 0.f, NULL);
         float *lo = stats ? nullptr : losses + r0;
         float *st = stats ? stats + (size_t)r0 * 3 : nullptr;
-        lmhead_rows_kernel<<<rows, 512, 0, ctx->stream>>>(lo, st, nullptr, logits, targets + r0, nullptr, nullptr, V,
-                                                           vstart);
+        bf16 *gc = g ? g + (size_t)r0 * V : nullptr;
+        lmhead_rows_kernel<<<rows, 512, 0, ctx->stream>>>(lo, st, gc, logits, targets + r0, nullptr, nullptr, V, vstart);
         if (!(stats ? CF_CK_LAUNCH(ctx, "lmhead_stats") : CF_CK_LAUNCH(ctx, "lmhead_rows"))) return;
     }
 }
 
 void cf_cuda_lmhead_loss_fwd(cf_backend *b, float *losses, const void *x, const void *wlm, const int *targets, int T,
                              int C, int V) {
-    lmhead_fwd(b, losses, NULL, x, wlm, targets, T, C, V, 0);
+    lmhead_fwd(b, losses, NULL, NULL, x, wlm, targets, T, C, V, 0);
+}
+
+void cf_cuda_lmhead_loss_fwd_grad(cf_backend *b, float *losses, void *g, const void *x, const void *wlm,
+                                  const int *targets, int T, int C, int V) {
+    lmhead_fwd(b, losses, NULL, (bf16 *)g, x, wlm, targets, T, C, V, 0);
 }
 
 void cf_cuda_lmhead_stats_fwd(cf_backend *b, float *stats, const void *x, const void *wlm, const int *targets, int T,
                               int C, int V, int vstart) {
-    lmhead_fwd(b, NULL, stats, x, wlm, targets, T, C, V, vstart);
+    lmhead_fwd(b, NULL, stats, NULL, x, wlm, targets, T, C, V, vstart);
 }
 
 void cf_cuda_lmhead_loss_bwd(cf_backend *b, void *dx, float *dwlm, const void *x, const void *wlm,
@@ -153,6 +163,28 @@ void cf_cuda_lmhead_loss_bwd(cf_backend *b, void *dx, float *dwlm, const void *x
         cf_cuda_matmul_bwd(b, (bf16 *)dx + (size_t)r0 * C, dwlm, NULL, dlogits, xc, wlm, rows, C, V,
                            r0 == 0 ? (flags & CF_MM_DW_SET) : 0);
     }
+}
+
+/* g[t,:] = dloss[t] * g[t,:] in place, rounded to bf16 (0 where dloss[t]
+ * == 0); one block per row. */
+static __global__ void lmhead_scale_rows_kernel(bf16 *g, const float *dloss, int V) {
+    const int row = blockIdx.x;
+    const float d = dloss[row];
+    bf16 *gr = g + (size_t)row * V;
+    for (int j = threadIdx.x; j < V; j += blockDim.x)
+        gr[j] = __float2bfloat16_rn(d == 0.f ? 0.f : d * __bfloat162float(gr[j]));
+}
+
+/* The backward from the forward's g: dlogits = dloss * g (in g), then
+ * matmul_bwd's two GEMMs over all T rows at once: no logits recompute, no
+ * chunking (g already holds every row). */
+void cf_cuda_lmhead_loss_bwd_saved(cf_backend *b, void *dx, float *dwlm, void *g, const void *x, const void *wlm,
+                                   const float *dloss, int T, int C, int V, int flags) {
+    cf_cuda_ctx *ctx = cf_cuda_enter(b);
+    if (!ctx || T <= 0) return;
+    lmhead_scale_rows_kernel<<<T, 512, 0, ctx->stream>>>((bf16 *)g, dloss, V);
+    if (!CF_CK_LAUNCH(ctx, "lmhead_scale_rows")) return;
+    cf_cuda_matmul_bwd(b, dx, dwlm, NULL, g, x, wlm, T, C, V, flags & CF_MM_DW_SET);
 }
 
 /* lse[t] = M + log(sum_p s_p exp(m_p - M)), losses[t] = lse[t] - sum_p tgt_p
