@@ -5,7 +5,7 @@
 # Usage on the GPU machine: tools/gpu_session.sh PART...  (logs under $OUT)
 #   parts: tests sanitize bench-main bench-old bench-sweeps bench-3b pytorch
 #          parity peft-parity dp-check dp-bench dp-ctas tp-check tp-bench rows-x4 rows-x8
-#          rows-x8-dry bench-accum profile dp-bf16 ab-profile ab-fused attn-shapes dp-prio bench-pair
+#          rows-x8-dry bench-accum profile dp-bf16 ab-profile ab-fused ab-head attn-shapes dp-prio bench-pair
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G=$PWD/.gpucarry
@@ -122,6 +122,15 @@ for part in "$@"; do
         "$b" bench --device cuda --config ${cs%%:*} --seq ${cs##*:} --batch 1 --grad-accum 8 --modes regular,centrifuge \
           --keep 0.5 --steps 4 --warmup 2 --profile 2>&1 | tee "$OUT/abprof_${v}_${cs%%:*}.txt" | grep -E "profile|  0\.50" | sed "s/^/$v /"
       done; done ;;
+    ab-head)
+      # issue 17: the LM head's saved gradient (default) against recomputing its logits (CF_HEAD_SAVE=0),
+      # alternating, grad-accum 8, per-op profile
+      for cs in ${ACCUM_MODELS:-tinyllama-1.1b:4096}; do for r in 1 2; do for v in recompute saved; do
+        CF_HEAD_SAVE=$([ $v = recompute ] && echo 0 || echo 1) "$CF" bench --device cuda --config ${cs%%:*} \
+          --seq ${cs##*:} --batch 1 --grad-accum 8 --modes regular,centrifuge --keep 0.5 --steps ${ACCUM_STEPS:-4} --warmup 2 \
+          --profile --json "$OUT/abhead_${v}_${r}_${cs%%:*}.jsonl" 2>&1 | tee "$OUT/abhead_${v}_${r}_${cs%%:*}.txt" \
+          | grep -E "profile|  0\.50" | sed "s/^/$v /"
+      done; done; done ;;
     attn-shapes)
       # attention alone at the models' shapes (TinyLlama, Qwen2.5-1.5B, Llama3.2-3B): the automatic choice of
       # query heads per backward block, then 1 and 2 forced
