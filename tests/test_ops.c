@@ -832,7 +832,7 @@ TEST(lmhead_saved_grad_backward_matches_the_recompute_path) {
     memcpy(dWb, dW0, nw * sizeof(float));
     for (size_t i = 0; i < nx; i++) dxb[i] = 5.0f;
     be->lmhead_loss_bwd(be, dxa, dWa, x, W, tg, dl, NULL, LM_T, LM_C, LM_V, 0, 0);
-    be->lmhead_loss_bwd_saved(be, dxb, dWb, g, x, W, dl, LM_T, LM_C, LM_V, 0);
+    be->lmhead_loss_bwd_saved(be, dxb, dWb, g, x, W, dl, 1.0f, LM_T, LM_C, LM_V, 0);
     CHECK_MSG(rel_err(dxb, dxa, nx) < 1e-6, "dx %g", rel_err(dxb, dxa, nx));
     CHECK_MSG(rel_err(dWb, dWa, nw) < 1e-6, "dwlm += %g", rel_err(dWb, dWa, nw));
     int ok = 1;
@@ -844,15 +844,31 @@ TEST(lmhead_saved_grad_backward_matches_the_recompute_path) {
     be->memzero(be, dWa, nw * sizeof(float));
     be->lmhead_loss_bwd(be, dxa, dWa, x, W, tg, dl, NULL, LM_T, LM_C, LM_V, 0, CF_MM_DW_SET);
     for (size_t i = 0; i < nw; i++) dWb[i] = NAN;
-    be->lmhead_loss_bwd_saved(be, dxb, dWb, g, x, W, dl, LM_T, LM_C, LM_V, CF_MM_DW_SET);
+    be->lmhead_loss_bwd_saved(be, dxb, dWb, g, x, W, dl, 1.0f, LM_T, LM_C, LM_V, CF_MM_DW_SET);
     CHECK_MSG(rel_err(dWb, dWa, nw) < 1e-6, "dwlm = %g", rel_err(dWb, dWa, nw));
     /* a frozen head: dx only; a dloss-zero row gives 0 whatever g holds */
     be->lmhead_loss_fwd_grad(be, lb, g, x, W, tg, LM_T, LM_C, LM_V);
     for (int t = 0; t < LM_T; t++)
         if (dl[t] == 0) g[(size_t)t * LM_V] = NAN;
     for (size_t i = 0; i < nx; i++) dxb[i] = 5.0f;
-    be->lmhead_loss_bwd_saved(be, dxb, NULL, g, x, W, dl, LM_T, LM_C, LM_V, 0);
+    be->lmhead_loss_bwd_saved(be, dxb, NULL, g, x, W, dl, 1.0f, LM_T, LM_C, LM_V, 0);
     CHECK_MSG(rel_err(dxb, dxa, nx) < 1e-6, "dx (no dwlm) %g", rel_err(dxb, dxa, nx));
+    /* dloss NULL: every row weighs scale, as a dloss of scale everywhere */
+    for (int t = 0; t < LM_T; t++) dl[t] = 0.125f;
+    be->lmhead_loss_fwd_grad(be, lb, g, x, W, tg, LM_T, LM_C, LM_V);
+    be->lmhead_loss_bwd(be, dxa, dWa, x, W, tg, dl, NULL, LM_T, LM_C, LM_V, 0, CF_MM_DW_SET);
+    be->lmhead_loss_bwd_saved(be, dxb, dWb, g, x, W, NULL, 0.125f, LM_T, LM_C, LM_V, CF_MM_DW_SET);
+    CHECK_MSG(rel_err(dxb, dxa, nx) < 1e-6, "dx (dloss NULL) %g", rel_err(dxb, dxa, nx));
+    CHECK_MSG(rel_err(dWb, dWa, nw) < 1e-6, "dwlm (dloss NULL) %g", rel_err(dWb, dWa, nw));
+    /* a zero scale is refused with a message, not divided by (its own
+     * backend: the failure is sticky) */
+    cf_backend *e = cf_backend_cpu_create();
+    CHECK(e != NULL);
+    if (e) {
+        e->lmhead_loss_bwd_saved(e, dxb, dWb, g, x, W, NULL, 0.0f, LM_T, LM_C, LM_V, 0);
+        CHECK(e->check(e) != 0 && strstr(cf_last_error(), "scale") != NULL);
+        e->destroy(e);
+    }
     free(x); free(W); free(la); free(lb); free(g); free(dl); free(dxa); free(dxb); free(dWa); free(dWb); free(dW0);
     free(xd); free(Wd);
 }

@@ -215,14 +215,17 @@ struct cf_backend {
      * outside [0, V) gives a NaN loss and g without the one-hot term. */
     void (*lmhead_loss_fwd_grad)(cf_backend *b, float *losses, void *g, const void *x, const void *wlm,
                                  const int *targets, int T, int C, int V);
-    /* lmhead_loss_bwd from the forward's g (whole vocabulary, no TP): for t < T
-     *   g[t,:] = dloss[t] * g[t,:]   (in place, rounded to the act dtype;
+    /* lmhead_loss_bwd from the forward's g (whole vocabulary, no TP), with
+     * dlogits[t] = dloss[t] g[t] (dloss NULL: every row's dloss is scale):
+     *   g[t,:] *= dloss[t] / scale   (in place, rounded to the act dtype;
+     *                                 skipped where dloss[t] == scale,
      *                                 exactly 0 where dloss[t] == 0)
-     * then dx[T,C] = g W (overwrite) and dwlm[V,C] += g^T x (= with
-     * CF_MM_DW_SET; dwlm NULL: a frozen LM head). g is consumed: it holds
-     * dlogits afterwards. */
+     *   dx[T,C] = scale g W (overwrite), dwlm[V,C] += scale g^T x
+     * (= with CF_MM_DW_SET; dwlm NULL: a frozen LM head). The common weight
+     * rides on the GEMMs (fp32), so g is rounded to bf16 once, as the
+     * recompute path's dlogits are. scale: finite, nonzero. g is consumed. */
     void (*lmhead_loss_bwd_saved)(cf_backend *b, void *dx, float *dwlm, void *g, const void *x, const void *wlm,
-                                  const float *dloss, int T, int C, int V, int flags);
+                                  const float *dloss, float scale, int T, int C, int V, int flags);
     /* Vocab-parallel forward, first half: for the slice [vstart, vstart+V)
      * held in wlm, stats[t] = {max_j z_tj, sum_j exp(z_tj - max), z_t,target
      * if the target is in the slice else 0} (z = x W^T). */

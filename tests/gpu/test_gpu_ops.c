@@ -866,8 +866,8 @@ TEST(lmhead_loss_fwd_bwd_match_cpu_with_zero_dloss_rows) {
 /* Issue 17: the forward that keeps g = softmax - onehot (bf16) and the
  * backward from it, against the CPU backend's same ops: losses as the plain
  * forward's (bit for bit on the GPU too: the same kernel pass), g within
- * bf16 rounding, dx and dW as the recompute path's tolerances (dlogits is
- * rounded twice here: g, then dloss g), rows with dloss 0 exactly 0 in dx;
+ * bf16 rounding, dx and dW as the recompute path's tolerances (the common
+ * weight rides on the GEMMs, so g is rounded once), rows with dloss 0 exactly 0 in dx;
  * CF_MM_DW_SET writes a NaN-filled dW; a NULL dW (frozen head) gives dx. */
 TEST(lmhead_saved_grad_fwd_bwd_match_cpu_with_zero_dloss_rows) {
     const int T = 37, C = 64, V = 1000;
@@ -882,7 +882,7 @@ TEST(lmhead_saved_grad_fwd_bwd_match_cpu_with_zero_dloss_rows) {
     float *rl = HOLD(hnew(T)), *rg = HOLD(hnew(ng)), *rdx = HOLD(hnew(nx)), *rdw = HOLD(hcopy(dw0, nw));
     cpu->lmhead_loss_fwd_grad(cpu, rl, rg, x, w, tg, T, C, V);
     float *rg0 = HOLD(hcopy(rg, ng));
-    cpu->lmhead_loss_bwd_saved(cpu, rdx, rdw, rg, x, w, dl, T, C, V, 0);
+    cpu->lmhead_loss_bwd_saved(cpu, rdx, rdw, rg, x, w, dl, 1.f / T, T, C, V, 0);
     void *gx = gact(x, nx), *gw = gact(w, nw), *gt = gi32(tg, T), *gdl = gf32(dl, T);
     void *gl = gf32_nan(T), *gl0 = gf32_nan(T), *gg = gact_nan(ng), *gdx = gact_nan(nx), *gdw = gf32(dw0, nw);
     gpu->lmhead_loss_fwd(gpu, gl0, gx, gw, gt, T, C, V);
@@ -891,7 +891,7 @@ TEST(lmhead_saved_grad_fwd_bwd_match_cpu_with_zero_dloss_rows) {
     CHECK_MSG(bitwise_equal(l, get_f32(gl0, T), T), "losses differ from lmhead_loss_fwd's");
     cmp("lmhead saved: losses", l, rl, T, 1e-3);
     cmp("lmhead saved: g = softmax - onehot", get_act(gg, ng), rg0, ng, 1e-2);
-    gpu->lmhead_loss_bwd_saved(gpu, gdx, gdw, gg, gx, gw, gdl, T, C, V, 0);
+    gpu->lmhead_loss_bwd_saved(gpu, gdx, gdw, gg, gx, gw, gdl, 1.f / T, T, C, V, 0);
     float *dx = get_act(gdx, nx);
     cmp("lmhead saved: dx", dx, rdx, nx, TOL_GRAD);
     cmp("lmhead saved: dW +=", get_f32(gdw, nw), rdw, nw, TOL_GRAD);
@@ -902,16 +902,27 @@ TEST(lmhead_saved_grad_fwd_bwd_match_cpu_with_zero_dloss_rows) {
     /* CF_MM_DW_SET: dW written without being read (NaN before) */
     float *rdz = HOLD(hnew(nw));
     cpu->lmhead_loss_fwd_grad(cpu, rl, rg, x, w, tg, T, C, V);
-    cpu->lmhead_loss_bwd_saved(cpu, rdx, rdz, rg, x, w, dl, T, C, V, 0);
+    cpu->lmhead_loss_bwd_saved(cpu, rdx, rdz, rg, x, w, dl, 1.f / T, T, C, V, 0);
     void *gdn = gf32_nan(nw);
     gpu->lmhead_loss_fwd_grad(gpu, gl, gg, gx, gw, gt, T, C, V);
-    gpu->lmhead_loss_bwd_saved(gpu, gdx, gdn, gg, gx, gw, gdl, T, C, V, CF_MM_DW_SET);
+    gpu->lmhead_loss_bwd_saved(gpu, gdx, gdn, gg, gx, gw, gdl, 1.f / T, T, C, V, CF_MM_DW_SET);
     cmp("lmhead saved: dW = (CF_MM_DW_SET)", get_f32(gdn, nw), rdz, nw, TOL_GRAD);
     /* a frozen head */
     void *gdx2 = gact_nan(nx);
     gpu->lmhead_loss_fwd_grad(gpu, gl, gg, gx, gw, gt, T, C, V);
-    gpu->lmhead_loss_bwd_saved(gpu, gdx2, NULL, gg, gx, gw, gdl, T, C, V, 0);
+    gpu->lmhead_loss_bwd_saved(gpu, gdx2, NULL, gg, gx, gw, gdl, 1.f / T, T, C, V, 0);
     cmp("lmhead saved: dx (no dW)", get_act(gdx2, nx), rdx, nx, TOL_GRAD);
+    /* dloss NULL: every row weighs the scale (regular and compact modes: no
+     * reweighting pass over g) */
+    float *ones = HOLD(hnew(T)), *rdx3 = HOLD(hnew(nx)), *rdw3 = HOLD(hnew(nw));
+    for (int t = 0; t < T; t++) ones[t] = 1.f / T;
+    cpu->lmhead_loss_fwd_grad(cpu, rl, rg, x, w, tg, T, C, V);
+    cpu->lmhead_loss_bwd_saved(cpu, rdx3, rdw3, rg, x, w, ones, 1.f / T, T, C, V, CF_MM_DW_SET);
+    void *gdx3 = gact_nan(nx), *gdw3 = gf32_nan(nw);
+    gpu->lmhead_loss_fwd_grad(gpu, gl, gg, gx, gw, gt, T, C, V);
+    gpu->lmhead_loss_bwd_saved(gpu, gdx3, gdw3, gg, gx, gw, NULL, 1.f / T, T, C, V, CF_MM_DW_SET);
+    cmp("lmhead saved: dx (dloss NULL)", get_act(gdx3, nx), rdx3, nx, TOL_GRAD);
+    cmp("lmhead saved: dW (dloss NULL)", get_f32(gdw3, nw), rdw3, nw, TOL_GRAD);
     free_all();
 }
 

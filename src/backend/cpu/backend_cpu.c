@@ -628,13 +628,20 @@ static void cpu_lmhead_loss_bwd(cf_backend *b, void *dx_, float *dwlm, const voi
  *   g[t,:] *= dloss[t]   (0 where dloss[t] == 0, whatever g holds)
  *   dx = g W ; dwlm += g^T x   (matmul_bwd's two GEMMs over all T rows) */
 static void cpu_lmhead_loss_bwd_saved(cf_backend *b, void *dx, float *dwlm, void *g_, const void *x,
-                                      const void *wlm, const float *dloss, int T, int C, int V, int flags) {
+                                      const void *wlm, const float *dloss, float scale, int T, int C, int V,
+                                      int flags) {
     if (cpu_failed(b) || T <= 0) return;
+    if (!(scale != 0.0f) || !isfinite(scale)) {
+        cpu_fail(b, "lmhead_loss_bwd_saved: scale %g must be finite and nonzero", scale);
+        return;
+    }
     float *g = g_;
+    /* fp32: dloss g directly (the GPU's split into a row factor and a GEMM
+     * scale only saves it a rounding) */
 #pragma omp parallel for schedule(static)
     for (int t = 0; t < T; t++) {
         float *gr = g + (size_t)t * V;
-        const float d = dloss[t];
+        const float d = dloss ? dloss[t] : scale;
         for (int j = 0; j < V; j++) gr[j] = d == 0.0f ? 0.0f : d * gr[j];
     }
     cpu_matmul_bwd(b, dx, dwlm, NULL, g, x, wlm, T, C, V, flags & CF_MM_DW_SET);

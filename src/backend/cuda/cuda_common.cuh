@@ -132,6 +132,8 @@ int cf_cuda_memory_info(cf_backend *b, size_t *free_bytes, size_t *total_bytes);
 /* gemm.cu */
 void cf_cuda_matmul_fwd(cf_backend *b, void *out, const void *inp, const void *w, const void *bias, int T, int K,
                         int N);
+void cf_cuda_matmul_bwd_scaled(cf_cuda_ctx *ctx, void *dinp, float *dw, const void *dout, const void *inp,
+                               const void *w, int T, int K, int N, int flags, float alpha);
 void cf_cuda_matmul_fwd_residual(cf_backend *b, void *out, const void *inp, const void *w, const void *bias,
                                  const void *resid, int T, int K, int N);
 void cf_cuda_matmul_bwd(cf_backend *b, void *dinp, float *dw, float *dbias, const void *dout, const void *inp,
@@ -173,7 +175,7 @@ void cf_cuda_lmhead_loss_bwd(cf_backend *b, void *dx, float *dwlm, const void *x
 void cf_cuda_lmhead_loss_fwd_grad(cf_backend *b, float *losses, void *g, const void *x, const void *wlm,
                                   const int *targets, int T, int C, int V);
 void cf_cuda_lmhead_loss_bwd_saved(cf_backend *b, void *dx, float *dwlm, void *g, const void *x, const void *wlm,
-                                   const float *dloss, int T, int C, int V, int flags);
+                                   const float *dloss, float scale, int T, int C, int V, int flags);
 void cf_cuda_lmhead_stats_fwd(cf_backend *b, float *stats, const void *x, const void *wlm, const int *targets, int T,
                               int C, int V, int vstart);
 void cf_cuda_xent_combine(cf_backend *b, float *losses, float *lse, const float *parts, const int *targets, int T,

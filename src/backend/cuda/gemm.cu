@@ -375,8 +375,8 @@ static cf_gemm_plan *get_plan(cf_cuda_ctx *ctx, const int key[16], bool transa, 
 
 /* D = op(A) op(B) + beta C (+ bias), C = D when Cin is NULL; C has D's layout */
 static void gemm_c(cf_cuda_ctx *ctx, bool transa, bool transb, int m, int n, int k, const void *A, int lda,
-                   const void *B, int ldb, void *D, cudaDataType_t dtype, int ldd, float beta, const void *bias,
-                   const void *Cin) {
+                   const void *B, int ldb, void *D, cudaDataType_t dtype, int ldd, float alpha, float beta,
+                   const void *bias, const void *Cin) {
     if (ctx->failed || m <= 0 || n <= 0) return;
     const void *C = Cin ? Cin : D;
     /* the C alignment joins D's in the key (both fill the C/D preference) */
@@ -387,14 +387,13 @@ static void gemm_c(cf_cuda_ctx *ctx, bool transa, bool transb, int m, int n, int
     if (bias &&
         !CF_LT(ctx, cublasLtMatmulDescSetAttribute(pl->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias)))
         return;
-    const float alpha = 1.f;
     CF_LT(ctx, cublasLtMatmul(ctx->lt, pl->op, &alpha, A, pl->a, B, pl->b, &beta, C, pl->c, D, pl->d, &pl->algo,
                               ctx->workspace, ctx->workspace_size, ctx->stream));
 }
 
 void cf_cuda_gemm(cf_cuda_ctx *ctx, bool transa, bool transb, int m, int n, int k, const void *A, int lda,
                   const void *B, int ldb, void *D, cudaDataType_t dtype, int ldd, float beta, const void *bias) {
-    gemm_c(ctx, transa, transb, m, n, k, A, lda, B, ldb, D, dtype, ldd, beta, bias, NULL);
+    gemm_c(ctx, transa, transb, m, n, k, A, lda, B, ldb, D, dtype, ldd, 1.f, beta, bias, NULL);
 }
 
 /* out[T,N] = inp[T,K] W[N,K]^T (+ bias) */
@@ -413,7 +412,7 @@ void cf_cuda_matmul_fwd_residual(cf_backend *b, void *out, const void *inp, cons
                                  const void *resid, int T, int K, int N) {
     cf_cuda_ctx *ctx = cf_cuda_enter(b);
     if (!ctx || T <= 0) return;
-    gemm_c(ctx, true, false, N, T, K, w, K, inp, K, out, CUDA_R_16BF, N, 1.f, bias, resid);
+    gemm_c(ctx, true, false, N, T, K, w, K, inp, K, out, CUDA_R_16BF, N, 1.f, 1.f, bias, resid);
 }
 
 /* dinp[T,K] (+)= dout W ; dw[N,K] (+)= dout^T inp ; dbias += colsum(dout).
@@ -430,4 +429,19 @@ void cf_cuda_matmul_bwd(cf_backend *b, void *dinp, float *dw, float *dbias, cons
         cf_cuda_gemm(ctx, false, true, K, N, T, inp, K, dout, N, dw, CUDA_R_32F, K, (flags & CF_MM_DW_SET) ? 0.f : 1.f,
                      NULL);
     if (dbias) cf_cuda_colsum(ctx, dbias, (const bf16 *)dout, NULL, NULL, T, N);
+}
+
+/* matmul_bwd's two GEMMs with the products scaled by alpha (fp32, in the
+ * GEMM): dinp = alpha dout W ; dw (+)= alpha dout^T inp (flags as there; no
+ * bias). For the LM head's saved gradient, whose rows carry the loss weight
+ * this way instead of being rounded to bf16 a second time (lmhead.cu). */
+void cf_cuda_matmul_bwd_scaled(cf_cuda_ctx *ctx, void *dinp, float *dw, const void *dout, const void *inp,
+                               const void *w, int T, int K, int N, int flags, float alpha) {
+    if (T <= 0) return;
+    if (dinp)
+        gemm_c(ctx, false, false, K, T, N, w, K, dout, N, dinp, CUDA_R_16BF, K, alpha,
+               (flags & CF_MM_ACC_DINP) ? 1.f : 0.f, NULL, NULL);
+    if (dw)
+        gemm_c(ctx, false, true, K, N, T, inp, K, dout, N, dw, CUDA_R_32F, K, alpha,
+               (flags & CF_MM_DW_SET) ? 0.f : 1.f, NULL, NULL);
 }

@@ -167,24 +167,34 @@ void cf_cuda_lmhead_loss_bwd(cf_backend *b, void *dx, float *dwlm, const void *x
 
 /* g[t,:] = dloss[t] * g[t,:] in place, rounded to bf16 (0 where dloss[t]
  * == 0); one block per row. */
-static __global__ void lmhead_scale_rows_kernel(bf16 *g, const float *dloss, int V) {
+/* g[row] *= dloss[row] / scale: exactly 1 or 0 for a row whose weight is
+ * scale or 0, so g keeps its one bf16 rounding there */
+static __global__ void lmhead_scale_rows_kernel(bf16 *g, const float *dloss, float scale, int V) {
     const int row = blockIdx.x;
-    const float d = dloss[row];
+    const float d = dloss[row], r = d / scale;
     bf16 *gr = g + (size_t)row * V;
+    if (r == 1.f) return;
     for (int j = threadIdx.x; j < V; j += blockDim.x)
-        gr[j] = __float2bfloat16_rn(d == 0.f ? 0.f : d * __bfloat162float(gr[j]));
+        gr[j] = __float2bfloat16_rn(d == 0.f ? 0.f : r * __bfloat162float(gr[j]));
 }
 
-/* The backward from the forward's g: dlogits = dloss * g (in g), then
- * matmul_bwd's two GEMMs over all T rows at once: no logits recompute, no
+/* The backward from the forward's g: rows reweighted in g (only where dloss
+ * is given and differs from scale), then matmul_bwd's two GEMMs over all T
+ * rows at once with the products times scale: no logits recompute, no
  * chunking (g already holds every row). */
 void cf_cuda_lmhead_loss_bwd_saved(cf_backend *b, void *dx, float *dwlm, void *g, const void *x, const void *wlm,
-                                   const float *dloss, int T, int C, int V, int flags) {
+                                   const float *dloss, float scale, int T, int C, int V, int flags) {
     cf_cuda_ctx *ctx = cf_cuda_enter(b);
     if (!ctx || T <= 0) return;
-    lmhead_scale_rows_kernel<<<T, 512, 0, ctx->stream>>>((bf16 *)g, dloss, V);
-    if (!CF_CK_LAUNCH(ctx, "lmhead_scale_rows")) return;
-    cf_cuda_matmul_bwd(b, dx, dwlm, NULL, g, x, wlm, T, C, V, flags & CF_MM_DW_SET);
+    if (!(scale != 0.f) || !isfinite(scale)) {
+        cf_cuda_ctx_fail(ctx, "lmhead_loss_bwd_saved: scale %g must be finite and nonzero", scale);
+        return;
+    }
+    if (dloss) {
+        lmhead_scale_rows_kernel<<<T, 512, 0, ctx->stream>>>((bf16 *)g, dloss, scale, V);
+        if (!CF_CK_LAUNCH(ctx, "lmhead_scale_rows")) return;
+    }
+    cf_cuda_matmul_bwd_scaled(ctx, dx, dwlm, g, x, wlm, T, C, V, flags & CF_MM_DW_SET, scale);
 }
 
 /* lse[t] = M + log(sum_p s_p exp(m_p - M)), losses[t] = lse[t] - sum_p tgt_p
