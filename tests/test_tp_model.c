@@ -362,6 +362,10 @@ static void run_grid_vocab(const char *name, int vocab, cf_mode mode, int accum,
         grid_job *j = &jobs[g];
         CHECK_MSG(j->ok, "%s %s rank %d: %s", name, cf_mode_name(mode), g, j->err);
         if (!j->ok) continue;
+        /* every forward first waits (bounded) for the TP collectives before
+         * its uploads block on the device */
+        CHECK_MSG(j->tr.settles >= (int64_t)GRID_STEPS * accum, "rank %d: %lld settles for %d forwards", g,
+                  (long long)j->tr.settles, GRID_STEPS * accum);
         for (int st = 0; st < GRID_STEPS; st++) {
             CHECK_CLOSE(j->loss[st], ref_loss[st], 1e-5);
             CHECK_CLOSE(j->norm[st], ref_norm[st], 1e-4);
@@ -532,7 +536,7 @@ TEST(tp_refuses_what_it_cannot_split) {
     CHECK(cf_model_save(one, dir, "float32", 0) == 0);
     tpt_group g;
     tpt_group_init(&g, 4);
-    tpt_rank r = {&g, 0};
+    tpt_rank r = {&g, 0, 0};
     cf_tp_sync sync = tpt_sync(&r);   /* tp 4 > 2 KV heads */
     cf_model_opts o = {0};
     o.backend = CF_BACKEND_CPU;

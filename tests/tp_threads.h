@@ -34,6 +34,7 @@ typedef struct {
 typedef struct {
     tpt_group *g;
     int rank;
+    int64_t settles;             /* calls of the settle hook (nothing to wait for here) */
 } tpt_rank;
 
 static inline void tpt_group_init(tpt_group *g, int size) {
@@ -88,6 +89,13 @@ static inline int tpt_allgather(void *ctx, float *buf, size_t count) {
     return 0;
 }
 
+/* Threads finish their collectives before returning: the settle hook (the
+ * host's bounded wait before it blocks on the GPU) only counts its calls. */
+static inline int tpt_settle(void *ctx) {
+    ((tpt_rank *)ctx)->settles++;
+    return 0;
+}
+
 /* The cf_tp_sync of rank r (the model copies it; r must outlive the model). */
 static inline cf_tp_sync tpt_sync(tpt_rank *r) {
     cf_tp_sync s;
@@ -98,6 +106,7 @@ static inline cf_tp_sync tpt_sync(tpt_rank *r) {
     s.allreduce_start = tpt_allreduce;
     s.wait = tpt_wait;
     s.allgather_f32 = tpt_allgather;
+    s.settle = tpt_settle;
     return s;
 }
 

@@ -96,6 +96,14 @@ static int hook_wait(void *p) {
     return cf_cuda_compute_wait_comm(cx);
 }
 
+static int hook_settle(void *p) {
+    cf_tp_group *g = p;
+    cf_cuda_ctx *cx = ctx_of(g);
+    if (!cx) return -1;
+    g->step_pending = 0;
+    return cf_comm_wait(g->comm, cx->comm_stream, g->timeout_s);
+}
+
 static int hook_allgather_f32(void *p, float *buf, size_t count) {
     cf_tp_group *g = p;
     cf_cuda_ctx *cx = ctx_of(g);
@@ -139,6 +147,7 @@ cf_tp_sync cf_tp_group_sync(cf_tp_group *g) {
     s.allreduce_start = hook_allreduce_start;
     s.wait = hook_wait;
     s.allgather_f32 = hook_allgather_f32;
+    s.settle = hook_settle;
     return s;
 }
 

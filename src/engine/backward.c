@@ -116,7 +116,7 @@ int cf_backward(cf_model *m, cf_mode mode, const cf_kept *kept, float loss_scale
     if (backward_impl(m, mode, kept, loss_scale / counted, NULL) != 0) return -1;
     if (loss_out) {
         cf_scalars sc;
-        if (m->b->download(m->b, &sc, m->scalars, sizeof sc) != 0) return -1;
+        if (cf_tp_settle(m) != 0 || m->b->download(m->b, &sc, m->scalars, sizeof sc) != 0) return -1;
         *loss_out = sc.loss_sum / counted;
     }
     return 0;
@@ -138,7 +138,7 @@ static int reference_stopgrad(cf_model *m, const cf_kept *kept, float loss_scale
     free(keep);
     if (rc == 0 && loss_out) {
         cf_scalars sc;
-        if (m->b->download(m->b, &sc, m->scalars, sizeof sc) != 0) return -1;
+        if (cf_tp_settle(m) != 0 || m->b->download(m->b, &sc, m->scalars, sizeof sc) != 0) return -1;
         *loss_out = sc.loss_sum / kept->n;
     }
     return rc;

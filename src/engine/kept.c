@@ -87,7 +87,9 @@ int cf_select_parse(const char *s, cf_select_kind *out) {
 const float *cf_model_host_losses(cf_model *m) {
     if (m->T == 0) { cf_fail("no forward pass"); return NULL; }
     if (!m->host_losses_fwd) {
-        if (m->b->download(m->b, m->host_losses, m->losses, (size_t)m->T * sizeof(float)) != 0) return NULL;
+        if (cf_tp_settle(m) != 0 ||
+            m->b->download(m->b, m->host_losses, m->losses, (size_t)m->T * sizeof(float)) != 0)
+            return NULL;
         m->host_losses_fwd = 1;
     }
     return m->host_losses;
@@ -171,6 +173,6 @@ int cf_kept_from_mask(cf_model *m, const uint8_t *mask, cf_kept *out) {
 }
 
 int cf_kept_mask(cf_model *m, const cf_kept *kept, uint8_t *mask) {
-    if (cf_kept_check(m, kept) != 0) return -1;
+    if (cf_kept_check(m, kept) != 0 || cf_tp_settle(m) != 0) return -1;
     return m->b->download(m->b, mask, m->keep_dev, (size_t)m->T);
 }

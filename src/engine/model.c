@@ -640,6 +640,11 @@ int cf_model_save(cf_model *m, const char *dir, const char *dtype, size_t max_sh
     return rc;
 }
 
+int cf_tp_settle(cf_model *m) {
+    if (!cf_tp_on(m) || !m->tp.settle) return 0;
+    return m->tp.settle(m->tp.ctx);
+}
+
 int cf_tp_allreduce(cf_model *m, void *x, size_t count, int type, int phase) {
     if (!cf_tp_on(m)) return 0;
     if (m->tp.allreduce_start(m->tp.ctx, x, count, type, phase) != 0) return -1;
@@ -1046,7 +1051,10 @@ int cf_forward(cf_model *m, const int32_t *tokens, int B, int S, float *losses) 
             hdoc[t] = doc;
         }
     }
-    int up = b->upload(b, m->saved[m->s_tokens].full, hin, (size_t)T * sizeof(int));
+    /* the uploads wait for the compute stream, which may wait for the last
+     * micro-batch's TP collectives: those first, with a deadline */
+    int up = cf_tp_settle(m);
+    if (up == 0) up = b->upload(b, m->saved[m->s_tokens].full, hin, (size_t)T * sizeof(int));
     if (up == 0) up = b->upload(b, m->saved[m->s_targets].full, htg, (size_t)T * sizeof(int));
     if (up == 0) up = b->upload(b, m->saved[m->s_pos].full, hpos, (size_t)T * sizeof(int));
     if (up == 0) up = b->upload(b, m->doc, hdoc, (size_t)T * sizeof(int));

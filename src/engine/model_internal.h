@@ -147,6 +147,12 @@ typedef struct {
     /* buf [size x count] fp32: this rank's piece at rank x count reaches every
      * rank (in stream order; the compute stream waits for it) */
     int (*allgather_f32)(void *ctx, float *buf, size_t count);
+    /* the host waits, with the run's deadline, for every collective started
+     * so far (NULL: nothing to wait for). Called before the host blocks on
+     * the compute stream (an upload, a download), which waits for the
+     * collectives without a deadline: a dead or hung peer must fail the run,
+     * not hang it. */
+    int (*settle)(void *ctx);
 } cf_tp_sync;
 
 typedef struct {
@@ -338,6 +344,8 @@ static inline int cf_tp_on(const cf_model *m) { return m->tp.size > 1; }
 /* Sums x [count] of the given type over the TP group and makes the compute
  * stream wait for it (no-op without TP); 0 or -1 (cf_fail). */
 int cf_tp_allreduce(cf_model *m, void *x, size_t count, int type, int phase);
+/* m->tp.settle under TP (no-op otherwise); 0 or -1 (cf_fail). */
+int cf_tp_settle(cf_model *m);
 /* Opens the local model of TP rank `rank` of `size`, with the collectives
  * in *sync (ctx and functions): m->cfg is the local config, weights are
  * loaded from the whole HF tensors (or initialised as the whole model
