@@ -41,6 +41,9 @@ static cf_cuda_ctx *ctx_of(cf_tp_group *g) {
 /* Moves the finished timed collectives into the counters. */
 static int resolve_events(cf_tp_group *g) {
     if (!g->nev) return 0;
+    /* the events follow collectives: wait for those with the deadline first */
+    cf_cuda_ctx *cx = ctx_of(g);
+    if (!cx || cf_comm_wait(g->comm, cx->comm_stream, g->timeout_s) != 0) return -1;
     if (cudaEventSynchronize(g->ev[2 * g->nev - 1]) != cudaSuccess)
         return cf_fail("tensor parallel: waiting for the collectives' timing events failed");
     for (int i = 0; i < g->nev; i++) {
