@@ -362,6 +362,35 @@ TEST(checkpoint_housekeeping_touches_only_this_runs_checkpoints) {
     cf_model_free(m);
 }
 
+/* A rotation killed half-way through removing a checkpoint: with its marker
+ * still there (removed last) the next rotation finishes the job; killed
+ * after the marker, an empty directory is left, which rotation removes; a
+ * markerless directory holding files is never touched. */
+TEST(rotation_finishes_a_removal_that_was_killed_half_way) {
+    char d[600];
+    snprintf(d, sizeof d, "%s", tmp_path("ck_kill"));
+    cf_model *m = tiny_model();
+    CHECK(m != NULL);
+    if (!m) return;
+    for (int s = 1; s <= 3; s++) CHECK(cf_checkpoint_save(m, d, s, 0, 3) == 0);
+    /* step 1 half removed: its state.bin gone, the marker still there */
+    CHECK(unlink(tmp_path("ck_kill/step_00000001/state.bin")) == 0);
+    CHECK(cf_path_exists(tmp_path("ck_kill/step_00000001/centrifuge_checkpoint.json")));
+    /* step 2 killed after its marker: nothing left in it */
+    char cmd[1400];
+    snprintf(cmd, sizeof cmd, "rm -f %s/*", tmp_path("ck_kill/step_00000002"));
+    CHECK(system(cmd) == 0);
+    /* a markerless directory of someone else's, with a file */
+    CHECK(cf_mkdir_p(tmp_path("ck_kill/step_00000000")) == 0);
+    write_text(tmp_path("ck_kill/step_00000000/mine.txt"), "user");
+    CHECK(cf_checkpoint_save(m, d, 4, 0, 2) == 0);
+    CHECK(!cf_path_exists(tmp_path("ck_kill/step_00000001")));
+    CHECK(!cf_path_exists(tmp_path("ck_kill/step_00000002")));
+    CHECK(cf_path_exists(tmp_path("ck_kill/step_00000003/state.bin")) && latest_is(d, "step_00000004"));
+    CHECK(file_is(tmp_path("ck_kill/step_00000000/mine.txt"), "user"));
+    cf_model_free(m);
+}
+
 TEST(non_finite_weights_never_become_a_checkpoint_and_non_finite_state_is_refused) {
     char d[600];
     snprintf(d, sizeof d, "%s", tmp_path("nan_ck"));
@@ -481,6 +510,7 @@ int main(void) {
     RUN(nul_characters_inside_json_strings_are_refused);
     RUN(resharding_in_place_never_overwrites_the_files_the_index_names);
     RUN(checkpoint_housekeeping_touches_only_this_runs_checkpoints);
+    RUN(rotation_finishes_a_removal_that_was_killed_half_way);
     RUN(non_finite_weights_never_become_a_checkpoint_and_non_finite_state_is_refused);
     RUN(the_memory_estimate_counts_weights_state_and_activations);
     nftw(g_dir, rm_cb, 16, FTW_DEPTH | FTW_PHYS);

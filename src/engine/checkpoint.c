@@ -121,18 +121,23 @@ static void remove_stale_temps(const char *dir) {
 }
 
 /* Removes a checkpoint directory of this run with everything in it: the
- * checkpoint's files and whatever temp files a killed save left there. */
+ * checkpoint's files and whatever temp files a killed save left there. The
+ * marker goes last, so a removal killed half-way leaves a directory that
+ * the next rotation still knows as this run's and removes (a kill between
+ * the marker and the rmdir leaves an empty one: rotation removes those). */
 static void remove_checkpoint(const char *victim) {
     DIR *d = opendir(victim);
     struct dirent *e;
     char f[4096 + 256];
     while (d && (e = readdir(d))) {
-        if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
+        if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0 || strcmp(e->d_name, MARKER_NAME) == 0)
+            continue;
         struct stat st;
         if (cf_path_join(f, sizeof f, victim, e->d_name) == 0 && lstat(f, &st) == 0 && !S_ISDIR(st.st_mode))
             unlink(f);
     }
     if (d) closedir(d);
+    if (cf_path_join(f, sizeof f, victim, MARKER_NAME) == 0) unlink(f);
     rmdir(victim);
 }
 
@@ -306,7 +311,12 @@ int cf_checkpoint_commit(const char *dir, int64_t step, int keep_last) {
         char p[4096 + 256], have[64];
         struct stat st;
         if (cf_path_join(p, sizeof p, dir, e->d_name) != 0 || lstat(p, &st) != 0 || !S_ISDIR(st.st_mode)) continue;
-        if (marker_run_id(p, have, sizeof have) != 0 || strcmp(have, run) != 0) continue;
+        if (marker_run_id(p, have, sizeof have) != 0) continue;
+        if (!have[0] && s < step) {
+            rmdir(p);   /* empty (a removal killed after its marker): gone; with files: kept */
+            continue;
+        }
+        if (strcmp(have, run) != 0) continue;
         if (n == cap) {
             cap = cap ? 2 * cap : 16;
             step_dir *g = realloc(mine, (size_t)cap * sizeof *g);
