@@ -8,23 +8,6 @@
 
 /* ============================================================== rmsnorm */
 
-/* y = x * r * w over one row of C, by one warp (lane 0..31) */
-template <bool VEC>
-__device__ __forceinline__ void rms_scale_row(bf16 *y, const bf16 *x, const bf16 *w, float r, int C, int lane) {
-    if (VEC) {
-        for (int c = lane * 8; c < C; c += 256) {
-            float f[8], wf[8];
-            unpack8(*(const pack8 *)(x + c), f);
-            unpack8(*(const pack8 *)(w + c), wf);
-            for (int k = 0; k < 8; k++) f[k] = f[k] * r * wf[k];
-            *(pack8 *)(y + c) = pack8_from(f);
-        }
-    } else {
-        for (int c = lane; c < C; c += 32)
-            y[c] = __float2bfloat16_rn(__bfloat162float(x[c]) * r * __bfloat162float(w[c]));
-    }
-}
-
 /* One warp per row. out = x * rstd * w, rstd = 1/sqrt(mean(x^2) + eps). */
 template <bool VEC>
 static __global__ void rmsnorm_fwd_kernel(bf16 *out, float *rstd, const bf16 *inp, const bf16 *w, int T, int C, float eps) {
@@ -45,8 +28,20 @@ static __global__ void rmsnorm_fwd_kernel(bf16 *out, float *rstd, const bf16 *in
             ss += f * f;
         }
     }
-    const float r = rsqrtf(warp_sum(ss) / C + eps);
-    rms_scale_row<VEC>(y, x, w, r, C, lane);
+    ss = warp_sum(ss);
+    const float r = rsqrtf(ss / C + eps);
+    if (VEC) {
+        for (int c = lane * 8; c < C; c += 256) {
+            float f[8], wf[8];
+            unpack8(*(const pack8 *)(x + c), f);
+            unpack8(*(const pack8 *)(w + c), wf);
+            for (int k = 0; k < 8; k++) f[k] = f[k] * r * wf[k];
+            *(pack8 *)(y + c) = pack8_from(f);
+        }
+    } else {
+        for (int c = lane; c < C; c += 32)
+            y[c] = __float2bfloat16_rn(__bfloat162float(x[c]) * r * __bfloat162float(w[c]));
+    }
     if (lane == 0) rstd[row] = r;
 }
 /* One warp per row: s = bf16(a + c) is written, and its sum of squares
@@ -80,8 +75,20 @@ static __global__ void add_rmsnorm_fwd_kernel(bf16 *sum, bf16 *out, float *rstd,
             ss += f * f;
         }
     }
-    const float r = rsqrtf(warp_sum(ss) / C + eps);
-    rms_scale_row<VEC>(out + off, sum + off, w, r, C, lane);
+    ss = warp_sum(ss);
+    const float r = rsqrtf(ss / C + eps);
+    if (VEC) {
+        for (int i = lane * 8; i < C; i += 256) {
+            float f[8], wf[8];
+            unpack8(*(const pack8 *)(sum + off + i), f);
+            unpack8(*(const pack8 *)(w + i), wf);
+            for (int k = 0; k < 8; k++) f[k] = f[k] * r * wf[k];
+            *(pack8 *)(out + off + i) = pack8_from(f);
+        }
+    } else {
+        for (int i = lane; i < C; i += 32)
+            out[off + i] = __float2bfloat16_rn(__bfloat162float(sum[off + i]) * r * __bfloat162float(w[i]));
+    }
     if (lane == 0) rstd[row] = r;
 }
 void cf_cuda_add_rmsnorm_fwd(cf_backend *b, void *sum, void *out, float *rstd, const void *a, const void *c,

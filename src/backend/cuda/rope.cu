@@ -24,38 +24,6 @@ struct rope_part {
  * dependent scalar loads left the kernel latency-bound. The items of part a
  * come first, then those of part b (q and k of a layer: one launch).
  */
-/* The V (x1, x2) pairs at x1p and x1p + D/2: loaded as floats, rotated by
- * angle sign * p * inv_freq[k], stored as bf16 (16-byte accesses for V = 8). */
-template <int V>
-__device__ __forceinline__ void load_pairs(const bf16 *x1p, const bf16 *x2p, float *x1, float *x2) {
-    if (V == 8) {
-        unpack8(*(const pack8 *)x1p, x1);
-        unpack8(*(const pack8 *)x2p, x2);
-    } else {
-        for (int k = 0; k < V; k++) x1[k] = __bfloat162float(x1p[k]), x2[k] = __bfloat162float(x2p[k]);
-    }
-}
-template <int V>
-__device__ __forceinline__ void rotate_pairs(float *x1, float *x2, float p, const float *inv_freq, float sign) {
-    for (int k = 0; k < V; k++) {
-        float s, c;
-        sincosf(p * inv_freq[k], &s, &c);
-        s *= sign;
-        const float a = x1[k], b = x2[k];
-        x1[k] = a * c - b * s;
-        x2[k] = b * c + a * s;
-    }
-}
-template <int V>
-__device__ __forceinline__ void store_pairs(bf16 *o1, bf16 *o2, const float *x1, const float *x2) {
-    if (V == 8) {
-        *(pack8 *)o1 = pack8_from(x1);
-        *(pack8 *)o2 = pack8_from(x2);
-    } else {
-        for (int k = 0; k < V; k++) o1[k] = __float2bfloat16_rn(x1[k]), o2[k] = __float2bfloat16_rn(x2[k]);
-    }
-}
-
 template <int V>
 static __global__ void rope_kernel(rope_part pa, rope_part pb, const float *inv_freq, int D, float sign) {
     const int half = D / 2, groups = half / V;
@@ -71,9 +39,26 @@ static __global__ void rope_kernel(rope_part pa, rope_part pb, const float *inv_
         const float p = (float)pos[th / nh];
         bf16 *x1p = x + th * D + i0, *x2p = x1p + half;
         float x1[V], x2[V];
-        load_pairs<V>(x1p, x2p, x1, x2);
-        rotate_pairs<V>(x1, x2, p, inv_freq + i0, sign);
-        store_pairs<V>(x1p, x2p, x1, x2);
+        if (V == 8) {
+            unpack8(*(const pack8 *)x1p, x1);
+            unpack8(*(const pack8 *)x2p, x2);
+        } else {
+            for (int k = 0; k < V; k++) x1[k] = __bfloat162float(x1p[k]), x2[k] = __bfloat162float(x2p[k]);
+        }
+        for (int k = 0; k < V; k++) {
+            float s, c;
+            sincosf(p * inv_freq[i0 + k], &s, &c);
+            s *= sign;
+            const float a = x1[k], b = x2[k];
+            x1[k] = a * c - b * s;
+            x2[k] = b * c + a * s;
+        }
+        if (V == 8) {
+            *(pack8 *)x1p = pack8_from(x1);
+            *(pack8 *)x2p = pack8_from(x2);
+        } else {
+            for (int k = 0; k < V; k++) x1p[k] = __float2bfloat16_rn(x1[k]), x2p[k] = __float2bfloat16_rn(x2[k]);
+        }
     }
 }
 static void rope(cf_backend *b, rope_part pa, rope_part pb, const float *inv_freq, int D, float sign) {
@@ -128,9 +113,28 @@ static __global__ void qkv_split_rope_kernel(bf16 *q, bf16 *k, bf16 *v, const bf
         o1 += i0;
         bf16 *o2 = o1 + half;
         float x1[V], x2[V];
-        load_pairs<V>(x1p, x2p, x1, x2);
-        if (h < Hq + Hk) rotate_pairs<V>(x1, x2, (float)pos[t], inv_freq + i0, 1.f);   /* v: copied */
-        store_pairs<V>(o1, o2, x1, x2);
+        if (V == 8) {
+            unpack8(*(const pack8 *)x1p, x1);
+            unpack8(*(const pack8 *)x2p, x2);
+        } else {
+            for (int j = 0; j < V; j++) x1[j] = __bfloat162float(x1p[j]), x2[j] = __bfloat162float(x2p[j]);
+        }
+        if (h < Hq + Hk) {
+            const float p = (float)pos[t];
+            for (int j = 0; j < V; j++) {
+                float s, c;
+                sincosf(p * inv_freq[i0 + j], &s, &c);
+                const float a = x1[j], b = x2[j];
+                x1[j] = a * c - b * s;
+                x2[j] = b * c + a * s;
+            }
+        }
+        if (V == 8) {
+            *(pack8 *)o1 = pack8_from(x1);
+            *(pack8 *)o2 = pack8_from(x2);
+        } else {
+            for (int j = 0; j < V; j++) o1[j] = __float2bfloat16_rn(x1[j]), o2[j] = __float2bfloat16_rn(x2[j]);
+        }
     }
 }
 void cf_cuda_qkv_split_rope(cf_backend *b, void *q, void *k, void *v, const void *qkv, const int *pos, int T,
