@@ -284,12 +284,12 @@ static int backward_body(cf_model *m, cf_mode mode, const cf_kept *kept, float t
      * input gradient is a partial sum */
     const int tp = cf_tp_on(m);
     const int v0 = tp ? m->tp.vocab_start : 0, vn = tp ? m->tp.vocab_len : c->vocab_size;
-    if (!tp && m->s_head >= 0 && m->head_g_fwd == m->fwd_id && token_weight != 0.0f && isfinite(token_weight)) {
-        /* issue 17: the forward kept g = softmax - onehot (of the kept rows
-         * after the filter): dlogits = dloss g in place, then the two GEMMs.
-         * g is consumed; another backward of this forward recomputes. */
-        /* every row weighs token_weight unless a keep mask zeroes some
-         * (loss-only's full backward): then the rows are reweighted in g */
+    if (m->head_g_fwd == m->fwd_id && token_weight != 0.0f && isfinite(token_weight)) {
+        /* issue 17: the forward kept g = softmax - onehot (never under TP;
+         * of the kept rows after the filter): the two GEMMs carry the token
+         * weight; only where a keep mask zeroes rows (loss-only's full
+         * backward) are they reweighted in g first. g is consumed; another
+         * backward of this forward recomputes. */
         const float *dl = keep && !compact ? m->dloss : NULL;
         OP(CF_PROF_LMHEAD, b->lmhead_loss_bwd_saved(b, m->d_ln, cf_grad(m, m->p_lm_head), SAVED(m, m->s_head),
                            SAVED(m, m->s_lnf), cf_weight(m, m->p_lm_head), dl, token_weight, n, C, vn,

@@ -422,12 +422,7 @@ void cf_cuda_matmul_bwd(cf_backend *b, void *dinp, float *dw, float *dbias, cons
                         const void *w, int T, int K, int N, int flags) {
     cf_cuda_ctx *ctx = cf_cuda_enter(b);
     if (!ctx || T <= 0) return;
-    if (dinp)
-        cf_cuda_gemm(ctx, false, false, K, T, N, w, K, dout, N, dinp, CUDA_R_16BF, K,
-                     (flags & CF_MM_ACC_DINP) ? 1.f : 0.f, NULL);
-    if (dw)
-        cf_cuda_gemm(ctx, false, true, K, N, T, inp, K, dout, N, dw, CUDA_R_32F, K, (flags & CF_MM_DW_SET) ? 0.f : 1.f,
-                     NULL);
+    cf_cuda_matmul_bwd_scaled(ctx, dinp, dw, dout, inp, w, T, K, N, flags, 1.f);
     if (dbias) cf_cuda_colsum(ctx, dbias, (const bf16 *)dout, NULL, NULL, T, N);
 }
 
