@@ -5,7 +5,9 @@
 # copied from this machine. tools/gpu_session.sh runs there from it.
 #   tools/gpu_carry.sh [OLD_BINARY]     (after make cuda + GPU tests)
 # OLD_BINARY: a centrifuge-cuda of an earlier commit, carried as
-# centrifuge-cuda-old for A/B timing (gpu_session.sh bench-old).
+# centrifuge-cuda-old for A/B timing (gpu_session.sh bench-old). A copy of an
+# earlier bench_attention put at build/cuda/tests/bench_attention_old travels
+# with the tests (gpu_session.sh attn-ab).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 G=.gpucarry

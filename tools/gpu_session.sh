@@ -5,7 +5,7 @@
 # Usage on the GPU machine: tools/gpu_session.sh PART...  (logs under $OUT)
 #   parts: tests sanitize bench-main bench-old bench-sweeps bench-3b pytorch
 #          parity peft-parity dp-check dp-bench dp-ctas tp-check tp-bench rows-x4 rows-x8
-#          rows-x8-dry bench-accum profile dp-bf16 ab-profile ab-fused ab-head attn-shapes dp-prio bench-pair
+#          rows-x8-dry bench-accum profile dp-bf16 ab-profile ab-fused ab-head attn-shapes attn-ab dp-prio bench-pair
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G=$PWD/.gpucarry
@@ -138,6 +138,15 @@ for part in "$@"; do
         if [ $hpb = auto ]; then unset CF_ATTN_SM90_BWD_HPB; else export CF_ATTN_SM90_BWD_HPB=$hpb; fi
         echo "hpb $hpb, S H Hkv D = $sh"; BENCH_ATTN_PATHS=auto "$G/bench_attention" $sh 2>&1 | grep -E "forward|backward"
       done; done 2>&1 | tee "$OUT/attn_shapes.txt"; unset CF_ATTN_SM90_BWD_HPB ;;
+    attn-ab)
+      # attention alone: the carried bench_attention_old (an earlier build, see gpu_carry.sh) against this
+      # build's, alternated twice per shape (default shapes, then Qwen2.5-1.5B's and Llama3.2-3B's)
+      for sh in "4096 32 4 64" "4096 32 8 128" "2048 12 2 128" "2048 24 8 128"; do for rep in 1 2; do
+        for v in old new; do
+          b="$G/bench_attention"; [ $v = old ] && b="$G/bench_attention_old"
+          [ -x "$b" ] || continue
+          echo "$v (rep $rep), S H Hkv D = $sh"; BENCH_ATTN_PATHS=auto "$b" $sh 2>&1 | grep -E "forward|backward"
+        done; done; done 2>&1 | tee "$OUT/attn_ab.txt" ;;
     dp-prio)
       # issue 14: the communication stream at the device's highest priority (CF_COMM_PRIORITY=high), then normal, DP=2
       for p in high normal; do

@@ -226,15 +226,30 @@ __global__ void __launch_bounds__(384, 1)
                 if (need_mask && !(krow_t[r] <= qrow_s[c] && (!a.doc || kdoc_t[r] == qdoc_s[c]))) p = 0.f;
                 st[4 * j + e] = p;
             }
-        wgmma_wait<0>(); /* dP^T */
-        fence_regs(dpt);
+        /* P^T and dS^T as bf16 A fragments. At BM = 64 the dV product is
+         * issued before dS^T is formed and runs meanwhile; at BM = 128 the
+         * scores take too many registers for that (ptxas serialises the
+         * products), so both are packed in one pass and dV goes after. */
+        constexpr bool early_dv = BM == 64;
         uint32_t pa[BM / 16][4], da[BM / 16][4];
+        if constexpr (early_dv) {
+#pragma unroll
+            for (int kk = 0; kk < BM / 16; kk++)
+#pragma unroll
+                for (int q = 0; q < 4; q++) pa[kk][q] = pack_bf16(st[8 * kk + 2 * q], st[8 * kk + 2 * q + 1]);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < BM / 16; kk++) wgmma_rs<1>(dv, pa[kk], desc_mn(sOs, BM, 0, kk), 1);
+            wgmma_commit();
+        }
+        wgmma_wait<early_dv ? 1 : 0>(); /* dP^T (the dV product may still run) */
+        fence_regs(dpt);
 #pragma unroll
         for (int kk = 0; kk < BM / 16; kk++) {
 #pragma unroll
             for (int q = 0; q < 4; q++) {
                 const int i0 = 8 * kk + 2 * q, c = 16 * kk + 8 * (q >> 1) + 2 * t4;
-                pa[kk][q] = pack_bf16(st[i0], st[i0 + 1]);
+                if constexpr (!early_dv) pa[kk][q] = pack_bf16(st[i0], st[i0 + 1]);
                 da[kk][q] = pack_bf16(st[i0] * (dpt[i0] - sm[BM + c]), st[i0 + 1] * (dpt[i0 + 1] - sm[BM + c + 1]));
             }
         }
@@ -247,29 +262,30 @@ __global__ void __launch_bounds__(384, 1)
                 *reinterpret_cast<uint32_t *>(sbase + C::OFF_DS + db * C::DS_BYTES + sw128_off(BN, R, 8 * j + 2 * t4)) =
                     da[j >> 1][(j & 1) * 2 + r];
             }
-        wgmma_fence();
+        if constexpr (!early_dv) {
+            wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < BM / 16; kk++) wgmma_rs<1>(dv, pa[kk], desc_mn(sOs, BM, 0, kk), 1);
-#pragma unroll
-        for (int kk = 0; kk < BM / 16; kk++) wgmma_rs<1>(dk, da[kk], desc_mn(sQs, BM, 0, kk), 1);
-        wgmma_commit();
+            for (int kk = 0; kk < BM / 16; kk++) wgmma_rs<1>(dv, pa[kk], desc_mn(sOs, BM, 0, kk), 1);
+            wgmma_commit();
+        }
         fence_async_smem();
         named_barrier(1, 256); /* both halves of dS^T written */
 
+        /* dQ = dS K first, then dK += dS^T Q: dQ goes to shared memory
+         * while the dK product still runs */
         float dq[NW / 2];
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BN / 16; kk++)
             wgmma_ss<1, 1>(dq, desc_mn(sDSb, BN, qc0, kk), desc_mn(sK, BN, kc0, kk), kk > 0);
         wgmma_commit();
-        wgmma_wait<0>();
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; kk++) wgmma_rs<1>(dk, da[kk], desc_mn(sQs, BM, 0, kk), 1);
+        wgmma_commit();
+        wgmma_wait<1>(); /* dV and dQ */
         fence_regs(dv);
-        fence_regs(dk);
         fence_regs(dq);
         fence_regs(pa);
-        fence_regs(da);
-        __syncwarp();
-        if (lane == 0) mbar_arrive(empty(s));
 
         /* dQ -> shared in slot order, then to the writer warp */
         if (i > 0) named_barrier(3, 256 + 32); /* the writer has read the last one */
@@ -279,6 +295,11 @@ __global__ void __launch_bounds__(384, 1)
                                              dq[4 * j + 3] * a.scale);
         fence_async_smem();
         named_barrier_arrive(2, 256 + 32);
+        wgmma_wait<0>(); /* dK: the stage's Q and dO are read */
+        fence_regs(dk);
+        fence_regs(da);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty(s));
     }
 
 #pragma unroll
@@ -311,29 +332,48 @@ __global__ void __launch_bounds__(384, 1)
 #endif
 }
 
-/* dq (bf16, or fp32 when dqf) of q index i, head h, column c from the
- * slot-ordered accumulator */
-__global__ void dq_convert_kernel(bf16 *dq, float *dqf, const float *acc, const int *qstart, int n, int B, int S,
-                                  int H, int D, int tps, int nw) {
-    const size_t total = (size_t)n * H * D;
-    for (size_t x = (size_t)blockIdx.x * blockDim.x + threadIdx.x; x < total; x += (size_t)gridDim.x * blockDim.x) {
-        const int c = (int)(x % D), h = (int)((x / D) % H), i = (int)(x / ((size_t)H * D));
-        int b;
-        if (!qstart) {
-            b = i / S;
-        } else { /* the sequence of index i: last b with qstart[b] <= i */
-            int lo = 0, hi = B - 1;
-            while (lo < hi) {
-                const int mid = (lo + hi + 1) >> 1;
-                if (qstart[mid] <= i) lo = mid;
-                else hi = mid - 1;
-            }
-            b = lo;
+/* dq (bf16, or fp32 when dqf) from the slot-ordered accumulator. A block
+ * takes one slot (sequence b = blockIdx.z, head h = blockIdx.y, 64-row query
+ * tile blockIdx.x): it reads the slot in order as float4s (coalesced) into a
+ * [64][D] shared tile, then writes whole rows (coalesced). Float4 F of a
+ * 64 x nw block is accumulators 4j.. of thread 32v + 4g + t of the dQ
+ * product, F = 128j + 32v + 4g + t (dq_slot_index): rows r = 16v + g and
+ * r + 8, columns c = 8j + 2t and c + 1. The tile's rows are padded by 8
+ * floats, so a half-warp's 8-byte stores (4 rows x 4 column pairs) hit
+ * distinct banks. */
+template <int D>
+__global__ void __launch_bounds__(256) dq_convert_kernel(bf16 *dq, float *dqf, const float *acc, const int *qstart,
+                                                         int S, int H, int tps, int nw) {
+    constexpr int LD = D + 8;
+    __shared__ float tile[64 * LD];
+    const int q64 = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    const int start = qstart ? qstart[b] : b * S, len = qstart ? qstart[b + 1] - start : S;
+    if (q64 * 64 >= len) return;
+    const float4 *src = reinterpret_cast<const float4 *>(acc + dq_slot_base(b, h, q64, H, D, tps));
+    const int per_block = 16 * nw; /* float4s in a 64 x nw block */
+    for (int k = threadIdx.x; k < 16 * D; k += blockDim.x) {
+        const float4 x = src[k];
+        const int blk = k / per_block, F = k % per_block;
+        const int j = F >> 7, v = (F >> 5) & 3, g = (F >> 2) & 7, t = F & 3;
+        float *p = tile + (16 * v + g) * LD + blk * nw + 8 * j + 2 * t;
+        *reinterpret_cast<float2 *>(p) = make_float2(x.x, x.y);
+        *reinterpret_cast<float2 *>(p + 8 * LD) = make_float2(x.z, x.w);
+    }
+    __syncthreads();
+    const int rows = min(64, len - q64 * 64);
+    for (int e = threadIdx.x; e < rows * (D / 4); e += blockDim.x) {
+        const int r = e / (D / 4), c = 4 * (e % (D / 4));
+        const float4 x = *reinterpret_cast<const float4 *>(tile + r * LD + c);
+        const size_t o = ((size_t)(start + q64 * 64 + r) * H + h) * D + c;
+        if (dqf) {
+            *reinterpret_cast<float4 *>(dqf + o) = x;
+        } else {
+            const __nv_bfloat162 lo = __floats2bfloat162_rn(x.x, x.y), hi = __floats2bfloat162_rn(x.z, x.w);
+            uint2 u;
+            u.x = *reinterpret_cast<const uint32_t *>(&lo);
+            u.y = *reinterpret_cast<const uint32_t *>(&hi);
+            *reinterpret_cast<uint2 *>(dq + o) = u;
         }
-        const int qi = i - (qstart ? qstart[b] : b * S);
-        const float val = acc[dq_slot_base(b, h, qi >> 6, H, D, tps) + dq_slot_index(qi & 63, c, nw)];
-        if (dqf) dqf[x] = val;
-        else dq[x] = __float2bfloat16_rn(val);
     }
 }
 
@@ -406,6 +446,9 @@ int attn_bwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D, int nq_rows, int k
 
 void attn_sm90_dq_convert(cudaStream_t st, bf16 *dq, float *dqf, const float *acc, const int *qstart, int n, int B,
                           int S, int H, int D, int tps) {
-    dq_convert_kernel<<<attn_grid_for((size_t)n * H * D), 256, 0, st>>>(dq, dqf, acc, qstart, n, B, S, H, D, tps,
-                                                                        attn_sm90_bwd_nw(D));
+    (void)n; /* the rows come from qstart (or B x S) */
+    if (B <= 0 || tps <= 0) return;
+    const dim3 grid(tps, H, B);
+    if (D == 64) dq_convert_kernel<64><<<grid, 256, 0, st>>>(dq, dqf, acc, qstart, S, H, tps, attn_sm90_bwd_nw(D));
+    else if (D == 128) dq_convert_kernel<128><<<grid, 256, 0, st>>>(dq, dqf, acc, qstart, S, H, tps, attn_sm90_bwd_nw(D));
 }

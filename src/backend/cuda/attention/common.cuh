@@ -326,8 +326,10 @@ void attn_sm90_dq_convert(cudaStream_t st, bf16 *dq, float *dqf, const float *ac
 
 /* ----------------------------------------- small kernels, by file */
 
-/* bwd.cu: D_i = dO_i . O_i per (q index, head), and dq_acc = 0 (unless NULL) */
-void attn_bwd_prep(cudaStream_t st, const bf16 *dout, const bf16 *o, float *Dvec, float *dq_acc, int nrows, int D);
+/* bwd.cu: D_i = dO_i . O_i per (q index, head), and zero[0 .. nzero) = 0
+ * (a dq accumulator; none when zero is NULL) */
+void attn_bwd_prep(cudaStream_t st, const bf16 *dout, const bf16 *o, float *Dvec, float *zero, size_t nzero,
+                   int nrows, int D);
 /* bwd.cu: dq = bf16(dq_acc) */
 void attn_dq_to_bf16(cudaStream_t st, bf16 *dq, const float *dq_acc, size_t n);
 /* bwd.cu: dk, dv of each kv head = sums over its G query heads */

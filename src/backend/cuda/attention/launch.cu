@@ -242,7 +242,15 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
     /* the Hopper kernels have a dq accumulator of their own (bwd_sm90.cu) */
     const bool try_hopper = (D == 64 || D == 128) && attn_sm90_enabled(ctx);
     if (ctx->failed) return;
-    attn_bwd_prep(ctx->stream, a.dout, a.o, Dvec, try_hopper ? NULL : dq_acc, n * H, D);
+    /* the Hopper kernel's dq accumulator (its own layout, bwd_sm90.cu):
+     * tps 64-row query tiles per sequence, even (a step may cover two) */
+    const int tps = try_hopper ? 2 * ((maxlen + 127) / 128) : 0;
+    const size_t acc_n = (size_t)B * tps * 64 * H * D;
+    float *acc = try_hopper ? (float *)cf_cuda_scratch(ctx, CF_SCR_ATTN_SM90_DQ, acc_n * sizeof(float)) : NULL;
+    if (try_hopper && !acc) return;
+    /* D_i, and the accumulator the backward adds dq to set to zero */
+    attn_bwd_prep(ctx->stream, a.dout, a.o, Dvec, try_hopper ? acc : dq_acc, try_hopper ? acc_n : (size_t)n * H * D,
+                  n * H, D);
     if (!CF_CK_LAUNCH(ctx, "attention bwd prep")) return;
     /* GQA: fp32 partials of dk, dv per group of hpb query heads (1 on the
      * portable path), summed by attn_gqa_reduce */
@@ -257,12 +265,8 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
     }
     /* part 1 / the whole backward: dk, dv, and dq over the k side; on
      * Hopper into a dq accumulator of its own layout (bwd_sm90.cu) */
-    int hopper = 0, tps = 0;
+    int hopper = 0;
     if (try_hopper) {
-        tps = 2 * ((maxlen + 127) / 128); /* even: a step may cover two 64-row tiles */
-        const size_t acc_n = (size_t)B * tps * 64 * H * D;
-        float *acc = (float *)cf_cuda_scratch(ctx, CF_SCR_ATTN_SM90_DQ, acc_n * sizeof(float));
-        if (!acc || !CF_CK(ctx, cudaMemsetAsync(acc, 0, acc_n * sizeof(float), ctx->stream))) return;
         AttnArgs h = a;
         h.dq_acc = acc;
         hopper = attn_bwd_sm90(ctx, h, D, n, kmaxlen, tps, hpb);
