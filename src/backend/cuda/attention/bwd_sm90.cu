@@ -18,12 +18,17 @@
  *     warpgroup w owns keys 64w..64w+63 and keeps their dK, dV in
  *     registers. Per step of BM queries (64 or 128):
  *       S^T = K Q^T, dP^T = V dO^T          wgmma, all operands in smem
- *       P^T = exp2(x - lse), dS^T = P^T (dP^T - D)      registers (fp32)
- *       dV += P^T dO, dK += dS^T Q           wgmma, A = P^T / dS^T from
- *                                            registers, B MN-major
- *       dS^T -> shared (bf16, double-buffered), barrier of both consumers
+ *       P^T = exp2(x - lse)                  registers (fp32)
+ *       dV += P^T dO                         wgmma, A = P^T from registers,
+ *                                            B MN-major (issued here at
+ *                                            BM = 64, after dS^T at 128)
+ *       dS^T = P^T (dP^T - D)                registers, to shared (bf16,
+ *                                            double-buffered), barrier of
+ *                                            both consumers
  *       dQ = dS K over the 128 keys          wgmma, A = dS^T MN-major,
  *                                            B = K MN-major
+ *       dK += dS^T Q                         wgmma, A = dS^T from registers;
+ *                                            runs while dQ is stored
  *     where BM = 64: warpgroup w forms columns w D/2.. of the 64 rows;
  *     BM = 128: rows 64w.. with all D columns. Each stores its part of dQ
  *     (fp32) to shared memory; warp 2 of the producer adds the BM x D tile
