@@ -340,12 +340,10 @@ __global__ void __launch_bounds__(384, 1)
 /* dq (bf16, or fp32 when dqf) from the slot-ordered accumulator. A block
  * takes one slot (sequence b = blockIdx.z, head h = blockIdx.y, 64-row query
  * tile blockIdx.x): it reads the slot in order as float4s (coalesced) into a
- * [64][D] shared tile, then writes whole rows (coalesced). Float4 F of a
- * 64 x nw block is accumulators 4j.. of thread 32v + 4g + t of the dQ
- * product, F = 128j + 32v + 4g + t (dq_slot_index): rows r = 16v + g and
- * r + 8, columns c = 8j + 2t and c + 1. The tile's rows are padded by 8
- * floats, so a half-warp's 8-byte stores (4 rows x 4 column pairs) hit
- * distinct banks. */
+ * [64][D] shared tile, then writes whole rows (coalesced). Each float4 is
+ * rows r, r + 8 and columns c, c + 1 (dq_slot_coords). The tile's rows
+ * are padded by 8 floats, so a half-warp's 8-byte stores (4 rows x 4
+ * column pairs) hit distinct banks. */
 template <int D>
 __global__ void __launch_bounds__(256) dq_convert_kernel(bf16 *dq, float *dqf, const float *acc, const int *qstart,
                                                          int S, int H, int tps, int nw) {
@@ -355,12 +353,11 @@ __global__ void __launch_bounds__(256) dq_convert_kernel(bf16 *dq, float *dqf, c
     const int start = qstart ? qstart[b] : b * S, len = qstart ? qstart[b + 1] - start : S;
     if (q64 * 64 >= len) return;
     const float4 *src = reinterpret_cast<const float4 *>(acc + dq_slot_base(b, h, q64, H, D, tps));
-    const int per_block = 16 * nw; /* float4s in a 64 x nw block */
     for (int k = threadIdx.x; k < 16 * D; k += blockDim.x) {
         const float4 x = src[k];
-        const int blk = k / per_block, F = k % per_block;
-        const int j = F >> 7, v = (F >> 5) & 3, g = (F >> 2) & 7, t = F & 3;
-        float *p = tile + (16 * v + g) * LD + blk * nw + 8 * j + 2 * t;
+        int r, c;
+        dq_slot_coords(k, nw, &r, &c);
+        float *p = tile + r * LD + c;
         *reinterpret_cast<float2 *>(p) = make_float2(x.x, x.y);
         *reinterpret_cast<float2 *>(p + 8 * LD) = make_float2(x.z, x.w);
     }

@@ -308,6 +308,15 @@ __host__ __device__ __forceinline__ int dq_slot_index(int r, int c, int nw) {
     const int cc = c % nw, j = cc >> 3, t = (cc & 7) >> 1;
     return (c / nw) * (64 * nw) + ((j * 128 + (r >> 4) * 32 + (r & 7) * 4 + t) * 4 + ((r >> 3) & 1) * 2 + (c & 1));
 }
+/* The inverse, by float4: float4 k of a slot holds (r, c), (r, c + 1),
+ * (r + 8, c), (r + 8, c + 1). Within a 64 x nw block (16 nw float4s),
+ * k = 128 j + 32 v + 4 g + t is accumulators 4j.. of warpgroup thread
+ * 32 v + 4 g + t: r = 16 v + g, c = 8 j + 2 t (the fragment map above). */
+__host__ __device__ __forceinline__ void dq_slot_coords(int k, int nw, int *r, int *c) {
+    const int blk = k / (16 * nw), F = k % (16 * nw);
+    *r = 16 * ((F >> 5) & 3) + ((F >> 2) & 7);
+    *c = blk * nw + 8 * (F >> 7) + 2 * (F & 3);
+}
 
 /* ---------------------------------------------------------- host side */
 
