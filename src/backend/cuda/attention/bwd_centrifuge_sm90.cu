@@ -233,7 +233,7 @@ static int dq_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int 
 int attn_bwd_dq_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D, int nq_rows, int nf, int maxlen, int tps) {
     if (D != 64 && D != 128) return 0;
     if (nf <= 0) { /* no filtered key anywhere: dq is part 1 */
-        attn_sm90_dq_convert(ctx->stream, a.dq, NULL, a.dq_acc, a.qstart, nq_rows, a.B, a.S, a.H, D, tps);
+        attn_sm90_dq_convert(ctx->stream, a.dq, NULL, a.dq_acc, a.qstart, a.B, a.S, a.H, D, tps);
         return CF_CK_LAUNCH(ctx, "attention sm90 dq convert") ? 1 : -1;
     }
     /* K and V rows of the filtered keys, compacted for the copy engine */

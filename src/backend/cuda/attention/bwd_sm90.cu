@@ -446,9 +446,8 @@ int attn_bwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D, int nq_rows, int k
     return 0;
 }
 
-void attn_sm90_dq_convert(cudaStream_t st, bf16 *dq, float *dqf, const float *acc, const int *qstart, int n, int B,
-                          int S, int H, int D, int tps) {
-    (void)n; /* the rows come from qstart (or B x S) */
+void attn_sm90_dq_convert(cudaStream_t st, bf16 *dq, float *dqf, const float *acc, const int *qstart, int B, int S,
+                          int H, int D, int tps) {
     if (B <= 0 || tps <= 0) return;
     const dim3 grid(tps, H, B);
     if (D == 64) dq_convert_kernel<64><<<grid, 256, 0, st>>>(dq, dqf, acc, qstart, S, H, tps, attn_sm90_bwd_nw(D));

@@ -319,10 +319,11 @@ int attn_sm90_bwd_hpb(const cf_cuda_ctx *ctx, int H, int Hkv, int B, int kmaxlen
 int attn_bwd_dq_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D, int nq_rows, int nf, int maxlen, int tps);
 /* bwd_sm90.cu: the width of the dQ products at head dim D (slot order) */
 int attn_sm90_bwd_nw(int D);
-/* bwd_sm90.cu: dq of n q-side rows (sequence starts qstart, NULL = b*S)
- * from the slot-ordered accumulator: bf16 into dq, or fp32 into dqf */
-void attn_sm90_dq_convert(cudaStream_t st, bf16 *dq, float *dqf, const float *acc, const int *qstart, int n, int B,
-                          int S, int H, int D, int tps);
+/* bwd_sm90.cu: dq of the q-side rows (sequence starts qstart, B + 1 of
+ * them; NULL = b*S) from the slot-ordered accumulator: bf16 into dq, or
+ * fp32 into dqf; D = 64 or 128 */
+void attn_sm90_dq_convert(cudaStream_t st, bf16 *dq, float *dqf, const float *acc, const int *qstart, int B, int S,
+                          int H, int D, int tps);
 
 /* ----------------------------------------- small kernels, by file */
 

@@ -300,14 +300,14 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
             r = attn_bwd_dq_sm90(ctx, p, D, n, nf, maxlen, tps);
             if (r < 0) return;
             if (r == 0) { /* the portable part 2 adds to dq_acc in [n, H, D] */
-                attn_sm90_dq_convert(ctx->stream, NULL, dq_acc, a.dq_acc, a.qstart, n, B, S, H, D, tps);
+                attn_sm90_dq_convert(ctx->stream, NULL, dq_acc, a.dq_acc, a.qstart, B, S, H, D, tps);
                 if (!CF_CK_LAUNCH(ctx, "attention sm90 dq convert")) return;
             }
         }
         p.dq_acc = dq_acc;
         if (r == 0 && !launch(ctx, K_BWD_DQ, p, D, (maxlen + TILE - 1) / TILE)) return;
     } else if (hopper) {
-        attn_sm90_dq_convert(ctx->stream, (bf16 *)dq, NULL, a.dq_acc, a.qstart, n, B, S, H, D, tps);
+        attn_sm90_dq_convert(ctx->stream, (bf16 *)dq, NULL, a.dq_acc, a.qstart, B, S, H, D, tps);
         if (!CF_CK_LAUNCH(ctx, "attention sm90 dq convert")) return;
     } else {
         attn_dq_to_bf16(ctx->stream, (bf16 *)dq, dq_acc, (size_t)n * H * D);
