@@ -375,11 +375,12 @@ TEST(colsum_dbias_matches_cpu_vector_scalar_and_row_chunks) {
 }
 
 /* rmsnorm backward with the weight gradient's partial sums fused in: the
- * model widths (C = 1536, 3072; 16-byte path), C % 256 != 0 (lanes with
- * fewer columns), C % 8 != 0 and a misaligned dout (scalar path), C past the
- * shared-memory limit (dw by the separate column sum), T = 1, 7, T not a
- * multiple of the rows per block, T > 4096 (two rows per warp); dinp written
- * and accumulated; dw NULL (a
+ * model widths (C = 1536, 3072, and 1000: a last warp with idle threads;
+ * the block-per-rows kernel, one to 18 rows per block), C < 512 and
+ * C % 256 != 0 (the warp-per-row kernel, lanes with fewer columns),
+ * C % 8 != 0 and a misaligned dout (scalar path), C past the shared-memory
+ * limit (dw by the separate column sum), T = 1, 7, T not a multiple of the
+ * rows per block, T > 4096; dinp written and accumulated; dw NULL (a
  * frozen weight: dinp alone). dinp bf16: 1e-2. dw: the same fp32 products
  * summed in another order: 1e-4, and bitwise the same on a second run. */
 TEST(rmsnorm_bwd_fused_dw_matches_cpu_shapes_chunks_and_null_dw) {

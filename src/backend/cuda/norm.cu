@@ -1,8 +1,9 @@
 /*
- * norm.cu — RMSNorm forward (alone, or with the residual add before it) and
- * backward, one warp per row; the backward
- * also writes the weight gradient's deterministic partial column sums, added
- * up by gemm.cu's final column-sum kernel.
+ * norm.cu — RMSNorm forward (alone, or with the residual add before it), one
+ * warp per row, and backward, a block per group of rows at model widths (a
+ * warp per row otherwise); the backward also writes the weight gradient's
+ * deterministic partial column sums, added up by gemm.cu's final column-sum
+ * kernel.
  */
 #include "backend/cuda/cuda_common.cuh"
 
@@ -203,6 +204,79 @@ static __global__ void rmsnorm_bwd_kernel(bf16 *dinp, float *partial, const bf16
     }
 }
 
+/*
+ * The same math with a block per group of rows, for widths a block covers
+ * in one pass (C % 8 == 0, 512 <= C <= 8192, 16-byte aligned): thread i
+ * owns columns 8i..8i+7 of every row, so its x and g of a row are loaded
+ * once (16 bytes each) and stay in registers for both the dot product and
+ * dx; the dot product is a block sum (warps in order, double-buffered so
+ * one barrier per row). The next row's x, g (and dx when accumulating) are
+ * loaded before this row's sum: one row's loads in flight while the last
+ * one finishes. The weight gradient's partial g x r stays in registers
+ * and the block writes it as partial row b. Why: the warp-per-row kernel
+ * keeps one row per warp in flight and, with its shared dw rows, few
+ * warps per SM: at Llama3.2-3B's width (C = 3072, 4 warps per block) and
+ * T = 1024 kept rows it took 31 us per call against a floor of about 8
+ * (25 MB at 3 TB/s); this one 19.5 (H100, docs/BENCHMARKS.md run 16).
+ */
+#define RMSNORM_BWD_BLOCKS 256
+template <bool DW>
+static __global__ void __launch_bounds__(1024)
+    rmsnorm_bwd_rows_kernel(bf16 *dinp, float *partial, const bf16 *dout, const bf16 *inp, const bf16 *w,
+                            const float *rstd, int T, int C, int rows, int accumulate) {
+    __shared__ float red[2][32];
+    const int c = 8 * threadIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    const bool on = c < C;
+    float wf[8], dw[8];
+    const float z8[8] = {};
+    const pack8 zero = pack8_from(z8);
+    unpack8(on ? *(const pack8 *)(w + c) : zero, wf);
+    for (int k = 0; k < 8; k++) dw[k] = 0.f;
+    const int t0 = blockIdx.x * rows, t1 = min(T, t0 + rows);
+    pack8 xn = zero, gn = zero, dn = zero; /* row t's, loaded during row t - 1 */
+    float rn = t0 < t1 ? rstd[t0] : 0.f;
+    if (on && t0 < t1) {
+        xn = *(const pack8 *)(inp + (size_t)t0 * C + c);
+        gn = *(const pack8 *)(dout + (size_t)t0 * C + c);
+        if (accumulate) dn = *(const pack8 *)(dinp + (size_t)t0 * C + c);
+    }
+    for (int t = t0; t < t1; t++) {
+        float xf[8], gf[8], o[8];
+        unpack8(xn, xf);
+        unpack8(gn, gf);
+        unpack8(dn, o);
+        const float r = rn;
+        if (t + 1 < t1) rn = rstd[t + 1];
+        if (on && t + 1 < t1) {
+            const size_t off = (size_t)(t + 1) * C + c;
+            xn = *(const pack8 *)(inp + off);
+            gn = *(const pack8 *)(dout + off);
+            if (accumulate) dn = *(const pack8 *)(dinp + off);
+        }
+        float dot = 0.f;
+        for (int k = 0; k < 8; k++) dot += gf[k] * wf[k] * xf[k];
+        dot = warp_sum(dot);
+        if (lane == 0) red[t & 1][warp] = dot;
+        __syncthreads();
+        float sum = 0.f;
+        for (int i = 0; i < nw; i++) sum += red[t & 1][i];
+        const float coef = r * r * r * sum / C;
+        if (on) {
+            for (int k = 0; k < 8; k++) {
+                const float v = r * wf[k] * gf[k] - coef * xf[k];
+                o[k] = accumulate ? o[k] + v : v;
+                if (DW) dw[k] += gf[k] * xf[k] * r;
+            }
+            *(pack8 *)(dinp + (size_t)t * C + c) = pack8_from(o);
+        }
+    }
+    if (DW && on) {
+        float4 *p = (float4 *)(partial + (size_t)blockIdx.x * C + c);
+        p[0] = make_float4(dw[0], dw[1], dw[2], dw[3]);
+        p[1] = make_float4(dw[4], dw[5], dw[6], dw[7]);
+    }
+}
+
 /* Warps per block: 8, fewer where their dw rows would pass 48 KB of shared
  * memory (the default limit: 4 at C = 3072); none (dx alone, then dw by
  * cf_cuda_colsum) past C = 12288. Rows per warp: 1 up to 4096 warps in all
@@ -210,9 +284,33 @@ static __global__ void rmsnorm_bwd_kernel(bf16 *dinp, float *partial, const bf16
  * fp32 partial rows (one per block) stay a small fraction of the input. */
 #define RMSNORM_BWD_SMEM (48 << 10)
 #define RMSNORM_BWD_WARPS 4096
+/* The block-per-rows kernel: at most RMSNORM_BWD_BLOCKS blocks of C / 8
+ * threads (rounded up to warps), consecutive rows each; the chunking
+ * depends on T alone, so dw is run-to-run identical. */
+static void rmsnorm_bwd_rows_launch(cf_cuda_ctx *ctx, bf16 *dinp, float *dw, const bf16 *dout, const bf16 *inp,
+                                    const bf16 *w, const float *rstd, int T, int C, int accumulate) {
+    const int threads = (C / 8 + 31) / 32 * 32;
+    const int rows = (T + RMSNORM_BWD_BLOCKS - 1) / RMSNORM_BWD_BLOCKS, nblocks = (T + rows - 1) / rows;
+    if (!dw) {
+        rmsnorm_bwd_rows_kernel<false><<<nblocks, threads, 0, ctx->stream>>>(dinp, NULL, dout, inp, w, rstd, T, C,
+                                                                             rows, accumulate);
+        CF_CK_LAUNCH(ctx, "rmsnorm_bwd");
+        return;
+    }
+    float *partial = (float *)cf_cuda_scratch(ctx, CF_SCR_COLSUM, (size_t)nblocks * C * sizeof(float));
+    if (!partial) return;
+    rmsnorm_bwd_rows_kernel<true><<<nblocks, threads, 0, ctx->stream>>>(dinp, partial, dout, inp, w, rstd, T, C,
+                                                                        rows, accumulate);
+    if (CF_CK_LAUNCH(ctx, "rmsnorm_bwd")) cf_cuda_colsum_final(ctx, dw, partial, nblocks, C);
+}
+
 template <bool VEC>
 static void rmsnorm_bwd_launch(cf_cuda_ctx *ctx, bf16 *dinp, float *dw, const bf16 *dout, const bf16 *inp,
                                const bf16 *w, const float *rstd, int T, int C, int accumulate) {
+    if (VEC && C >= 512 && C <= 8192) {
+        rmsnorm_bwd_rows_launch(ctx, dinp, dw, dout, inp, w, rstd, T, C, accumulate);
+        return;
+    }
     const int nw = min(8, RMSNORM_BWD_SMEM / (C * (int)sizeof(float)));
     if (!dw || nw < 1) { /* one row per warp; dw NULL: a frozen norm weight */
         rmsnorm_bwd_kernel<VEC, false><<<(T + 7) / 8, 256, 0, ctx->stream>>>(dinp, NULL, dout, inp, w, rstd, T, C, 8,
