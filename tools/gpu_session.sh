@@ -5,7 +5,8 @@
 # Usage on the GPU machine: tools/gpu_session.sh PART...  (logs under $OUT)
 #   parts: tests sanitize bench-main bench-old bench-sweeps bench-3b pytorch
 #          parity peft-parity dp-check dp-bench dp-ctas tp-check tp-bench rows-x4 rows-x8
-#          rows-x8-dry bench-accum profile dp-bf16 ab-profile ab-fused ab-head attn-shapes attn-ab dp-prio bench-pair
+#          rows-x8-dry bench-accum profile dp-bf16 ab-profile ab-fused ab-head attn-shapes attn-ab attn-parts dp-prio
+#          bench-pair
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G=$PWD/.gpucarry
@@ -149,6 +150,18 @@ for part in "$@"; do
           [ -x "$b" ] || continue
           echo "$v (rep $rep), S H Hkv D = $sh"; BENCH_ATTN_PATHS=auto "$b" $sh 2>&1 | grep -E "forward|backward"
         done; done; done 2>&1 | tee "$OUT/attn_ab.txt" ;;
+    attn-parts)
+      # attention alone, branch wip/attn-query-parts: the carried bench_attention_old (main's build), this build
+      # with both changes off (CF_ATTN_SM90_BWD_SPLIT=1 CF_ATTN_SM90_DQ_BN=64: main's kernels, so old = off
+      # checks the A/B), part 2's 128-key tiles alone (split 1), and both (automatic split), alternated twice
+      for sh in "4096 32 4 64" "4096 32 8 128" "2048 12 2 128" "2048 24 8 128"; do for rep in 1 2; do
+        for v in old off bn128 both; do
+          b="$G/bench_attention"; [ $v = old ] && b="$G/bench_attention_old"
+          [ -x "$b" ] || continue
+          sp=; bn=; [ $v = off ] && sp=1 && bn=64; [ $v = bn128 ] && sp=1
+          echo "$v (rep $rep), S H Hkv D = $sh"
+          CF_ATTN_SM90_BWD_SPLIT=$sp CF_ATTN_SM90_DQ_BN=$bn BENCH_ATTN_PATHS=auto "$b" $sh 2>&1 | grep -E "forward|backward"
+        done; done; done 2>&1 | tee "$OUT/attn_parts.txt" ;;
     dp-prio)
       # issue 14: the communication stream at the device's highest priority (CF_COMM_PRIORITY=high), then normal, DP=2
       for p in high normal; do

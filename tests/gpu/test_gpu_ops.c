@@ -1414,22 +1414,25 @@ TEST(attention_hopper_matches_portable_kernels) {
     }
 }
 
-/* The Hopper backward with 1 and 2 query heads per block (the grid-size
- * rule picks 1 on these small problems, 2 on large ones; both forced here
- * through the context): each against the CPU, and against each other (dk,
- * dv partials of 1 or 2 heads, reduced over H/hpb of them: a layout error
- * shows as O(1)), FULL, CENTRIFUGE and CENTRIFUGE_KV, GQA groups of 4 and 8. */
-TEST(attention_hopper_bwd_one_and_two_heads_per_block_match) {
+/* The Hopper backward with 1 and 2 query heads per block and 1 and 2 parts
+ * of each key tile's query range (the grid-size rules pick them by shape;
+ * all four forced here through the context): each against the CPU, and
+ * against hpb = 1 with one part (dk, dv partials of 1 or 2 heads and 1 or
+ * 2 parts, reduced over H/hpb x ns of them: a layout error or a lost part
+ * shows as O(1)), FULL, CENTRIFUGE and CENTRIFUGE_KV, GQA groups of 4 and
+ * 8, and no GQA (parts need the partials there too). */
+TEST(attention_hopper_bwd_heads_per_block_and_query_parts_match) {
     if (attn_path_of(gpu) != 2) {
         printf("    skipped: the shared context runs the portable kernels\n");
         return;
     }
     cf_cuda_ctx *ctx = gpu->device_context(gpu);
-    const attn_case cc[] = {{2, 300, 8, 2, 64, 3}, {3, 200, 8, 1, 128, 2}};
+    const attn_case cc[] = {{2, 300, 8, 2, 64, 3}, {3, 200, 8, 1, 128, 2}, {1, 333, 4, 4, 128, 0}};
     const cf_attn_bwd_mode modes[3] = {CF_ATTN_BWD_FULL, CF_ATTN_BWD_CENTRIFUGE, CF_ATTN_BWD_CENTRIFUGE_KV};
     static const char *const mname[3] = {"FULL", "CENTRIFUGE", "CENTRIFUGE_KV"};
+    static const int cfg[4][2] = {{1, 1}, {2, 1}, {1, 2}, {2, 2}}; /* hpb, parts */
     char nm[128], what[256];
-    for (int ci = 0; ci < 2; ci++) {
+    for (int ci = 0; ci < 3; ci++) {
         attn_problem p;
         attn_setup(&p, cc[ci]);
         const attn_case c = p.c;
@@ -1437,20 +1440,23 @@ TEST(attention_hopper_bwd_one_and_two_heads_per_block_match) {
         int *rows, n, *ss = HOLD(inew(c.B + 1));
         make_kept(c, &rows, ss, &n, 0.5);
         for (int m = 0; m < 3; m++) {
-            grads g[2];
-            for (int h = 0; h < 2; h++) {
-                ctx->attn_bwd_hpb = h + 1;
-                snprintf(what, sizeof what, "%s hpb=%d %s", mname[m], h + 1, nm);
-                g[h] = attn_bwd_both(&p, modes[m], rows, ss, n, what, TOL_GRAD, 1);
+            grads g[4];
+            for (int k = 0; k < 4; k++) {
+                ctx->attn_bwd_hpb = cfg[k][0];
+                ctx->attn_bwd_split = cfg[k][1];
+                snprintf(what, sizeof what, "%s hpb=%d parts=%d %s", mname[m], cfg[k][0], cfg[k][1], nm);
+                g[k] = attn_bwd_both(&p, modes[m], rows, ss, n, what, TOL_GRAD, 1);
             }
-            ctx->attn_bwd_hpb = 0;
+            ctx->attn_bwd_hpb = ctx->attn_bwd_split = 0;
             const size_t nq = m == 0 ? p.T : (size_t)n, nkr = m == 1 ? (size_t)n : p.T;
-            snprintf(what, sizeof what, "%s dq hpb=1 vs 2 %s", mname[m], nm);
-            cmp(what, g[0].dq, g[1].dq, nq * c.H * c.D, TOL_BF16);
-            snprintf(what, sizeof what, "%s dk hpb=1 vs 2 %s", mname[m], nm);
-            cmp(what, g[0].dk, g[1].dk, nkr * c.Hkv * c.D, TOL_BF16);
-            snprintf(what, sizeof what, "%s dv hpb=1 vs 2 %s", mname[m], nm);
-            cmp(what, g[0].dv, g[1].dv, nkr * c.Hkv * c.D, TOL_BF16);
+            for (int k = 1; k < 4; k++) {
+                snprintf(what, sizeof what, "%s dq hpb=%d parts=%d vs 1/1 %s", mname[m], cfg[k][0], cfg[k][1], nm);
+                cmp(what, g[0].dq, g[k].dq, nq * c.H * c.D, TOL_BF16);
+                snprintf(what, sizeof what, "%s dk hpb=%d parts=%d vs 1/1 %s", mname[m], cfg[k][0], cfg[k][1], nm);
+                cmp(what, g[0].dk, g[k].dk, nkr * c.Hkv * c.D, TOL_BF16);
+                snprintf(what, sizeof what, "%s dv hpb=%d parts=%d vs 1/1 %s", mname[m], cfg[k][0], cfg[k][1], nm);
+                cmp(what, g[0].dv, g[k].dv, nkr * c.Hkv * c.D, TOL_BF16);
+            }
         }
         free_all();
     }
@@ -1634,7 +1640,7 @@ int main(void) {
     RUN_IF(attention_centrifuge_kv_bwd_matches_cpu_several_tiles_uneven_kept);
     RUN_IF(attention_path_is_hopper_on_sm90);
     RUN_IF(attention_hopper_matches_portable_kernels);
-    RUN_IF(attention_hopper_bwd_one_and_two_heads_per_block_match);
+    RUN_IF(attention_hopper_bwd_heads_per_block_and_query_parts_match);
     RUN_IF(errors_are_sticky_and_a_second_context_is_independent);
     RUN_IF(two_contexts_interleaved_give_the_same_results);
     CHECK_MSG(gpu->check(gpu) == 0, "the shared GPU backend failed: %s", cf_last_error());

@@ -116,6 +116,10 @@ typedef struct cf_cuda_ctx {
     /* query heads per Hopper backward block: 0 = chosen by the grid's size
      * (attention/bwd_sm90.cu: attn_sm90_bwd_hpb); tests set 1 or 2 */
     int attn_bwd_hpb;
+    /* parts of a key tile's query range per Hopper backward block: 0 = by
+     * the grid's size (attention/bwd_sm90.cu: attn_sm90_bwd_split); tests
+     * set 1 or 2 */
+    int attn_bwd_split;
 
     /* time marks on the compute stream (backend.h: mark), created lazily */
 #define CF_CUDA_MARKS 4096

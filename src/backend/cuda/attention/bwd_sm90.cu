@@ -5,8 +5,9 @@
  * warpgroup matrix products, plus the conversion of its dq accumulator.
  * Layouts, fragments and ordering rules: sm90.cuh.
  *
- * A block owns BN = 128 keys (k side, any index space) of one query head
- * and one sequence:
+ * A block owns BN = 128 keys (k side, any index space) of hpb query heads
+ * and one sequence, and the queries of one of ns parts of the key tile's
+ * query range (ns = 2 on small grids, attn_sm90_bwd_split):
  *   warpgroup 0 (producer, 24 registers): thread 0 streams the Q and dO
  *     tiles (BM = 64 q-side rows; the q side is always contiguous rows, so
  *     TMA) into a ring of QST stages; warp 1 fills the per-query vectors of
@@ -74,7 +75,7 @@ namespace {
 template <int D, int BM_>
 __global__ void __launch_bounds__(384, 1)
     attn_bwd_sm90_kernel(const __grid_constant__ CUtensorMap tmQ, const __grid_constant__ CUtensorMap tmO,
-                         const AttnArgs a, int tps, int hpb) {
+                         const AttnArgs a, int tps, int hpb, int ns) {
 #if CF_SM90A_PATH
     using C = BwdSm90<D, BM_>;
     constexpr int BN = C::BN, BM = C::BM, QST = C::QST, NW = C::NW, DB = D / 64;
@@ -89,16 +90,20 @@ __global__ void __launch_bounds__(384, 1)
     auto small = [&](int s) { return reinterpret_cast<float *>(sbase + C::OFF_SMALL + s * C::SMALL_BYTES); };
 
     const int h0 = blockIdx.x * hpb, b = blockIdx.z; /* query heads h0 .. h0+hpb-1 */
-    const int k0 = blockIdx.y * BN;
+    const int split = blockIdx.y % ns, k0 = blockIdx.y / ns * BN; /* part split of key tile k0 */
     const int ks = seq_begin(a.kstart, b, a.S), klen = seq_begin(a.kstart, b + 1, a.S) - ks;
     if (k0 >= klen) return;
     const int qs = seq_begin(a.qstart, b, a.S), qlen = seq_begin(a.qstart, b + 1, a.S) - qs;
     const int hk = h0 / (a.H / a.Hkv);
     /* query steps that can see this key tile: from the first query whose
-     * row is >= the first key's row, to the end of the sequence; then the
-     * same for each further head of the block (nsteps in all) */
+     * row is >= the first key's row, to the end of the sequence; this
+     * block takes part `split` of ns of them (nq query tiles from
+     * qt_begin), then the same for each further head of the block (nsteps
+     * in all) */
     const int first = count_le(a.qrow, qs, qlen, row_of(a.krow, ks + k0) - 1);
-    const int qt_begin = first / BM, nq = (qlen + BM - 1) / BM - qt_begin, nsteps = nq * hpb;
+    const int qt_first = first / BM, nq_all = (qlen + BM - 1) / BM - qt_first;
+    const int qt_begin = qt_first + split * nq_all / ns, nq = qt_first + (split + 1) * nq_all / ns - qt_begin;
+    const int nsteps = nq * hpb;
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < QST; s++) {
@@ -312,8 +317,8 @@ __global__ void __launch_bounds__(384, 1)
         const int j = k0 + 64 * w + 16 * v + g + 8 * r;
         if (j >= klen) continue;
         const size_t idx = (size_t)(ks + j);
-        if (a.dkx) { /* partial of heads h0.. : [nk, H/hpb, D] */
-            const size_t part = idx * (a.H / hpb) + blockIdx.x;
+        if (a.dkx) { /* partial of heads h0.., query part split: [nk, H/hpb, ns, D] */
+            const size_t part = (idx * (a.H / hpb) + blockIdx.x) * ns + split;
             float *dkp = a.dkx + part * D + 2 * t4;
             float *dvp = a.dvx + part * D + 2 * t4;
 #pragma unroll
@@ -423,26 +428,55 @@ int attn_sm90_bwd_hpb(const cf_cuda_ctx *ctx, int H, int Hkv, int B, int kmaxlen
     return hpb;
 }
 
+/* Parts per key tile's query range (1 or 2): causal blocks are uneven (the
+ * first key tile of a sequence sees every query tile, the last one a few),
+ * and where the grid is small the longest block sets the kernel's time
+ * while most SMs idle: Qwen2.5-1.5B's centrifuge part 1 (H = 12, 1024 kept
+ * keys) is 96 blocks of 2 to 16 steps on 132 SMs, 6.5 steps per SM on
+ * average. With 2 parts each block takes half of its key tile's query
+ * tiles and writes a dk, dv partial of its own (the caller reduces ns
+ * times as many). Rule: 2 where the first key tile's steps exceed 1.25x
+ * the steps per SM, estimated for causal rows (k tile j sees the queries
+ * after the fraction j BN / kmaxlen of the q side). CF_ATTN_SM90_BWD_SPLIT=n
+ * forces n (timing; read once), ctx->attn_bwd_split per context (tests). */
+int attn_sm90_bwd_split(const cf_cuda_ctx *ctx, int D, int H, int hpb, int B, int qmaxlen, int kmaxlen) {
+    static const int forced = env_int("CF_ATTN_SM90_BWD_SPLIT", 0);
+    const int f = ctx->attn_bwd_split > 0 ? ctx->attn_bwd_split : forced;
+    if (f > 0) return f > 2 ? 2 : f;
+    const int BN = BwdSm90<128, 64>::BN, BM = bwd_bm_for(D), ktiles = (kmaxlen + BN - 1) / BN;
+    if (ktiles <= 0 || qmaxlen <= 0) return 1;
+    long total = 0, first = 0;
+    for (int j = 0; j < ktiles; j++) {
+        const long q = (long)qmaxlen - (long)qmaxlen * j * BN / kmaxlen; /* queries that see tile j */
+        const long steps = (long)hpb * ((q + BM - 1) / BM);
+        if (j == 0) first = steps;
+        total += steps;
+    }
+    total *= (long)(H / hpb) * B;
+    return 4 * first * ctx->sm_count > 5 * total ? 2 : 1;
+}
+
 template <int D, int BM>
-static int bwd_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int kmaxlen, int tps, int hpb) {
+static int bwd_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int kmaxlen, int tps, int hpb, int ns) {
     using C = BwdSm90<D, BM>;
     CUtensorMap mq, mo;
     if (!attn_sm90_map_rows(&mq, a.q, nq_rows, a.H, D, C::BM) || !attn_sm90_map_rows(&mo, a.dout, nq_rows, a.H, D, C::BM))
         return 0;
     const void *fn = (const void *)attn_bwd_sm90_kernel<D, BM>;
     if (!attn_sm90_prepare(ctx, fn, C::SMEM, D == 128 ? 2 : BM == 64 ? 3 : 6)) return -1;
-    dim3 grid(a.H / hpb, (kmaxlen + C::BN - 1) / C::BN, a.B), block(C::THREADS);
-    void *args[] = {(void *)&mq, (void *)&mo, (void *)&a, (void *)&tps, (void *)&hpb};
+    dim3 grid(a.H / hpb, (kmaxlen + C::BN - 1) / C::BN * ns, a.B), block(C::THREADS);
+    void *args[] = {(void *)&mq, (void *)&mo, (void *)&a, (void *)&tps, (void *)&hpb, (void *)&ns};
     return CF_CK(ctx, cudaLaunchKernel(fn, grid, block, args, C::SMEM, ctx->stream)) ? 1 : -1;
 }
 
 int attn_sm90_bwd_nw(int D) { return bwd_bm_for(D) == 64 ? D / 2 : D; }
 
-int attn_bwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D, int nq_rows, int kmaxlen, int tps, int hpb) {
+int attn_bwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D, int nq_rows, int kmaxlen, int tps, int hpb, int ns) {
     if (kmaxlen <= 0) return 1;
-    if (D == 64) return bwd_bm_for(64) == 128 ? bwd_sm90_launch<64, 128>(ctx, a, nq_rows, kmaxlen, tps, hpb)
-                                              : bwd_sm90_launch<64, 64>(ctx, a, nq_rows, kmaxlen, tps, hpb);
-    if (D == 128) return bwd_sm90_launch<128, 64>(ctx, a, nq_rows, kmaxlen, tps, hpb);
+    if (ns > 1 && !a.dkx) return 0; /* parts need the partials */
+    if (D == 64) return bwd_bm_for(64) == 128 ? bwd_sm90_launch<64, 128>(ctx, a, nq_rows, kmaxlen, tps, hpb, ns)
+                                              : bwd_sm90_launch<64, 64>(ctx, a, nq_rows, kmaxlen, tps, hpb, ns);
+    if (D == 128) return bwd_sm90_launch<128, 64>(ctx, a, nq_rows, kmaxlen, tps, hpb, ns);
     return 0;
 }
 

@@ -307,12 +307,19 @@ int attn_fwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D);
  * up to kmaxlen rows per sequence, q side of nq_rows rows in all; dq goes
  * to a.dq_acc in slot order with tps query tiles (64 rows) per sequence,
  * tps even (sm90.cuh: dq_slot_base); hpb query heads per block, from
- * attn_sm90_bwd_hpb (the caller sizes and reduces the GQA partials with it) */
-int attn_bwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D, int nq_rows, int kmaxlen, int tps, int hpb);
+ * attn_sm90_bwd_hpb, and ns parts of each key tile's query range, from
+ * attn_sm90_bwd_split (the caller sizes and reduces the partials with them;
+ * ns > 1 needs a.dkx, a.dvx) */
+int attn_bwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D, int nq_rows, int kmaxlen, int tps, int hpb, int ns);
 /* bwd_sm90.cu: query heads per block of attn_bwd_sm90 (a divisor of H/Hkv)
  * for B sequences of up to kmaxlen k-side rows: with GQA its dk, dv go to
  * a.dkx, a.dvx as [nk, H/hpb, D] fp32 partials */
 int attn_sm90_bwd_hpb(const cf_cuda_ctx *ctx, int H, int Hkv, int B, int kmaxlen);
+/* bwd_sm90.cu: parts (1 or 2) of each key tile's query range, each its own
+ * block, for q and k sides of up to qmaxlen and kmaxlen rows per sequence;
+ * with ns > 1 dk, dv go to a.dkx, a.dvx as [nk, H/hpb, ns, D] fp32 partials
+ * (also without GQA) */
+int attn_sm90_bwd_split(const cf_cuda_ctx *ctx, int D, int H, int hpb, int B, int qmaxlen, int kmaxlen);
 /* bwd_centrifuge_sm90.cu: centrifuge part 2 (a.krow = the nf filtered rows,
  * a.kstart their sequence starts): dq = part 1 (a.dq_acc, slot order) +
  * the filtered keys' terms, written to a.dq (bf16) */

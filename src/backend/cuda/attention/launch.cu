@@ -253,11 +253,15 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
                   n * H, D);
     if (!CF_CK_LAUNCH(ctx, "attention bwd prep")) return;
     /* GQA: fp32 partials of dk, dv per group of hpb query heads (1 on the
-     * portable path), summed by attn_gqa_reduce */
+     * portable path) and part of the query range (ns, Hopper), summed by
+     * attn_gqa_reduce; partials also without GQA when ns > 1 */
     int hpb = try_hopper ? attn_sm90_bwd_hpb(ctx, H, Hkv, B, kmaxlen) : 1;
-    if (H != Hkv) { /* sized for hpb = 1, which a fallback uses */
-        a.dkx = (float *)cf_cuda_scratch(ctx, CF_SCR_ATTN_DKX, (size_t)nk * H * D * sizeof(float));
-        a.dvx = (float *)cf_cuda_scratch(ctx, CF_SCR_ATTN_DVX, (size_t)nk * H * D * sizeof(float));
+    int ns = try_hopper ? attn_sm90_bwd_split(ctx, D, H, hpb, B, maxlen, kmaxlen) : 1;
+    const bool partials = H != Hkv || ns > 1;
+    if (partials) { /* [nk, H/hpb, ns, D], or [nk, H, D] for a fallback: the larger */
+        const size_t np = (size_t)nk * H * D * (ns > hpb ? ns / hpb : 1);
+        a.dkx = (float *)cf_cuda_scratch(ctx, CF_SCR_ATTN_DKX, np * sizeof(float));
+        a.dvx = (float *)cf_cuda_scratch(ctx, CF_SCR_ATTN_DVX, np * sizeof(float));
         if (!a.dkx || !a.dvx) return;
     } else {
         a.dk = (bf16 *)dk;
@@ -269,14 +273,14 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
     if (try_hopper) {
         AttnArgs h = a;
         h.dq_acc = acc;
-        hopper = attn_bwd_sm90(ctx, h, D, n, kmaxlen, tps, hpb);
+        hopper = attn_bwd_sm90(ctx, h, D, n, kmaxlen, tps, hpb, ns);
         if (hopper < 0) return;
         a.dq_acc = acc;
     }
     if (ctx->failed) return;
     if (!hopper) {
         if (try_hopper) { /* the Hopper kernel declined (tensor maps): the portable one */
-            hpb = 1;
+            hpb = ns = 1;
             if (!CF_CK(ctx, cudaMemsetAsync(dq_acc, 0, (size_t)n * H * D * sizeof(float), ctx->stream))) return;
         }
         a.dq_acc = dq_acc;
@@ -313,8 +317,8 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
         attn_dq_to_bf16(ctx->stream, (bf16 *)dq, dq_acc, (size_t)n * H * D);
         if (!CF_CK_LAUNCH(ctx, "attention dq to bf16")) return;
     }
-    if (H != Hkv) {
-        attn_gqa_reduce(ctx->stream, (bf16 *)dk, (bf16 *)dv, a.dkx, a.dvx, (size_t)nk, Hkv, H / Hkv / hpb, D);
+    if (partials) {
+        attn_gqa_reduce(ctx->stream, (bf16 *)dk, (bf16 *)dv, a.dkx, a.dvx, (size_t)nk, Hkv, H / Hkv / hpb * ns, D);
         CF_CK_LAUNCH(ctx, "attention GQA reduce");
     }
 }
