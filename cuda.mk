@@ -7,8 +7,8 @@
 #   make bench-gpu   builds and runs tests/gpu/bench_attention
 #   make probe-gpu   builds and runs tests/gpu/probe_wgmma (unit checks of the
 #                    Hopper attention building blocks; needs an sm_90 GPU)
-#   make test-cuda-host  builds (nvcc) and runs tests/gpu/host_slot_layout.cu on the
-#                    CPU: the Hopper backward's dq layout maps (CI runs it)
+#   make test-cuda-host  builds (nvcc) and runs tests/gpu/host_*.cu on the CPU: the
+#                    Hopper backward's dq layout maps and query parts (CI runs it)
 #
 # Variables:
 #   NVCC, CUDA_HOME      the toolkit (default: the nvcc on PATH)
@@ -111,12 +111,14 @@ $(GPU_PROBE_BIN): $(CUDA_BUILD)/tests/probe_wgmma.o $(CUDA_LIB)
 probe-gpu: $(GPU_PROBE_BIN)
 	$(GPU_PROBE_BIN)
 
-# host-side checks of the CUDA code's index maps: compiled by nvcc, run on the CPU (no GPU needed)
-CUDA_HOST_TEST_BIN := $(CUDA_BUILD)/tests/host_slot_layout
+# host-side checks of the CUDA code's index maps and launch plans: compiled by nvcc, run on the CPU
+# (no GPU needed)
+CUDA_HOST_TESTS := host_slot_layout host_bwd_parts
+CUDA_HOST_TEST_BINS := $(CUDA_HOST_TESTS:%=$(CUDA_BUILD)/tests/%)
 .PHONY: test-cuda-host
-$(CUDA_HOST_TEST_BIN): tests/gpu/host_slot_layout.cu tests/test.h $(wildcard src/backend/cuda/*.cuh src/backend/cuda/attention/*.cuh) $(ALL_H)
+$(CUDA_BUILD)/tests/host_%: tests/gpu/host_%.cu tests/test.h $(wildcard src/backend/cuda/*.cuh src/backend/cuda/attention/*.cuh) $(ALL_H)
 	@mkdir -p $(dir $@)
 	$(NVCC) -O1 -std=c++17 -Iinclude -Isrc -Itests $< -o $@
 
-test-cuda-host: $(CUDA_HOST_TEST_BIN)
-	$(CUDA_HOST_TEST_BIN)
+test-cuda-host: $(CUDA_HOST_TEST_BINS)
+	@for t in $(CUDA_HOST_TEST_BINS); do echo "== $$t"; $$t || exit 1; done

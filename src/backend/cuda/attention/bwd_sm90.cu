@@ -101,8 +101,9 @@ __global__ void __launch_bounds__(384, 1)
      * qt_begin), then the same for each further head of the block (nsteps
      * in all) */
     const int first = count_le(a.qrow, qs, qlen, row_of(a.krow, ks + k0) - 1);
-    const int qt_first = first / BM, nq_all = (qlen + BM - 1) / BM - qt_first;
-    const int qt_begin = qt_first + split * nq_all / ns, nq = qt_first + (split + 1) * nq_all / ns - qt_begin;
+    int qt_begin, nq;
+    query_part((qlen + BM - 1) / BM - first / BM, split, ns, &qt_begin, &nq);
+    qt_begin += first / BM;
     const int nsteps = nq * hpb;
 
     if (threadIdx.x == 0) {
@@ -435,25 +436,14 @@ int attn_sm90_bwd_hpb(const cf_cuda_ctx *ctx, int H, int Hkv, int B, int kmaxlen
  * keys) is 96 blocks of 2 to 16 steps on 132 SMs, 6.5 steps per SM on
  * average. With 2 parts each block takes half of its key tile's query
  * tiles and writes a dk, dv partial of its own (the caller reduces ns
- * times as many). Rule: 2 where the first key tile's steps exceed 1.25x
- * the steps per SM, estimated for causal rows (k tile j sees the queries
- * after the fraction j BN / kmaxlen of the q side). CF_ATTN_SM90_BWD_SPLIT=n
+ * times as many). Rule: sm90.cuh's bwd_query_parts (checked on the CPU by
+ * tests/gpu/host_bwd_parts.cu). CF_ATTN_SM90_BWD_SPLIT=n
  * forces n (timing; read once), ctx->attn_bwd_split per context (tests). */
 int attn_sm90_bwd_split(const cf_cuda_ctx *ctx, int D, int H, int hpb, int B, int qmaxlen, int kmaxlen) {
     static const int forced = env_int("CF_ATTN_SM90_BWD_SPLIT", 0);
     const int f = ctx->attn_bwd_split > 0 ? ctx->attn_bwd_split : forced;
     if (f > 0) return f > 2 ? 2 : f;
-    const int BN = BwdSm90<128, 64>::BN, BM = bwd_bm_for(D), ktiles = (kmaxlen + BN - 1) / BN;
-    if (ktiles <= 0 || qmaxlen <= 0) return 1;
-    long total = 0, first = 0;
-    for (int j = 0; j < ktiles; j++) {
-        const long q = (long)qmaxlen - (long)qmaxlen * j * BN / kmaxlen; /* queries that see tile j */
-        const long steps = (long)hpb * ((q + BM - 1) / BM);
-        if (j == 0) first = steps;
-        total += steps;
-    }
-    total *= (long)(H / hpb) * B;
-    return 4 * first * ctx->sm_count > 5 * total ? 2 : 1;
+    return bwd_query_parts(BwdSm90<128, 64>::BN, bwd_bm_for(D), H, hpb, B, qmaxlen, kmaxlen, ctx->sm_count);
 }
 
 template <int D, int BM>

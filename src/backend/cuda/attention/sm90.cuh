@@ -318,6 +318,36 @@ __host__ __device__ __forceinline__ void dq_slot_coords(int k, int nw, int *r, i
     *c = blk * nw + 8 * (F >> 7) + 2 * (F & 3);
 }
 
+/* Part `part` of ns of a key tile's n query tiles: tiles [*begin, *begin +
+ * *len) counted from the first; the parts cover the n tiles once, in order,
+ * their lengths differing by at most one (a part may be empty). */
+__host__ __device__ __forceinline__ void query_part(int n, int part, int ns, int *begin, int *len) {
+    *begin = part * n / ns;
+    *len = (part + 1) * n / ns - *begin;
+}
+
+/* Parts (1 or 2) of a key tile's query range, each its own block, in the
+ * backward (bwd_sm90.cu: attn_sm90_bwd_split, which documents the why):
+ * 2 where the first key tile's block, the longest of a causal grid, has
+ * more than 1.25x the steps an SM gets on average. Key tiles of BN rows up
+ * to kmaxlen per sequence; tile j sees the queries after the fraction
+ * j BN / kmaxlen of qmaxlen, in steps of BM per head, hpb heads per
+ * block, H / hpb blocks per key tile and sequence, B sequences, sms SMs. */
+__host__ __device__ inline int bwd_query_parts(int BN, int BM, int H, int hpb, int B, int qmaxlen, int kmaxlen,
+                                               int sms) {
+    const int ktiles = kmaxlen > 0 ? (kmaxlen + BN - 1) / BN : 0;
+    if (ktiles <= 0 || qmaxlen <= 0 || hpb <= 0 || H < hpb || B <= 0) return 1;
+    long long total = 0, first = 0;
+    for (int j = 0; j < ktiles; j++) {
+        const long long q = (long long)qmaxlen - (long long)qmaxlen * j * BN / kmaxlen;
+        const long long steps = (long long)hpb * ((q + BM - 1) / BM);
+        if (j == 0) first = steps;
+        total += steps;
+    }
+    total *= (long long)(H / hpb) * B;
+    return 4 * first * sms > 5 * total ? 2 : 1;
+}
+
 /* ---------------------------------------------------------- host side */
 
 /* Tensor maps for the kernels: a [rows, heads, D] bf16 tensor read in
