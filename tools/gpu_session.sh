@@ -151,16 +151,15 @@ for part in "$@"; do
           echo "$v (rep $rep), S H Hkv D = $sh"; BENCH_ATTN_PATHS=auto "$b" $sh 2>&1 | grep -E "forward|backward"
         done; done; done 2>&1 | tee "$OUT/attn_ab.txt" ;;
     attn-parts)
-      # attention alone, branch wip/attn-query-parts: the carried bench_attention_old (main's build), this build
-      # with both changes off (CF_ATTN_SM90_BWD_SPLIT=1 CF_ATTN_SM90_DQ_BN=64: main's kernels, so old = off
-      # checks the A/B), part 2's 128-key tiles alone (split 1), and both (automatic split), alternated twice
+      # attention alone: the carried bench_attention_old (an earlier build), this build with one part per key
+      # tile (CF_ATTN_SM90_BWD_SPLIT=1) and with the automatic parts (bwd_query_parts), alternated twice per shape
       for sh in "4096 32 4 64" "4096 32 8 128" "2048 12 2 128" "2048 24 8 128"; do for rep in 1 2; do
-        for v in old off bn128 both; do
+        for v in old one auto; do
           b="$G/bench_attention"; [ $v = old ] && b="$G/bench_attention_old"
           [ -x "$b" ] || continue
-          sp=; bn=; [ $v = off ] && sp=1 && bn=64; [ $v = bn128 ] && sp=1
+          sp=; [ $v = one ] && sp=1
           echo "$v (rep $rep), S H Hkv D = $sh"
-          CF_ATTN_SM90_BWD_SPLIT=$sp CF_ATTN_SM90_DQ_BN=$bn BENCH_ATTN_PATHS=auto "$b" $sh 2>&1 | grep -E "forward|backward"
+          CF_ATTN_SM90_BWD_SPLIT=$sp BENCH_ATTN_PATHS=auto "$b" $sh 2>&1 | grep -E "forward|backward"
         done; done; done 2>&1 | tee "$OUT/attn_parts.txt" ;;
     dp-prio)
       # issue 14: the communication stream at the device's highest priority (CF_COMM_PRIORITY=high), then normal, DP=2

@@ -9,8 +9,7 @@
  * boxes of contiguous rows, so their K and V rows are first gathered into
  * compact [nf, Hkv, D] arrays (gather_rows_kernel, a few MB). Then a block
  * owns BM = 128 kept queries (two consumer warpgroups of 64) of one head
- * and walks the tiles of BN = 128 filtered keys (64 at D = 128 with
- * CF_ATTN_SM90_DQ_BN=64, the earlier choice, kept for timing)
+ * and walks the tiles of BN filtered keys (128 at D = 64, 64 at D = 128)
  * that precede its last query:
  *   warpgroup 0: thread 0 loads Q and dO once and K, V per tile (TMA, ring
  *     of KST stages, mbarriers full_k / full_v / empty); warp 1 stores the
@@ -24,13 +23,11 @@
  * order) + scale dQ in bf16. With no filtered key before a query, dq is
  * part 1 alone.
  */
-#include <stdlib.h>
-
 #include "backend/cuda/attention/sm90.cuh"
 
-template <int D, int BN_> struct DqSm90 {
+template <int D> struct DqSm90 {
     /* 128 keys per tile at D = 64 (fewer steps); 64 at D = 128 (registers) */
-    static constexpr int NC = 2, BM = 64 * NC, BN = BN_, KST = 2, THREADS = 128 * (NC + 1);
+    static constexpr int NC = 2, BM = 64 * NC, BN = D == 64 ? 128 : 64, KST = 2, THREADS = 128 * (NC + 1);
     static constexpr uint32_t Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2, SMALL_BYTES = 2 * BN * 4;
     static constexpr uint32_t OFF_Q = 0, OFF_DO = Q_BYTES, OFF_K = 2 * Q_BYTES, OFF_V = OFF_K + KST * KV_BYTES,
                               OFF_SMALL = OFF_V + KST * KV_BYTES, OFF_BAR = OFF_SMALL + KST * SMALL_BYTES;
@@ -52,13 +49,13 @@ __global__ void gather_rows_kernel(bf16 *dst_k, bf16 *dst_v, const bf16 *k, cons
     }
 }
 
-template <int D, int BN_>
-__global__ void __launch_bounds__(DqSm90<D, BN_>::THREADS, 1)
+template <int D>
+__global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
     attn_bwd_dq_sm90_kernel(const __grid_constant__ CUtensorMap tmQ, const __grid_constant__ CUtensorMap tmO,
                             const __grid_constant__ CUtensorMap tmK, const __grid_constant__ CUtensorMap tmV,
                             const AttnArgs a, int tps, int attn_nw) {
 #if CF_SM90A_PATH
-    using C = DqSm90<D, BN_>;
+    using C = DqSm90<D>;
     constexpr int BM = C::BM, BN = C::BN, KST = C::KST, DB = D / 64;
     extern __shared__ unsigned char smem_raw[];
     const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
@@ -216,17 +213,17 @@ __global__ void __launch_bounds__(DqSm90<D, BN_>::THREADS, 1)
 
 /* ==================================================================== host */
 
-template <int D, int BN>
+template <int D>
 static int dq_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int nk_rows, int maxlen, int tps) {
-    using C = DqSm90<D, BN>;
+    using C = DqSm90<D>;
     CUtensorMap mq, mo, mk, mv;
     if (!attn_sm90_map_rows(&mq, a.q, nq_rows, a.H, D, C::BM) ||
         !attn_sm90_map_rows(&mo, a.dout, nq_rows, a.H, D, C::BM) ||
         !attn_sm90_map_rows(&mk, a.k, nk_rows, a.Hkv, D, C::BN) ||
         !attn_sm90_map_rows(&mv, a.v, nk_rows, a.Hkv, D, C::BN))
         return 0;
-    const void *fn = (const void *)attn_bwd_dq_sm90_kernel<D, BN>;
-    if (!attn_sm90_prepare(ctx, fn, C::SMEM, D == 64 ? 4 : BN == 128 ? 5 : 7)) return -1;
+    const void *fn = (const void *)attn_bwd_dq_sm90_kernel<D>;
+    if (!attn_sm90_prepare(ctx, fn, C::SMEM, D == 64 ? 4 : 5)) return -1;
     dim3 grid(a.H, (maxlen + C::BM - 1) / C::BM, a.B), block(C::THREADS);
     int nw = attn_sm90_bwd_nw(D);
     void *args[] = {(void *)&mq, (void *)&mo, (void *)&mk, (void *)&mv, (void *)&a, (void *)&tps, (void *)&nw};
@@ -250,10 +247,6 @@ int attn_bwd_dq_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D, int nq_rows, in
     AttnArgs p = a;
     p.k = kf;
     p.v = vf;
-    /* keys per tile at D = 128: 128, or 64 with CF_ATTN_SM90_DQ_BN=64 (the
-     * earlier choice, for timing; read once) */
-    static const bool bn64 = getenv("CF_ATTN_SM90_DQ_BN") && atoi(getenv("CF_ATTN_SM90_DQ_BN")) == 64;
-    if (D == 64) return dq_sm90_launch<64, 128>(ctx, p, nq_rows, nf, maxlen, tps);
-    return bn64 ? dq_sm90_launch<128, 64>(ctx, p, nq_rows, nf, maxlen, tps)
-                : dq_sm90_launch<128, 128>(ctx, p, nq_rows, nf, maxlen, tps);
+    return D == 64 ? dq_sm90_launch<64>(ctx, p, nq_rows, nf, maxlen, tps)
+                   : dq_sm90_launch<128>(ctx, p, nq_rows, nf, maxlen, tps);
 }

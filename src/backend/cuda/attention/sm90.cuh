@@ -329,7 +329,7 @@ __host__ __device__ __forceinline__ void query_part(int n, int part, int ns, int
 /* Parts (1 or 2) of a key tile's query range, each its own block, in the
  * backward (bwd_sm90.cu: attn_sm90_bwd_split, which documents the why):
  * 2 where the first key tile's block, the longest of a causal grid, has
- * more than 1.25x the steps an SM gets on average. Key tiles of BN rows up
+ * more than twice the steps an SM gets on average. Key tiles of BN rows up
  * to kmaxlen per sequence; tile j sees the queries after the fraction
  * j BN / kmaxlen of qmaxlen, in steps of BM per head, hpb heads per
  * block, H / hpb blocks per key tile and sequence, B sequences, sms SMs. */
@@ -345,7 +345,7 @@ __host__ __device__ inline int bwd_query_parts(int BN, int BM, int H, int hpb, i
         total += steps;
     }
     total *= (long long)(H / hpb) * B;
-    return 4 * first * sms > 5 * total ? 2 : 1;
+    return first * sms > 2 * total ? 2 : 1;
 }
 
 /* ---------------------------------------------------------- host side */
