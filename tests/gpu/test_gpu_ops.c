@@ -1414,11 +1414,12 @@ TEST(attention_hopper_matches_portable_kernels) {
     }
 }
 
-/* The Hopper backward with 1 and 2 query heads per block and 1 and 2 parts
- * of each key tile's query range (the grid-size rules pick them by shape;
- * all four forced here through the context): each against the CPU, and
- * against hpb = 1 with one part (dk, dv partials of 1 or 2 heads and 1 or
- * 2 parts, reduced over H/hpb x ns of them: a layout error or a lost part
+/* The Hopper backward with 1, 2 and 4 query heads per block and 1 and 2
+ * parts of each key tile's query range (the grid-size rules pick them by
+ * shape; all six forced here through the context; 4 falls back to the
+ * largest divisor of a smaller group): each against the CPU, and against
+ * hpb = 1 with one part (dk, dv partials of 1, 2 or 4 heads and 1 or 2
+ * parts, reduced over H/hpb x ns of them: a layout error or a lost part
  * shows as O(1)), FULL, CENTRIFUGE and CENTRIFUGE_KV, GQA groups of 4 and
  * 8, and no GQA (parts need the partials there too). */
 TEST(attention_hopper_bwd_heads_per_block_and_query_parts_match) {
@@ -1430,7 +1431,7 @@ TEST(attention_hopper_bwd_heads_per_block_and_query_parts_match) {
     const attn_case cc[] = {{2, 300, 8, 2, 64, 3}, {3, 200, 8, 1, 128, 2}, {1, 333, 4, 4, 128, 0}};
     const cf_attn_bwd_mode modes[3] = {CF_ATTN_BWD_FULL, CF_ATTN_BWD_CENTRIFUGE, CF_ATTN_BWD_CENTRIFUGE_KV};
     static const char *const mname[3] = {"FULL", "CENTRIFUGE", "CENTRIFUGE_KV"};
-    static const int cfg[4][2] = {{1, 1}, {2, 1}, {1, 2}, {2, 2}}; /* hpb, parts */
+    static const int cfg[6][2] = {{1, 1}, {2, 1}, {1, 2}, {2, 2}, {4, 1}, {4, 2}}; /* hpb, parts */
     char nm[128], what[256];
     for (int ci = 0; ci < 3; ci++) {
         attn_problem p;
@@ -1440,8 +1441,8 @@ TEST(attention_hopper_bwd_heads_per_block_and_query_parts_match) {
         int *rows, n, *ss = HOLD(inew(c.B + 1));
         make_kept(c, &rows, ss, &n, 0.5);
         for (int m = 0; m < 3; m++) {
-            grads g[4];
-            for (int k = 0; k < 4; k++) {
+            grads g[6];
+            for (int k = 0; k < 6; k++) {
                 ctx->attn_bwd_hpb = cfg[k][0];
                 ctx->attn_bwd_split = cfg[k][1];
                 snprintf(what, sizeof what, "%s hpb=%d parts=%d %s", mname[m], cfg[k][0], cfg[k][1], nm);
@@ -1449,7 +1450,7 @@ TEST(attention_hopper_bwd_heads_per_block_and_query_parts_match) {
             }
             ctx->attn_bwd_hpb = ctx->attn_bwd_split = 0;
             const size_t nq = m == 0 ? p.T : (size_t)n, nkr = m == 1 ? (size_t)n : p.T;
-            for (int k = 1; k < 4; k++) {
+            for (int k = 1; k < 6; k++) {
                 snprintf(what, sizeof what, "%s dq hpb=%d parts=%d vs 1/1 %s", mname[m], cfg[k][0], cfg[k][1], nm);
                 cmp(what, g[0].dq, g[k].dq, nq * c.H * c.D, TOL_BF16);
                 snprintf(what, sizeof what, "%s dk hpb=%d parts=%d vs 1/1 %s", mname[m], cfg[k][0], cfg[k][1], nm);

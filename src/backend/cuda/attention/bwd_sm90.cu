@@ -405,26 +405,26 @@ static int bwd_bm_for(int D) {
  * heads of one group in turn with the same K, V tile (loaded once) and
  * writes one partial of dk, dv for them: fewer blocks (each one's gather,
  * prologue and epilogue shared by hpb heads) and 1/hpb of the fp32
- * partials to write and reduce. 2 where it divides H/Hkv and the grid has
- * at least 1.5 blocks per SM with it, else 1: on small shapes (Qwen2.5-1.5B:
- * H = 12, 1024 kept keys per sequence: 6 x 8 blocks at hpb = 2 on 132 SMs)
- * most SMs would idle. The bound keeps 2 where it was measured faster (H100,
- * H = 32, 2048 kept keys, B = 1: 256 blocks, centrifuge 4-5% faster than
- * with hpb = 1 in the single calls of docs/HOPPER_ATTENTION.md's call 3);
- * on the small side Qwen2.5-1.5B's full backward went from 0.259 to 0.172 ms
- * (docs/BENCHMARKS.md run 13)
+ * partials to write and reduce. Rule: sm90.cuh's bwd_heads_per_block
+ * (checked on the CPU by tests/gpu/host_bwd_parts.cu), the largest of 4
+ * (D = 64), 2, 1 that divides H/Hkv and leaves at least 1.5 blocks per SM:
+ * on small shapes (Qwen2.5-1.5B: H = 12, 1024 kept keys per sequence: 6 x 8
+ * blocks at hpb = 2 on 132 SMs) most SMs would idle. Measured on an H100
+ * (docs/HOPPER_ATTENTION.md): 2 over 1 at H = 32 with 2048 kept keys (256
+ * blocks, centrifuge 4-5% faster); Qwen2.5-1.5B's full backward 0.259 ->
+ * 0.172 ms by falling back to 1 (run 13); 4 over 2 on TinyLlama's full
+ * backward (D = 64, 256 blocks) 0.618 -> 0.601 ms, but 0.298 -> 0.401 ms
+ * on its centrifuge backward (128 blocks, under one wave) and slower at
+ * D = 128 on a full grid (1.095 vs 1.057 ms).
  * (CF_ATTN_SM90_BWD_HPB=n forces n, for timing, read once; ctx->attn_bwd_hpb
  * forces it per context, for tests). */
 static_assert(BwdSm90<64, 128>::BN == BwdSm90<128, 64>::BN && BwdSm90<64, 64>::BN == BwdSm90<128, 64>::BN,
               "one key tile for every variant");
-int attn_sm90_bwd_hpb(const cf_cuda_ctx *ctx, int H, int Hkv, int B, int kmaxlen) {
+int attn_sm90_bwd_hpb(const cf_cuda_ctx *ctx, int D, int H, int Hkv, int B, int kmaxlen) {
     static const int forced = env_int("CF_ATTN_SM90_BWD_HPB", 0);
-    const int G = H / Hkv, BN = BwdSm90<128, 64>::BN;
     int hpb = ctx->attn_bwd_hpb > 0 ? ctx->attn_bwd_hpb : forced;
-    if (hpb < 1) {
-        const long blocks_at_2 = (long)(H / 2) * ((kmaxlen + BN - 1) / BN) * B;
-        hpb = 2 * blocks_at_2 < 3L * ctx->sm_count ? 1 : 2;
-    }
+    if (hpb < 1) return bwd_heads_per_block(D, H, Hkv, B, kmaxlen, BwdSm90<128, 64>::BN, ctx->sm_count);
+    const int G = H / Hkv;
     while (hpb > 1 && G % hpb) hpb--;
     return hpb;
 }

@@ -326,6 +326,19 @@ __host__ __device__ __forceinline__ void query_part(int n, int part, int ns, int
     *len = (part + 1) * n / ns - *begin;
 }
 
+/* Query heads per block (1, 2 or 4) of the backward (bwd_sm90.cu:
+ * attn_sm90_bwd_hpb, which documents the why): the largest that divides
+ * the GQA group H / Hkv and still leaves the grid at least 1.5 blocks per
+ * SM (H / hpb blocks per key tile of BN keys up to kmaxlen, B sequences,
+ * sms SMs); 4 at D = 64 only (at D = 128 it was slower on a full grid). */
+__host__ __device__ inline int bwd_heads_per_block(int D, int H, int Hkv, int B, int kmaxlen, int BN, int sms) {
+    if (H <= 0 || Hkv <= 0 || H % Hkv || B <= 0 || kmaxlen <= 0 || BN <= 0) return 1;
+    const long long ktiles = (kmaxlen + BN - 1) / BN;
+    for (int hpb = D == 64 ? 4 : 2; hpb > 1; hpb /= 2)
+        if ((H / Hkv) % hpb == 0 && 2LL * (H / hpb) * ktiles * B >= 3LL * sms) return hpb;
+    return 1;
+}
+
 /* Parts (1 or 2) of a key tile's query range, each its own block, in the
  * backward (bwd_sm90.cu: attn_sm90_bwd_split, which documents the why):
  * 2 where the first key tile's block, the longest of a causal grid, has
