@@ -6,7 +6,7 @@
 #   parts: tests sanitize bench-main bench-old bench-sweeps bench-3b pytorch
 #          parity peft-parity dp-check dp-bench dp-ctas tp-check tp-bench rows-x4 rows-x8
 #          rows-x8-dry bench-accum profile dp-bf16 ab-profile ab-fused ab-head attn-shapes attn-ab attn-parts dp-prio
-#          bench-pair
+#          bench-pair pair-ab
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G=$PWD/.gpucarry
@@ -123,6 +123,18 @@ for part in "$@"; do
         "$b" bench --device cuda --config ${cs%%:*} --seq ${cs##*:} --batch 1 --grad-accum 8 --modes regular,centrifuge \
           --keep 0.5 --steps 4 --warmup 2 --profile 2>&1 | tee "$OUT/abprof_${v}_${cs%%:*}.txt" | grep -E "profile|  0\.50" | sed "s/^/$v /"
       done; done ;;
+    pair-ab)
+      # issue 17: the MLP's weight gradients of two micro-batches in one GEMM (engine/dwpair.c) off and on,
+      # alternated twice per model in ACCUM_MODELS at 1 x 8, regular and centrifuge; then one profile with pairs
+      for cs in ${ACCUM_MODELS:-qwen2.5-1.5b:2048}; do c=${cs%%:*}; sq=${cs##*:}
+        for rep in 1 2; do for v in 0 1; do
+          CF_DW_PAIR=$v "$CF" bench --device cuda --config $c --seq $sq --batch 1 --grad-accum 8 --modes regular,centrifuge \
+            --keep 0.5 --steps ${ACCUM_STEPS:-6} --warmup 2 --json "$OUT/pair${v}_${c}_r$rep.jsonl" 2>&1 |
+            tee "$OUT/pair${v}_${c}_r$rep.txt" | grep -E "  0\.50" | sed "s/^/pair=$v rep $rep /"
+        done; done
+        "$CF" bench --device cuda --config $c --seq $sq --batch 1 --grad-accum 8 --modes centrifuge --keep 0.5 \
+          --steps 4 --warmup 2 --profile 2>&1 | tee "$OUT/pairprof_${c}.txt" | grep -E "profile|  0\.50" | sed "s/^/pair=1 /"
+      done ;;
     ab-head)
       # issue 17: the LM head's saved gradient (default) against recomputing its logits (CF_HEAD_SAVE=0),
       # alternating, grad-accum 8, per-op profile

@@ -65,6 +65,7 @@ int cf_filter(cf_model *m, const cf_kept *kept) {
 /* ------------------------------------------------------------- backward */
 
 void cf_zero_grad(cf_model *m) {
+    cf_dwpair_drop(m); /* held rows are part of the gradient being cleared */
     if (m->opt.grad) m->b->memzero(m->b, m->opt.grad, m->opt.lay.ngrad * sizeof(float));
     if (m->opt.gzero) memset(m->opt.gzero, 1, (size_t)m->ntensors);
 }
@@ -223,11 +224,53 @@ static int gate_up_fused(cf_model *m, const cf_layer_params *p) {
     return !gg || gu == gg + g->numel;
 }
 
+/* Layer l's MLP after swiglu' in a paired backward (dwpair.c), whose
+ * dgate|dup and h are in the layer's stash at rows r0..r0+n-1 already:
+ * the down projection's dY (the residual gradient) and the gate/up input
+ * (ln2) are copied there too; dln2 = [dgate dup] [Wg; Wu] for these rows;
+ * with JOIN, the three weight gradients over the r0 + n rows of both
+ * backwards: dWd += dres^T h, [dWg; dWu] += [dgate dup]^T ln2. */
+static void mlp_paired_grads(cf_model *m, int l, int n, int r0, int pair) {
+    cf_backend *b = m->b;
+    const cf_layer_params *p = &m->lp[l];
+    const int C = m->cfg.hidden_size, F = m->cfg.intermediate_size;
+    const size_t rb = (size_t)C * b->act_size;
+    OP(CF_PROF_ELTWISE, b->copy(b, cf_dwpair_dres(m, l, r0), m->d_resid, (size_t)n * rb));
+    OP(CF_PROF_ELTWISE, b->copy(b, cf_dwpair_ln2(m, l, r0), SAVED(m, m->la[l].ln2), (size_t)n * rb));
+    OP(CF_PROF_GEMM, b->matmul_bwd(b, m->d_ln, NULL, NULL, cf_dwpair_dgu(m, l, r0), NULL, cf_weight(m, p->gate.w), n,
+                                   C, 2 * F, 0));
+    if (pair == CF_PAIR_JOIN) {
+        const uint8_t *z = m->dwp.zero + 2 * l; /* the gradients held zeros at HOLD */
+        OP(CF_PROF_GEMM, b->matmul_bwd(b, NULL, cf_grad(m, p->down.w), NULL, cf_dwpair_dres(m, l, 0),
+                                       cf_dwpair_h(m, l, 0), cf_weight(m, p->down.w), r0 + n, F, C,
+                                       z[0] ? CF_MM_DW_SET : 0));
+        OP(CF_PROF_GEMM, b->matmul_bwd(b, NULL, cf_grad(m, p->gate.w), NULL, cf_dwpair_dgu(m, l, 0),
+                                       cf_dwpair_ln2(m, l, 0), cf_weight(m, p->gate.w), r0 + n, C, 2 * F,
+                                       z[1] ? CF_MM_DW_SET : 0));
+    }
+}
+
+/* Whether this backward's MLP weight gradients may pair with another
+ * micro-batch's (dwpair.c): the compact modes, every layer's gate/up fused
+ * and trainable, a plain down projection, no TP, not a reference. */
+static int mlp_pairs(cf_model *m, cf_mode mode, const stopgrad *sg) {
+    if (sg || !cf_mode_is_compact(mode) || cf_tp_on(m)) return 0;
+    for (int l = 0; l < m->cfg.num_hidden_layers; l++) {
+        const cf_layer_params *p = &m->lp[l];
+        if (!gate_up_fused(m, p) || !cf_grad(m, p->gate.w) || !cf_grad(m, p->down.w) || p->down.la >= 0 ||
+            p->down.b >= 0)
+            return 0;
+    }
+    return 1;
+}
+
 /* The backward; afterwards no gradient counts as zero any more (every
  * trainable tensor may have been written, by whatever op). */
 static int backward_impl(cf_model *m, cf_mode mode, const cf_kept *kept, float token_weight,
                          const stopgrad *sg) {
+    m->dwp.pairs = mlp_pairs(m, mode, sg);
     int rc = backward_body(m, mode, kept, token_weight, sg);
+    cf_dwpair_end(m, rc == 0);
     if (m->opt.gzero) memset(m->opt.gzero, 0, (size_t)m->ntensors);
     return rc;
 }
@@ -254,6 +297,10 @@ static int backward_body(cf_model *m, cf_mode mode, const cf_kept *kept, float t
     m->prof_phase = 1;
     int T = m->T;
     int n = compact ? m->n_kept : T;
+    /* hold this backward's MLP rows for the next one, join held ones, or
+     * neither (held rows that cannot join are flushed first) */
+    if (cf_dwpair_begin(m, m->dwp.pairs, n) != 0) return -1;
+    const int pair = m->dwp.phase, r0 = pair == CF_PAIR_JOIN ? m->dwp.held : 0;
     /* the forward's row of each backward row, for LoRA dropout's mask */
     m->lora_rows = compact ? m->rows : NULL;
     const uint8_t *keep = mode == CF_MODE_REGULAR ? NULL : m->keep_dev;
@@ -324,20 +371,28 @@ static int backward_body(cf_model *m, cf_mode mode, const cf_kept *kept, float t
          * input and weight gradients (gate and up stored back to back);
          * else two [n, F] matrices. */
         const int fused = gate_up_fused(m, p);
-        void *d_gate = m->d_gate;
-        void *d_up = (char *)m->d_gate + (fused ? (size_t)F : (size_t)n * F) * b->act_size;
+        /* paired (dwpair.c; every layer fused then): dgate|dup and h go to
+         * the layer's stash at this backward's rows r0.., and so do the
+         * down projection's dY and the gate/up input; the weight
+         * gradients wait (HOLD) or take both backwards' rows (JOIN) */
+        void *d_gate = pair ? cf_dwpair_dgu(m, l, r0) : m->d_gate;
+        void *h = pair ? cf_dwpair_h(m, l, r0) : m->tmp;
+        void *d_up = (char *)d_gate + (fused ? (size_t)F : (size_t)n * F) * b->act_size;
         void *gate, *up;
         const int ldgu = cf_gate_up(m, l, &gate, &up);
-        OP(CF_PROF_ELTWISE, b->swiglu_bwd_rows(b, m->tmp, d_gate, d_up, m->d_h, gate, up, compact ? m->rows : NULL, n,
+        OP(CF_PROF_ELTWISE, b->swiglu_bwd_rows(b, h, d_gate, d_up, m->d_h, gate, up, compact ? m->rows : NULL, n,
                                                F, ldgu, fused ? 2 * F : F));
-        OP(CF_PROF_GEMM, cf_linear_bwd_weight(m, &p->down, m->d_resid, m->tmp, n, F, C));
-        if (fused) {
+        if (pair) {
+            mlp_paired_grads(m, l, n, r0, pair);
+        } else if (fused) {
+            OP(CF_PROF_GEMM, cf_linear_bwd_weight(m, &p->down, m->d_resid, h, n, F, C));
             /* dln2 = [dgate dup] [Wg; Wu],  [dWg; dWu] += [dgate dup]^T ln2 */
             float *dw = cf_grad(m, p->gate.w);
             int zero = cf_grad_take_zero(m, p->gate.w) & cf_grad_take_zero(m, p->up.w);
             OP(CF_PROF_GEMM, b->matmul_bwd(b, m->d_ln, dw, NULL, d_gate, SAVED(m, a->ln2), cf_weight(m, p->gate.w), n,
                                            C, 2 * F, zero));
         } else if (tp) {
+            OP(CF_PROF_GEMM, cf_linear_bwd_weight(m, &p->down, m->d_resid, h, n, F, C));
             /* column-parallel gate/up: their input gradient is a partial sum;
              * its all-reduce runs while the weight gradients are computed */
             OP(CF_PROF_GEMM, cf_linear_bwd_input(m, &p->gate, m->d_ln, d_gate, n, C, F, 0));
@@ -347,6 +402,7 @@ static int backward_body(cf_model *m, cf_mode mode, const cf_kept *kept, float t
             OP(CF_PROF_GEMM, cf_linear_bwd_weight(m, &p->up, d_up, SAVED(m, a->ln2), n, C, F));
             if (m->tp.wait(m->tp.ctx) != 0) return -1;
         } else {
+            OP(CF_PROF_GEMM, cf_linear_bwd_weight(m, &p->down, m->d_resid, h, n, F, C));
             OP(CF_PROF_GEMM, cf_linear_bwd(m, &p->gate, m->d_ln, d_gate, SAVED(m, a->ln2), n, C, F, 0));
             OP(CF_PROF_GEMM, cf_linear_bwd(m, &p->up, m->d_ln, d_up, SAVED(m, a->ln2), n, C, F, 1));
         }

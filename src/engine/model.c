@@ -393,6 +393,7 @@ static cf_model *model_alloc(const cf_config *cfg, const cf_model_opts *o, const
     m->doc_mask_bos = -1;
     m->s_lse = -1;
     m->drop_seed = o->seed;
+    cf_dwpair_init(m);
     if (tp && tp->size > 1) {
         if (o->lora.rank > 0 || o->adapter_dir) {
             cf_fail("--tp with LoRA adapters is not supported yet: use data parallelism (ZeRO-1) for LoRA");
@@ -712,6 +713,7 @@ void cf_model_free(cf_model *m) {
     if (m->b) {
         cf_backend *b = m->b;
         free_acts(m);
+        cf_dwpair_free(m);
         cf_optim_free(m);
         b->free(b, m->w);
         b->free(b, m->inv_freq);
@@ -838,6 +840,7 @@ int cf_model_set_param(cf_model *m, int i, const float *in) {
 int cf_model_get_grad(cf_model *m, int i, float *out) {
     if (i < 0 || i >= m->ntensors) return cf_fail("parameter index %d out of range", i);
     if (!m->params[i].trainable) return cf_fail("%s is frozen: it has no gradient", m->params[i].name);
+    if (cf_dwpair_flush(m) != 0) return -1; /* the whole gradient, held rows included */
     return m->b->download(m->b, out, cf_grad(m, i), m->params[i].numel * sizeof(float));
 }
 

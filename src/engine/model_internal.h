@@ -163,12 +163,31 @@ typedef struct {
     int64_t step;
     cf_grad_sync sync;
     int last_micro;     /* the backward in flight is the step's last micro-batch */
+    int more_micro;     /* another micro-batch's backward of this step follows
+                         * (set by the trainer only: dwpair.c may hold rows) */
     /* [ntensors] 1: the tensor's gradient holds zeros (zeroed, and no
      * backward since), so its first weight-gradient GEMM may write it
      * without reading it (beta 0: CF_MM_DW_SET). Set where the buffer is
      * zeroed, cleared by cf_grad_take_zero and at the end of every backward. */
     uint8_t *gzero;
 } cf_optim;
+
+/* ------------------------------------------------ weight-gradient pairs */
+
+/* dwpair.c: the MLP's weight gradients of two micro-batches in one GEMM */
+enum { CF_PAIR_NONE, CF_PAIR_HOLD, CF_PAIR_JOIN };
+typedef struct {
+    int off;            /* CF_DW_PAIR=0 at open, or no memory for the stash */
+    int pairs;          /* the backward in flight is eligible (backward.c) */
+    int phase;          /* of the backward in flight */
+    int rows;           /* rows of the backward in flight */
+    int held;           /* rows held for the next backward (0: none) */
+    int cap;            /* rows per layer in the stash */
+    void *buf;          /* backend memory: L stashes of layer_bytes */
+    size_t layer_bytes;
+    uint8_t *zero;      /* [2L] down's, gate/up's gradient held zeros at HOLD */
+    int64_t joins;      /* backwards that joined a held one */
+} cf_dwpair;
 
 /* ----------------------------------------------------------- activations */
 
@@ -213,6 +232,7 @@ struct cf_model {
     size_t nw;             /* length of w (with padding) */
     void *w;               /* compute copy, all tensors (backend dtype) */
     cf_optim opt;
+    cf_dwpair dwp;         /* weight-gradient pairs (dwpair.c) */
     cf_layer_params *lp;
     int p_embed, p_norm, p_lm_head;   /* lm_head == embed when tied */
     cf_lora_opts lora;     /* rank 0: no adapters */
@@ -330,6 +350,26 @@ void cf_stage_end(cf_model *m, int stage);
 /* Saved tensors read full again (after a backward of a non-compact mode). */
 void cf_model_reset_filter(cf_model *m);
 cf_backend *cf_model_backend(cf_model *m);
+
+/* ---- dwpair.c ---- */
+void cf_dwpair_init(cf_model *m);
+void cf_dwpair_free(cf_model *m);
+/* At the start of a backward of n rows (eligible: its MLP can pair):
+ * decides m->dwp.phase, flushing held rows that cannot join. */
+int cf_dwpair_begin(cf_model *m, int eligible, int n);
+/* At its end (ok: it succeeded): the rows now held, if any. */
+void cf_dwpair_end(cf_model *m, int ok);
+/* The held rows' weight gradients alone; drop: forget them. */
+int cf_dwpair_flush(cf_model *m);
+void cf_dwpair_drop(cf_model *m);
+/* Layer l's stash from row `row`: dgate|dup [., 2F], h [., F], ln2 and
+ * the down projection's dY [., C]. */
+void *cf_dwpair_dgu(cf_model *m, int l, int row);
+void *cf_dwpair_h(cf_model *m, int l, int row);
+void *cf_dwpair_ln2(cf_model *m, int l, int row);
+void *cf_dwpair_dres(cf_model *m, int l, int row);
+/* Backend bytes of the stash at cap_rows rows (memest.c). */
+size_t cf_dwpair_bytes(const cf_config *c, int cap_rows, size_t act_size);
 
 /* ---- kept.c ---- */
 /* Fails unless kept is the current selection of the current forward. */

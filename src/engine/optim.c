@@ -177,6 +177,9 @@ int cf_step_ex(cf_model *m, const cf_adamw_params *hp, float *grad_norm, double 
     cf_optim *o = &m->opt;
     if (!o->grad) return cf_fail("step: the model has no trainable parameter");
     cf_stage_begin(m, CF_STAGE_OPTIMIZER);
+    /* rows held for a join that never came (the trainer's last micro-batch
+     * never holds, so only a caller of its own gets here with some) */
+    if (cf_dwpair_flush(m) != 0) return -1;
     if (o->sync.finish && o->sync.finish(o->sync.ctx) != 0) return -1;
     b->memzero(b, &m->scalars->sumsq, sizeof(double));
     const int tp = cf_tp_on(m);

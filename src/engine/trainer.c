@@ -94,7 +94,11 @@ int cf_trainer_step(cf_trainer *t, const cf_micro_batch *mb, float lr, cf_step_s
                       ((uint64_t)rank << 48);
             if (cf_select_kept(m, mb[mi].ref, &so, &kept) != 0) return -1;
         }
-        if (cf_backward_weighted(m, o->mode, o->mode == CF_MODE_REGULAR ? NULL : &kept, weight) != 0) return -1;
+        /* another backward follows: dwpair.c may hold this one's MLP rows */
+        m->opt.more_micro = mi + 1 < o->grad_accum;
+        int brc = cf_backward_weighted(m, o->mode, o->mode == CF_MODE_REGULAR ? NULL : &kept, weight);
+        m->opt.more_micro = 0;
+        if (brc != 0) return -1;
     }
     m->opt.last_micro = 0;
     cf_adamw_params hp = o->adamw;

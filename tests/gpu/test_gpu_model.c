@@ -289,6 +289,62 @@ TEST(gpu_adamw_refreshes_bf16_weights_and_zeroes_gradients_in_one_pass) {
     g->destroy(g);
 }
 
+/* engine/dwpair.c on the GPU: the trainer's steps (centrifuge, keep 0.5,
+ * four micro-batches of one sequence of S rows, three steps) with the
+ * MLP's weight gradients of two micro-batches in one GEMM give the steps
+ * without (CF_DW_PAIR=0 at open), same weights: losses, gradient norms
+ * (a lost or doubled row would move them by far more) and the weights
+ * after each step agree to summation order through bf16 (1e-3), and pairs
+ * happen (two per step from the second step on). */
+TEST(gpu_paired_mlp_weight_gradients_give_the_unpaired_steps) {
+    cf_model *mc = cpu_model("tiny-llama", 81);
+    setenv("CF_DW_PAIR", "0", 1);
+    cf_model *off = mc ? cf_model_create(cf_model_config(mc), CF_BACKEND_CUDA, 1) : NULL;
+    unsetenv("CF_DW_PAIR");
+    cf_model *on = mc ? cf_model_create(cf_model_config(mc), CF_BACKEND_CUDA, 1) : NULL;
+    if (!on || !off) { CHECK_MSG(0, "%s", cf_last_error()); cf_model_free(mc); cf_model_free(on); cf_model_free(off); return; }
+    copy_weights(on, mc);
+    copy_weights(off, mc);
+    enum { MB = 4 };
+    cf_train_opts o = {0};
+    o.mode = CF_MODE_CENTRIFUGE;
+    o.select = (cf_select_opts){CF_SELECT_SELF, 0.5, 0, 1};
+    o.adamw = (cf_adamw_params){1e-2f, 0.9f, 0.95f, 1e-3f, 0.1f, 1.0f};
+    o.batch = 1; o.seq = S; o.grad_accum = MB;
+    cf_trainer *tr_on = cf_trainer_create(on, &o), *tr_off = cf_trainer_create(off, &o);
+    CHECK(tr_on && tr_off);
+    static int32_t tok[MB * (S + 1)];
+    size_t np = cf_model_num_params(on);
+    float *wa = malloc(np * sizeof(float)), *wb = malloc(np * sizeof(float));
+    for (int step = 0; step < 3 && tr_on && tr_off; step++) {
+        random_tokens(tok, MB * (S + 1), cf_model_config(on)->vocab_size, 90 + step);
+        cf_micro_batch mbs[MB];
+        for (int i = 0; i < MB; i++) mbs[i] = (cf_micro_batch){tok + i * (S + 1), NULL};
+        cf_step_stats son, soff;
+        CHECK(cf_trainer_step(tr_on, mbs, 1e-2f, &son) == 0 && cf_trainer_step(tr_off, mbs, 1e-2f, &soff) == 0);
+        CHECK_MSG(fabs(son.loss - soff.loss) <= 1e-3 * fabs(soff.loss), "step %d: losses %.6g vs %.6g", step,
+                  son.loss, soff.loss);
+        CHECK_MSG(fabs(son.grad_norm - soff.grad_norm) <= 1e-3 * soff.grad_norm && soff.grad_norm > 0,
+                  "step %d: gradient norms %.6g vs %.6g", step, son.grad_norm, soff.grad_norm);
+        for (int i = 0; i < cf_model_num_tensors(on); i++) {
+            cf_model_get_param(on, i, wa + toff(on, i));
+            cf_model_get_param(off, i, wb + toff(off, i));
+        }
+        const char *where = "?";
+        double e = max_rel(on, wa, wb, &where);
+        CHECK_MSG(e < 1e-3, "step %d: weights differ by %.3g at %s", step, e, where);
+    }
+    CHECK_MSG(on->dwp.joins == 4 && off->dwp.joins == 0, "%lld joins (expected 4), %lld unpaired",
+              (long long)on->dwp.joins, (long long)off->dwp.joins);
+    free(wa);
+    free(wb);
+    cf_trainer_free(tr_on);
+    cf_trainer_free(tr_off);
+    cf_model_free(on);
+    cf_model_free(off);
+    cf_model_free(mc);
+}
+
 /* The attention shapes of the model tests, alone: B=2, S=40, D in {8,16,32,64}. */
 TEST(gpu_attention_fwd_matches_cpu_at_model_test_shapes) {
     cf_backend *c = cf_backend_cpu_create(), *g = cf_backend_cuda_create(0);
@@ -476,5 +532,6 @@ int main(void) {
     RUN(gpu_model_matches_cpu_over_several_attention_tiles_with_uneven_kept_counts);
     RUN(gpu_lora_losses_and_adapter_gradients_match_cpu);
     RUN(gpu_equivalences_of_design_section_1_hold_with_bf16_tolerances);
+    RUN(gpu_paired_mlp_weight_gradients_give_the_unpaired_steps);
     return test_summary();
 }

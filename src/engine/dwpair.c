@@ -1,0 +1,165 @@
+/*
+ * dwpair.c — the MLP's weight gradients of two micro-batches in one GEMM
+ * each (issue 17: the centrifuge backward at M = kept rows).
+ *
+ * Why. A weight-gradient GEMM dW += dY^T X over n rows reads and writes
+ * the fp32 gradient (8 bytes per weight) whatever n is; at the kept rows
+ * of a filtered micro-batch (n = T/2) that traffic is as large as the
+ * product's own time on an H100 (run 14's analysis: ~3.5 ms of Llama3.2-3B's
+ * 33 ms centrifuge backward per micro-batch is the gradient's read alone).
+ * Two micro-batches' rows in one GEMM halve it: dW += [dY_a; dY_b]^T [X_a; X_b].
+ *
+ * How. A micro-batch whose backward another one of the same step follows
+ * (the trainer says so: cf_optim.more_micro) and whose kept rows fit twice
+ * in a micro-batch's capacity HOLDs: its MLP writes dgate|dup and h straight
+ * into a per-layer stash at rows [0, n), copies dY of the down projection
+ * (the residual gradient) and the gate/up input (ln2) there, and skips the
+ * MLP's three weight gradients (the input gradients run as always). The
+ * next backward JOINs: the same at rows [held, held + n), then one GEMM per
+ * weight over held + n rows. Only the MLP (3/4 of a Llama layer's weights)
+ * pairs; attention's projections and the LM head do not.
+ *
+ * Every gradient is the same sum in another order. Rows never reach the
+ * optimizer unflushed: cf_step_ex flushes (the held rows' GEMMs alone), a
+ * backward that cannot join flushes first, cf_zero_grad drops them. The
+ * last micro-batch of a step never holds, so data parallel's buckets are
+ * final when their layer's backward ends, as before. CF_DW_PAIR=0 in the
+ * environment at open turns pairing off (A/B timing). The stash is taken
+ * from the second optimizer step on, where 1 GiB stays free after it; else
+ * pairing is off for the model (memory is never traded for it, and the
+ * memory estimate of cf_memory_check leaves it out).
+ *
+ * Stash of layer l (backend memory, cap rows each): dgu [cap, 2F] | h
+ * [cap, F] | ln2 [cap, C] | dres [cap, C], activation dtype.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/common.h"
+#include "engine/model_internal.h"
+
+void cf_dwpair_init(cf_model *m) {
+    const char *e = getenv("CF_DW_PAIR");
+    memset(&m->dwp, 0, sizeof m->dwp);
+    m->dwp.off = e && *e == '0';
+}
+
+void cf_dwpair_free(cf_model *m) {
+    if (m->b && m->dwp.buf) m->b->free(m->b, m->dwp.buf);
+    free(m->dwp.zero);
+    m->dwp.buf = NULL;
+    m->dwp.zero = NULL;
+    m->dwp.held = m->dwp.cap = 0;
+}
+
+static size_t row_elems(const cf_model *m) {
+    const size_t C = (size_t)m->cfg.hidden_size, F = (size_t)m->cfg.intermediate_size;
+    return 3 * F + 2 * C;
+}
+
+/* layer l's stash region `part` (0 dgu, 1 h, 2 ln2, 3 dres) from row `row` */
+static void *stash(cf_model *m, int l, int part, int row) {
+    const size_t A = m->b->act_size, C = (size_t)m->cfg.hidden_size, F = (size_t)m->cfg.intermediate_size;
+    const size_t cap = (size_t)m->dwp.cap, width[4] = {2 * F, F, C, C};
+    size_t off = 0;
+    for (int i = 0; i < part; i++) off += cap * width[i];
+    off += (size_t)row * width[part];
+    return (char *)m->dwp.buf + m->dwp.layer_bytes * (size_t)l + off * A;
+}
+void *cf_dwpair_dgu(cf_model *m, int l, int row) { return stash(m, l, 0, row); }
+void *cf_dwpair_h(cf_model *m, int l, int row) { return stash(m, l, 1, row); }
+void *cf_dwpair_ln2(cf_model *m, int l, int row) { return stash(m, l, 2, row); }
+void *cf_dwpair_dres(cf_model *m, int l, int row) { return stash(m, l, 3, row); }
+
+size_t cf_dwpair_bytes(const cf_config *c, int cap_rows, size_t act_size) {
+    const size_t C = (size_t)c->hidden_size, F = (size_t)c->intermediate_size;
+    return (size_t)c->num_hidden_layers * (size_t)cap_rows * (3 * F + 2 * C) * act_size;
+}
+
+/* A stash of cap_T rows per layer, once (again only when none is held and
+ * the capacity grew); 0, or -1 where there is none (yet). Only from the
+ * second optimizer step on: by then the first one has allocated every
+ * buffer a step allocates lazily (the filter's compact copies, attention's
+ * scratch), so the stash takes memory that no step needs; and only with
+ * 1 GiB left free after it, else pairing is off for the model. */
+static int ensure_stash(cf_model *m) {
+    cf_dwpair *p = &m->dwp;
+    if (p->buf && p->cap >= m->cap_T) return 0;
+    if (p->held || m->opt.step < 1) return -1;
+    cf_dwpair_free(m);
+    const int L = m->cfg.num_hidden_layers;
+    p->layer_bytes = (size_t)m->cap_T * row_elems(m) * m->b->act_size;
+    size_t free_b = 0, total_b = 0;
+    if (m->b->memory_info && m->b->memory_info(m->b, &free_b, &total_b) == 0 &&
+        free_b < p->layer_bytes * (size_t)L + ((size_t)1 << 30)) {
+        p->off = 1;
+        return -1;
+    }
+    p->zero = cf_calloc((size_t)2 * L, 1);
+    p->buf = p->zero ? m->b->alloc(m->b, p->layer_bytes * (size_t)L) : NULL;
+    if (!p->buf) {
+        /* not enough memory for the stash: train without pairing (the
+         * failed allocation's message is not an error of the step) */
+        free(p->zero);
+        p->zero = NULL;
+        p->off = 1;
+        cf_fail("%s", "");
+        return -1;
+    }
+    p->cap = m->cap_T;
+    return 0;
+}
+
+/* The held rows' weight gradients alone (no join came) */
+int cf_dwpair_flush(cf_model *m) {
+    cf_dwpair *p = &m->dwp;
+    if (!p->held) return 0;
+    cf_backend *b = m->b;
+    const int L = m->cfg.num_hidden_layers, C = m->cfg.hidden_size, F = m->cfg.intermediate_size, n = p->held;
+    for (int l = 0; l < L; l++) {
+        const cf_layer_params *lp = &m->lp[l];
+        b->matmul_bwd(b, NULL, cf_grad(m, lp->down.w), NULL, cf_dwpair_dres(m, l, 0), cf_dwpair_h(m, l, 0),
+                      cf_weight(m, lp->down.w), n, F, C, p->zero[2 * l] ? CF_MM_DW_SET : 0);
+        b->matmul_bwd(b, NULL, cf_grad(m, lp->gate.w), NULL, cf_dwpair_dgu(m, l, 0), cf_dwpair_ln2(m, l, 0),
+                      cf_weight(m, lp->gate.w), n, C, 2 * F, p->zero[2 * l + 1] ? CF_MM_DW_SET : 0);
+    }
+    p->held = 0;
+    return b->check(b);
+}
+
+void cf_dwpair_drop(cf_model *m) { m->dwp.held = 0; }
+
+int cf_dwpair_begin(cf_model *m, int eligible, int n) {
+    cf_dwpair *p = &m->dwp;
+    p->phase = CF_PAIR_NONE;
+    p->rows = n;
+    if (p->held) {
+        if (eligible && !p->off && p->held + n <= p->cap) {
+            p->phase = CF_PAIR_JOIN;
+            return 0;
+        }
+        if (cf_dwpair_flush(m) != 0) return -1;
+    }
+    if (eligible && !p->off && m->opt.more_micro && n > 0 && 2 * n <= m->cap_T && ensure_stash(m) == 0) {
+        p->phase = CF_PAIR_HOLD;
+        for (int l = 0; l < m->cfg.num_hidden_layers; l++) {
+            /* whether the gradients hold zeros now: the joining GEMM may
+             * then write them (nothing else writes them in between) */
+            p->zero[2 * l] = cf_grad_take_zero(m, m->lp[l].down.w) != 0;
+            p->zero[2 * l + 1] =
+                (cf_grad_take_zero(m, m->lp[l].gate.w) & cf_grad_take_zero(m, m->lp[l].up.w)) != 0;
+        }
+    }
+    return 0;
+}
+
+void cf_dwpair_end(cf_model *m, int ok) {
+    cf_dwpair *p = &m->dwp;
+    if (!ok) p->held = 0; /* the failed step's gradient is lost anyway */
+    else if (p->phase == CF_PAIR_HOLD) p->held = p->rows;
+    else if (p->phase == CF_PAIR_JOIN) {
+        p->held = 0;
+        p->joins++;
+    }
+    p->phase = CF_PAIR_NONE;
+}
