@@ -101,25 +101,28 @@ TEST(paired_steps_give_the_unpaired_steps_in_every_compact_mode) {
 
 /* Regular and loss-only backwards take every row: two would not fit one
  * micro-batch's capacity; nor do two of keep 0.75; a single micro-batch
- * has nothing to pair with. None of them pairs. */
-TEST(pairing_only_where_two_backwards_fit_one_micro_batch) {
-    static const struct { cf_mode mode; double keep; int accum; } cs[] = {
-        {CF_MODE_REGULAR, 1.0, 2}, {CF_MODE_LOSS_ONLY, 0.5, 2}, {CF_MODE_CENTRIFUGE, 0.75, 2},
-        {CF_MODE_CENTRIFUGE, 0.5, 1}, {CF_MODE_CENTRIFUGE, 0.5, 2}};
+ * has nothing to pair with; 2048 kept rows (a sequence of 4096) are
+ * enough for the GEMM alone (dwpair.c: CF_DWPAIR_MAX_ROWS). None of them
+ * pairs; 2047 kept rows do. */
+TEST(pairing_only_where_two_backwards_fit_one_micro_batch_of_few_rows) {
+    static const struct { cf_mode mode; double keep; int accum, seq, want; } cs[] = {
+        {CF_MODE_REGULAR, 1.0, 2, S, 0},       {CF_MODE_LOSS_ONLY, 0.5, 2, S, 0}, {CF_MODE_CENTRIFUGE, 0.75, 2, S, 0},
+        {CF_MODE_CENTRIFUGE, 0.5, 1, S, 0},    {CF_MODE_CENTRIFUGE, 0.5, 2, 4096, 0},
+        {CF_MODE_CENTRIFUGE, 0.5, 2, S, 1},    {CF_MODE_CENTRIFUGE, 0.5, 2, 4094, 1}};
+    static int32_t tok[2 * (4096 + 1)];
     for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
         cf_model *m = model("tiny-llama", 1, 21);
         if (!m) { CHECK(0); return; }
         cf_train_opts o = opts(cs[i].mode, cs[i].keep, cs[i].accum);
+        o.seq = cs[i].seq;
         cf_trainer *t = cf_trainer_create(m, &o);
-        int32_t tok[2 * (S + 1)];
-        random_tokens(tok, 2 * (S + 1), cf_model_config(m)->vocab_size, 22);
-        cf_micro_batch mbs[2] = {{tok, NULL}, {tok + S + 1, NULL}};
+        random_tokens(tok, 2 * (cs[i].seq + 1), cf_model_config(m)->vocab_size, 22);
+        cf_micro_batch mbs[2] = {{tok, NULL}, {tok + cs[i].seq + 1, NULL}};
         cf_step_stats st;
         /* two steps: the first one never pairs (the stash waits for it) */
         CHECK(t && cf_trainer_step(t, mbs, 1e-2f, &st) == 0 && cf_trainer_step(t, mbs, 1e-2f, &st) == 0);
-        const int want = i == 4; /* the last case is the control: it pairs */
-        CHECK_MSG(m->dwp.joins == want, "%s keep %.2f x%d: %lld joins, expected %d", cf_mode_name(cs[i].mode),
-                  cs[i].keep, cs[i].accum, (long long)m->dwp.joins, want);
+        CHECK_MSG(m->dwp.joins == cs[i].want, "%s keep %.2f x%d, %d rows: %lld joins, expected %d",
+                  cf_mode_name(cs[i].mode), cs[i].keep, cs[i].accum, cs[i].seq, (long long)m->dwp.joins, cs[i].want);
         cf_trainer_free(t);
         cf_model_free(m);
     }
@@ -186,7 +189,7 @@ TEST(held_rows_are_flushed_by_the_step_or_a_backward_that_cannot_join_and_droppe
 
 int main(void) {
     RUN(paired_steps_give_the_unpaired_steps_in_every_compact_mode);
-    RUN(pairing_only_where_two_backwards_fit_one_micro_batch);
+    RUN(pairing_only_where_two_backwards_fit_one_micro_batch_of_few_rows);
     RUN(held_rows_are_flushed_by_the_step_or_a_backward_that_cannot_join_and_dropped_by_zero_grad);
     return test_summary();
 }

@@ -11,7 +11,8 @@
  *
  * How. A micro-batch whose backward another one of the same step follows
  * (the trainer says so: cf_optim.more_micro) and whose kept rows fit twice
- * in a micro-batch's capacity HOLDs: its MLP writes dgate|dup and h straight
+ * in a micro-batch's capacity, fewer than CF_DWPAIR_MAX_ROWS, HOLDs: its
+ * MLP writes dgate|dup and h straight
  * into a per-layer stash at rows [0, n), copies dY of the down projection
  * (the residual gradient) and the gate/up input (ln2) there, and skips the
  * MLP's three weight gradients (the input gradients run as always). The
@@ -37,6 +38,16 @@
 
 #include "base/common.h"
 #include "engine/model_internal.h"
+
+/* Rows from which a backward no longer holds: with n rows a weight's
+ * gradient costs 2n FLOPs against 8 bytes of fp32 read and write, and from
+ * n = 2048 (512 FLOPs per byte, over twice an H100's ~230 at 700 TFLOP/s
+ * and 3 TB/s) the GEMM hides the traffic: TinyLlama @4096 at keep 0.5
+ * (2048 kept rows) ran its centrifuge backward in 187.3 ms per step with
+ * pairs and 188.3 without, while Llama3.2-3B and Qwen2.5-1.5B @2048 (1024)
+ * gained 5-7% (docs/BENCHMARKS.md, run 17); pairing would only cost the
+ * stash's memory there. */
+#define CF_DWPAIR_MAX_ROWS 2048
 
 void cf_dwpair_init(cf_model *m) {
     const char *e = getenv("CF_DW_PAIR");
@@ -140,7 +151,8 @@ int cf_dwpair_begin(cf_model *m, int eligible, int n) {
         }
         if (cf_dwpair_flush(m) != 0) return -1;
     }
-    if (eligible && !p->off && m->opt.more_micro && n > 0 && 2 * n <= m->cap_T && ensure_stash(m) == 0) {
+    if (eligible && !p->off && m->opt.more_micro && n > 0 && n < CF_DWPAIR_MAX_ROWS && 2 * n <= m->cap_T &&
+        ensure_stash(m) == 0) {
         p->phase = CF_PAIR_HOLD;
         for (int l = 0; l < m->cfg.num_hidden_layers; l++) {
             /* whether the gradients hold zeros now: the joining GEMM may
