@@ -41,7 +41,7 @@
 
 /* Rows from which a backward no longer holds: with n rows a weight's
  * gradient costs 2n FLOPs against 8 bytes of fp32 read and write, and from
- * n = 2048 (512 FLOPs per byte, over twice an H100's ~230 at 700 TFLOP/s
+ * n = 2048 (512 FLOPs per byte, about twice an H100's ~270 at 800 TFLOP/s
  * and 3 TB/s) the GEMM hides the traffic: TinyLlama @4096 at keep 0.5
  * (2048 kept rows) ran its centrifuge backward in 187.3 ms per step with
  * pairs and 188.3 without, while Llama3.2-3B and Qwen2.5-1.5B @2048 (1024)
