@@ -252,9 +252,11 @@ static void mlp_paired_grads(cf_model *m, int l, int n, int r0, int pair) {
 
 /* Whether this backward's MLP weight gradients may pair with another
  * micro-batch's (dwpair.c): the compact modes, every layer's gate/up fused
- * and trainable, a plain down projection, no TP, not a reference. */
+ * and trainable, a plain down projection, not a reference; one process
+ * (data parallel's bucket hooks with pairs are not yet checked against one
+ * GPU on two: tests/gpu/dp_check.sh; TP splits the MLP). */
 static int mlp_pairs(cf_model *m, cf_mode mode, const stopgrad *sg) {
-    if (sg || !cf_mode_is_compact(mode) || cf_tp_on(m)) return 0;
+    if (sg || !cf_mode_is_compact(mode) || cf_tp_on(m) || m->opt.sync.world > 1) return 0;
     for (int l = 0; l < m->cfg.num_hidden_layers; l++) {
         const cf_layer_params *p = &m->lp[l];
         if (!gate_up_fused(m, p) || !cf_grad(m, p->gate.w) || !cf_grad(m, p->down.w) || p->down.la >= 0 ||

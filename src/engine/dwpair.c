@@ -23,8 +23,10 @@
  * Every gradient is the same sum in another order. Rows never reach the
  * optimizer unflushed: cf_step_ex flushes (the held rows' GEMMs alone), a
  * backward that cannot join flushes first, cf_zero_grad drops them. The
- * last micro-batch of a step never holds, so data parallel's buckets are
- * final when their layer's backward ends, as before. CF_DW_PAIR=0 in the
+ * last micro-batch of a step never holds, so data parallel's buckets would
+ * be final when their layer's backward ends, as before; still, pairs run
+ * in one process only until tests/gpu/dp_check.sh has run with them
+ * (backward.c: mlp_pairs). CF_DW_PAIR=0 in the
  * environment at open turns pairing off (A/B timing). The stash is taken
  * from the second optimizer step on, where 1 GiB stays free after it; else
  * pairing is off for the model (memory is never traded for it, and the
