@@ -6,7 +6,7 @@
 #   parts: tests sanitize bench-main bench-old bench-sweeps bench-3b pytorch
 #          parity peft-parity dp-check dp-bench dp-ctas tp-check tp-bench rows-x4 rows-x8
 #          rows-x8-dry bench-accum profile dp-bf16 ab-profile ab-fused ab-head attn-shapes attn-ab attn-parts dp-prio
-#          bench-pair pair-ab
+#          bench-pair pair-ab norm-blocks
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G=$PWD/.gpucarry
@@ -135,6 +135,14 @@ for part in "$@"; do
         "$CF" bench --device cuda --config $c --seq $sq --batch 1 --grad-accum 8 --modes centrifuge --keep 0.5 \
           --steps 4 --warmup 2 --profile 2>&1 | tee "$OUT/pairprof_${c}.txt" | grep -E "profile|  0\.50" | sed "s/^/pair=1 /"
       done ;;
+    norm-blocks)
+      # issue 17: the RMSNorm backward's block bound (CF_RMSNORM_BWD_BLOCKS, default 256) at 256, 512, 1024, 256:
+      # bench --profile of each model in ACCUM_MODELS, regular and centrifuge, the rmsnorm category per micro-batch
+      for cs in ${ACCUM_MODELS:-llama3.2-3b:2048}; do for nb in 256 512 1024 256; do
+        CF_RMSNORM_BWD_BLOCKS=$nb "$CF" bench --device cuda --config ${cs%%:*} --seq ${cs##*:} --batch 1 --grad-accum 8 \
+          --modes regular,centrifuge --keep 0.5 --steps 4 --warmup 2 --profile 2>&1 |
+          tee "$OUT/normblocks_${nb}_${cs%%:*}.txt" | grep -E "profile|  0\.50" | sed "s/^/blocks=$nb /"
+      done; done ;;
     ab-head)
       # issue 17: the LM head's saved gradient (default) against recomputing its logits (CF_HEAD_SAVE=0),
       # alternating, grad-accum 8, per-op profile

@@ -5,6 +5,8 @@
  * deterministic partial column sums, added up by gemm.cu's final column-sum
  * kernel.
  */
+#include <stdlib.h>
+
 #include "backend/cuda/cuda_common.cuh"
 
 /* ============================================================== rmsnorm */
@@ -220,6 +222,17 @@ static __global__ void rmsnorm_bwd_kernel(bf16 *dinp, float *partial, const bf16
  * (25 MB at 3 TB/s); this one 19.5 (H100, docs/BENCHMARKS.md run 16).
  */
 #define RMSNORM_BWD_BLOCKS 256
+/* CF_RMSNORM_BWD_BLOCKS=n in the environment replaces the bound (timing
+ * only; read once) */
+static int rmsnorm_bwd_blocks(void) {
+    static int n = -1;
+    if (n < 0) {
+        const char *e = getenv("CF_RMSNORM_BWD_BLOCKS");
+        const int v = e && *e ? atoi(e) : 0;
+        n = v >= 1 && v <= 65536 ? v : RMSNORM_BWD_BLOCKS;
+    }
+    return n;
+}
 template <bool DW>
 static __global__ void __launch_bounds__(1024)
     rmsnorm_bwd_rows_kernel(bf16 *dinp, float *partial, const bf16 *dout, const bf16 *inp, const bf16 *w,
@@ -290,7 +303,8 @@ static __global__ void __launch_bounds__(1024)
 static void rmsnorm_bwd_rows_launch(cf_cuda_ctx *ctx, bf16 *dinp, float *dw, const bf16 *dout, const bf16 *inp,
                                     const bf16 *w, const float *rstd, int T, int C, int accumulate) {
     const int threads = (C / 8 + 31) / 32 * 32;
-    const int rows = (T + RMSNORM_BWD_BLOCKS - 1) / RMSNORM_BWD_BLOCKS, nblocks = (T + rows - 1) / rows;
+    const int bound = rmsnorm_bwd_blocks();
+    const int rows = (T + bound - 1) / bound, nblocks = (T + rows - 1) / rows;
     if (!dw) {
         rmsnorm_bwd_rows_kernel<false><<<nblocks, threads, 0, ctx->stream>>>(dinp, NULL, dout, inp, w, rstd, T, C,
                                                                              rows, accumulate);
