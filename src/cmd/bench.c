@@ -59,7 +59,10 @@ static cf_trainer *make_trainer(cf_model *m, cf_mode mode, int A, int B, int S, 
 }
 
 /* One extra step of one micro-batch (A only labels the output) with
- * per-op-category synchronised timing. */
+ * per-op-category timing, after an untimed one: a one-micro-batch step
+ * may use GEMM shapes the timed steps never did (the MLP's weight
+ * gradients of its own rows, where the timed steps paired them:
+ * engine/dwpair.c), and their plans are chosen, by timing, at first use. */
 static void print_profile(cf_model *m, cf_mode mode, int A, int B, int S, double keep, cf_select_kind sel, uint64_t seed) {
     int V = cf_model_config(m)->vocab_size;
     int32_t *tokens = cf_malloc((size_t)B * (S + 1) * sizeof(int32_t));
@@ -68,10 +71,11 @@ static void print_profile(cf_model *m, cf_mode mode, int A, int B, int S, double
     cf_rng rng;
     cf_rng_seed(&rng, seed);
     for (int i = 0; i < B * (S + 1); i++) tokens[i] = (int32_t)cf_rng_below(&rng, (uint32_t)V);
-    cf_model_set_profile(m, 1);
     cf_micro_batch mb = {tokens, NULL};
     cf_step_stats st;
-    if (cf_trainer_step(tr, &mb, 0.0f, &st) == 0) {
+    int rc = cf_trainer_step(tr, &mb, 0.0f, &st);
+    cf_model_set_profile(m, 1);
+    if (rc == 0 && cf_trainer_step(tr, &mb, 0.0f, &st) == 0) {
         double prof[2][CF_PROF_N];
         cf_model_profile(m, prof);
         printf("      profile %-11s", cf_mode_name(mode));
