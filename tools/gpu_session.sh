@@ -6,7 +6,7 @@
 #   parts: tests sanitize bench-main bench-old bench-sweeps bench-3b pytorch
 #          parity peft-parity dp-check dp-bench dp-ctas tp-check tp-bench rows-x4 rows-x8
 #          rows-x8-dry bench-accum profile dp-bf16 ab-profile ab-fused ab-head attn-shapes attn-ab attn-parts dp-prio
-#          bench-pair pair-ab norm-blocks
+#          bench-pair pair-ab norm-blocks cf-side
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G=$PWD/.gpucarry
@@ -134,6 +134,20 @@ for part in "$@"; do
         done; done
         "$CF" bench --device cuda --config $c --seq $sq --batch 1 --grad-accum 8 --modes centrifuge --keep 0.5 \
           --steps 4 --warmup 2 --profile 2>&1 | tee "$OUT/pairprof_${c}.txt" | grep -E "profile|  0\.50" | sed "s/^/pair=1 /"
+      done ;;
+    cf-side)
+      # issue 17: centrifuge's Hopper part 2 beside part 1 on a second stream (default) against after it
+      # (CF_ATTN_CF_SIDE_BY_SIDE=0): bench_attention at the four shapes, then the models in ACCUM_MODELS at 1 x 8
+      for sh in "4096 32 4 64" "4096 32 8 128" "2048 12 2 128" "2048 24 8 128"; do for rep in 1 2; do for v in 0 1; do
+        echo "side=$v (rep $rep), S H Hkv D = $sh"
+        CF_ATTN_CF_SIDE_BY_SIDE=$v BENCH_ATTN_PATHS=auto "$G/bench_attention" $sh 2>&1 | grep -E "backward (full|centrifuge)"
+      done; done; done 2>&1 | tee "$OUT/cf_side_attn.txt"
+      for cs in ${ACCUM_MODELS:-qwen2.5-1.5b:2048}; do c=${cs%%:*}; sq=${cs##*:}
+        for rep in 1 2; do for v in 0 1; do
+          CF_ATTN_CF_SIDE_BY_SIDE=$v "$CF" bench --device cuda --config $c --seq $sq --batch 1 --grad-accum 8 \
+            --modes regular,centrifuge --keep 0.5 --steps ${ACCUM_STEPS:-6} --warmup 2 --json "$OUT/side${v}_${c}_r$rep.jsonl" 2>&1 |
+            tee "$OUT/side${v}_${c}_r$rep.txt" | grep -E "  0\.50" | sed "s/^/side=$v rep $rep /"
+        done; done
       done ;;
     norm-blocks)
       # issue 17: the RMSNorm backward's block bound (CF_RMSNORM_BWD_BLOCKS, default 256) at 256, 512, 1024, 256:

@@ -54,7 +54,8 @@ int cf_cuda_ctx_check(cf_cuda_ctx *ctx) {
 
 int cf_cuda_ctx_synchronize(cf_cuda_ctx *ctx) {
     if (cf_cuda_ctx_use(ctx) != 0) return cf_fail("%s", ctx->error);
-    if (!CF_CK(ctx, cudaStreamSynchronize(ctx->stream)) || !CF_CK(ctx, cudaStreamSynchronize(ctx->comm_stream)))
+    if (!CF_CK(ctx, cudaStreamSynchronize(ctx->stream)) || !CF_CK(ctx, cudaStreamSynchronize(ctx->comm_stream)) ||
+        !CF_CK(ctx, cudaStreamSynchronize(ctx->aux_stream)))
         return -1;
     size_t free_b = 0, total_b = 0;
     if (cudaMemGetInfo(&free_b, &total_b) == cudaSuccess && total_b - free_b > ctx->mem_peak)
@@ -166,6 +167,7 @@ void cf_cuda_ctx_destroy(cf_cuda_ctx *ctx) {
     cudaSetDevice(ctx->device);
     if (ctx->stream) cudaStreamSynchronize(ctx->stream);
     if (ctx->comm_stream) cudaStreamSynchronize(ctx->comm_stream);
+    if (ctx->aux_stream) cudaStreamSynchronize(ctx->aux_stream);
     cf_cuda_gemm_release(ctx);
     for (int i = 0; i < CF_SCR_COUNT; i++)
         if (ctx->scratch[i].p) cudaFree(ctx->scratch[i].p);
@@ -175,10 +177,13 @@ void cf_cuda_ctx_destroy(cf_cuda_ctx *ctx) {
     if (ctx->ev_compute) cudaEventDestroy(ctx->ev_compute);
     if (ctx->ev_comm) cudaEventDestroy(ctx->ev_comm);
     if (ctx->ev_staging) cudaEventDestroy(ctx->ev_staging);
+    if (ctx->ev_fork) cudaEventDestroy(ctx->ev_fork);
+    if (ctx->ev_join) cudaEventDestroy(ctx->ev_join);
     for (int i = 0; i < CF_CUDA_MARKS; i++)
         if (ctx->marks[i]) cudaEventDestroy(ctx->marks[i]);
     if (ctx->stream) cudaStreamDestroy(ctx->stream);
     if (ctx->comm_stream) cudaStreamDestroy(ctx->comm_stream);
+    if (ctx->aux_stream) cudaStreamDestroy(ctx->aux_stream);
     cudaGetLastError();
     free(ctx);
 }
@@ -243,6 +248,9 @@ cf_cuda_ctx *cf_cuda_ctx_create(int device) {
              CF_CK(ctx, cudaEventCreateWithFlags(&ctx->ev_compute, cudaEventDisableTiming)) &&
              CF_CK(ctx, cudaEventCreateWithFlags(&ctx->ev_comm, cudaEventDisableTiming)) &&
              CF_CK(ctx, cudaEventCreateWithFlags(&ctx->ev_staging, cudaEventDisableTiming)) &&
+             CF_CK(ctx, cudaStreamCreateWithFlags(&ctx->aux_stream, cudaStreamNonBlocking)) &&
+             CF_CK(ctx, cudaEventCreateWithFlags(&ctx->ev_fork, cudaEventDisableTiming)) &&
+             CF_CK(ctx, cudaEventCreateWithFlags(&ctx->ev_join, cudaEventDisableTiming)) &&
              CF_LT(ctx, cublasLtCreate(&ctx->lt));
     if (ok) {
         e = cudaMalloc(&ctx->workspace, ctx->workspace_size);

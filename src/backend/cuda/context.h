@@ -91,6 +91,11 @@ typedef struct cf_cuda_ctx {
     cudaEvent_t ev_compute;     /* compute -> comm ordering                */
     cudaEvent_t ev_comm;        /* comm -> compute ordering                */
     cudaEvent_t ev_staging;     /* last async copy out of the staging area */
+    /* a second compute stream for independent kernels inside one op
+     * (attention/launch.cu: centrifuge part 2 beside part 1), forked from
+     * and joined back into `stream` within the op */
+    cudaStream_t aux_stream;
+    cudaEvent_t ev_fork, ev_join;
 
     /* cuBLASLt */
     cublasLtHandle_t lt;

@@ -19,9 +19,11 @@
  *     P = exp2(x - lse), dS = P (dP - D)     registers (the full-forward lse)
  *     dQ += dS K                             wgmma, A = dS from registers,
  *                                            B = K MN-major
- * and the epilogue writes dq = part 1 (bwd_sm90.cu's accumulator, slot
- * order) + scale dQ in bf16. With no filtered key before a query, dq is
- * part 1 alone.
+ * and the epilogue adds scale dQ to bwd_sm90.cu's dq accumulator (slot
+ * order) by float2 atomics; the caller converts it to bf16 once part 1 has
+ * added its terms too. The two parts are independent, so the caller runs
+ * this one on a second stream beside part 1 (launch.cu): each fills the
+ * SMs the other's uneven causal grid leaves idle.
  */
 #include "backend/cuda/attention/sm90.cuh"
 
@@ -189,21 +191,18 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
         if (lane == 0) mbar_arrive(empty(st));
     }
 
-    /* dq = part 1 (slot order) + scale * dQ */
-    const size_t qstr = (size_t)a.H * D;
-    const float *acc = a.dq_acc + dq_slot_base(b, h, (q0 >> 6) + w, a.H, D, tps);
+    /* acc += scale * dQ (slot order; c even: (c, c + 1) are adjacent) */
+    if (nt == 0) return;
+    float *acc = a.dq_acc + dq_slot_base(b, h, (q0 >> 6) + w, a.H, D, tps);
     const int nw = attn_nw;
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         if (qi[r] >= qlen) continue;
         const int rr = 16 * v + g + 8 * r;
-        bf16 *dst = a.dq + (size_t)(qs + qi[r]) * qstr + (size_t)h * D;
 #pragma unroll
         for (int j = 0; j < D / 8; j++) {
             const int c = 8 * j + 2 * t4;
-            *reinterpret_cast<__nv_bfloat162 *>(dst + c) =
-                __floats2bfloat162_rn(acc[dq_slot_index(rr, c, nw)] + a.scale * dq[4 * j + 2 * r],
-                                      acc[dq_slot_index(rr, c + 1, nw)] + a.scale * dq[4 * j + 2 * r + 1]);
+            atomic_add_f2(acc + dq_slot_index(rr, c, nw), a.scale * dq[4 * j + 2 * r], a.scale * dq[4 * j + 2 * r + 1]);
         }
     }
 #endif
@@ -214,7 +213,8 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
 /* ==================================================================== host */
 
 template <int D>
-static int dq_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int nk_rows, int maxlen, int tps) {
+static int dq_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int nk_rows, int maxlen, int tps,
+                          cudaStream_t st) {
     using C = DqSm90<D>;
     CUtensorMap mq, mo, mk, mv;
     if (!attn_sm90_map_rows(&mq, a.q, nq_rows, a.H, D, C::BM) ||
@@ -227,15 +227,13 @@ static int dq_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int 
     dim3 grid(a.H, (maxlen + C::BM - 1) / C::BM, a.B), block(C::THREADS);
     int nw = attn_sm90_bwd_nw(D);
     void *args[] = {(void *)&mq, (void *)&mo, (void *)&mk, (void *)&mv, (void *)&a, (void *)&tps, (void *)&nw};
-    return CF_CK(ctx, cudaLaunchKernel(fn, grid, block, args, C::SMEM, ctx->stream)) ? 1 : -1;
+    return CF_CK(ctx, cudaLaunchKernel(fn, grid, block, args, C::SMEM, st)) ? 1 : -1;
 }
 
-int attn_bwd_dq_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D, int nq_rows, int nf, int maxlen, int tps) {
+int attn_bwd_dq_sm90_gather(cf_cuda_ctx *ctx, const AttnArgs &a, int D, int nf, AttnArgs *p) {
+    *p = a;
     if (D != 64 && D != 128) return 0;
-    if (nf <= 0) { /* no filtered key anywhere: dq is part 1 */
-        attn_sm90_dq_convert(ctx->stream, a.dq, NULL, a.dq_acc, a.qstart, a.B, a.S, a.H, D, tps);
-        return CF_CK_LAUNCH(ctx, "attention sm90 dq convert") ? 1 : -1;
-    }
+    if (nf <= 0) return 1;
     /* K and V rows of the filtered keys, compacted for the copy engine */
     const size_t rowlen = (size_t)a.Hkv * D;
     bf16 *kf = (bf16 *)cf_cuda_scratch(ctx, CF_SCR_ATTN_SM90_KF, (size_t)nf * rowlen * sizeof(bf16));
@@ -244,9 +242,15 @@ int attn_bwd_dq_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D, int nq_rows, in
     gather_rows_kernel<<<attn_grid_for((size_t)nf * rowlen / 8), 256, 0, ctx->stream>>>(kf, vf, a.k, a.v, a.krow, nf,
                                                                                         (int)rowlen);
     if (!CF_CK_LAUNCH(ctx, "attention sm90 gather filtered rows")) return -1;
-    AttnArgs p = a;
-    p.k = kf;
-    p.v = vf;
-    return D == 64 ? dq_sm90_launch<64>(ctx, p, nq_rows, nf, maxlen, tps)
-                   : dq_sm90_launch<128>(ctx, p, nq_rows, nf, maxlen, tps);
+    p->k = kf;
+    p->v = vf;
+    return 1;
+}
+
+int attn_bwd_dq_sm90(cf_cuda_ctx *ctx, const AttnArgs &p, int D, int nq_rows, int nf, int maxlen, int tps,
+                     cudaStream_t st) {
+    if (D != 64 && D != 128) return 0;
+    if (nf <= 0) return 1; /* no filtered key anywhere: nothing to add */
+    return D == 64 ? dq_sm90_launch<64>(ctx, p, nq_rows, nf, maxlen, tps, st)
+                   : dq_sm90_launch<128>(ctx, p, nq_rows, nf, maxlen, tps, st);
 }

@@ -321,9 +321,14 @@ int attn_sm90_bwd_hpb(const cf_cuda_ctx *ctx, int D, int H, int Hkv, int B, int 
  * (also without GQA) */
 int attn_sm90_bwd_split(const cf_cuda_ctx *ctx, int D, int H, int hpb, int B, int qmaxlen, int kmaxlen);
 /* bwd_centrifuge_sm90.cu: centrifuge part 2 (a.krow = the nf filtered rows,
- * a.kstart their sequence starts): dq = part 1 (a.dq_acc, slot order) +
- * the filtered keys' terms, written to a.dq (bf16) */
-int attn_bwd_dq_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D, int nq_rows, int nf, int maxlen, int tps);
+ * a.kstart their sequence starts). _gather: their K and V rows compacted on
+ * ctx->stream, *p = a reading them (1; 0: no Hopper kernel for D; -1 on an
+ * error). attn_bwd_dq_sm90: the kernel on stream st, adding the filtered
+ * keys' dq terms to the slot-order accumulator p.dq_acc (1; 0: the driver
+ * refused a tensor map, nothing launched; -1 on an error) */
+int attn_bwd_dq_sm90_gather(cf_cuda_ctx *ctx, const AttnArgs &a, int D, int nf, AttnArgs *p);
+int attn_bwd_dq_sm90(cf_cuda_ctx *ctx, const AttnArgs &p, int D, int nq_rows, int nf, int maxlen, int tps,
+                     cudaStream_t st);
 /* bwd_sm90.cu: the width of the dQ products at head dim D (slot order) */
 int attn_sm90_bwd_nw(int D);
 /* bwd_sm90.cu: dq of the q-side rows (sequence starts qstart, B + 1 of

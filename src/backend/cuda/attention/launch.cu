@@ -9,6 +9,7 @@
  * the kept rows of any one sequence, known on the host without reading the
  * device); every kernel returns at once for a tile past its sequence's count.
  */
+#include <stdlib.h>
 #include <string.h>
 
 #include "backend/cuda/attention/common.cuh"
@@ -151,6 +152,17 @@ void cf_cuda_attention_fwd(cf_backend *b, void *out, float *lse, const void *q, 
 
 /* =============================================================== backward */
 
+/* CF_ATTN_CF_SIDE_BY_SIDE=0 in the environment: centrifuge's Hopper part 2
+ * after part 1 on the one stream (timing; read once) */
+static bool parts_side_by_side(void) {
+    static int on = -1;
+    if (on < 0) {
+        const char *e = getenv("CF_ATTN_CF_SIDE_BY_SIDE");
+        on = !(e && *e == '0');
+    }
+    return on != 0;
+}
+
 static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void *dout, const void *q, const void *k,
                      const void *v, const void *out, const float *lse, const cf_attn_shape *s, const cf_rows *kept,
                      cf_attn_bwd_mode mode) {
@@ -267,6 +279,25 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
         a.dk = (bf16 *)dk;
         a.dv = (bf16 *)dv;
     }
+    /* centrifuge: the filtered rows (part 2's k side), and on Hopper their
+     * K and V rows gathered for part 2, before part 1: the two parts are
+     * independent there and run side by side */
+    const bool cf = mode == CF_ATTN_BWD_CENTRIFUGE;
+    const int nf = T - n;
+    int *filt = NULL, *fstart = NULL;
+    AttnArgs p2 = a;
+    int gathered = 0;
+    if (cf) {
+        filt = (int *)cf_cuda_scratch(ctx, CF_SCR_ATTN_FILT, (size_t)(nf > 0 ? nf : 1) * sizeof(int));
+        fstart = (int *)cf_cuda_scratch(ctx, CF_SCR_ATTN_FSTART, (size_t)(B + 1) * sizeof(int));
+        if (!filt || !fstart) return;
+        attn_filtered_rows(ctx->stream, filt, fstart, kept->rows, kept->seq_start, n, B, S);
+        if (!CF_CK_LAUNCH(ctx, "attention filtered rows")) return;
+        p2.kstart = fstart;
+        p2.krow = filt;
+        if (try_hopper && (gathered = attn_bwd_dq_sm90_gather(ctx, p2, D, nf, &p2)) < 0) return;
+        if (gathered && !CF_CK(ctx, cudaEventRecord(ctx->ev_fork, ctx->stream))) return;
+    }
     /* part 1 / the whole backward: dk, dv, and dq over the k side; on
      * Hopper into a dq accumulator of its own layout (bwd_sm90.cu) */
     int hopper = 0;
@@ -287,29 +318,37 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
         if (!launch(ctx, K_BWD, a, D, (kmaxlen + TILE - 1) / TILE)) return;
     }
 
-    if (mode == CF_ATTN_BWD_CENTRIFUGE) {
-        /* part 2: dq over the filtered keys, plus dq_acc, to bf16 */
-        int nf = T - n;
-        int *filt = (int *)cf_cuda_scratch(ctx, CF_SCR_ATTN_FILT, (size_t)(nf > 0 ? nf : 1) * sizeof(int));
-        int *fstart = (int *)cf_cuda_scratch(ctx, CF_SCR_ATTN_FSTART, (size_t)(B + 1) * sizeof(int));
-        if (!filt || !fstart) return;
-        attn_filtered_rows(ctx->stream, filt, fstart, kept->rows, kept->seq_start, n, B, S);
-        if (!CF_CK_LAUNCH(ctx, "attention filtered rows")) return;
-        AttnArgs p = a;
-        p.kstart = fstart;
-        p.krow = filt;
-        p.dq = (bf16 *)dq;
+    if (cf) {
+        /* part 2: dq over the filtered keys. Hopper: on the second stream
+         * beside part 1, into the same accumulator, converted once both
+         * are done; else the portable kernel after part 1 (it adds dq_acc
+         * [n, H, D] fp32 and writes bf16) */
         int r = 0;
-        if (hopper) {
-            r = attn_bwd_dq_sm90(ctx, p, D, n, nf, maxlen, tps);
-            if (r < 0) return;
-            if (r == 0) { /* the portable part 2 adds to dq_acc in [n, H, D] */
-                attn_sm90_dq_convert(ctx->stream, NULL, dq_acc, a.dq_acc, a.qstart, B, S, H, D, tps);
-                if (!CF_CK_LAUNCH(ctx, "attention sm90 dq convert")) return;
-            }
+        if (hopper && gathered && !parts_side_by_side()) {
+            p2.dq_acc = acc;
+            if ((r = attn_bwd_dq_sm90(ctx, p2, D, n, nf, maxlen, tps, ctx->stream)) < 0) return;
+        } else if (hopper && gathered) {
+            p2.dq_acc = acc;
+            if (!CF_CK(ctx, cudaStreamWaitEvent(ctx->aux_stream, ctx->ev_fork, 0))) return;
+            r = attn_bwd_dq_sm90(ctx, p2, D, n, nf, maxlen, tps, ctx->aux_stream);
+            if (!CF_CK(ctx, cudaEventRecord(ctx->ev_join, ctx->aux_stream)) ||
+                !CF_CK(ctx, cudaStreamWaitEvent(ctx->stream, ctx->ev_join, 0)) || r < 0)
+                return;
         }
-        p.dq_acc = dq_acc;
-        if (r == 0 && !launch(ctx, K_BWD_DQ, p, D, (maxlen + TILE - 1) / TILE)) return;
+        if (hopper) {
+            /* part 1 (+ part 2) to bf16 dq, or to fp32 for the portable part 2 */
+            attn_sm90_dq_convert(ctx->stream, r ? (bf16 *)dq : NULL, r ? NULL : dq_acc, a.dq_acc, a.qstart, B, S, H,
+                                 D, tps);
+            if (!CF_CK_LAUNCH(ctx, "attention sm90 dq convert")) return;
+        }
+        if (r == 0) {
+            AttnArgs p = a;
+            p.kstart = fstart;
+            p.krow = filt;
+            p.dq = (bf16 *)dq;
+            p.dq_acc = dq_acc;
+            if (!launch(ctx, K_BWD_DQ, p, D, (maxlen + TILE - 1) / TILE)) return;
+        }
     } else if (hopper) {
         attn_sm90_dq_convert(ctx->stream, (bf16 *)dq, NULL, a.dq_acc, a.qstart, B, S, H, D, tps);
         if (!CF_CK_LAUNCH(ctx, "attention sm90 dq convert")) return;
