@@ -34,7 +34,8 @@
  *   forward     all rows           all rows          fwd
  *   FULL        all rows           all rows          prep, bwd (dk,dv,dq atomics), dq convert
  *   CENTRIFUGE  kept rows          kept rows         prep, bwd (part 1: dk, dv, kept-key dq)
- *               kept rows          filtered rows     bwd_dq (part 2: filtered-key dq, + part 1)
+ *               kept rows          filtered rows     bwd_dq (part 2: filtered-key dq, + part 1;
+ *                                                    Hopper: into part 1's accumulator, beside it)
  *   STRAWMAN    kept rows          kept rows         fwd (kept-only lse and out), prep, bwd, convert
  *   CENTRIFUGE_KV kept rows        all rows          prep, bwd (dk, dv of every key from the kept
  *                                                    queries, dq by atomics), dq convert
