@@ -12,25 +12,26 @@
  * How. A micro-batch whose backward another one of the same step follows
  * (the trainer says so: cf_optim.more_micro) and whose kept rows fit twice
  * in a micro-batch's capacity, fewer than CF_DWPAIR_MAX_ROWS, HOLDs: its
- * MLP writes dgate|dup and h straight
- * into a per-layer stash at rows [0, n), copies dY of the down projection
- * (the residual gradient) and the gate/up input (ln2) there, and skips the
- * MLP's three weight gradients (the input gradients run as always). The
- * next backward JOINs: the same at rows [held, held + n), then one GEMM per
- * weight over held + n rows. Only the MLP (3/4 of a Llama layer's weights)
- * pairs; attention's projections and the LM head do not.
+ * MLP writes dgate|dup and h straight into a per-layer stash at rows
+ * [0, n), copies the down projection's dY (the residual gradient) and the
+ * gate/up input (ln2) there, and skips the MLP's three weight gradients
+ * (the input gradients run as always). The next backward JOINs: the same
+ * at rows [held, held + n), then one GEMM per weight over held + n rows.
+ * Only the MLP (3/4 of a Llama layer's weights) pairs; attention's
+ * projections and the LM head do not (their copies would cost about what
+ * the halved traffic saves).
  *
- * Every gradient is the same sum in another order. Rows never reach the
- * optimizer unflushed: cf_step_ex flushes (the held rows' GEMMs alone), a
- * backward that cannot join flushes first, cf_zero_grad drops them. The
- * last micro-batch of a step never holds, so data parallel's buckets would
- * be final when their layer's backward ends, as before; still, pairs run
- * in one process only until tests/gpu/dp_check.sh has run with them
- * (backward.c: mlp_pairs). CF_DW_PAIR=0 in the
- * environment at open turns pairing off (A/B timing). The stash is taken
- * from the second optimizer step on, where 1 GiB stays free after it; else
- * pairing is off for the model (memory is never traded for it, and the
- * memory estimate of cf_memory_check leaves it out).
+ * Every gradient is the same sum in another order. Held rows never reach
+ * the optimizer or a reader unflushed: cf_step_ex and cf_model_get_grad
+ * flush them (the held rows' GEMMs alone), so does a backward that cannot
+ * join, and cf_zero_grad drops them. The last micro-batch of a step never
+ * holds, so data parallel's buckets would be final when their layer's
+ * backward ends, as before; still, pairs run in one process only until
+ * tests/gpu/dp_check.sh has run with them (backward.c: mlp_pairs).
+ * CF_DW_PAIR=0 in the environment at open turns pairing off (A/B timing).
+ * The stash is taken from the second optimizer step on, where 1 GiB stays
+ * free after it; else pairing is off for the model (memory is never traded
+ * for it, and cf_memory_check's estimate leaves it out).
  *
  * Stash of layer l (backend memory, cap rows each): dgu [cap, 2F] | h
  * [cap, F] | ln2 [cap, C] | dres [cap, C], activation dtype.
