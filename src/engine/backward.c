@@ -239,15 +239,7 @@ static void mlp_paired_grads(cf_model *m, int l, int n, int r0, int pair) {
     OP(CF_PROF_ELTWISE, b->copy(b, cf_dwpair_ln2(m, l, r0), SAVED(m, m->la[l].ln2), (size_t)n * rb));
     OP(CF_PROF_GEMM, b->matmul_bwd(b, m->d_ln, NULL, NULL, cf_dwpair_dgu(m, l, r0), NULL, cf_weight(m, p->gate.w), n,
                                    C, 2 * F, 0));
-    if (pair == CF_PAIR_JOIN) {
-        const uint8_t *z = m->dwp.zero + 2 * l; /* the gradients held zeros at HOLD */
-        OP(CF_PROF_GEMM, b->matmul_bwd(b, NULL, cf_grad(m, p->down.w), NULL, cf_dwpair_dres(m, l, 0),
-                                       cf_dwpair_h(m, l, 0), cf_weight(m, p->down.w), r0 + n, F, C,
-                                       z[0] ? CF_MM_DW_SET : 0));
-        OP(CF_PROF_GEMM, b->matmul_bwd(b, NULL, cf_grad(m, p->gate.w), NULL, cf_dwpair_dgu(m, l, 0),
-                                       cf_dwpair_ln2(m, l, 0), cf_weight(m, p->gate.w), r0 + n, C, 2 * F,
-                                       z[1] ? CF_MM_DW_SET : 0));
-    }
+    if (pair == CF_PAIR_JOIN) OP(CF_PROF_GEMM, cf_dwpair_weight_grads(m, l, r0 + n));
 }
 
 /* Whether this backward's MLP weight gradients may pair with another
@@ -270,7 +262,6 @@ static int mlp_pairs(cf_model *m, cf_mode mode, const stopgrad *sg) {
  * trainable tensor may have been written, by whatever op). */
 static int backward_impl(cf_model *m, cf_mode mode, const cf_kept *kept, float token_weight,
                          const stopgrad *sg) {
-    m->dwp.pairs = mlp_pairs(m, mode, sg);
     int rc = backward_body(m, mode, kept, token_weight, sg);
     cf_dwpair_end(m, rc == 0);
     if (m->opt.gzero) memset(m->opt.gzero, 0, (size_t)m->ntensors);
@@ -301,7 +292,7 @@ static int backward_body(cf_model *m, cf_mode mode, const cf_kept *kept, float t
     int n = compact ? m->n_kept : T;
     /* hold this backward's MLP rows for the next one, join held ones, or
      * neither (held rows that cannot join are flushed first) */
-    if (cf_dwpair_begin(m, m->dwp.pairs, n) != 0) return -1;
+    if (cf_dwpair_begin(m, mlp_pairs(m, mode, sg), n) != 0) return -1;
     const int pair = m->dwp.phase, r0 = pair == CF_PAIR_JOIN ? m->dwp.held : 0;
     /* the forward's row of each backward row, for LoRA dropout's mask */
     m->lora_rows = compact ? m->rows : NULL;

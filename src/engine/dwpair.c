@@ -124,21 +124,27 @@ static int ensure_stash(cf_model *m) {
     return 0;
 }
 
+/* Layer l's three MLP weight gradients over the stash's first `rows` rows:
+ * dWd += dres^T h, [dWg; dWu] += [dgate dup]^T ln2 (written, not added,
+ * where they held zeros at HOLD) */
+void cf_dwpair_weight_grads(cf_model *m, int l, int rows) {
+    cf_backend *b = m->b;
+    const cf_layer_params *lp = &m->lp[l];
+    const int C = m->cfg.hidden_size, F = m->cfg.intermediate_size;
+    const uint8_t *z = m->dwp.zero + 2 * l;
+    b->matmul_bwd(b, NULL, cf_grad(m, lp->down.w), NULL, cf_dwpair_dres(m, l, 0), cf_dwpair_h(m, l, 0),
+                  cf_weight(m, lp->down.w), rows, F, C, z[0] ? CF_MM_DW_SET : 0);
+    b->matmul_bwd(b, NULL, cf_grad(m, lp->gate.w), NULL, cf_dwpair_dgu(m, l, 0), cf_dwpair_ln2(m, l, 0),
+                  cf_weight(m, lp->gate.w), rows, C, 2 * F, z[1] ? CF_MM_DW_SET : 0);
+}
+
 /* The held rows' weight gradients alone (no join came) */
 int cf_dwpair_flush(cf_model *m) {
     cf_dwpair *p = &m->dwp;
     if (!p->held) return 0;
-    cf_backend *b = m->b;
-    const int L = m->cfg.num_hidden_layers, C = m->cfg.hidden_size, F = m->cfg.intermediate_size, n = p->held;
-    for (int l = 0; l < L; l++) {
-        const cf_layer_params *lp = &m->lp[l];
-        b->matmul_bwd(b, NULL, cf_grad(m, lp->down.w), NULL, cf_dwpair_dres(m, l, 0), cf_dwpair_h(m, l, 0),
-                      cf_weight(m, lp->down.w), n, F, C, p->zero[2 * l] ? CF_MM_DW_SET : 0);
-        b->matmul_bwd(b, NULL, cf_grad(m, lp->gate.w), NULL, cf_dwpair_dgu(m, l, 0), cf_dwpair_ln2(m, l, 0),
-                      cf_weight(m, lp->gate.w), n, C, 2 * F, p->zero[2 * l + 1] ? CF_MM_DW_SET : 0);
-    }
+    for (int l = 0; l < m->cfg.num_hidden_layers; l++) cf_dwpair_weight_grads(m, l, p->held);
     p->held = 0;
-    return b->check(b);
+    return m->b->check(m->b);
 }
 
 void cf_dwpair_drop(cf_model *m) { m->dwp.held = 0; }

@@ -178,7 +178,6 @@ typedef struct {
 enum { CF_PAIR_NONE, CF_PAIR_HOLD, CF_PAIR_JOIN };
 typedef struct {
     int off;            /* CF_DW_PAIR=0 at open, or no memory for the stash */
-    int pairs;          /* the backward in flight is eligible (backward.c) */
     int phase;          /* of the backward in flight */
     int rows;           /* rows of the backward in flight */
     int held;           /* rows held for the next backward (0: none) */
@@ -359,6 +358,8 @@ void cf_dwpair_free(cf_model *m);
 int cf_dwpair_begin(cf_model *m, int eligible, int n);
 /* At its end (ok: it succeeded): the rows now held, if any. */
 void cf_dwpair_end(cf_model *m, int ok);
+/* Layer l's three MLP weight gradients over the stash's first rows. */
+void cf_dwpair_weight_grads(cf_model *m, int l, int rows);
 /* The held rows' weight gradients alone; drop: forget them. */
 int cf_dwpair_flush(cf_model *m);
 void cf_dwpair_drop(cf_model *m);

@@ -296,7 +296,7 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
         p2.kstart = fstart;
         p2.krow = filt;
         if (try_hopper && (gathered = attn_bwd_dq_sm90_gather(ctx, p2, D, nf, &p2)) < 0) return;
-        if (gathered && !CF_CK(ctx, cudaEventRecord(ctx->ev_fork, ctx->stream))) return;
+        if (gathered && parts_side_by_side() && !CF_CK(ctx, cudaEventRecord(ctx->ev_fork, ctx->stream))) return;
     }
     /* part 1 / the whole backward: dk, dv, and dq over the k side; on
      * Hopper into a dq accumulator of its own layout (bwd_sm90.cu) */
@@ -324,16 +324,16 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
          * are done; else the portable kernel after part 1 (it adds dq_acc
          * [n, H, D] fp32 and writes bf16) */
         int r = 0;
-        if (hopper && gathered && !parts_side_by_side()) {
+        if (hopper && gathered) {
+            const bool side = parts_side_by_side();
+            cudaStream_t st = side ? ctx->aux_stream : ctx->stream;
             p2.dq_acc = acc;
-            if ((r = attn_bwd_dq_sm90(ctx, p2, D, n, nf, maxlen, tps, ctx->stream)) < 0) return;
-        } else if (hopper && gathered) {
-            p2.dq_acc = acc;
-            if (!CF_CK(ctx, cudaStreamWaitEvent(ctx->aux_stream, ctx->ev_fork, 0))) return;
-            r = attn_bwd_dq_sm90(ctx, p2, D, n, nf, maxlen, tps, ctx->aux_stream);
-            if (!CF_CK(ctx, cudaEventRecord(ctx->ev_join, ctx->aux_stream)) ||
-                !CF_CK(ctx, cudaStreamWaitEvent(ctx->stream, ctx->ev_join, 0)) || r < 0)
+            if (side && !CF_CK(ctx, cudaStreamWaitEvent(st, ctx->ev_fork, 0))) return;
+            r = attn_bwd_dq_sm90(ctx, p2, D, n, nf, maxlen, tps, st);
+            if (side && (!CF_CK(ctx, cudaEventRecord(ctx->ev_join, st)) ||
+                         !CF_CK(ctx, cudaStreamWaitEvent(ctx->stream, ctx->ev_join, 0))))
                 return;
+            if (r < 0) return;
         }
         if (hopper) {
             /* part 1 (+ part 2) to bf16 dq, or to fp32 for the portable part 2 */
