@@ -57,28 +57,11 @@ constexpr size_t bwd_smem_bytes() {
            (size_t)TILE * (TILE + 8) * sizeof(bf16) + 4 * NB * TILE * sizeof(float);
 }
 
-/* D_i = dO_i . O_i per (q index, head), one warp each; also zeroes the
- * nzero floats at zero (a dq accumulator; none when NULL), spread over all
- * threads of the grid, so the backward needs no memset of its own. */
+/* D_i and the zeroing of the dq accumulator (common.cuh: attn_prep_body),
+ * spread over the whole grid, so the backward needs no memset of its own */
 static __global__ void attn_bwd_prep_kernel(const bf16 *dout, const bf16 *o, float *Dvec, float *zero, size_t nzero,
                                             int nrows, int D) {
-    if (zero) {
-        const size_t nthreads = (size_t)gridDim.x * blockDim.x, tid = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-        float4 *z4 = reinterpret_cast<float4 *>(zero);
-        for (size_t i = tid; i < nzero / 4; i += nthreads) z4[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (size_t i = nzero / 4 * 4 + tid; i < nzero; i += nthreads) zero[i] = 0.f;
-    }
-    int w = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
-    if (w >= nrows) return;
-    const bf16 *a = dout + (size_t)w * D, *c = o + (size_t)w * D;
-    float acc = 0.f;
-    for (int d = 2 * lane; d < D; d += 64) {
-        float2 x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(a + d));
-        float2 y = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(c + d));
-        acc += x.x * y.x + x.y * y.y;
-    }
-    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-    if (lane == 0) Dvec[w] = acc;
+    attn_prep_body(dout, o, Dvec, zero, nzero, nrows, D, blockIdx.x, gridDim.x);
 }
 
 /*
@@ -316,43 +299,11 @@ static __global__ void f32_to_bf16_kernel(bf16 *dst, const float *src, size_t n)
         dst[i] = __float2bfloat16_rn(src[i]);
 }
 
-/* dk, dv of kv head hk = the sums of the G fp32 partials of its query-head
- * groups ([nk, Hkv, G, D] -> [nk, Hkv, D]); 4 columns per thread when D
- * allows (float4 loads: the kernel is bound by reading the partials) */
+/* the GQA reduction (common.cuh: gqa_reduce_body) over the whole grid */
 template <int V>
 static __global__ void gqa_reduce_kernel(bf16 *dk, bf16 *dv, const float *dkx, const float *dvx, size_t nk, int Hkv,
                                          int G, int D) {
-    const int DV = D / V;
-    const size_t n = nk * Hkv * DV;
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        const size_t jh = i / DV; /* (key row, kv head) */
-        const int d = (int)(i - jh * DV) * V;
-        const size_t base = jh * G * D + d, out = jh * D + d;
-        float sk[V], sv[V];
-#pragma unroll
-        for (int e = 0; e < V; e++) sk[e] = sv[e] = 0.f;
-        for (int gi = 0; gi < G; gi++) {
-            if constexpr (V == 4) {
-                const float4 a = *reinterpret_cast<const float4 *>(dkx + base + (size_t)gi * D);
-                const float4 c = *reinterpret_cast<const float4 *>(dvx + base + (size_t)gi * D);
-                sk[0] += a.x, sk[1] += a.y, sk[2] += a.z, sk[3] += a.w;
-                sv[0] += c.x, sv[1] += c.y, sv[2] += c.z, sv[3] += c.w;
-            } else {
-                sk[0] += dkx[base + (size_t)gi * D];
-                sv[0] += dvx[base + (size_t)gi * D];
-            }
-        }
-        if constexpr (V == 4) {
-#pragma unroll
-            for (int e = 0; e < 4; e += 2) {
-                *reinterpret_cast<__nv_bfloat162 *>(dk + out + e) = __floats2bfloat162_rn(sk[e], sk[e + 1]);
-                *reinterpret_cast<__nv_bfloat162 *>(dv + out + e) = __floats2bfloat162_rn(sv[e], sv[e + 1]);
-            }
-        } else {
-            dk[out] = __float2bfloat16_rn(sk[0]);
-            dv[out] = __float2bfloat16_rn(sv[0]);
-        }
-    }
+    gqa_reduce_body<V>(dk, dv, dkx, dvx, nk, Hkv, G, D, blockIdx.x, gridDim.x);
 }
 
 /* =================================================================== host */

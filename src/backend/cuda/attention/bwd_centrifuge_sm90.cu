@@ -7,7 +7,8 @@
  *
  * The filtered keys are scattered rows of K and V; the copy engine reads
  * boxes of contiguous rows, so their K and V rows are first gathered into
- * compact [nf, Hkv, D] arrays (gather_rows_kernel, a few MB). Then a block
+ * compact [nf, Hkv, D] arrays (a few MB), by cf_prep_kernel, which also
+ * lists them and does the backward's prep. Then a block
  * owns BM = 128 kept queries (two consumer warpgroups of 64) of one head
  * and walks the tiles of BN filtered keys (128 at D = 64, 64 at D = 128)
  * that precede its last query:
@@ -39,15 +40,51 @@ template <int D> struct DqSm90 {
 
 namespace {
 
-/* dst row i = src row rows[i], rowlen bf16 each (16-byte copies) */
-__global__ void gather_rows_kernel(bf16 *dst_k, bf16 *dst_v, const bf16 *k, const bf16 *v, const int *rows, int n,
-                                   int rowlen) {
-    const int ch = rowlen / 8;
-    const size_t total = (size_t)n * ch;
-    for (size_t x = (size_t)blockIdx.x * blockDim.x + threadIdx.x; x < total; x += (size_t)gridDim.x * blockDim.x) {
-        const size_t i = x / ch, c = x % ch, src = (size_t)rows[i] * rowlen + c * 8;
-        reinterpret_cast<pack8 *>(dst_k)[x] = *reinterpret_cast<const pack8 *>(k + src);
-        reinterpret_cast<pack8 *>(dst_v)[x] = *reinterpret_cast<const pack8 *>(v + src);
+/* Centrifuge's preparation on Hopper, three jobs in one grid (one launch,
+ * one tail, instead of three kernels per layer):
+ *   blocks [0, np): D_i of the n kept query rows x H heads and the zeroing
+ *     of the dq accumulator (common.cuh: attn_prep_body);
+ *   blocks [np, ...): warp i (0 <= i <= n) takes the gap of filtered rows
+ *     between kept rows i - 1 and i (before the first, after the last):
+ *     row r there has i kept rows before it, so it is filtered row r - i.
+ *     It writes filt[r - i] = r and, when kf is set, copies r's K and V
+ *     rows (every kv head) to row r - i of the compact kf, vf that part 2
+ *     reads through the copy engine. No search: the kept list is ascending.
+ *     The first block of the range also writes fstart[b] = b S - seq_start[b]
+ *     (filtered rows before sequence b). */
+struct CfPrep {
+    const bf16 *dout, *o;
+    float *Dvec, *zero;
+    size_t nzero;
+    int nrows, D, np;           /* prep: rows (q rows x heads), head dim, blocks */
+    const int *rows, *seq_start; /* the kept rows, ascending */
+    int n, B, S;
+    int *filt, *fstart;
+    const bf16 *k, *v;          /* [T, Hkv, D] */
+    bf16 *kf, *vf;              /* [T - n, Hkv, D], or NULL: no copy */
+    int rowlen;                 /* Hkv D */
+};
+
+__global__ void __launch_bounds__(256) cf_prep_kernel(const CfPrep p) {
+    if ((int)blockIdx.x < p.np) {
+        attn_prep_body(p.dout, p.o, p.Dvec, p.zero, p.nzero, p.nrows, p.D, blockIdx.x, p.np);
+        return;
+    }
+    const int blk = blockIdx.x - p.np;
+    if (blk == 0)
+        for (int b = threadIdx.x; b <= p.B; b += blockDim.x) p.fstart[b] = b * p.S - p.seq_start[b];
+    const int i = (blk * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
+    if (i > p.n) return;
+    const int lo = i == 0 ? -1 : p.rows[i - 1], hi = i == p.n ? p.B * p.S : p.rows[i];
+    const int gap = hi - lo - 1, ch = p.kf ? p.rowlen / 8 : 1;
+    for (int t = lane; t < gap * ch; t += 32) {
+        const int r = lo + 1 + t / ch, c = t % ch;
+        if (c == 0) p.filt[r - i] = r;
+        if (p.kf) {
+            const size_t src = (size_t)r * p.rowlen + (size_t)c * 8, dst = (size_t)(r - i) * p.rowlen + (size_t)c * 8;
+            *reinterpret_cast<pack8 *>(p.kf + dst) = *reinterpret_cast<const pack8 *>(p.k + src);
+            *reinterpret_cast<pack8 *>(p.vf + dst) = *reinterpret_cast<const pack8 *>(p.v + src);
+        }
     }
 }
 
@@ -230,20 +267,49 @@ static int dq_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int 
     return CF_CK(ctx, cudaLaunchKernel(fn, grid, block, args, C::SMEM, st)) ? 1 : -1;
 }
 
-int attn_bwd_dq_sm90_gather(cf_cuda_ctx *ctx, const AttnArgs &a, int D, int nf, AttnArgs *p) {
-    *p = a;
+int attn_cf_sm90_prep(cf_cuda_ctx *ctx, const AttnArgs &a, int D, const cf_rows *kept, float *acc, size_t acc_n,
+                      int *filt, int *fstart, AttnArgs *p2) {
     if (D != 64 && D != 128) return 0;
-    if (nf <= 0) return 1;
-    /* K and V rows of the filtered keys, compacted for the copy engine */
+    const int n = kept->n, T = a.B * a.S, nf = T - n;
     const size_t rowlen = (size_t)a.Hkv * D;
-    bf16 *kf = (bf16 *)cf_cuda_scratch(ctx, CF_SCR_ATTN_SM90_KF, (size_t)nf * rowlen * sizeof(bf16));
-    bf16 *vf = (bf16 *)cf_cuda_scratch(ctx, CF_SCR_ATTN_SM90_VF, (size_t)nf * rowlen * sizeof(bf16));
-    if (!kf || !vf) return -1;
-    gather_rows_kernel<<<attn_grid_for((size_t)nf * rowlen / 8), 256, 0, ctx->stream>>>(kf, vf, a.k, a.v, a.krow, nf,
-                                                                                        (int)rowlen);
-    if (!CF_CK_LAUNCH(ctx, "attention sm90 gather filtered rows")) return -1;
-    p->k = kf;
-    p->v = vf;
+    bf16 *kf = NULL, *vf = NULL;
+    if (nf > 0) { /* the filtered keys' K and V rows, compacted for the copy engine */
+        kf = (bf16 *)cf_cuda_scratch(ctx, CF_SCR_ATTN_SM90_KF, (size_t)nf * rowlen * sizeof(bf16));
+        vf = (bf16 *)cf_cuda_scratch(ctx, CF_SCR_ATTN_SM90_VF, (size_t)nf * rowlen * sizeof(bf16));
+        if (!kf || !vf) return -1;
+    }
+    CfPrep p;
+    p.dout = a.dout;
+    p.o = a.o;
+    p.Dvec = (float *)a.Dvec;
+    p.zero = acc;
+    p.nzero = acc_n;
+    p.nrows = n * a.H;
+    p.D = D;
+    p.np = (int)(((size_t)p.nrows * 32 + 255) / 256);
+    p.rows = kept->rows;
+    p.seq_start = kept->seq_start;
+    p.n = n;
+    p.B = a.B;
+    p.S = a.S;
+    p.filt = filt;
+    p.fstart = fstart;
+    p.k = a.k;
+    p.v = a.v;
+    p.kf = kf;
+    p.vf = vf;
+    p.rowlen = (int)rowlen;
+    /* warps 0..n of the gap range; at least one block (fstart) */
+    const int nr = (int)(((size_t)(n + 1) * 32 + 255) / 256);
+    cf_prep_kernel<<<p.np + nr, 256, 0, ctx->stream>>>(p);
+    if (!CF_CK_LAUNCH(ctx, "attention sm90 centrifuge prep")) return -1;
+    *p2 = a;
+    p2->kstart = fstart;
+    p2->krow = filt;
+    if (nf > 0) {
+        p2->k = kf;
+        p2->v = vf;
+    }
     return 1;
 }
 

@@ -344,18 +344,17 @@ __global__ void __launch_bounds__(384, 1)
 }
 
 /* dq (bf16, or fp32 when dqf) from the slot-ordered accumulator. A block
- * takes one slot (sequence b = blockIdx.z, head h = blockIdx.y, 64-row query
- * tile blockIdx.x): it reads the slot in order as float4s (coalesced) into a
+ * takes one slot (sequence b, head h, 64-row query tile q64): it reads
+ * the slot in order as float4s (coalesced) into a
  * [64][D] shared tile, then writes whole rows (coalesced). Each float4 is
  * rows r, r + 8 and columns c, c + 1 (dq_slot_coords). The tile's rows
  * are padded by 8 floats, so a half-warp's 8-byte stores (4 rows x 4
  * column pairs) hit distinct banks. */
 template <int D>
-__global__ void __launch_bounds__(256) dq_convert_kernel(bf16 *dq, float *dqf, const float *acc, const int *qstart,
-                                                         int S, int H, int tps, int nw) {
+__device__ __forceinline__ void dq_convert_slot(bf16 *dq, float *dqf, const float *acc, const int *qstart, int S,
+                                                int H, int tps, int nw, int q64, int h, int b) {
     constexpr int LD = D + 8;
     __shared__ float tile[64 * LD];
-    const int q64 = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
     const int start = qstart ? qstart[b] : b * S, len = qstart ? qstart[b + 1] - start : S;
     if (q64 * 64 >= len) return;
     const float4 *src = reinterpret_cast<const float4 *>(acc + dq_slot_base(b, h, q64, H, D, tps));
@@ -383,6 +382,21 @@ __global__ void __launch_bounds__(256) dq_convert_kernel(bf16 *dq, float *dqf, c
             *reinterpret_cast<uint2 *>(dq + o) = u;
         }
     }
+}
+
+/* The backward's last launch: blocks [0, nconv) convert one dq slot each
+ * (nconv = tps H B; block x is slot (q64, h, b) = (x % tps, x / tps % H,
+ * x / (tps H))); the rest, if any, reduce the GQA partials of dk, dv. Two
+ * independent jobs in one grid: one launch and one tail instead of two. */
+template <int D>
+__global__ void __launch_bounds__(256) bwd_finish_kernel(bf16 *dq, float *dqf, const float *acc, const int *qstart,
+                                                         int S, int H, int tps, int nw, int nconv, GqaReduce red) {
+    const int x = blockIdx.x;
+    if (x < nconv) {
+        dq_convert_slot<D>(dq, dqf, acc, qstart, S, H, tps, nw, x % tps, x / tps % H, x / (tps * H));
+        return;
+    }
+    gqa_reduce_body<4>(red.dk, red.dv, red.dkx, red.dvx, red.nk, red.Hkv, red.G, D, x - nconv, gridDim.x - nconv);
 }
 
 } // namespace
@@ -470,10 +484,15 @@ int attn_bwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D, int nq_rows, int k
     return 0;
 }
 
-void attn_sm90_dq_convert(cudaStream_t st, bf16 *dq, float *dqf, const float *acc, const int *qstart, int B, int S,
-                          int H, int D, int tps) {
-    if (B <= 0 || tps <= 0) return;
-    const dim3 grid(tps, H, B);
-    if (D == 64) dq_convert_kernel<64><<<grid, 256, 0, st>>>(dq, dqf, acc, qstart, S, H, tps, attn_sm90_bwd_nw(D));
-    else if (D == 128) dq_convert_kernel<128><<<grid, 256, 0, st>>>(dq, dqf, acc, qstart, S, H, tps, attn_sm90_bwd_nw(D));
+void attn_sm90_bwd_finish(cudaStream_t st, bf16 *dq, float *dqf, const float *acc, const int *qstart, int B, int S,
+                          int H, int D, int tps, const GqaReduce *red) {
+    if (B <= 0 || tps <= 0 || (D != 64 && D != 128)) return;
+    const long long nconv = (long long)tps * H * B;
+    /* the reduction: 4 columns per thread, grid-stride past 65536 blocks */
+    const int nred = red ? attn_grid_for(red->nk * red->Hkv * D / 4) : 0;
+    const GqaReduce r = red ? *red : GqaReduce{};
+    const unsigned grid = (unsigned)(nconv + nred);
+    const int nw = attn_sm90_bwd_nw(D);
+    if (D == 64) bwd_finish_kernel<64><<<grid, 256, 0, st>>>(dq, dqf, acc, qstart, S, H, tps, nw, (int)nconv, r);
+    else bwd_finish_kernel<128><<<grid, 256, 0, st>>>(dq, dqf, acc, qstart, S, H, tps, nw, (int)nconv, r);
 }

@@ -198,6 +198,74 @@ __device__ __forceinline__ void atomic_add_f2(float *dst, float x, float y) {
 #endif
 }
 
+/* ------------------------------------------- bodies of the small kernels
+ * (bwd.cu's own kernels, and the one-launch variants of the Hopper path in
+ * bwd_sm90.cu and bwd_centrifuge_sm90.cu, which run several of them as
+ * block ranges of one grid: blk, nblk = this block's place in its range) */
+
+/* D_i = dO_i . O_i per (q index, head), one warp each, and zero[0 .. nzero)
+ * = 0 spread over the range's threads (a dq accumulator; none when NULL) */
+__device__ __forceinline__ void attn_prep_body(const bf16 *dout, const bf16 *o, float *Dvec, float *zero, size_t nzero,
+                                               int nrows, int D, int blk, int nblk) {
+    if (zero) {
+        const size_t nthreads = (size_t)nblk * blockDim.x, tid = (size_t)blk * blockDim.x + threadIdx.x;
+        float4 *z4 = reinterpret_cast<float4 *>(zero);
+        for (size_t i = tid; i < nzero / 4; i += nthreads) z4[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (size_t i = nzero / 4 * 4 + tid; i < nzero; i += nthreads) zero[i] = 0.f;
+    }
+    const int w = (blk * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
+    if (w >= nrows) return;
+    const bf16 *x = dout + (size_t)w * D, *y = o + (size_t)w * D;
+    float acc = 0.f;
+    for (int d = 2 * lane; d < D; d += 64) {
+        const float2 u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(x + d));
+        const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(y + d));
+        acc += u.x * v.x + u.y * v.y;
+    }
+    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    if (lane == 0) Dvec[w] = acc;
+}
+
+/* dk, dv of kv head hk = the sums of the G fp32 partials of its query-head
+ * groups ([nk, Hkv, G, D] -> [nk, Hkv, D]), in partial order (so the result
+ * does not depend on the launch); V columns per thread (4 when D allows:
+ * float4 loads, the work is reading the partials) */
+template <int V>
+__device__ __forceinline__ void gqa_reduce_body(bf16 *dk, bf16 *dv, const float *dkx, const float *dvx, size_t nk,
+                                                int Hkv, int G, int D, int blk, int nblk) {
+    const int DV = D / V;
+    const size_t n = nk * Hkv * DV;
+    for (size_t i = (size_t)blk * blockDim.x + threadIdx.x; i < n; i += (size_t)nblk * blockDim.x) {
+        const size_t jh = i / DV; /* (key row, kv head) */
+        const int d = (int)(i - jh * DV) * V;
+        const size_t base = jh * G * D + d, out = jh * D + d;
+        float sk[V], sv[V];
+#pragma unroll
+        for (int e = 0; e < V; e++) sk[e] = sv[e] = 0.f;
+        for (int gi = 0; gi < G; gi++) {
+            if constexpr (V == 4) {
+                const float4 a = *reinterpret_cast<const float4 *>(dkx + base + (size_t)gi * D);
+                const float4 c = *reinterpret_cast<const float4 *>(dvx + base + (size_t)gi * D);
+                sk[0] += a.x, sk[1] += a.y, sk[2] += a.z, sk[3] += a.w;
+                sv[0] += c.x, sv[1] += c.y, sv[2] += c.z, sv[3] += c.w;
+            } else {
+                sk[0] += dkx[base + (size_t)gi * D];
+                sv[0] += dvx[base + (size_t)gi * D];
+            }
+        }
+        if constexpr (V == 4) {
+#pragma unroll
+            for (int e = 0; e < 4; e += 2) {
+                *reinterpret_cast<__nv_bfloat162 *>(dk + out + e) = __floats2bfloat162_rn(sk[e], sk[e + 1]);
+                *reinterpret_cast<__nv_bfloat162 *>(dv + out + e) = __floats2bfloat162_rn(sv[e], sv[e + 1]);
+            }
+        } else {
+            dk[out] = __float2bfloat16_rn(sk[0]);
+            dv[out] = __float2bfloat16_rn(sv[0]);
+        }
+    }
+}
+
 /* --------------------------------------------------------- shared tiles */
 
 constexpr int NTHREADS = 128;  /* 4 warps */
@@ -321,22 +389,35 @@ int attn_sm90_bwd_hpb(const cf_cuda_ctx *ctx, int D, int H, int Hkv, int B, int 
  * with ns > 1 dk, dv go to a.dkx, a.dvx as [nk, H/hpb, ns, D] fp32 partials
  * (also without GQA) */
 int attn_sm90_bwd_split(const cf_cuda_ctx *ctx, int D, int H, int hpb, int B, int qmaxlen, int kmaxlen);
-/* bwd_centrifuge_sm90.cu: centrifuge part 2 (a.krow = the nf filtered rows,
- * a.kstart their sequence starts). _gather: their K and V rows compacted on
- * ctx->stream, *p = a reading them (1; 0: no Hopper kernel for D; -1 on an
- * error). attn_bwd_dq_sm90: the kernel on stream st, adding the filtered
- * keys' dq terms to the slot-order accumulator p.dq_acc (1; 0: the driver
- * refused a tensor map, nothing launched; -1 on an error) */
-int attn_bwd_dq_sm90_gather(cf_cuda_ctx *ctx, const AttnArgs &a, int D, int nf, AttnArgs *p);
+/* bwd_centrifuge_sm90.cu: centrifuge on Hopper. attn_cf_sm90_prep, one
+ * launch on ctx->stream: what attn_bwd_prep does for the n = kept->n query
+ * rows (a.Dvec, and acc[0 .. acc_n) zeroed), what attn_filtered_rows does
+ * (filt, fstart), and the filtered rows' K and V compacted for part 2; *p2
+ * = a with the filtered rows as its k side, reading the compact copies (1;
+ * 0: no Hopper kernel for D; -1 on an error). attn_bwd_dq_sm90: part 2 on
+ * stream st, adding the filtered keys' dq terms to the slot-order
+ * accumulator p.dq_acc (1; 0: the driver refused a tensor map, nothing
+ * launched; -1 on an error) */
+int attn_cf_sm90_prep(cf_cuda_ctx *ctx, const AttnArgs &a, int D, const cf_rows *kept, float *acc, size_t acc_n,
+                      int *filt, int *fstart, AttnArgs *p2);
 int attn_bwd_dq_sm90(cf_cuda_ctx *ctx, const AttnArgs &p, int D, int nq_rows, int nf, int maxlen, int tps,
                      cudaStream_t st);
 /* bwd_sm90.cu: the width of the dQ products at head dim D (slot order) */
 int attn_sm90_bwd_nw(int D);
-/* bwd_sm90.cu: dq of the q-side rows (sequence starts qstart, B + 1 of
- * them; NULL = b*S) from the slot-ordered accumulator: bf16 into dq, or
- * fp32 into dqf; D = 64 or 128 */
-void attn_sm90_dq_convert(cudaStream_t st, bf16 *dq, float *dqf, const float *acc, const int *qstart, int B, int S,
-                          int H, int D, int tps);
+/* The GQA reduction of dk, dv: [nk, Hkv, G, D] fp32 partials summed into
+ * [nk, Hkv, D] bf16 (bwd.cu: attn_gqa_reduce; bwd_sm90.cu's finish) */
+struct GqaReduce {
+    bf16 *dk, *dv;
+    const float *dkx, *dvx;
+    size_t nk;
+    int Hkv, G;
+};
+/* bwd_sm90.cu: the Hopper backward's last launch. dq of the q-side rows
+ * (sequence starts qstart, B + 1 of them; NULL = b*S) from the
+ * slot-ordered accumulator, bf16 into dq or fp32 into dqf, and, in the same
+ * grid, the GQA reduction red (none when NULL); D = 64 or 128 */
+void attn_sm90_bwd_finish(cudaStream_t st, bf16 *dq, float *dqf, const float *acc, const int *qstart, int B, int S,
+                          int H, int D, int tps, const GqaReduce *red);
 
 /* ----------------------------------------- small kernels, by file */
 

@@ -260,13 +260,9 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
     const size_t acc_n = (size_t)B * tps * 64 * H * D;
     float *acc = try_hopper ? (float *)cf_cuda_scratch(ctx, CF_SCR_ATTN_SM90_DQ, acc_n * sizeof(float)) : NULL;
     if (try_hopper && !acc) return;
-    /* D_i, and the accumulator the backward adds dq to set to zero */
-    attn_bwd_prep(ctx->stream, a.dout, a.o, Dvec, try_hopper ? acc : dq_acc, try_hopper ? acc_n : (size_t)n * H * D,
-                  n * H, D);
-    if (!CF_CK_LAUNCH(ctx, "attention bwd prep")) return;
     /* GQA: fp32 partials of dk, dv per group of hpb query heads (1 on the
      * portable path) and part of the query range (ns, Hopper), summed by
-     * attn_gqa_reduce; partials also without GQA when ns > 1 */
+     * the GQA reduction; partials also without GQA when ns > 1 */
     int hpb = try_hopper ? attn_sm90_bwd_hpb(ctx, D, H, Hkv, B, kmaxlen) : 1;
     int ns = try_hopper ? attn_sm90_bwd_split(ctx, D, H, hpb, B, maxlen, kmaxlen) : 1;
     const bool partials = H != Hkv || ns > 1;
@@ -279,25 +275,34 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
         a.dk = (bf16 *)dk;
         a.dv = (bf16 *)dv;
     }
-    /* centrifuge: the filtered rows (part 2's k side), and on Hopper their
-     * K and V rows gathered for part 2, before part 1: the two parts are
-     * independent there and run side by side */
+    /* D_i, the accumulator the backward adds dq to set to zero, and for
+     * centrifuge the filtered rows (part 2's k side). On Hopper centrifuge
+     * does all that in one launch, with the filtered rows' K and V
+     * gathered for part 2: the two parts are then independent and run side
+     * by side */
     const bool cf = mode == CF_ATTN_BWD_CENTRIFUGE;
     const int nf = T - n;
     int *filt = NULL, *fstart = NULL;
     AttnArgs p2 = a;
-    int gathered = 0;
+    int prepared = 0;
     if (cf) {
         filt = (int *)cf_cuda_scratch(ctx, CF_SCR_ATTN_FILT, (size_t)(nf > 0 ? nf : 1) * sizeof(int));
         fstart = (int *)cf_cuda_scratch(ctx, CF_SCR_ATTN_FSTART, (size_t)(B + 1) * sizeof(int));
         if (!filt || !fstart) return;
-        attn_filtered_rows(ctx->stream, filt, fstart, kept->rows, kept->seq_start, n, B, S);
-        if (!CF_CK_LAUNCH(ctx, "attention filtered rows")) return;
         p2.kstart = fstart;
         p2.krow = filt;
-        if (try_hopper && (gathered = attn_bwd_dq_sm90_gather(ctx, p2, D, nf, &p2)) < 0) return;
-        if (gathered && parts_side_by_side() && !CF_CK(ctx, cudaEventRecord(ctx->ev_fork, ctx->stream))) return;
+        if (try_hopper && (prepared = attn_cf_sm90_prep(ctx, a, D, kept, acc, acc_n, filt, fstart, &p2)) < 0) return;
     }
+    if (!prepared) {
+        attn_bwd_prep(ctx->stream, a.dout, a.o, Dvec, try_hopper ? acc : dq_acc, try_hopper ? acc_n : (size_t)n * H * D,
+                      n * H, D);
+        if (!CF_CK_LAUNCH(ctx, "attention bwd prep")) return;
+        if (cf) {
+            attn_filtered_rows(ctx->stream, filt, fstart, kept->rows, kept->seq_start, n, B, S);
+            if (!CF_CK_LAUNCH(ctx, "attention filtered rows")) return;
+        }
+    }
+    if (prepared && parts_side_by_side() && !CF_CK(ctx, cudaEventRecord(ctx->ev_fork, ctx->stream))) return;
     /* part 1 / the whole backward: dk, dv, and dq over the k side; on
      * Hopper into a dq accumulator of its own layout (bwd_sm90.cu) */
     int hopper = 0;
@@ -317,46 +322,44 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
         a.dq_acc = dq_acc;
         if (!launch(ctx, K_BWD, a, D, (kmaxlen + TILE - 1) / TILE)) return;
     }
+    const GqaReduce red = {(bf16 *)dk, (bf16 *)dv, a.dkx, a.dvx, (size_t)nk, Hkv, H / Hkv / hpb * ns};
 
-    if (cf) {
-        /* part 2: dq over the filtered keys. Hopper: on the second stream
-         * beside part 1, into the same accumulator, converted once both
-         * are done; else the portable kernel after part 1 (it adds dq_acc
-         * [n, H, D] fp32 and writes bf16) */
-        int r = 0;
-        if (hopper && gathered) {
-            const bool side = parts_side_by_side();
-            cudaStream_t st = side ? ctx->aux_stream : ctx->stream;
-            p2.dq_acc = acc;
-            if (side && !CF_CK(ctx, cudaStreamWaitEvent(st, ctx->ev_fork, 0))) return;
-            r = attn_bwd_dq_sm90(ctx, p2, D, n, nf, maxlen, tps, st);
-            if (side && (!CF_CK(ctx, cudaEventRecord(ctx->ev_join, st)) ||
-                         !CF_CK(ctx, cudaStreamWaitEvent(ctx->stream, ctx->ev_join, 0))))
-                return;
-            if (r < 0) return;
-        }
-        if (hopper) {
-            /* part 1 (+ part 2) to bf16 dq, or to fp32 for the portable part 2 */
-            attn_sm90_dq_convert(ctx->stream, r ? (bf16 *)dq : NULL, r ? NULL : dq_acc, a.dq_acc, a.qstart, B, S, H,
-                                 D, tps);
-            if (!CF_CK_LAUNCH(ctx, "attention sm90 dq convert")) return;
-        }
-        if (r == 0) {
-            AttnArgs p = a;
-            p.kstart = fstart;
-            p.krow = filt;
-            p.dq = (bf16 *)dq;
-            p.dq_acc = dq_acc;
-            if (!launch(ctx, K_BWD_DQ, p, D, (maxlen + TILE - 1) / TILE)) return;
-        }
-    } else if (hopper) {
-        attn_sm90_dq_convert(ctx->stream, (bf16 *)dq, NULL, a.dq_acc, a.qstart, B, S, H, D, tps);
-        if (!CF_CK_LAUNCH(ctx, "attention sm90 dq convert")) return;
-    } else {
+    /* part 2 (centrifuge): dq over the filtered keys. Hopper: on the second
+     * stream beside part 1, into the same accumulator, converted once both
+     * are done; else the portable kernel after part 1 (it adds dq_acc
+     * [n, H, D] fp32 and writes bf16) */
+    int r = 0;
+    if (cf && hopper && prepared) {
+        const bool side = parts_side_by_side();
+        cudaStream_t st = side ? ctx->aux_stream : ctx->stream;
+        p2.dq_acc = acc;
+        if (side && !CF_CK(ctx, cudaStreamWaitEvent(st, ctx->ev_fork, 0))) return;
+        r = attn_bwd_dq_sm90(ctx, p2, D, n, nf, maxlen, tps, st);
+        if (side && (!CF_CK(ctx, cudaEventRecord(ctx->ev_join, st)) ||
+                     !CF_CK(ctx, cudaStreamWaitEvent(ctx->stream, ctx->ev_join, 0))))
+            return;
+        if (r < 0) return;
+    }
+    if (hopper) {
+        /* the last launch: dq (bf16; fp32 for a portable part 2 to add to)
+         * and the GQA reduction in one grid */
+        const bool dq_final = !cf || r;
+        attn_sm90_bwd_finish(ctx->stream, dq_final ? (bf16 *)dq : NULL, dq_final ? NULL : dq_acc, a.dq_acc, a.qstart,
+                             B, S, H, D, tps, partials ? &red : NULL);
+        if (!CF_CK_LAUNCH(ctx, "attention sm90 backward finish")) return;
+    } else if (!cf) {
         attn_dq_to_bf16(ctx->stream, (bf16 *)dq, dq_acc, (size_t)n * H * D);
         if (!CF_CK_LAUNCH(ctx, "attention dq to bf16")) return;
     }
-    if (partials) {
+    if (cf && !r) {
+        AttnArgs p = a;
+        p.kstart = fstart;
+        p.krow = filt;
+        p.dq = (bf16 *)dq;
+        p.dq_acc = dq_acc;
+        if (!launch(ctx, K_BWD_DQ, p, D, (maxlen + TILE - 1) / TILE)) return;
+    }
+    if (partials && !hopper) {
         attn_gqa_reduce(ctx->stream, (bf16 *)dk, (bf16 *)dv, a.dkx, a.dvx, (size_t)nk, Hkv, H / Hkv / hpb * ns, D);
         CF_CK_LAUNCH(ctx, "attention GQA reduce");
     }
