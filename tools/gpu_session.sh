@@ -3,7 +3,7 @@
 # here (make cuda + the GPU tests), copied with their runtime libraries into
 # .gpucarry/ by tools/gpu_carry.sh, then tests and benchmarks.
 # Usage on the GPU machine: tools/gpu_session.sh PART...  (logs under $OUT)
-#   parts: tests sanitize bench-main bench-old bench-sweeps bench-3b pytorch
+#   parts: tests sanitize sanitize-attn bench-main bench-old bench-sweeps bench-3b pytorch
 #          parity peft-parity dp-check dp-bench dp-ctas tp-check tp-bench rows-x4 rows-x8
 #          rows-x8-dry bench-accum profile dp-bf16 ab-profile ab-fused ab-head attn-shapes attn-ab attn-parts dp-prio
 #          bench-pair pair-ab norm-blocks cf-side
@@ -28,6 +28,10 @@ for part in "$@"; do
       "$G/test_gpu_model" >"$OUT/test_gpu_model.log" 2>&1; echo "test_gpu_model rc=$?"; grep -E "FAIL|err|tests,|:[0-9]+:" "$OUT/test_gpu_model.log" | head -40 ;;
     sanitize)
       timeout 300 compute-sanitizer --tool memcheck --print-limit 5 "$G/test_gpu_model" >"$OUT/sanitizer.log" 2>&1; echo "memcheck rc=$?"; tail -3 "$OUT/sanitizer.log" ;;
+    sanitize-attn)
+      # the attention tests of test_gpu_ops (every backward mode, both paths, forced heads per block and parts)
+      CF_TEST_ONLY=attention timeout 400 compute-sanitizer --tool memcheck --print-limit 5 "$G/test_gpu_ops" \
+        >"$OUT/sanitizer_attn.log" 2>&1; echo "memcheck (attention) rc=$?"; tail -3 "$OUT/sanitizer_attn.log" ;;
     bench-main)
       "$CF" bench --device cuda --config tinyllama-1.1b --seq 4096 --modes regular,loss-only,centrifuge,strawman --keep 0.5 --steps 10 --warmup 2 --profile --json "$OUT/bench_tinyllama_4096.jsonl" 2>&1 | tee "$OUT/bench_tinyllama_4096.txt"
       "$CF" bench --device cuda --config qwen2.5-1.5b --seq 2048 --modes regular,loss-only,centrifuge,strawman --keep 0.5 --steps 10 --warmup 2 --profile --json "$OUT/bench_qwen_2048.jsonl" 2>&1 | tee "$OUT/bench_qwen_2048.txt" ;;
