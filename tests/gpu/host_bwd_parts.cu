@@ -94,11 +94,72 @@ TEST(heads_per_block_is_one_for_empty_or_invalid_shapes) {
     CHECK(bwd_heads_per_block(64, 0, 4, 1, 4096, 128, 132) == 1);
 }
 
+/* The warp's search of centrifuge's prep (kept_search_probe / _narrow),
+ * with the 32 lanes and the ballot played on the CPU, against a count: for
+ * every filtered row j of kept lists of every density (none filtered, one
+ * kept, runs, random; up to 40000 rows), the kept rows before it, in at most
+ * ceil(log32(n + 1)) + 1 rounds. */
+static int warp_search(const int *rows, int n, int j, int *rounds) {
+    int lo = 0, hi = n;
+    *rounds = 0;
+    while (lo < hi) {
+        unsigned hit = 0;
+        for (int lane = 0; lane < 32; lane++) {
+            const int p = kept_search_probe(lo, hi, lane);
+            if (p >= hi || rows[p] - p > j) hit |= 1u << lane;
+        }
+        ++*rounds;
+        if (!kept_search_narrow(&lo, &hi, hit)) break;
+    }
+    return lo;
+}
+
+TEST(kept_search_finds_the_kept_rows_before_each_filtered_row) {
+    static const struct { int T; double keep; int pattern; } cs[] = {
+        {1, 1.0, 0},     {7, 0.0, 3},    {64, 0.5, 0},   {100, 1.0, 0}, {333, 0.2, 0},
+        {2048, 0.5, 0},  {4096, 0.9, 0}, {5000, 0.5, 1}, {4097, 0.5, 2}, {40000, 0.5, 0},
+        {40000, 0.02, 0}, {1000, 0.0, 4},
+    };
+    unsigned seed = 12345;
+    for (size_t ci = 0; ci < sizeof cs / sizeof cs[0]; ci++) {
+        const int T = cs[ci].T;
+        int *rows = (int *)malloc(sizeof(int) * (size_t)T), *before = (int *)malloc(sizeof(int) * (size_t)T);
+        int n = 0, nf = 0;
+        for (int r = 0; r < T; r++) {
+            seed = seed * 1103515245u + 12345u;
+            int take;
+            switch (cs[ci].pattern) {
+            case 1: take = (r / 37) % 2; break;           /* runs of 37 */
+            case 2: take = r == T / 2; break;             /* one kept row */
+            case 3: take = 1; break;                      /* all kept: no filtered row */
+            case 4: take = r == 0 || r == T - 1; break;   /* the ends only */
+            default: take = (seed >> 8) % 1000 < cs[ci].keep * 1000;
+            }
+            if (take) rows[n++] = r;
+            else before[nf++] = n; /* filtered row nf has n kept rows before it */
+        }
+        int worst = 0, maxr = 1;
+        for (int m = n + 1; m > 1; m = (m + 31) / 32) maxr++;
+        for (int j = 0; j < nf; j++) {
+            int rounds;
+            const int got = warp_search(rows, n, j, &rounds);
+            CHECK_MSG(got == before[j], "T=%d n=%d: filtered row %d has %d kept rows before it, search says %d", T, n,
+                      j, before[j], got);
+            if (got != before[j]) break;
+            worst = rounds > worst ? rounds : worst;
+        }
+        CHECK_MSG(worst <= maxr, "T=%d n=%d: %d rounds (at most %d expected)", T, n, worst, maxr);
+        free(rows);
+        free(before);
+    }
+}
+
 int main(void) {
     RUN(query_parts_cover_each_tile_once_in_order_and_even);
     RUN(query_parts_split_only_small_uneven_grids);
     RUN(query_parts_are_one_for_empty_or_invalid_shapes);
     RUN(heads_per_block_keep_the_grid_full_and_divide_the_group);
     RUN(heads_per_block_is_one_for_empty_or_invalid_shapes);
+    RUN(kept_search_finds_the_kept_rows_before_each_filtered_row);
     return test_summary();
 }

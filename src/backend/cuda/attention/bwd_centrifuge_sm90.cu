@@ -40,51 +40,60 @@ template <int D> struct DqSm90 {
 
 namespace {
 
+/* The number of kept rows before the j-th filtered row (sm90.cuh:
+ * kept_search_*), searched by the whole warp */
+__device__ __forceinline__ int kept_before_filtered(const int *rows, int n, int j, int lane) {
+    int lo = 0, hi = n;
+    while (lo < hi) {
+        const int p = kept_search_probe(lo, hi, lane);
+        const unsigned hit = __ballot_sync(0xffffffffu, p >= hi || rows[p] - p > j);
+        if (!kept_search_narrow(&lo, &hi, hit)) break;
+    }
+    return lo;
+}
+
 /* Centrifuge's preparation on Hopper, three jobs in one grid (one launch,
  * one tail, instead of three kernels per layer):
- *   blocks [0, np): D_i of the n kept query rows x H heads and the zeroing
- *     of the dq accumulator (common.cuh: attn_prep_body);
- *   blocks [np, ...): warp i (0 <= i <= n) takes the gap of filtered rows
- *     between kept rows i - 1 and i (before the first, after the last):
- *     row r there has i kept rows before it, so it is filtered row r - i.
- *     It writes filt[r - i] = r and, when kf is set, copies r's K and V
- *     rows (every kv head) to row r - i of the compact kf, vf that part 2
- *     reads through the copy engine. No search: the kept list is ascending.
- *     The first block of the range also writes fstart[b] = b S - seq_start[b]
- *     (filtered rows before sequence b). */
+ *   blocks [0, nr): warp j (< nf) finds the j-th filtered row r (the rows
+ *     not kept, ascending: r = j + the kept rows before it), writes
+ *     filt[j] = r and, when kf is set, copies r's K and V rows (every kv
+ *     head) to row j of the compact kf, vf that part 2 reads through the
+ *     copy engine; block 0 also writes fstart[b] = b S - seq_start[b]
+ *     (filtered rows before sequence b). First in the grid, so the
+ *     searches' latency passes while the prep blocks run;
+ *   blocks [nr, nr + np): D_i of the n kept query rows x H heads and the
+ *     zeroing of the dq accumulator (common.cuh: attn_prep_body). */
 struct CfPrep {
     const bf16 *dout, *o;
     float *Dvec, *zero;
     size_t nzero;
-    int nrows, D, np;           /* prep: rows (q rows x heads), head dim, blocks */
+    int nrows, D, nr;            /* prep: rows (q rows x heads), head dim; blocks of the first range */
     const int *rows, *seq_start; /* the kept rows, ascending */
-    int n, B, S;
+    int n, nf, B, S;
     int *filt, *fstart;
-    const bf16 *k, *v;          /* [T, Hkv, D] */
-    bf16 *kf, *vf;              /* [T - n, Hkv, D], or NULL: no copy */
-    int rowlen;                 /* Hkv D */
+    const bf16 *k, *v;           /* [T, Hkv, D] */
+    bf16 *kf, *vf;               /* [nf, Hkv, D], or NULL: no copy */
+    int rowlen;                  /* Hkv D */
 };
 
 __global__ void __launch_bounds__(256) cf_prep_kernel(const CfPrep p) {
-    if ((int)blockIdx.x < p.np) {
-        attn_prep_body(p.dout, p.o, p.Dvec, p.zero, p.nzero, p.nrows, p.D, blockIdx.x, p.np);
+    if ((int)blockIdx.x >= p.nr) {
+        attn_prep_body(p.dout, p.o, p.Dvec, p.zero, p.nzero, p.nrows, p.D, blockIdx.x - p.nr, gridDim.x - p.nr);
         return;
     }
-    const int blk = blockIdx.x - p.np;
-    if (blk == 0)
+    if (blockIdx.x == 0)
         for (int b = threadIdx.x; b <= p.B; b += blockDim.x) p.fstart[b] = b * p.S - p.seq_start[b];
-    const int i = (blk * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
-    if (i > p.n) return;
-    const int lo = i == 0 ? -1 : p.rows[i - 1], hi = i == p.n ? p.B * p.S : p.rows[i];
-    const int gap = hi - lo - 1, ch = p.kf ? p.rowlen / 8 : 1;
-    for (int t = lane; t < gap * ch; t += 32) {
-        const int r = lo + 1 + t / ch, c = t % ch;
-        if (c == 0) p.filt[r - i] = r;
-        if (p.kf) {
-            const size_t src = (size_t)r * p.rowlen + (size_t)c * 8, dst = (size_t)(r - i) * p.rowlen + (size_t)c * 8;
-            *reinterpret_cast<pack8 *>(p.kf + dst) = *reinterpret_cast<const pack8 *>(p.k + src);
-            *reinterpret_cast<pack8 *>(p.vf + dst) = *reinterpret_cast<const pack8 *>(p.v + src);
-        }
+    const int j = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
+    if (j >= p.nf) return;
+    const int r = j + kept_before_filtered(p.rows, p.n, j, lane);
+    if (lane == 0) p.filt[j] = r;
+    if (!p.kf) return;
+    const pack8 *ks = reinterpret_cast<const pack8 *>(p.k + (size_t)r * p.rowlen);
+    const pack8 *vs = reinterpret_cast<const pack8 *>(p.v + (size_t)r * p.rowlen);
+    pack8 *kd = reinterpret_cast<pack8 *>(p.kf + (size_t)j * p.rowlen), *vd = reinterpret_cast<pack8 *>(p.vf + (size_t)j * p.rowlen);
+    for (int c = lane; c < p.rowlen / 8; c += 32) {
+        kd[c] = ks[c];
+        vd[c] = vs[c];
     }
 }
 
@@ -286,10 +295,11 @@ int attn_cf_sm90_prep(cf_cuda_ctx *ctx, const AttnArgs &a, int D, const cf_rows 
     p.nzero = acc_n;
     p.nrows = n * a.H;
     p.D = D;
-    p.np = (int)(((size_t)p.nrows * 32 + 255) / 256);
+    p.nr = (int)(((size_t)(nf > 0 ? nf : 1) * 32 + 255) / 256); /* a warp per filtered row; one block at least (fstart) */
     p.rows = kept->rows;
     p.seq_start = kept->seq_start;
     p.n = n;
+    p.nf = nf;
     p.B = a.B;
     p.S = a.S;
     p.filt = filt;
@@ -299,9 +309,8 @@ int attn_cf_sm90_prep(cf_cuda_ctx *ctx, const AttnArgs &a, int D, const cf_rows 
     p.kf = kf;
     p.vf = vf;
     p.rowlen = (int)rowlen;
-    /* warps 0..n of the gap range; at least one block (fstart) */
-    const int nr = (int)(((size_t)(n + 1) * 32 + 255) / 256);
-    cf_prep_kernel<<<p.np + nr, 256, 0, ctx->stream>>>(p);
+    const int np = (int)(((size_t)p.nrows * 32 + 255) / 256);
+    cf_prep_kernel<<<p.nr + np, 256, 0, ctx->stream>>>(p);
     if (!CF_CK_LAUNCH(ctx, "attention sm90 centrifuge prep")) return -1;
     *p2 = a;
     p2->kstart = fstart;

@@ -326,6 +326,35 @@ __host__ __device__ __forceinline__ void query_part(int n, int part, int ns, int
     *len = (part + 1) * n / ns - *begin;
 }
 
+/* A search by a warp for the number of kept rows before the j-th filtered
+ * row (centrifuge's prep, bwd_centrifuge_sm90.cu): the smallest i in [0, n]
+ * with rows[i] - i > j (kept row i has rows[i] - i filtered rows before it;
+ * n if none). The answer stays in [lo, hi], from [0, n]; each round lane l
+ * probes p = kept_search_probe(lo, hi, l) (a hit: p >= hi or rows[p] - p >
+ * j), the warp's hits go to kept_search_narrow as a ballot mask, until lo
+ * == hi. 32 probes a round, so three dependent loads cover 32768 kept rows
+ * where a binary search would wait on 15. */
+__host__ __device__ __forceinline__ int kept_search_probe(int lo, int hi, int lane) {
+    return lo + (hi - lo + 31) / 32 * (lane + 1) - 1;
+}
+/* false when the search is over (no hit: lane 31 probed hi - 1 and missed,
+ * so the answer is hi; lo = hi then) */
+__host__ __device__ __forceinline__ bool kept_search_narrow(int *lo, int *hi, unsigned hit) {
+    if (!hit) {
+        *lo = *hi;
+        return false;
+    }
+#ifdef __CUDA_ARCH__
+    const int k = __ffs(hit) - 1; /* the first lane with a hit */
+#else
+    const int k = __builtin_ctz(hit);
+#endif
+    const int step = (*hi - *lo + 31) / 32;
+    *hi = *lo + step * (k + 1) - 1 < *hi ? *lo + step * (k + 1) - 1 : *hi;
+    *lo += step * k;
+    return true;
+}
+
 /* Query heads per block (1, 2 or 4) of the backward (bwd_sm90.cu:
  * attn_sm90_bwd_hpb, which documents the why): the largest that divides
  * the GQA group H / Hkv and still leaves the grid at least 1.5 blocks per
