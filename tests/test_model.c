@@ -502,9 +502,11 @@ static cf_model *fused_model(const char *name, unsigned lora, const char *freeze
     return m;
 }
 
-/* Issue 17: the fused forward (one q/k/v GEMM split with RoPE, one gate/up
- * GEMM into a [T, 2F] slot) gives the unfused forward's losses and
- * gradients, regular and centrifuge, and the same weights after a step:
+/* Issue 17: the fused projections (forward: one q/k/v GEMM split with
+ * RoPE, one gate/up GEMM into a [T, 2F] slot; backward: dq, dk, dv joined
+ * with RoPE undone into one input and one weight-gradient GEMM, and one
+ * gate/up pair) give the unfused losses and gradients, regular and
+ * centrifuge, and the same weights after a step:
  * llama (both fused), qwen2 (q/k/v biases: gate/up only), qwen3 (q/k norm:
  * gate/up only), LoRA on q and up (an adapted projection keeps its group
  * apart: neither fused), LoRA on o and down only (both fused), q frozen or

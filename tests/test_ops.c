@@ -494,6 +494,37 @@ TEST(qkv_split_rope_is_the_split_then_rope_qk) {
     CHECK(v1[2 * HK * ROPE_D] == qkv[2 * W + (HQ + HK) * ROPE_D]);
 }
 
+/* qkv_join_rope_bwd: dq, dk, dv joined into [T, (Hq + 2 Hk) D] rows with
+ * RoPE undone on dq and dk: exactly rope_qk's backward of each part
+ * followed by the copies into the joined rows (the unfused backward's
+ * inputs of the three GEMMs, side by side). */
+TEST(qkv_join_rope_bwd_is_rope_qk_bwd_then_the_join) {
+    cf_rng r;
+    cf_rng_seed(&r, 306);
+    enum { HQ = ROPE_NH, HK = 2, W = (HQ + 2 * HK) * ROPE_D };
+    float inv_freq[ROPE_D / 2], joined[ROPE_T * W], want[ROPE_T * W];
+    float dq[ROPE_T * HQ * ROPE_D], dk[ROPE_T * HK * ROPE_D], dv[ROPE_T * HK * ROPE_D];
+    rope_freqs(inv_freq, ROPE_D);
+    fill_normal(dq, ROPE_T * HQ * ROPE_D, &r, 1);
+    fill_normal(dk, ROPE_T * HK * ROPE_D, &r, 1);
+    fill_normal(dv, ROPE_T * HK * ROPE_D, &r, 1);
+    for (int i = 0; i < ROPE_T * W; i++) joined[i] = NAN;
+    be->qkv_join_rope_bwd(be, joined, dq, dk, dv, rope_pos, ROPE_T, HQ, HK, inv_freq, ROPE_D);
+    float q[sizeof dq / sizeof dq[0]], k[sizeof dk / sizeof dk[0]];
+    memcpy(q, dq, sizeof q);
+    memcpy(k, dk, sizeof k);
+    be->rope_qk(be, q, rope_pos, ROPE_T, HQ, k, rope_pos, ROPE_T, HK, inv_freq, ROPE_D, 1);
+    for (int t = 0; t < ROPE_T; t++) {
+        memcpy(want + t * W, q + t * HQ * ROPE_D, HQ * ROPE_D * sizeof(float));
+        memcpy(want + t * W + HQ * ROPE_D, k + t * HK * ROPE_D, HK * ROPE_D * sizeof(float));
+        memcpy(want + t * W + (HQ + HK) * ROPE_D, dv + t * HK * ROPE_D, HK * ROPE_D * sizeof(float));
+    }
+    CHECK(memcmp(joined, want, sizeof want) == 0);
+    /* row 2 (position 7): dk rotated back, dv copied */
+    CHECK(joined[2 * W + HQ * ROPE_D] != dk[2 * HK * ROPE_D]);
+    CHECK(joined[2 * W + (HQ + HK) * ROPE_D] == dv[2 * HK * ROPE_D]);
+}
+
 /* ----------------------------------------------------------------- swiglu */
 
 typedef struct { int n; double *g, *u, *R; } swi_ctx;
@@ -1796,6 +1827,7 @@ int main(void) {
     RUN(rope_bwd_matches_finite_differences);
     RUN(rope_qk_is_rope_of_q_and_of_k);
     RUN(qkv_split_rope_is_the_split_then_rope_qk);
+    RUN(qkv_join_rope_bwd_is_rope_qk_bwd_then_the_join);
     RUN(swiglu_fwd_and_bwd_match_reference_and_finite_differences);
     RUN(swiglu_bwd_rows_through_the_index_equals_explicit_gather_and_recomputes_h);
     RUN(swiglu_with_gate_up_rows_2F_apart_equals_separate_matrices);

@@ -153,6 +153,12 @@ struct cf_backend {
      * pos[T] (the same arithmetic, so the same values), v[T, Hk, D] a copy. */
     void (*qkv_split_rope)(cf_backend *b, void *q, void *k, void *v, const void *qkv, const int *pos, int T,
                            int Hq, int Hk, const float *inv_freq, int D);
+    /* Its backward: dqkv[T, (Hq + 2 Hk) D] rows = dq | dk | dv, with dq and
+     * dk rotated back as rope_bwd at pos[T] (the same arithmetic as
+     * rope_qk's backward, so the same values), dv copied: the input of the
+     * fused projection's two backward GEMMs. */
+    void (*qkv_join_rope_bwd)(cf_backend *b, void *dqkv, const void *dq, const void *dk, const void *dv,
+                              const int *pos, int T, int Hq, int Hk, const float *inv_freq, int D);
     /* h[t, c] = silu(gate[t, c]) * up[t, c] for t < T, c < F: h has rows of
      * F; gate and up rows ld_in >= F elements apart (ld_in = 2F with up =
      * gate + F: the [T, 2F] output of the fused gate/up GEMM). */

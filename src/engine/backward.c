@@ -224,6 +224,22 @@ static int gate_up_fused(cf_model *m, const cf_layer_params *p) {
     return !gg || gu == gg + g->numel;
 }
 
+/* Whether the q, k, v projections' backward can run as one GEMM each for
+ * the input and the weight gradient, as their forward does (model.c:
+ * plan_fused_proj: no bias, adapter or q/k norm, the three weights back to
+ * back): their gradients back to back too (or all frozen), and dk, dv of
+ * the backward's own rows (not centrifuge-kv's every row). The input is
+ * [dq dk dv] joined row by row with RoPE undone (qkv_join_rope_bwd), in the
+ * slot the forward's fused output used. CF_FUSED_PROJ=0 turns it off with
+ * the forward's. */
+static int qkv_fused_bwd(cf_model *m, const cf_layer_params *p, int kv_all) {
+    if (!p->fused_qkv || kv_all || cf_tp_on(m) || !m->b->qkv_join_rope_bwd) return 0;
+    const cf_param *q = &m->params[p->q.w], *k = &m->params[p->k.w];
+    float *gq = cf_grad(m, p->q.w), *gk = cf_grad(m, p->k.w), *gv = cf_grad(m, p->v.w);
+    if (!gq != !gk || !gk != !gv) return 0;
+    return !gq || (gk == gq + q->numel && gv == gk + k->numel);
+}
+
 /* Layer l's MLP after swiglu' in a paired backward (dwpair.c), whose
  * dgate|dup and h are in the layer's stash at rows r0..r0+n-1 already:
  * the down projection's dY (the residual gradient) and the gate/up input
@@ -409,34 +425,43 @@ static int backward_body(cf_model *m, cf_mode mode, const cf_kept *kept, float t
             (zero_filtered_rows(m, m->d_k, (size_t)kd, sg->keep) != 0 ||
              zero_filtered_rows(m, m->d_v, (size_t)kd, sg->keep) != 0))
             return -1;
-        OP(CF_PROF_ROPE, b->rope_qk(b, m->d_q, pos, n, H, m->d_k, kpos, nk, Hkv, m->inv_freq, D, 1));
-        void *dq = m->d_q, *dk = m->d_k;
-        if (c->qk_norm) {
-            OP(CF_PROF_NORM, b->rmsnorm_bwd(b, m->d_qn, cf_grad(m, p->qn), m->d_q, SAVED(m, a->qpre),
-                           cf_weight(m, p->qn), SAVED(m, a->rstdq), n * H, D, 0));
-            OP(CF_PROF_NORM, b->rmsnorm_bwd(b, m->d_kn, cf_grad(m, p->kn), m->d_k, KSAVED(a->kpre),
-                           cf_weight(m, p->kn), KSAVED(a->rstdk), nk * Hkv, D, 0));
-            dq = m->d_qn;
-            dk = m->d_kn;
-        }
-        if (kv_all) {
-            OP(CF_PROF_GEMM, cf_linear_bwd(m, &p->q, m->d_ln, dq, SAVED(m, a->ln1), n, C, qd, 0));
-            if (kv_proj_bwd(m, p, a, dk, n, sg) != 0) return -1;
-            if (tp && cf_tp_allreduce(m, m->d_ln, (size_t)n * C, CF_TP_ACT, CF_TP_BWD) != 0) return -1;
-        } else if (tp) {
-            /* column-parallel q/k/v, as gate/up above */
-            OP(CF_PROF_GEMM, cf_linear_bwd_input(m, &p->q, m->d_ln, dq, n, C, qd, 0));
-            OP(CF_PROF_GEMM, cf_linear_bwd_input(m, &p->k, m->d_ln, dk, n, C, kd, 1));
-            OP(CF_PROF_GEMM, cf_linear_bwd_input(m, &p->v, m->d_ln, m->d_v, n, C, kd, 1));
-            if (m->tp.allreduce_start(m->tp.ctx, m->d_ln, (size_t)n * C, CF_TP_ACT, CF_TP_BWD) != 0) return -1;
-            OP(CF_PROF_GEMM, cf_linear_bwd_weight(m, &p->q, dq, SAVED(m, a->ln1), n, C, qd));
-            OP(CF_PROF_GEMM, cf_linear_bwd_weight(m, &p->k, dk, SAVED(m, a->ln1), n, C, kd));
-            OP(CF_PROF_GEMM, cf_linear_bwd_weight(m, &p->v, m->d_v, SAVED(m, a->ln1), n, C, kd));
-            if (m->tp.wait(m->tp.ctx) != 0) return -1;
+        if (qkv_fused_bwd(m, p, kv_all)) {
+            /* dln1 = [dq dk dv] [Wq; Wk; Wv],  [dWq; dWk; dWv] (+)= [dq dk dv]^T ln1 */
+            void *dqkv = m->qkv ? m->qkv : m->tmp;
+            OP(CF_PROF_ROPE, b->qkv_join_rope_bwd(b, dqkv, m->d_q, m->d_k, m->d_v, pos, n, H, Hkv, m->inv_freq, D));
+            int zero = cf_grad_take_zero(m, p->q.w) & cf_grad_take_zero(m, p->k.w) & cf_grad_take_zero(m, p->v.w);
+            OP(CF_PROF_GEMM, b->matmul_bwd(b, m->d_ln, cf_grad(m, p->q.w), NULL, dqkv, SAVED(m, a->ln1),
+                                           cf_weight(m, p->q.w), n, C, qd + 2 * kd, zero));
         } else {
-            OP(CF_PROF_GEMM, cf_linear_bwd(m, &p->q, m->d_ln, dq, SAVED(m, a->ln1), n, C, qd, 0));
-            OP(CF_PROF_GEMM, cf_linear_bwd(m, &p->k, m->d_ln, dk, SAVED(m, a->ln1), n, C, kd, 1));
-            OP(CF_PROF_GEMM, cf_linear_bwd(m, &p->v, m->d_ln, m->d_v, SAVED(m, a->ln1), n, C, kd, 1));
+            OP(CF_PROF_ROPE, b->rope_qk(b, m->d_q, pos, n, H, m->d_k, kpos, nk, Hkv, m->inv_freq, D, 1));
+            void *dq = m->d_q, *dk = m->d_k;
+            if (c->qk_norm) {
+                OP(CF_PROF_NORM, b->rmsnorm_bwd(b, m->d_qn, cf_grad(m, p->qn), m->d_q, SAVED(m, a->qpre),
+                               cf_weight(m, p->qn), SAVED(m, a->rstdq), n * H, D, 0));
+                OP(CF_PROF_NORM, b->rmsnorm_bwd(b, m->d_kn, cf_grad(m, p->kn), m->d_k, KSAVED(a->kpre),
+                               cf_weight(m, p->kn), KSAVED(a->rstdk), nk * Hkv, D, 0));
+                dq = m->d_qn;
+                dk = m->d_kn;
+            }
+            if (kv_all) {
+                OP(CF_PROF_GEMM, cf_linear_bwd(m, &p->q, m->d_ln, dq, SAVED(m, a->ln1), n, C, qd, 0));
+                if (kv_proj_bwd(m, p, a, dk, n, sg) != 0) return -1;
+                if (tp && cf_tp_allreduce(m, m->d_ln, (size_t)n * C, CF_TP_ACT, CF_TP_BWD) != 0) return -1;
+            } else if (tp) {
+                /* column-parallel q/k/v, as gate/up above */
+                OP(CF_PROF_GEMM, cf_linear_bwd_input(m, &p->q, m->d_ln, dq, n, C, qd, 0));
+                OP(CF_PROF_GEMM, cf_linear_bwd_input(m, &p->k, m->d_ln, dk, n, C, kd, 1));
+                OP(CF_PROF_GEMM, cf_linear_bwd_input(m, &p->v, m->d_ln, m->d_v, n, C, kd, 1));
+                if (m->tp.allreduce_start(m->tp.ctx, m->d_ln, (size_t)n * C, CF_TP_ACT, CF_TP_BWD) != 0) return -1;
+                OP(CF_PROF_GEMM, cf_linear_bwd_weight(m, &p->q, dq, SAVED(m, a->ln1), n, C, qd));
+                OP(CF_PROF_GEMM, cf_linear_bwd_weight(m, &p->k, dk, SAVED(m, a->ln1), n, C, kd));
+                OP(CF_PROF_GEMM, cf_linear_bwd_weight(m, &p->v, m->d_v, SAVED(m, a->ln1), n, C, kd));
+                if (m->tp.wait(m->tp.ctx) != 0) return -1;
+            } else {
+                OP(CF_PROF_GEMM, cf_linear_bwd(m, &p->q, m->d_ln, dq, SAVED(m, a->ln1), n, C, qd, 0));
+                OP(CF_PROF_GEMM, cf_linear_bwd(m, &p->k, m->d_ln, dk, SAVED(m, a->ln1), n, C, kd, 1));
+                OP(CF_PROF_GEMM, cf_linear_bwd(m, &p->v, m->d_ln, m->d_v, SAVED(m, a->ln1), n, C, kd, 1));
+            }
         }
         OP(CF_PROF_NORM, b->rmsnorm_bwd(b, m->d_resid, cf_grad(m, p->ln1), m->d_ln, SAVED(m, m->resid[l]),
                        cf_weight(m, p->ln1), SAVED(m, a->rstd1), n, C, 1));

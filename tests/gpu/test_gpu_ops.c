@@ -521,6 +521,41 @@ TEST(qkv_split_rope_matches_cpu) {
     }
 }
 
+/* qkv_join_rope_bwd: dq, dk (rotated back, 1e-2 as rope) and dv (an exact
+ * copy) joined into the fused projection's [T, (Hq + 2 Hk) D] rows, against
+ * the CPU op (which test_ops checks against rope_qk's backward then the
+ * join). The 16-byte path, D/2 % 8 != 0 and a misaligned input (scalar
+ * paths); the output NaN-poisoned. */
+TEST(qkv_join_rope_bwd_matches_cpu) {
+    static const struct { int T, Hq, Hk, D, misalign; } cs[] = {
+        {50, 12, 2, 128, 0}, {7, 4, 4, 64, 0}, {9, 4, 2, 36, 0}, {20, 3, 1, 64, 1},
+    };
+    for (size_t ci = 0; ci < sizeof cs / sizeof cs[0]; ci++) {
+        const int T = cs[ci].T, Hq = cs[ci].Hq, Hk = cs[ci].Hk, D = cs[ci].D, W = (Hq + 2 * Hk) * D;
+        const size_t n = (size_t)T * W, nq = (size_t)T * Hq * D, nk = (size_t)T * Hk * D;
+        float *dq = HOLD(hrand(nq, 1.f)), *dk = HOLD(hrand(nk, 1.f)), *dv = HOLD(hrand(nk, 1.f));
+        float *invf = HOLD(hnew(D / 2)), *want = HOLD(hnew(n));
+        int *pos = HOLD(inew(T));
+        for (int i = 0; i < D / 2; i++) invf[i] = powf(10000.f, -2.f * i / D);
+        for (int t = 0; t < T; t++) pos[t] = (int)cf_rng_below(&rng, 4096);
+        cpu->qkv_join_rope_bwd(cpu, want, dq, dk, dv, pos, T, Hq, Hk, invf, D);
+        void *gq = cs[ci].misalign ? gact_misaligned(dq, nq) : gact(dq, nq), *gk = gact(dk, nk), *gv = gact(dv, nk);
+        void *gx = gact_nan(n);
+        gpu->qkv_join_rope_bwd(gpu, gx, gq, gk, gv, gi32(pos, T), T, Hq, Hk, gf32(invf, D / 2), D);
+        float *got = get_act(gx, n);
+        char what[96];
+        snprintf(what, sizeof what, "qkv_join_rope_bwd T=%d Hq=%d Hk=%d D=%d%s", T, Hq, Hk, D,
+                 cs[ci].misalign ? " misaligned" : "");
+        cmp(what, got, want, n, TOL_BF16);
+        int exact_v = 1; /* the dv columns of every row: copies */
+        for (int t = 0; t < T; t++)
+            exact_v &= bitwise_equal(got + (size_t)t * W + (size_t)(Hq + Hk) * D, want + (size_t)t * W + (size_t)(Hq + Hk) * D,
+                                     (size_t)Hk * D);
+        CHECK_MSG(exact_v, "qkv_join_rope_bwd dv: not an exact copy");
+        free_all();
+    }
+}
+
 /* swiglu_fwd and swiglu_bwd_rows with gate and up the halves of one
  * [T, 2F] matrix (ld_in = 2F, the fused gate/up GEMM's output): against
  * the CPU (1e-2), and bitwise what the GPU gives for two [T, F] matrices
@@ -1621,6 +1656,7 @@ int main(void) {
     RUN_IF(rope_qk_matches_cpu_rope_of_each_part);
     RUN_IF(swiglu_fwd_bwd_match_cpu_vector_and_scalar_paths);
     RUN_IF(qkv_split_rope_matches_cpu);
+    RUN_IF(qkv_join_rope_bwd_matches_cpu);
     RUN_IF(swiglu_with_gate_up_rows_2F_apart_matches_cpu_and_separate_matrices);
     RUN_IF(add_matches_cpu_out_of_place_and_in_place);
     RUN_IF(dropout_mask_matches_cpu_bitwise_vector_scalar_row_index_and_in_place);

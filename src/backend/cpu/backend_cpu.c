@@ -396,6 +396,33 @@ static void cpu_qkv_split_rope(cf_backend *b, void *q_, void *k_, void *v_, cons
     }
 }
 
+/* The split's backward: rows of dq | dk | dv, dq and dk rotated back
+ * exactly as rope_apply does with sign -1 (so the same bits), dv copied. */
+static void cpu_qkv_join_rope_bwd(cf_backend *b, void *dqkv_, const void *dq_, const void *dk_, const void *dv_,
+                                  const int *pos, int T, int Hq, int Hk, const float *inv_freq, int D) {
+    if (cpu_failed(b)) return;
+    float *dqkv = dqkv_;
+    const float *dq = dq_, *dk = dk_, *dv = dv_;
+    const int half = D / 2, nh = Hq + 2 * Hk;
+#pragma omp parallel for schedule(static)
+    for (int t = 0; t < T; t++) {
+        float *row = dqkv + (size_t)t * nh * D;
+        memcpy(row, dq + (size_t)t * Hq * D, (size_t)Hq * D * sizeof(float));
+        memcpy(row + (size_t)Hq * D, dk + (size_t)t * Hk * D, (size_t)Hk * D * sizeof(float));
+        memcpy(row + (size_t)(Hq + Hk) * D, dv + (size_t)t * Hk * D, (size_t)Hk * D * sizeof(float));
+        for (int i = 0; i < half; i++) {
+            const float theta = (float)pos[t] * inv_freq[i];
+            const float c = cosf(theta), s = -1.0f * sinf(theta);
+            for (int h = 0; h < Hq + Hk; h++) {
+                float *xh = row + (size_t)h * D;
+                const float x1 = xh[i], x2 = xh[i + half];
+                xh[i] = x1 * c - x2 * s;
+                xh[i + half] = x2 * c + x1 * s;
+            }
+        }
+    }
+}
+
 /* ------------------------------------------------------------------ swiglu */
 
 /* h = silu(g) * u, silu(g) = g / (1 + exp(-g)); gate/up rows ld_in apart */
@@ -794,6 +821,7 @@ cf_backend *cf_backend_cpu_create(void) {
     b->rope_bwd = cpu_rope_bwd;
     b->rope_qk = cpu_rope_qk;
     b->qkv_split_rope = cpu_qkv_split_rope;
+    b->qkv_join_rope_bwd = cpu_qkv_join_rope_bwd;
     b->swiglu_fwd = cpu_swiglu_fwd;
     b->swiglu_bwd_rows = cpu_swiglu_bwd_rows;
     b->add = cpu_add;

@@ -103,6 +103,7 @@ extern "C" cf_backend *cf_backend_cuda_create(int device) {
     b->rope_bwd = cf_cuda_rope_bwd;
     b->rope_qk = cf_cuda_rope_qk;
     b->qkv_split_rope = cf_cuda_qkv_split_rope;
+    b->qkv_join_rope_bwd = cf_cuda_qkv_join_rope_bwd;
     b->swiglu_fwd = cf_cuda_swiglu_fwd;
     b->swiglu_bwd_rows = cf_cuda_swiglu_bwd_rows;
     b->add = cf_cuda_add;

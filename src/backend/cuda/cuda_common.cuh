@@ -152,6 +152,8 @@ void cf_cuda_rope_qk(cf_backend *b, void *q, const int *qpos, int Tq, int Hq, vo
                      int Hk, const float *inv_freq, int D, int bwd);
 void cf_cuda_qkv_split_rope(cf_backend *b, void *q, void *k, void *v, const void *qkv, const int *pos, int T,
                             int Hq, int Hk, const float *inv_freq, int D);
+void cf_cuda_qkv_join_rope_bwd(cf_backend *b, void *dqkv, const void *dq, const void *dk, const void *dv,
+                               const int *pos, int T, int Hq, int Hk, const float *inv_freq, int D);
 /* swiglu.cu */
 void cf_cuda_swiglu_fwd(cf_backend *b, void *h, const void *gate, const void *up, int T, int F, int ld_in);
 void cf_cuda_swiglu_bwd_rows(cf_backend *b, void *h, void *dgate, void *dup, const void *dh, const void *gate,

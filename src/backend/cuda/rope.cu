@@ -1,7 +1,8 @@
 /*
  * rope.cu — rotate-half rotary position embedding, in place, forward and
  * backward (the transposed rotation), of one tensor or of q and k together;
- * and the split of the fused q/k/v projection's rows with RoPE applied.
+ * and the split of the fused q/k/v projection's rows with RoPE applied,
+ * with its backward (the rows joined again, RoPE undone).
  */
 #include "backend/cuda/cuda_common.cuh"
 
@@ -151,4 +152,64 @@ void cf_cuda_qkv_split_rope(cf_backend *b, void *q, void *k, void *v, const void
         qkv_split_rope_kernel<1><<<cf_grid_for(rows * (D / 2), 256), 256, 0, ctx->stream>>>(
             (bf16 *)q, (bf16 *)k, (bf16 *)v, (const bf16 *)qkv, pos, T, Hq, Hk, inv_freq, D);
     CF_CK_LAUNCH(ctx, "qkv_split_rope");
+}
+
+/* The split's backward: dqkv[T, (Hq + 2 Hk) D] rows = dq | dk | dv with dq
+ * and dk rotated back as rope_kernel does with sign -1 (the same float
+ * arithmetic, so the same values as rope_qk's backward), dv copied. One
+ * thread per (t, head, V consecutive i), heads q first, then k, then v. */
+template <int V>
+static __global__ void qkv_join_rope_bwd_kernel(bf16 *dqkv, const bf16 *dq, const bf16 *dk, const bf16 *dv,
+                                                const int *pos, int T, int Hq, int Hk, const float *inv_freq, int D) {
+    const int half = D / 2, groups = half / V, nh = Hq + 2 * Hk;
+    const size_t n = (size_t)T * nh * groups;
+    for (size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n; idx += (size_t)gridDim.x * blockDim.x) {
+        const int i0 = (int)(idx % groups) * V;
+        const size_t th = idx / groups; /* t * nh + head */
+        const size_t t = th / nh;
+        const int h = (int)(th % nh);
+        const bf16 *x1p = h < Hq        ? dq + (t * Hq + h) * D
+                          : h < Hq + Hk ? dk + (t * Hk + (h - Hq)) * D
+                                        : dv + (t * Hk + (h - Hq - Hk)) * D;
+        x1p += i0;
+        const bf16 *x2p = x1p + half;
+        bf16 *o1 = dqkv + th * D + i0, *o2 = o1 + half;
+        float x1[V], x2[V];
+        if (V == 8) {
+            unpack8(*(const pack8 *)x1p, x1);
+            unpack8(*(const pack8 *)x2p, x2);
+        } else {
+            for (int j = 0; j < V; j++) x1[j] = __bfloat162float(x1p[j]), x2[j] = __bfloat162float(x2p[j]);
+        }
+        if (h < Hq + Hk) {
+            const float p = (float)pos[t];
+            for (int j = 0; j < V; j++) {
+                float s, c;
+                sincosf(p * inv_freq[i0 + j], &s, &c);
+                s *= -1.f;
+                const float a = x1[j], b = x2[j];
+                x1[j] = a * c - b * s;
+                x2[j] = b * c + a * s;
+            }
+        }
+        if (V == 8) {
+            *(pack8 *)o1 = pack8_from(x1);
+            *(pack8 *)o2 = pack8_from(x2);
+        } else {
+            for (int j = 0; j < V; j++) o1[j] = __float2bfloat16_rn(x1[j]), o2[j] = __float2bfloat16_rn(x2[j]);
+        }
+    }
+}
+void cf_cuda_qkv_join_rope_bwd(cf_backend *b, void *dqkv, const void *dq, const void *dk, const void *dv,
+                               const int *pos, int T, int Hq, int Hk, const float *inv_freq, int D) {
+    cf_cuda_ctx *ctx = cf_cuda_enter(b);
+    if (!ctx || T <= 0 || D < 2 || Hq < 0 || Hk < 0 || Hq + 2 * Hk == 0) return;
+    const size_t rows = (size_t)T * (Hq + 2 * Hk);
+    if ((D / 2) % 8 == 0 && cf_aligned16(dq) && cf_aligned16(dk) && cf_aligned16(dv) && cf_aligned16(dqkv))
+        qkv_join_rope_bwd_kernel<8><<<cf_grid_for(rows * (D / 16), 256), 256, 0, ctx->stream>>>(
+            (bf16 *)dqkv, (const bf16 *)dq, (const bf16 *)dk, (const bf16 *)dv, pos, T, Hq, Hk, inv_freq, D);
+    else
+        qkv_join_rope_bwd_kernel<1><<<cf_grid_for(rows * (D / 2), 256), 256, 0, ctx->stream>>>(
+            (bf16 *)dqkv, (const bf16 *)dq, (const bf16 *)dk, (const bf16 *)dv, pos, T, Hq, Hk, inv_freq, D);
+    CF_CK_LAUNCH(ctx, "qkv_join_rope_bwd");
 }
