@@ -6,7 +6,7 @@
 #   parts: tests sanitize sanitize-attn bench-main bench-old bench-sweeps bench-3b pytorch
 #          parity peft-parity dp-check dp-bench dp-ctas tp-check tp-bench rows-x4 rows-x8
 #          rows-x8-dry bench-accum profile dp-bf16 ab-profile ab-fused ab-head attn-shapes attn-ab attn-parts dp-prio
-#          bench-pair pair-ab norm-blocks cf-side
+#          bench-pair pair-ab norm-blocks cf-side ab-old
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G=$PWD/.gpucarry
@@ -138,6 +138,17 @@ for part in "$@"; do
         done; done
         "$CF" bench --device cuda --config $c --seq $sq --batch 1 --grad-accum 8 --modes centrifuge --keep 0.5 \
           --steps 4 --warmup 2 --profile 2>&1 | tee "$OUT/pairprof_${c}.txt" | grep -E "profile|  0\.50" | sed "s/^/pair=1 /"
+      done ;;
+    ab-old)
+      # this build against the carried earlier one (centrifuge-cuda-old), alternated twice per model in
+      # ACCUM_MODELS at 1 x 8, regular and centrifuge (medians of ACCUM_STEPS steps)
+      for cs in ${ACCUM_MODELS:-qwen2.5-1.5b:2048}; do c=${cs%%:*}; sq=${cs##*:}
+        for rep in 1 2; do for v in old new; do
+          b="$CF"; [ $v = old ] && b="$G/centrifuge-cuda-old"
+          "$b" bench --device cuda --config $c --seq $sq --batch 1 --grad-accum 8 --modes regular,centrifuge \
+            --keep 0.5 --steps ${ACCUM_STEPS:-6} --warmup 2 --json "$OUT/ab_${v}_${c}_r$rep.jsonl" 2>&1 |
+            tee "$OUT/ab_${v}_${c}_r$rep.txt" | grep -E "  0\.50" | sed "s/^/$v rep $rep /"
+        done; done
       done ;;
     cf-side)
       # issue 17: centrifuge's Hopper part 2 beside part 1 on a second stream (default) against after it
