@@ -3,12 +3,12 @@
  * GEMM (engine/dwpair.c), on the CPU backend: the trainer's step with
  * pairing gives the step without it (CF_DW_PAIR=0 at open) in every compact
  * mode, at 2, 3 and 4 micro-batches and over three steps (the first one
- * never pairs; the later ones' gradients start zeroed by AdamW: the
- * joining GEMM writes them); pairing
- * happens where it should (the join count) and nowhere else; rows held for
- * a join that never comes are flushed by the step or by a backward that
- * cannot join, and dropped with the gradient by cf_zero_grad. fp32: only
- * the GEMMs' summation order differs, so ~1e-6.
+ * never pairs; in the later ones AdamW has left the MLP's gradients STALE:
+ * the joining GEMM writes them); pairing happens where it should (the join
+ * count) and nowhere else; rows held for a join that never comes are
+ * flushed by the step or by a backward that cannot join, and dropped with
+ * the gradient by cf_zero_grad. fp32: only the GEMMs' summation order
+ * differs, so ~1e-6.
  */
 #include <math.h>
 #include <stdint.h>

@@ -263,6 +263,38 @@ TEST(matmul_bwd_accumulate_adds_to_dinp_and_null_dinp_dbias_are_skipped) {
     free(inp); free(w); free(dout); free(d1); free(d2); free(base); free(dwa); free(dwb);
 }
 
+/* A STALE gradient's first writer must overwrite it even over no rows
+ * (backend.h, matmul_bwd): with CF_MM_DW_SET and T = 0, dw (NaN before)
+ * becomes zeros; without it, dw and dbias are left as they are (+= over no
+ * rows), and dinp [0, K] is not touched. */
+TEST(matmul_bwd_dw_set_over_no_rows_writes_zeros_and_accumulate_leaves_dw) {
+    const int K = 5, N = 7;
+    float *w = fnew(N * K), *dw = fnew(N * K), *db = fnew(N), guard = 3.0f;
+    for (int i = 0; i < N * K; i++) { w[i] = 1.0f; dw[i] = NAN; }
+    for (int i = 0; i < N; i++) db[i] = 2.0f;
+    be->matmul_bwd(be, &guard, dw, db, &guard, &guard, w, 0, K, N, CF_MM_DW_SET);
+    int zeros = 1, kept = 1;
+    for (int i = 0; i < N * K; i++) zeros &= dw[i] == 0.0f && !signbit(dw[i]);
+    for (int i = 0; i < N; i++) kept &= db[i] == 2.0f;
+    CHECK_MSG(zeros, "dw = over no rows is not zeros");
+    CHECK_MSG(kept, "dbias changed over no rows");
+    CHECK(guard == 3.0f && be->check(be) == 0);
+    for (int i = 0; i < N * K; i++) dw[i] = (float)i;
+    be->matmul_bwd(be, NULL, dw, NULL, &guard, &guard, w, 0, K, N, 0);
+    int same = 1;
+    for (int i = 0; i < N * K; i++) same &= dw[i] == (float)i;
+    CHECK_MSG(same, "dw += over no rows changed dw");
+    /* negative T as no rows; an empty dw (K = 0 or N = 0) is never touched */
+    for (int i = 0; i < N * K; i++) dw[i] = NAN;
+    be->matmul_bwd(be, NULL, dw, NULL, &guard, &guard, w, -1, K, N, CF_MM_DW_SET);
+    CHECK(dw[0] == 0.0f && dw[N * K - 1] == 0.0f);
+    dw[0] = NAN;
+    be->matmul_bwd(be, NULL, dw, NULL, &guard, &guard, w, 0, 0, N, CF_MM_DW_SET);
+    be->matmul_bwd(be, NULL, dw, NULL, &guard, &guard, w, 0, K, 0, CF_MM_DW_SET);
+    CHECK(isnan(dw[0]) && be->check(be) == 0);
+    free(w); free(dw); free(db);
+}
+
 /* ---------------------------------------------------------------- rmsnorm */
 
 typedef struct { int T, C; double eps; double *x, *w, *R; } rms_ctx;
@@ -1700,16 +1732,16 @@ TEST(adamw_matches_hand_computed_two_steps) {
     float g1[2] = {0.5f, -3.0f}, g2[2] = {-0.25f, 1.0f};
     const float lr = 0.1f, b1 = 0.9f, b2 = 0.999f, eps = 1e-8f, wd = 0.01f;
     /* two elements with different grad scales: run them as separate calls */
-    be->adamw(be, &p[0], NULL, &g1[0], &m[0], &v[0], 1, lr, b1, b2, eps, wd, 2.0f, 1);
-    be->adamw(be, &p[1], NULL, &g1[1], &m[1], &v[1], 1, lr, b1, b2, eps, wd, 0.5f, 1);
+    be->adamw(be, &p[0], NULL, &g1[0], &m[0], &v[0], 1, lr, b1, b2, eps, wd, 2.0f, 1, 0);
+    be->adamw(be, &p[1], NULL, &g1[1], &m[1], &v[1], 1, lr, b1, b2, eps, wd, 0.5f, 1, 0);
     CHECK_CLOSE(m[0], 0.1, 1e-6);
     CHECK_CLOSE(v[0], 0.001, 1e-6);
     CHECK_CLOSE(p[0], 0.899000001, 1e-6);
     CHECK_CLOSE(m[1], -0.15, 1e-6);
     CHECK_CLOSE(v[1], 0.00225, 1e-6);
     CHECK_CLOSE(p[1], -1.89800000067, 1e-6);
-    be->adamw(be, &p[0], NULL, &g2[0], &m[0], &v[0], 1, lr, b1, b2, eps, wd, 2.0f, 2);
-    be->adamw(be, &p[1], NULL, &g2[1], &m[1], &v[1], 1, lr, b1, b2, eps, wd, 0.5f, 2);
+    be->adamw(be, &p[0], NULL, &g2[0], &m[0], &v[0], 1, lr, b1, b2, eps, wd, 2.0f, 2, 0);
+    be->adamw(be, &p[1], NULL, &g2[1], &m[1], &v[1], 1, lr, b1, b2, eps, wd, 0.5f, 2, 0);
     CHECK_CLOSE(m[0], 0.04, 1e-6);
     CHECK_CLOSE(v[0], 0.001249, 1e-6);
     CHECK_CLOSE(p[0], 0.87146729737, 1e-6);
@@ -1717,6 +1749,37 @@ TEST(adamw_matches_hand_computed_two_steps) {
     CHECK_CLOSE(v[1], 0.00249775, 1e-6);
     CHECK_CLOSE(p[1], -1.85608014383, 1e-6);
     CHECK(g1[0] == 0.0f && g1[1] == 0.0f && g2[0] == 0.0f && g2[1] == 0.0f); /* zeroed for the next accumulation */
+}
+
+/* CF_ADAMW_KEEP_GRAD: the same p, m, v bits as the clearing pass, and g
+ * read but left as it was (engine/optim.c leaves set-only tensors' gradients
+ * STALE this way) */
+TEST(adamw_keep_grad_updates_the_same_bits_and_leaves_the_gradient) {
+    enum { N = 1003 };
+    cf_rng r;
+    cf_rng_seed(&r, 1659);
+    float *p[2], *m[2], *v[2], *g[2];
+    for (int k = 0; k < 2; k++) { p[k] = fnew(N); m[k] = fnew(N); v[k] = fnew(N); g[k] = fnew(N); }
+    fill_normal(p[0], N, &r, 1);
+    fill_normal(g[0], N, &r, 1);
+    memcpy(p[1], p[0], N * sizeof(float));
+    memcpy(g[1], g[0], N * sizeof(float));
+    float *g_before = fnew(N);
+    memcpy(g_before, g[0], N * sizeof(float));
+    for (int t = 1; t <= 2; t++) {
+        be->adamw(be, p[0], NULL, g[0], m[0], v[0], N, 1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.5f, t, 0);
+        be->adamw(be, p[1], NULL, g[1], m[1], v[1], N, 1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.5f, t, CF_ADAMW_KEEP_GRAD);
+        int zeroed = 1;
+        for (int i = 0; i < N; i++) zeroed &= g[0][i] == 0.0f;
+        CHECK_MSG(zeroed, "step %d: the clearing pass left a gradient", t);
+        CHECK_MSG(memcmp(g[1], g_before, N * sizeof(float)) == 0, "step %d: KEEP_GRAD changed the gradient", t);
+        memcpy(g[0], g_before, N * sizeof(float)); /* the same gradient again */
+    }
+    CHECK(memcmp(p[0], p[1], N * sizeof(float)) == 0);
+    CHECK(memcmp(m[0], m[1], N * sizeof(float)) == 0);
+    CHECK(memcmp(v[0], v[1], N * sizeof(float)) == 0);
+    for (int k = 0; k < 2; k++) { free(p[k]); free(m[k]); free(v[k]); free(g[k]); }
+    free(g_before);
 }
 
 TEST(reductions_are_bitwise_identical_for_one_and_many_threads) {
@@ -1819,6 +1882,7 @@ int main(void) {
     RUN(matmul_fwd_residual_adds_the_residual_to_the_product_in_place_or_not);
     RUN(matmul_bwd_matches_finite_differences_and_accumulates_dw_dbias);
     RUN(matmul_bwd_accumulate_adds_to_dinp_and_null_dinp_dbias_are_skipped);
+    RUN(matmul_bwd_dw_set_over_no_rows_writes_zeros_and_accumulate_leaves_dw);
     RUN(rmsnorm_fwd_matches_double_reference_and_saves_rstd);
     RUN(add_rmsnorm_fwd_writes_the_sum_and_its_norm_also_in_place);
     RUN(rmsnorm_bwd_matches_finite_differences_and_accumulates);
@@ -1861,6 +1925,7 @@ int main(void) {
     RUN(a_failed_op_is_sticky_reported_by_check_synchronize_download_and_later_ops_are_no_ops);
     RUN(attention_bwd_rejects_kept_rows_that_break_the_contract);
     RUN(adamw_matches_hand_computed_two_steps);
+    RUN(adamw_keep_grad_updates_the_same_bits_and_leaves_the_gradient);
     RUN(reductions_are_bitwise_identical_for_one_and_many_threads);
     be->destroy(be);
     return test_summary();

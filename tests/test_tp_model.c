@@ -284,6 +284,14 @@ static cf_train_opts grid_opts(cf_mode mode, int accum) {
     return o;
 }
 
+/* Whether the step left some gradient STALE (engine/model_internal.h): only
+ * a plain one-process run may; DP hooks and TP zero every gradient. */
+static int any_stale(const cf_model *m) {
+    for (int i = 0; i < m->ntensors; i++)
+        if (m->params[i].trainable && m->opt.gstate[i] == CF_GRAD_STALE) return 1;
+    return 0;
+}
+
 /* GRID_STEPS training steps of m on micro-batches first .. first+accum-1 of
  * each step (micro-batch i of step st at tokens + (st * per_step + i) rows of
  * S + 1); their losses and gradient norms in loss, norm. 0, or -1 with the
@@ -301,6 +309,9 @@ static int train_steps(cf_model *m, cf_mode mode, int accum, const int32_t *toke
         rc = cf_trainer_step(tr, mb, HP.lr, &ss);
         loss[st] = ss.loss;
         norm[st] = ss.grad_norm;
+        const int distributed = cf_tp_on(m) || m->opt.sync.world > 1;
+        if (rc == 0 && any_stale(m) != !distributed) rc = cf_fail("step %d left %s gradient STALE", st,
+                                                                  distributed ? "a DP/TP" : "no one-process");
     }
     if (rc != 0) snprintf(err, errlen, "%s", cf_last_error());
     cf_trainer_free(tr);

@@ -34,7 +34,12 @@ typedef struct cf_backend cf_backend;
 
 /* matmul_bwd and lmhead_loss_bwd flags */
 #define CF_MM_ACC_DINP 1 /* dinp += instead of =                                  */
-#define CF_MM_DW_SET 2   /* dw = instead of +=: the caller knows dw holds zeros   */
+#define CF_MM_DW_SET 2   /* dw = instead of +=: dw is logically zero (its memory
+                            may hold anything, even NaN: it is never read)       */
+
+/* adamw flags */
+#define CF_ADAMW_KEEP_GRAD 1 /* leave g as it is (the caller's next writer of g
+                                overwrites it): g is read, not zeroed           */
 
 /* Attention problem description. Rows are b*S + s. */
 typedef struct {
@@ -120,9 +125,12 @@ struct cf_backend {
     void (*matmul_fwd_residual)(cf_backend *b, void *out, const void *inp, const void *w,
                                 const void *bias, const void *resid, int T, int K, int N);
     /* dinp[T,K] (=, or += if flags & CF_MM_ACC_DINP) dout W ;
-     * dw[N,K] += dout^T inp (= if flags & CF_MM_DW_SET: the caller knows dw
-     * holds zeros, so it is written without being read) ;
-     * dbias[N] += colsum(dout) if dbias != NULL. dinp may be NULL. */
+     * dw[N,K] += dout^T inp (= if flags & CF_MM_DW_SET: dw is written without
+     * being read, whatever it held) ;
+     * dbias[N] += colsum(dout) if dbias != NULL. dinp may be NULL.
+     * With CF_MM_DW_SET, dw (N K > 0) is written even when T <= 0: zeros,
+     * the product over no rows (the engine relies on it: a STALE gradient's
+     * first writer must overwrite it, engine/model_internal.h). */
     void (*matmul_bwd)(cf_backend *b, void *dinp, float *dw, float *dbias, const void *dout,
                        const void *inp, const void *w, int T, int K, int N, int flags);
     /* out = x * rstd * w, rstd[t] = 1/sqrt(mean(x^2)+eps), over rows of C */
@@ -255,9 +263,10 @@ struct cf_backend {
      * p -= lr * (mhat / (sqrt(vhat) + eps) + wd * p), mhat = m/(1-b1^t), ...
      * In the same pass (one read of each buffer): the compute copy w is
      * refreshed from p (unless w is NULL or w == p) and g is zeroed for the
-     * next accumulation. */
+     * next accumulation, unless flags & CF_ADAMW_KEEP_GRAD (g left as it
+     * is: 4 of the pass's 34 bytes per element on the GPU saved). */
     void (*adamw)(cf_backend *b, float *p, void *w, float *g, float *m, float *v, size_t n, float lr,
-                  float beta1, float beta2, float eps, float wd, float grad_scale, int t);
+                  float beta1, float beta2, float eps, float wd, float grad_scale, int t, int flags);
 
     /* ---- selection and loss bookkeeping (no host round trip) ---- */
     /* From keep[B*S] (0/1): rows[] = the kept row indices ascending and

@@ -67,7 +67,7 @@ int cf_filter(cf_model *m, const cf_kept *kept) {
 void cf_zero_grad(cf_model *m) {
     cf_dwpair_drop(m); /* held rows are part of the gradient being cleared */
     if (m->opt.grad) m->b->memzero(m->b, m->opt.grad, m->opt.lay.ngrad * sizeof(float));
-    if (m->opt.gzero) memset(m->opt.gzero, 1, (size_t)m->ntensors);
+    cf_grad_mark_all(m, CF_GRAD_ZERO);
 }
 
 /* Zeroes the rows of x [T, row_elems] whose keep flag is 0 (reference
@@ -275,12 +275,15 @@ static int mlp_pairs(cf_model *m, cf_mode mode, const stopgrad *sg) {
 }
 
 /* The backward; afterwards no gradient counts as zero any more (every
- * trainable tensor may have been written, by whatever op). */
+ * trainable tensor may have been written, by whatever op). A STALE one this
+ * backward did not write (rows held by dwpair.c took theirs at HOLD) is
+ * zeroed first: LIVE memory must hold the sum so far. */
 static int backward_impl(cf_model *m, cf_mode mode, const cf_kept *kept, float token_weight,
                          const stopgrad *sg) {
     int rc = backward_body(m, mode, kept, token_weight, sg);
     cf_dwpair_end(m, rc == 0);
-    if (m->opt.gzero) memset(m->opt.gzero, 0, (size_t)m->ntensors);
+    cf_grad_settle(m);
+    cf_grad_mark_all(m, CF_GRAD_LIVE);
     return rc;
 }
 
@@ -397,7 +400,7 @@ static int backward_body(cf_model *m, cf_mode mode, const cf_kept *kept, float t
             OP(CF_PROF_GEMM, cf_linear_bwd_weight(m, &p->down, m->d_resid, h, n, F, C));
             /* dln2 = [dgate dup] [Wg; Wu],  [dWg; dWu] += [dgate dup]^T ln2 */
             float *dw = cf_grad(m, p->gate.w);
-            int zero = cf_grad_take_zero(m, p->gate.w) & cf_grad_take_zero(m, p->up.w);
+            int zero = cf_grad_take_zero_pair(m, p->gate.w, p->up.w);
             OP(CF_PROF_GEMM, b->matmul_bwd(b, m->d_ln, dw, NULL, d_gate, SAVED(m, a->ln2), cf_weight(m, p->gate.w), n,
                                            C, 2 * F, zero));
         } else if (tp) {

@@ -164,20 +164,35 @@ int cf_dwpair_begin(cf_model *m, int eligible, int n) {
         ensure_stash(m) == 0) {
         p->phase = CF_PAIR_HOLD;
         for (int l = 0; l < m->cfg.num_hidden_layers; l++) {
-            /* whether the gradients hold zeros now: the joining GEMM may
-             * then write them (nothing else writes them in between) */
+            /* whether the gradients may (ZERO) or must (STALE) be written
+             * rather than added to: the joining GEMM does so then
+             * (nothing else writes them in between) */
             p->zero[2 * l] = cf_grad_take_zero(m, m->lp[l].down.w) != 0;
-            p->zero[2 * l + 1] =
-                (cf_grad_take_zero(m, m->lp[l].gate.w) & cf_grad_take_zero(m, m->lp[l].up.w)) != 0;
+            p->zero[2 * l + 1] = cf_grad_take_zero_pair(m, m->lp[l].gate.w, m->lp[l].up.w) != 0;
         }
     }
     return 0;
 }
 
+/* A failed backward that held or joined: the MLP gradients whose joining
+ * GEMM was to write them (ZERO or STALE at HOLD) may never have been
+ * written, so their memory may be stale: STALE again, for the settle at the
+ * backward's end (backward.c) to zero. */
+static void restale(cf_model *m) {
+    for (int l = 0; l < m->cfg.num_hidden_layers; l++) {
+        const cf_layer_params *lp = &m->lp[l];
+        if (m->dwp.zero[2 * l]) m->opt.gstate[lp->down.w] = CF_GRAD_STALE;
+        if (m->dwp.zero[2 * l + 1]) m->opt.gstate[lp->gate.w] = m->opt.gstate[lp->up.w] = CF_GRAD_STALE;
+    }
+}
+
 void cf_dwpair_end(cf_model *m, int ok) {
     cf_dwpair *p = &m->dwp;
-    if (!ok) p->held = 0; /* the failed step's gradient is lost anyway */
-    else if (p->phase == CF_PAIR_HOLD) p->held = p->rows;
+    if (!ok) {
+        /* the failed step's gradient is lost anyway */
+        if (p->phase != CF_PAIR_NONE) restale(m);
+        p->held = 0;
+    } else if (p->phase == CF_PAIR_HOLD) p->held = p->rows;
     else if (p->phase == CF_PAIR_JOIN) {
         p->held = 0;
         p->joins++;

@@ -202,16 +202,54 @@ float *cf_grad(cf_model *m, int i) {
     return m->opt.grad + m->params[i].goff;
 }
 
-/* CF_GRAD_SET=0 in the environment: always accumulate (A/B timing) */
-int cf_grad_take_zero(cf_model *m, int i) {
+/* 0 when CF_GRAD_SET=0 is in the environment: a ZERO gradient is added to,
+ * not written (A/B timing); a STALE one is written regardless (correctness). */
+int cf_grad_set_env(void) {
     static int env = -1;
     if (env < 0) {
         const char *e = getenv("CF_GRAD_SET");
         env = !(e && *e == '0');
     }
-    if (i < 0 || !m->params[i].trainable || !m->opt.gzero || !m->opt.gzero[i]) return 0;
-    m->opt.gzero[i] = 0;
-    return env ? CF_MM_DW_SET : 0;
+    return env;
+}
+
+int cf_grad_take_zero(cf_model *m, int i) {
+    if (i < 0 || !m->params[i].trainable || !m->opt.gstate) return 0;
+    const int state = m->opt.gstate[i];
+    m->opt.gstate[i] = CF_GRAD_LIVE;
+    if (state == CF_GRAD_STALE) return CF_MM_DW_SET;
+    return state == CF_GRAD_ZERO && cf_grad_set_env() ? CF_MM_DW_SET : 0;
+}
+
+static int grad_state(const cf_model *m, int i) {
+    return i >= 0 && m->params[i].trainable && m->opt.gstate ? m->opt.gstate[i] : CF_GRAD_LIVE;
+}
+
+static void grad_memzero(cf_model *m, int i) {
+    m->b->memzero(m->b, cf_grad(m, i), m->params[i].numel * sizeof(float));
+}
+
+int cf_grad_take_zero_pair(cf_model *m, int i, int j) {
+    const int stale_i = grad_state(m, i) == CF_GRAD_STALE, stale_j = grad_state(m, j) == CF_GRAD_STALE;
+    const int set = cf_grad_take_zero(m, i) & cf_grad_take_zero(m, j);
+    if (!set) {
+        /* the GEMM adds to both: a STALE one must hold zeros first */
+        if (stale_i) grad_memzero(m, i);
+        if (stale_j) grad_memzero(m, j);
+    }
+    return set;
+}
+
+void cf_grad_settle(cf_model *m) {
+    for (int i = 0; i < m->ntensors; i++)
+        if (grad_state(m, i) == CF_GRAD_STALE) {
+            grad_memzero(m, i);
+            m->opt.gstate[i] = CF_GRAD_ZERO;
+        }
+}
+
+void cf_grad_mark_all(cf_model *m, int state) {
+    if (m->opt.gstate) memset(m->opt.gstate, state, (size_t)m->ntensors);
 }
 
 /* Per-op-category profiling (bench --profile). With time marks (CUDA
@@ -841,6 +879,11 @@ int cf_model_get_grad(cf_model *m, int i, float *out) {
     if (i < 0 || i >= m->ntensors) return cf_fail("parameter index %d out of range", i);
     if (!m->params[i].trainable) return cf_fail("%s is frozen: it has no gradient", m->params[i].name);
     if (cf_dwpair_flush(m) != 0) return -1; /* the whole gradient, held rows included */
+    if (grad_state(m, i) == CF_GRAD_STALE) {
+        /* logically zero; its memory is left for the next backward to overwrite */
+        memset(out, 0, m->params[i].numel * sizeof(float));
+        return m->b->check(m->b);
+    }
     return m->b->download(m->b, out, cf_grad(m, i), m->params[i].numel * sizeof(float));
 }
 

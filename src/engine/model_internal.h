@@ -35,6 +35,11 @@ typedef struct {
     int tp_replicated;  /* tensor parallel: every TP rank holds all of it (norms,
                            the o bias); its gradient counts once in the norm */
     int adapter;        /* a LoRA adapter (saved in PEFT's files, not the model's) */
+    int grad_set_only;  /* trainable, and every writer of its gradient is a weight-
+                           gradient GEMM that takes cf_grad_take_zero's flag: the
+                           weights of q, k, v, o, gate, up, down and LoRA's A, B
+                           (optim.c, mark_set_only). The step may leave its
+                           gradient STALE (cf_optim.gstate). */
     size_t woff;        /* in elements, into m->w */
     size_t goff;        /* in elements, into the gradient buffer (trainable only) */
 } cf_param;
@@ -165,12 +170,31 @@ typedef struct {
     int last_micro;     /* the backward in flight is the step's last micro-batch */
     int more_micro;     /* another micro-batch's backward of this step follows
                          * (set by the trainer only: dwpair.c may hold rows) */
-    /* [ntensors] 1: the tensor's gradient holds zeros (zeroed, and no
-     * backward since), so its first weight-gradient GEMM may write it
-     * without reading it (beta 0: CF_MM_DW_SET). Set where the buffer is
-     * zeroed, cleared by cf_grad_take_zero and at the end of every backward. */
-    uint8_t *gzero;
+    /* [ntensors] each trainable tensor's gradient state (CF_GRAD_*): ZERO
+     * where the buffer is zeroed (init, cf_zero_grad, AdamW's pass), STALE
+     * where AdamW left a set-only tensor's gradient as it was, LIVE once
+     * written (cf_grad_take_zero) and for all at the end of every backward. */
+    uint8_t *gstate;
+    /* 1: the step may leave set-only tensors' gradients STALE (skipping the
+     * 4-byte zero store per element in AdamW's pass). From CF_GRAD_KEEP and
+     * CF_GRAD_SET at open (either 0: never); tests may flip it. */
+    int keep_stale;
 } cf_optim;
+
+/* The state of a trainable tensor's fp32 gradient (cf_optim.gstate). A
+ * weight-gradient GEMM either adds to the gradient (dW += dY^T X) or writes
+ * it (beta 0, CF_MM_DW_SET): writing is allowed where the gradient is
+ * logically zero, and required where it is STALE. */
+enum {
+    CF_GRAD_LIVE = 0,  /* holds the step's sum so far: writers add to it */
+    CF_GRAD_ZERO = 1,  /* holds zeros: the first writer may write instead of add */
+    CF_GRAD_STALE = 2, /* logically zero, but the memory still holds the last
+                          step's gradient (AdamW skipped its zeroing, which
+                          saves 4 of the pass's 34 bytes per element). Only
+                          set-only tensors: their first writer is a GEMM that
+                          overwrites. Nothing reads it as a gradient:
+                          cf_grad_settle zeroes it first. */
+};
 
 /* ------------------------------------------------ weight-gradient pairs */
 
@@ -184,7 +208,8 @@ typedef struct {
     int cap;            /* rows per layer in the stash */
     void *buf;          /* backend memory: L stashes of layer_bytes */
     size_t layer_bytes;
-    uint8_t *zero;      /* [2L] down's, gate/up's gradient held zeros at HOLD */
+    uint8_t *zero;      /* [2L] down's, gate/up's gradient was ZERO or STALE at
+                           HOLD: the joining (or flushing) GEMM writes it */
     int64_t joins;      /* backwards that joined a held one */
 } cf_dwpair;
 
@@ -308,9 +333,22 @@ struct cf_model {
  * or the tensor is frozen). */
 void *cf_weight(cf_model *m, int i);
 float *cf_grad(cf_model *m, int i);
-/* CF_MM_DW_SET if tensor i's gradient holds zeros (see cf_optim.gzero), else
- * 0; either way the caller is about to write it, so the flag is cleared. */
+/* For the caller about to write tensor i's gradient with a weight-gradient
+ * GEMM: CF_MM_DW_SET where the GEMM must (STALE) or may (ZERO; not with
+ * CF_GRAD_SET=0) write instead of add, else 0; the tensor is LIVE after. */
 int cf_grad_take_zero(cf_model *m, int i);
+/* The same for one GEMM over the contiguous gradients of i and j (the fused
+ * gate/up): CF_MM_DW_SET only where both may be written; else 0, and a
+ * STALE one of the two is zeroed first, as the GEMM will add to it. */
+int cf_grad_take_zero_pair(cf_model *m, int i, int j);
+/* Every STALE gradient zeroed and marked ZERO: before anything reads the
+ * gradient buffer as gradients (the step's norm, a backward's end). */
+void cf_grad_settle(cf_model *m);
+/* Every trainable tensor's gradient state set to `state` (CF_GRAD_*). */
+void cf_grad_mark_all(cf_model *m, int state);
+/* 0 when CF_GRAD_SET=0 is in the environment (read once): ZERO gradients
+ * are added to, not written (A/B timing), and none is left STALE. */
+int cf_grad_set_env(void);
 
 /* Saved activation as the backward reads it. */
 #define SAVED(m, idx) ((m)->saved[(idx)].cur)

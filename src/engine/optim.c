@@ -67,6 +67,32 @@ static int layout_check(const cf_model *m, const cf_optim_layout *lay) {
     return 0;
 }
 
+/* The set-only tensors (cf_param.grad_set_only): the trainable weights of
+ * the linear layers and their LoRA adapters. Their gradients' only writers
+ * are weight-gradient GEMMs that take cf_grad_take_zero's flag (linear.c,
+ * the fused gate/up GEMM in backward.c, dwpair.c). Not the embedding (a
+ * scatter-add), the LM head (tied: the embedding's gradient; kept out
+ * untied too), norm weights or biases (their kernels only add). */
+static void mark_set_only(cf_model *m) {
+    for (int i = 0; i < m->ntensors; i++) m->params[i].grad_set_only = 0;
+    for (int l = 0; l < m->cfg.num_hidden_layers; l++) {
+        const cf_layer_params *p = &m->lp[l];
+        const cf_linear *lin[7] = {&p->q, &p->k, &p->v, &p->o, &p->gate, &p->up, &p->down};
+        for (int t = 0; t < 7; t++) {
+            const int idx[3] = {lin[t]->w, lin[t]->la, lin[t]->lb};
+            for (int k = 0; k < 3; k++)
+                if (idx[k] >= 0 && m->params[idx[k]].trainable) m->params[idx[k]].grad_set_only = 1;
+        }
+    }
+}
+
+/* 0 when CF_GRAD_KEEP=0 is in the environment: AdamW zeroes every gradient
+ * (A/B timing, cross-checks). */
+static int keep_stale_env(void) {
+    const char *e = getenv("CF_GRAD_KEEP");
+    return !(e && *e == '0');
+}
+
 int cf_optim_init(cf_model *m, cf_optim_layout *lay) {
     cf_backend *b = m->b;
     cf_optim *o = &m->opt;
@@ -102,9 +128,11 @@ int cf_optim_init(cf_model *m, cf_optim_layout *lay) {
     o->master = in_place ? (float *)m->w : b->alloc(b, CF_MAX(o->lay.nlocal, (size_t)1) * sizeof(float));
     if (!o->master) return -1;
     b->memzero(b, o->grad, o->lay.ngrad * sizeof(float));
-    o->gzero = cf_malloc((size_t)m->ntensors);
-    if (!o->gzero) return -1;
-    memset(o->gzero, 1, (size_t)m->ntensors);
+    o->gstate = cf_malloc((size_t)m->ntensors);
+    if (!o->gstate) return -1;
+    cf_grad_mark_all(m, CF_GRAD_ZERO);
+    mark_set_only(m);
+    o->keep_stale = keep_stale_env() && cf_grad_set_env();
     b->memzero(b, o->adam_m, o->lay.nlocal * sizeof(float));
     b->memzero(b, o->adam_v, o->lay.nlocal * sizeof(float));
     if (!in_place) b->memzero(b, o->master, o->lay.nlocal * sizeof(float));
@@ -118,8 +146,8 @@ void cf_optim_free(cf_model *m) {
     b->free(b, o->grad);
     b->free(b, o->adam_m);
     b->free(b, o->adam_v);
-    free(o->gzero);
-    o->gzero = NULL;
+    free(o->gstate);
+    o->gstate = NULL;
     cf_optim_layout_free(&o->lay);
     o->master = o->grad = o->adam_m = o->adam_v = NULL;
 }
@@ -169,6 +197,24 @@ float cf_lr_schedule(int64_t step, int64_t warmup, int64_t total, float max_lr, 
     return min_lr + 0.5f * (max_lr - min_lr) * (1.0f + (float)cos(M_PI * progress));
 }
 
+/* Whether segment g holds its tensor whole (with one process: always). */
+static int segment_whole(const cf_model *m, const cf_segment *g) {
+    return g->goff == m->opt.lay.goff[g->tensor] && g->len == m->params[g->tensor].numel;
+}
+
+/* Whether the step may leave the gradient of segment g's tensor STALE: a
+ * set-only tensor that the segment holds whole, in one plain process (no
+ * gradient reduction hooks, no tensor parallelism: their collectives and
+ * buckets read and clear the buffer on their own terms). */
+static int may_leave_stale(const cf_model *m, const cf_segment *g) {
+    const cf_grad_sync *s = &m->opt.sync;
+    if (!m->opt.keep_stale || !m->params[g->tensor].grad_set_only || cf_tp_on(m)) return 0;
+    if (s->world > 1 || s->bucket_ready || s->finish || s->sum_scalars || s->segment_updated ||
+        s->weights_updated || s->embedding_rows)
+        return 0;
+    return segment_whole(m, g);
+}
+
 /* The step, also reporting the loss sum accumulated since the scalars were
  * last cleared (read in the same transfer as the gradient norm: one host
  * synchronisation per step). */
@@ -177,6 +223,9 @@ int cf_step_ex(cf_model *m, const cf_adamw_params *hp, float *grad_norm, double 
     cf_optim *o = &m->opt;
     if (!o->grad) return cf_fail("step: the model has no trainable parameter");
     cf_stage_begin(m, CF_STAGE_OPTIMIZER);
+    /* gradients the last step left STALE and no backward has written since
+     * are zero: the norm and AdamW must read zeros there */
+    cf_grad_settle(m);
     /* rows held for a join that never came (the trainer's last micro-batch
      * never holds, so only a caller of its own gets here with some) */
     if (cf_dwpair_flush(m) != 0) return -1;
@@ -236,19 +285,23 @@ int cf_step_ex(cf_model *m, const cf_adamw_params *hp, float *grad_norm, double 
     for (int s = 0; s < o->lay.nseg; s++) {
         const cf_segment *g = &o->lay.seg[s];
         const cf_param *p = &m->params[g->tensor];
-        /* one pass per segment: update, refresh the compute copy, zero the grad */
+        /* one pass per segment: update, refresh the compute copy, zero the
+         * grad; not the grad of a set-only tensor, whose next writer
+         * overwrites it anyway (4 bytes per element fewer) */
+        const int stale = may_leave_stale(m, g);
         b->adamw(b, o->master + g->loff, (char *)m->w + g->woff * b->act_size, o->grad + g->goff,
                  o->adam_m + g->loff, o->adam_v + g->loff, g->len, hp->lr, hp->beta1, hp->beta2, hp->eps,
-                 p->decay ? hp->weight_decay : 0.0f, scale, (int)o->step);
-        /* adamw zeroed the segment: a tensor it covers whole holds zeros */
-        if (o->gzero && g->goff == o->lay.goff[g->tensor] && g->len == p->numel) o->gzero[g->tensor] = 1;
+                 p->decay ? hp->weight_decay : 0.0f, scale, (int)o->step, stale ? CF_ADAMW_KEEP_GRAD : 0);
+        /* a tensor the segment holds whole holds zeros now, or is STALE */
+        if (stale) o->gstate[g->tensor] = CF_GRAD_STALE;
+        else if (segment_whole(m, g)) o->gstate[g->tensor] = CF_GRAD_ZERO;
         if (o->sync.segment_updated && o->sync.segment_updated(o->sync.ctx, s) != 0) return -1;
     }
     if (o->sync.weights_updated) {
         /* the non-local parts of the gradient were reduced elsewhere: they
          * are zero already, or zeroed here */
         if (!o->sync.clears_nonlocal) cf_zero_grad(m);
-        else if (o->gzero) memset(o->gzero, 1, (size_t)m->ntensors);
+        else cf_grad_mark_all(m, CF_GRAD_ZERO);
         if (o->sync.weights_updated(o->sync.ctx) != 0) return -1;
     }
     cf_stage_end(m, CF_STAGE_OPTIMIZER);

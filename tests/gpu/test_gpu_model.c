@@ -260,7 +260,7 @@ TEST(gpu_batched_filter_gather_equals_per_tensor_gather) {
     g->destroy(g);
 }
 
-TEST(gpu_adamw_refreshes_bf16_weights_and_zeroes_gradients_in_one_pass) {
+TEST(gpu_adamw_refreshes_bf16_weights_and_zeroes_gradients_in_one_pass_unless_kept) {
     cf_backend *g = cf_backend_cuda_create(0);
     if (!g) { CHECK(0); return; }
     enum { N = 1030 };   /* not a multiple of 4 for the tail: scalar path via odd offset below */
@@ -272,8 +272,8 @@ TEST(gpu_adamw_refreshes_bf16_weights_and_zeroes_gradients_in_one_pass) {
     void *dw = g->alloc(g, N * g->act_size);
     g->upload(g, dp, p, sizeof p); g->upload(g, dg, gr, sizeof gr);
     g->upload(g, dm, z, sizeof z); g->upload(g, dv, z, sizeof z);
-    g->adamw(g, dp, dw, dg, dm, dv, 1024, 1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f, 1.0f, 1);           /* vector path */
-    g->adamw(g, dp + 1025, (char *)dw + 1025 * g->act_size, dg + 1025, dm + 1025, dv + 1025, 5, 1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f, 1.0f, 1); /* scalar */
+    g->adamw(g, dp, dw, dg, dm, dv, 1024, 1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f, 1.0f, 1, 0);           /* vector path */
+    g->adamw(g, dp + 1025, (char *)dw + 1025 * g->act_size, dg + 1025, dm + 1025, dv + 1025, 5, 1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f, 1.0f, 1, 0); /* scalar */
     g->download(g, pw, dp, sizeof p);
     g->act_to_f32(g, wf, dw, N);
     g->download(g, gr, dg, sizeof gr);
@@ -285,6 +285,14 @@ TEST(gpu_adamw_refreshes_bf16_weights_and_zeroes_gradients_in_one_pass) {
     }
     CHECK_MSG(ok_w, "compute copy is not bf16(master)");
     CHECK_MSG(ok_g, "gradients not zeroed");
+    /* CF_ADAMW_KEEP_GRAD: the gradients are left as they were, both paths */
+    for (int i = 0; i < N; i++) gr[i] = cf_rng_normal(&r);
+    g->upload(g, dg, gr, sizeof gr);
+    g->adamw(g, dp, dw, dg, dm, dv, 1024, 1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f, 1.0f, 2, CF_ADAMW_KEEP_GRAD);
+    g->adamw(g, dp + 1025, (char *)dw + 1025 * g->act_size, dg + 1025, dm + 1025, dv + 1025, 5, 1e-2f, 0.9f, 0.95f,
+             1e-8f, 0.1f, 1.0f, 2, CF_ADAMW_KEEP_GRAD);
+    g->download(g, pw, dg, sizeof gr);
+    CHECK_MSG(memcmp(pw, gr, sizeof gr) == 0, "KEEP_GRAD changed the gradients");
     g->free(g, dp); g->free(g, dg); g->free(g, dm); g->free(g, dv); g->free(g, dw);
     g->destroy(g);
 }
@@ -343,6 +351,79 @@ TEST(gpu_paired_mlp_weight_gradients_give_the_unpaired_steps) {
     cf_model_free(on);
     cf_model_free(off);
     cf_model_free(mc);
+}
+
+/* Gradients left STALE by AdamW (engine/model_internal.h) on the GPU: the
+ * trainer's steps (regular and centrifuge, two micro-batches, pairs from
+ * the second step) with the set-only gradients not zeroed, and their memory
+ * filled with NaN after every step, give the steps of the zeroing path
+ * (cf_optim.keep_stale = 0): every stale gradient is overwritten by its
+ * first GEMM (CF_MM_DW_SET), never added to or read. Attention's backward
+ * adds with atomics, so two runs agree to 1e-3, not bitwise; a NaN that
+ * got through would not. */
+TEST(gpu_stale_gradients_give_the_zeroing_steps_even_when_poisoned) {
+    const cf_mode modes[] = {CF_MODE_REGULAR, CF_MODE_CENTRIFUGE};
+    for (int mi = 0; mi < 2; mi++) {
+        cf_model *mc = cpu_model("tiny-llama", 91);
+        cf_model *on = mc ? cf_model_create(cf_model_config(mc), CF_BACKEND_CUDA, 1) : NULL;
+        cf_model *off = mc ? cf_model_create(cf_model_config(mc), CF_BACKEND_CUDA, 1) : NULL;
+        if (!on || !off) { CHECK_MSG(0, "%s", cf_last_error()); cf_model_free(mc); cf_model_free(on); cf_model_free(off); return; }
+        copy_weights(on, mc);
+        copy_weights(off, mc);
+        on->opt.keep_stale = 1;
+        off->opt.keep_stale = 0;
+        enum { MB = 2 };
+        cf_train_opts o = {0};
+        o.mode = modes[mi];
+        o.select = (cf_select_opts){CF_SELECT_SELF, mi ? 0.5 : 1.0, 0, 1};
+        o.adamw = (cf_adamw_params){1e-2f, 0.9f, 0.95f, 1e-3f, 0.1f, 1.0f};
+        o.batch = 1; o.seq = S; o.grad_accum = MB;
+        cf_trainer *tr_on = cf_trainer_create(on, &o), *tr_off = cf_trainer_create(off, &o);
+        CHECK(tr_on && tr_off);
+        static int32_t tok[MB * (S + 1)];
+        size_t np = cf_model_num_params(on);
+        float *wa = malloc(np * sizeof(float)), *wb = malloc(np * sizeof(float));
+        for (int step = 0; step < 3 && tr_on && tr_off; step++) {
+            random_tokens(tok, MB * (S + 1), cf_model_config(on)->vocab_size, 95 + step);
+            cf_micro_batch mbs[MB];
+            for (int i = 0; i < MB; i++) mbs[i] = (cf_micro_batch){tok + i * (S + 1), NULL};
+            cf_step_stats son, soff;
+            CHECK(cf_trainer_step(tr_on, mbs, 1e-2f, &son) == 0 && cf_trainer_step(tr_off, mbs, 1e-2f, &soff) == 0);
+            CHECK_MSG(fabs(son.loss - soff.loss) <= 1e-3 * fabs(soff.loss), "%s step %d: losses %.6g vs %.6g",
+                      cf_mode_name(modes[mi]), step, son.loss, soff.loss);
+            CHECK_MSG(fabs(son.grad_norm - soff.grad_norm) <= 1e-3 * soff.grad_norm && soff.grad_norm > 0,
+                      "%s step %d: gradient norms %.6g vs %.6g", cf_mode_name(modes[mi]), step, son.grad_norm,
+                      soff.grad_norm);
+            for (int i = 0; i < cf_model_num_tensors(on); i++) {
+                cf_model_get_param(on, i, wa + toff(on, i));
+                cf_model_get_param(off, i, wb + toff(off, i));
+            }
+            const char *where = "?";
+            double e = max_rel(on, wa, wb, &where);
+            CHECK_MSG(e < 1e-3, "%s step %d: weights differ by %.3g at %s", cf_mode_name(modes[mi]), step, e, where);
+            /* the set-only gradients are STALE now: poison them */
+            int stale = 0;
+            for (int i = 0; i < on->ntensors; i++) {
+                if (!on->params[i].trainable || on->opt.gstate[i] != CF_GRAD_STALE) continue;
+                size_t n = on->params[i].numel;
+                float *nan = malloc(n * sizeof(float));
+                for (size_t j = 0; j < n; j++) nan[j] = NAN;
+                on->b->upload(on->b, cf_grad(on, i), nan, n * sizeof(float));
+                free(nan);
+                stale += on->params[i].grad_set_only;
+            }
+            CHECK_MSG(stale == 7 * cf_model_config(on)->num_hidden_layers, "%s step %d: %d stale gradients",
+                      cf_mode_name(modes[mi]), step, stale);
+        }
+        if (mi) CHECK_MSG(on->dwp.joins == 2, "%lld joins (expected 2)", (long long)on->dwp.joins);
+        free(wa);
+        free(wb);
+        cf_trainer_free(tr_on);
+        cf_trainer_free(tr_off);
+        cf_model_free(on);
+        cf_model_free(off);
+        cf_model_free(mc);
+    }
 }
 
 /* The attention shapes of the model tests, alone: B=2, S=40, D in {8,16,32,64}. */
@@ -524,7 +605,7 @@ int main(void) {
     RUN(gpu_swiglu_bwd_rows_matches_cpu);
     RUN(gpu_selection_equals_cpu_selection_with_ties_and_nan);
     RUN(gpu_attention_fwd_matches_cpu_at_model_test_shapes);
-    RUN(gpu_adamw_refreshes_bf16_weights_and_zeroes_gradients_in_one_pass);
+    RUN(gpu_adamw_refreshes_bf16_weights_and_zeroes_gradients_in_one_pass_unless_kept);
     RUN(gpu_batched_filter_gather_equals_per_tensor_gather);
     RUN(gpu_model_losses_and_gradients_match_cpu_in_every_mode);
     RUN(gpu_model_with_unfused_projections_matches_cpu_in_every_mode);
@@ -533,5 +614,6 @@ int main(void) {
     RUN(gpu_lora_losses_and_adapter_gradients_match_cpu);
     RUN(gpu_equivalences_of_design_section_1_hold_with_bf16_tolerances);
     RUN(gpu_paired_mlp_weight_gradients_give_the_unpaired_steps);
+    RUN(gpu_stale_gradients_give_the_zeroing_steps_even_when_poisoned);
     return test_summary();
 }

@@ -274,6 +274,17 @@ TEST(matmul_bwd_matches_cpu_dinp_dw_dbias_and_accumulate) {
     void *gdn = gf32_nan((size_t)N * K);
     gpu->matmul_bwd(gpu, NULL, gdn, NULL, gdy, gx, gw, T, K, N, CF_MM_DW_SET);
     cmp("matmul_bwd dW = (CF_MM_DW_SET)", get_f32(gdn, (size_t)N * K), rdz, (size_t)N * K, TOL_GRAD);
+    /* no rows: CF_MM_DW_SET writes zeros over NaN (a STALE gradient's first
+     * writer must overwrite it, backend.h), += leaves dW and dbias as they were */
+    void *gdz = gf32_nan((size_t)N * K), *gd0 = gf32(dw0, (size_t)N * K), *gb0 = gf32(db0, N);
+    gpu->matmul_bwd(gpu, NULL, gdz, NULL, gdy, gx, gw, 0, K, N, CF_MM_DW_SET);
+    gpu->matmul_bwd(gpu, NULL, gd0, gb0, gdy, gx, gw, 0, K, N, 0);
+    const float *z = get_f32(gdz, (size_t)N * K);
+    int zeros = 1;
+    for (size_t i = 0; i < (size_t)N * K; i++) zeros &= z[i] == 0.0f;
+    CHECK_MSG(zeros, "matmul_bwd dW = over no rows is not zeros");
+    CHECK_MSG(bitwise_equal(get_f32(gd0, (size_t)N * K), dw0, (size_t)N * K) && bitwise_equal(get_f32(gb0, N), db0, N),
+              "matmul_bwd += over no rows changed dW or dbias");
     free_all();
 }
 
@@ -838,21 +849,38 @@ TEST(fill_dloss_and_loss_sum_match_cpu) {
 
 /* adamw and weights_from_master: fp32 on both sides (1e-6); bf16 weights
  * are the round-to-nearest-even of the master (exact). */
-TEST(adamw_two_steps_and_weights_from_master_match_cpu) {
+TEST(adamw_two_steps_and_weights_from_master_match_cpu_and_keep_grad_leaves_g) {
     const size_t ns[2] = {1004, 1005}; /* 16-byte path, scalar path */
     for (int k = 0; k < 2; k++) {
         const size_t n = ns[k];
         float *p = HOLD(hrand(n, 1.f)), *g1 = HOLD(hrand(n, 1.f)), *g2 = HOLD(hrand(n, 1.f));
         float *m = HOLD(hnew(n)), *v = HOLD(hnew(n));
         void *gp = gf32(p, n), *gm = gf32(m, n), *gv = gf32(v, n), *gg1 = gf32(g1, n), *gg2 = gf32(g2, n);
-        cpu->adamw(cpu, p, NULL, g1, m, v, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.5f, 1);
-        cpu->adamw(cpu, p, NULL, g2, m, v, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.5f, 2);
-        gpu->adamw(gpu, gp, NULL, gg1, gm, gv, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.5f, 1);
-        gpu->adamw(gpu, gp, NULL, gg2, gm, gv, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.5f, 2);
+        cpu->adamw(cpu, p, NULL, g1, m, v, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.5f, 1, 0);
+        cpu->adamw(cpu, p, NULL, g2, m, v, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.5f, 2, 0);
+        gpu->adamw(gpu, gp, NULL, gg1, gm, gv, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.5f, 1, 0);
+        gpu->adamw(gpu, gp, NULL, gg2, gm, gv, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.5f, 2, 0);
         printf("    n=%zu\n", n);
         cmp("adamw p", get_f32(gp, n), p, n, 1e-6);
         cmp("adamw m", get_f32(gm, n), m, n, 1e-6);
         cmp("adamw v", get_f32(gv, n), v, n, 1e-6);
+        /* CF_ADAMW_KEEP_GRAD: the same bits of p, m, v; g left as it was */
+        float *p0 = HOLD(hrand(n, 1.f)), *gk = HOLD(hrand(n, 1.f)), *z = HOLD(hnew(n));
+        void *kp[2], *km[2], *kv[2], *kg[2];
+        for (int keep = 0; keep < 2; keep++) {
+            kp[keep] = gf32(p0, n);
+            km[keep] = gf32(z, n);
+            kv[keep] = gf32(z, n);
+            kg[keep] = gf32(gk, n);
+            gpu->adamw(gpu, kp[keep], NULL, kg[keep], km[keep], kv[keep], n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.5f, 1,
+                       keep ? CF_ADAMW_KEEP_GRAD : 0);
+        }
+        CHECK_MSG(bitwise_equal(get_f32(kp[0], n), get_f32(kp[1], n), n) &&
+                      bitwise_equal(get_f32(km[0], n), get_f32(km[1], n), n) &&
+                      bitwise_equal(get_f32(kv[0], n), get_f32(kv[1], n), n),
+                  "adamw with KEEP_GRAD updates differently");
+        CHECK_MSG(bitwise_equal(get_f32(kg[1], n), gk, n), "adamw with KEEP_GRAD changed g");
+        CHECK_MSG(bitwise_equal(get_f32(kg[0], n), z, n), "adamw did not zero g");
         void *gw = gact_nan(n);
         gpu->weights_from_master(gpu, gw, gp, n);
         float *w = get_act(gw, n), *want = HOLD(hcopy(get_f32(gp, n), n));
@@ -1664,7 +1692,7 @@ int main(void) {
     RUN_IF(sumsq_accumulates_on_the_device_and_matches_cpu);
     RUN_IF(keep_to_rows_matches_cpu_exactly);
     RUN_IF(fill_dloss_and_loss_sum_match_cpu);
-    RUN_IF(adamw_two_steps_and_weights_from_master_match_cpu);
+    RUN_IF(adamw_two_steps_and_weights_from_master_match_cpu_and_keep_grad_leaves_g);
     RUN_IF(lmhead_loss_fwd_bwd_match_cpu_with_zero_dloss_rows);
     RUN_IF(lmhead_saved_grad_fwd_bwd_match_cpu_with_zero_dloss_rows);
     RUN_IF(vocab_parallel_embedding_and_lmhead_slices_match_cpu);

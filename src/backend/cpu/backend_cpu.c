@@ -221,7 +221,7 @@ static void cpu_matmul_fwd_residual(cf_backend *b, void *out_, const void *inp_,
 }
 
 /* dinp[T,K] (=, or += if flags & CF_MM_ACC_DINP) dout[T,N] W[N,K]
- * dw[N,K]   += dout^T inp   (= if flags & CF_MM_DW_SET)
+ * dw[N,K]   += dout^T inp   (= if flags & CF_MM_DW_SET, zeros when T <= 0)
  * dbias[N]  += sum_t dout[t,:]   (if dbias; parallel over columns, rows in order) */
 static void cpu_matmul_bwd(cf_backend *b, void *dinp_, float *dw, float *dbias, const void *dout_,
                            const void *inp_, const void *w_, int T, int K, int N, int flags) {
@@ -229,6 +229,8 @@ static void cpu_matmul_bwd(cf_backend *b, void *dinp_, float *dw, float *dbias, 
     const int accumulate = flags & CF_MM_ACC_DINP;
     float *dinp = dinp_;
     const float *dout = dout_, *inp = inp_, *w = w_;
+    if (T <= 0 && dw && (flags & CF_MM_DW_SET) && N > 0 && K > 0)
+        memset(dw, 0, (size_t)N * K * sizeof(float)); /* the product over no rows */
     if (T <= 0 || K <= 0) return;
     if (dinp) {
         if (N > 0)
@@ -730,10 +732,11 @@ static void cpu_sumsq(cf_backend *b, double *acc, const float *g, size_t n) {
  *   v  = beta2 v + (1 - beta2) g'^2
  *   mhat = m / (1 - beta1^t), vhat = v / (1 - beta2^t)
  *   p -= lr * (mhat / (sqrt(vhat) + eps) + wd * p)
- * g is read only. */
+ * g is zeroed after, unless flags & CF_ADAMW_KEEP_GRAD. */
 static void cpu_adamw(cf_backend *b, float *p, void *w_, float *g, float *m, float *v, size_t n, float lr,
-                      float beta1, float beta2, float eps, float wd, float grad_scale, int t) {
+                      float beta1, float beta2, float eps, float wd, float grad_scale, int t, int flags) {
     if (cpu_failed(b)) return;
+    const int clear = !(flags & CF_ADAMW_KEEP_GRAD);
     const float bc1 = (float)(1.0 - pow((double)beta1, (double)t));
     const float bc2 = (float)(1.0 - pow((double)beta2, (double)t));
 #pragma omp parallel for schedule(static)
@@ -745,7 +748,7 @@ static void cpu_adamw(cf_backend *b, float *p, void *w_, float *g, float *m, flo
         v[i] = vi;
         const float mhat = mi / bc1, vhat = vi / bc2;
         p[i] -= lr * (mhat / (sqrtf(vhat) + eps) + wd * p[i]);
-        g[i] = 0.0f;
+        if (clear) g[i] = 0.0f;
         if (w_ && w_ != (void *)p) ((float *)w_)[i] = p[i];
     }
 }

@@ -1,6 +1,7 @@
 /*
  * adamw.cu — the optimizer pass (AdamW, compute-weight refresh and gradient
- * zeroing in one read of each buffer) and the squared gradient norm.
+ * zeroing, where asked, in one read of each buffer) and the squared
+ * gradient norm.
  */
 #include "backend/cuda/cuda_common.cuh"
 
@@ -60,6 +61,9 @@ __device__ __forceinline__ void adamw_one(float &p, float g, float &m, float &v,
     v = b2 * v + (1.f - b2) * g * g;
     p = p - lr * ((m / bc1) / (sqrtf(v / bc2) + eps) + wd * p);
 }
+/* CLEAR: zero g after reading it (else g is left as it is: its next writer
+ * overwrites it, and the pass stores 4 bytes per element fewer) */
+template <bool CLEAR>
 static __global__ void adamw_kernel(float *p, bf16 *w, float *g, float *m, float *v, size_t n, float lr, float b1,
                                     float b2, float eps, float wd, float gs, float bc1, float bc2) {
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
@@ -68,11 +72,12 @@ static __global__ void adamw_kernel(float *p, bf16 *w, float *g, float *m, float
         p[i] = pi;
         m[i] = mi;
         v[i] = vi;
-        g[i] = 0.f;
+        if (CLEAR) g[i] = 0.f;
         if (w) w[i] = __float2bfloat16_rn(pi);
     }
 }
 /* the same, four elements per 16-byte access */
+template <bool CLEAR>
 static __global__ void adamw_vec_kernel(float4 *p, __nv_bfloat162 *w, float4 *g, float4 *m, float4 *v, size_t n4, float lr,
                                         float b1, float b2, float eps, float wd, float gs, float bc1, float bc2) {
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += (size_t)gridDim.x * blockDim.x) {
@@ -84,28 +89,38 @@ static __global__ void adamw_vec_kernel(float4 *p, __nv_bfloat162 *w, float4 *g,
         p[i] = pi;
         m[i] = mi;
         v[i] = vi;
-        g[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (CLEAR) g[i] = make_float4(0.f, 0.f, 0.f, 0.f);
         if (w) {
             w[2 * i] = __floats2bfloat162_rn(pi.x, pi.y);
             w[2 * i + 1] = __floats2bfloat162_rn(pi.z, pi.w);
         }
     }
 }
-/* One pass: update p, m, v; refresh the bf16 compute copy w; zero g. */
+template <bool CLEAR>
+static void adamw_launch(cf_cuda_ctx *ctx, float *p, bf16 *w, float *g, float *m, float *v, size_t n, float lr,
+                         float beta1, float beta2, float eps, float wd, float grad_scale, float bc1, float bc2) {
+    if (n % 4 == 0 && cf_aligned16(p) && cf_aligned16(g) && cf_aligned16(m) && cf_aligned16(v) &&
+        ((uintptr_t)w % 8) == 0)
+        adamw_vec_kernel<CLEAR><<<cf_stream_grid(ctx, n / 4), 256, 0, ctx->stream>>>(
+            (float4 *)p, (__nv_bfloat162 *)w, (float4 *)g, (float4 *)m, (float4 *)v, n / 4, lr, beta1, beta2, eps, wd,
+            grad_scale, bc1, bc2);
+    else
+        adamw_kernel<CLEAR><<<cf_grid_for(n, 256), 256, 0, ctx->stream>>>(
+            p, w, g, m, v, n, lr, beta1, beta2, eps, wd, grad_scale, bc1, bc2);
+}
+
+/* One pass: update p, m, v; refresh the bf16 compute copy w; zero g unless
+ * flags & CF_ADAMW_KEEP_GRAD. */
 void cf_cuda_adamw(cf_backend *b, float *p, void *w_, float *g, float *m, float *v, size_t n, float lr, float beta1,
-                     float beta2, float eps, float wd, float grad_scale, int t) {
+                     float beta2, float eps, float wd, float grad_scale, int t, int flags) {
     cf_cuda_ctx *ctx = cf_cuda_enter(b);
     if (!ctx || !n) return;
     bf16 *w = (bf16 *)w_;
     float bc1 = (float)(1.0 - pow((double)beta1, (double)t));
     float bc2 = (float)(1.0 - pow((double)beta2, (double)t));
-    if (n % 4 == 0 && cf_aligned16(p) && cf_aligned16(g) && cf_aligned16(m) && cf_aligned16(v) &&
-        ((uintptr_t)w % 8) == 0)
-        adamw_vec_kernel<<<cf_stream_grid(ctx, n / 4), 256, 0, ctx->stream>>>(
-            (float4 *)p, (__nv_bfloat162 *)w, (float4 *)g, (float4 *)m, (float4 *)v, n / 4, lr, beta1, beta2, eps, wd,
-            grad_scale, bc1, bc2);
+    if (flags & CF_ADAMW_KEEP_GRAD)
+        adamw_launch<false>(ctx, p, w, g, m, v, n, lr, beta1, beta2, eps, wd, grad_scale, bc1, bc2);
     else
-        adamw_kernel<<<cf_grid_for(n, 256), 256, 0, ctx->stream>>>(
-            p, w, g, m, v, n, lr, beta1, beta2, eps, wd, grad_scale, bc1, bc2);
+        adamw_launch<true>(ctx, p, w, g, m, v, n, lr, beta1, beta2, eps, wd, grad_scale, bc1, bc2);
     CF_CK_LAUNCH(ctx, "adamw");
 }

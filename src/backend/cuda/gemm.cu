@@ -421,9 +421,9 @@ void cf_cuda_matmul_fwd_residual(cf_backend *b, void *out, const void *inp, cons
 void cf_cuda_matmul_bwd(cf_backend *b, void *dinp, float *dw, float *dbias, const void *dout, const void *inp,
                         const void *w, int T, int K, int N, int flags) {
     cf_cuda_ctx *ctx = cf_cuda_enter(b);
-    if (!ctx || T <= 0) return;
+    if (!ctx) return;
     cf_cuda_matmul_bwd_scaled(ctx, dinp, dw, dout, inp, w, T, K, N, flags, 1.f);
-    if (dbias) cf_cuda_colsum(ctx, dbias, (const bf16 *)dout, NULL, NULL, T, N);
+    if (dbias && T > 0) cf_cuda_colsum(ctx, dbias, (const bf16 *)dout, NULL, NULL, T, N);
 }
 
 /* matmul_bwd's two GEMMs with the products scaled by alpha (fp32, in the
@@ -432,7 +432,14 @@ void cf_cuda_matmul_bwd(cf_backend *b, void *dinp, float *dw, float *dbias, cons
  * this way instead of being rounded to bf16 a second time (lmhead.cu). */
 void cf_cuda_matmul_bwd_scaled(cf_cuda_ctx *ctx, void *dinp, float *dw, const void *dout, const void *inp,
                                const void *w, int T, int K, int N, int flags, float alpha) {
-    if (T <= 0) return;
+    if (ctx->failed) return;
+    if (T <= 0) {
+        /* no rows: dw = is zeros, which its memory may not hold (a STALE
+         * gradient, engine/model_internal.h); += and dinp [0, K] are no-ops */
+        if (dw && (flags & CF_MM_DW_SET) && K > 0 && N > 0)
+            CF_CK(ctx, cudaMemsetAsync(dw, 0, (size_t)N * K * sizeof(float), ctx->stream));
+        return;
+    }
     if (dinp)
         gemm_c(ctx, false, false, K, T, N, w, K, dout, N, dinp, CUDA_R_16BF, K, alpha,
                (flags & CF_MM_ACC_DINP) ? 1.f : 0.f, NULL, NULL);
