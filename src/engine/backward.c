@@ -432,7 +432,8 @@ static int backward_body(cf_model *m, cf_mode mode, const cf_kept *kept, float t
             /* dln1 = [dq dk dv] [Wq; Wk; Wv],  [dWq; dWk; dWv] (+)= [dq dk dv]^T ln1 */
             void *dqkv = m->qkv ? m->qkv : m->tmp;
             OP(CF_PROF_ROPE, b->qkv_join_rope_bwd(b, dqkv, m->d_q, m->d_k, m->d_v, pos, n, H, Hkv, m->inv_freq, D));
-            int zero = cf_grad_take_zero(m, p->q.w) & cf_grad_take_zero(m, p->k.w) & cf_grad_take_zero(m, p->v.w);
+            const int qkv[3] = {p->q.w, p->k.w, p->v.w};
+            const int zero = cf_grad_take_zero_group(m, qkv, 3);
             OP(CF_PROF_GEMM, b->matmul_bwd(b, m->d_ln, cf_grad(m, p->q.w), NULL, dqkv, SAVED(m, a->ln1),
                                            cf_weight(m, p->q.w), n, C, qd + 2 * kd, zero));
         } else {

@@ -229,15 +229,20 @@ static void grad_memzero(cf_model *m, int i) {
     m->b->memzero(m->b, cf_grad(m, i), m->params[i].numel * sizeof(float));
 }
 
-int cf_grad_take_zero_pair(cf_model *m, int i, int j) {
-    const int stale_i = grad_state(m, i) == CF_GRAD_STALE, stale_j = grad_state(m, j) == CF_GRAD_STALE;
-    const int set = cf_grad_take_zero(m, i) & cf_grad_take_zero(m, j);
-    if (!set) {
-        /* the GEMM adds to both: a STALE one must hold zeros first */
-        if (stale_i) grad_memzero(m, i);
-        if (stale_j) grad_memzero(m, j);
-    }
+int cf_grad_take_zero_group(cf_model *m, const int *idx, int n) {
+    int stale[4] = {0}, set = CF_MM_DW_SET;
+    if (n < 1 || n > 4) return 0;
+    for (int k = 0; k < n; k++) stale[k] = grad_state(m, idx[k]) == CF_GRAD_STALE;
+    for (int k = 0; k < n; k++) set &= cf_grad_take_zero(m, idx[k]);
+    if (!set) /* the GEMM adds to all of them: a STALE one must hold zeros first */
+        for (int k = 0; k < n; k++)
+            if (stale[k]) grad_memzero(m, idx[k]);
     return set;
+}
+
+int cf_grad_take_zero_pair(cf_model *m, int i, int j) {
+    const int idx[2] = {i, j};
+    return cf_grad_take_zero_group(m, idx, 2);
 }
 
 void cf_grad_settle(cf_model *m) {

@@ -341,6 +341,8 @@ int cf_grad_take_zero(cf_model *m, int i);
  * gate/up): CF_MM_DW_SET only where both may be written; else 0, and a
  * STALE one of the two is zeroed first, as the GEMM will add to it. */
 int cf_grad_take_zero_pair(cf_model *m, int i, int j);
+/* The same for n (at most 4) tensors, e.g. the fused q/k/v (0 for other n) */
+int cf_grad_take_zero_group(cf_model *m, const int *idx, int n);
 /* Every STALE gradient zeroed and marked ZERO: before anything reads the
  * gradient buffer as gradients (the step's norm, a backward's end). */
 void cf_grad_settle(cf_model *m);
