@@ -60,8 +60,8 @@ constexpr size_t bwd_smem_bytes() {
 /* D_i and the zeroing of the dq accumulator (common.cuh: attn_prep_body),
  * spread over the whole grid, so the backward needs no memset of its own */
 static __global__ void attn_bwd_prep_kernel(const bf16 *dout, const bf16 *o, float *Dvec, float *zero, size_t nzero,
-                                            int nrows, int D) {
-    attn_prep_body(dout, o, Dvec, zero, nzero, nrows, D, blockIdx.x, gridDim.x);
+                                            int nrows, int D, int rpw) {
+    attn_prep_body(dout, o, Dvec, zero, nzero, nrows, D, rpw, blockIdx.x, gridDim.x);
 }
 
 /*
@@ -310,8 +310,10 @@ static __global__ void gqa_reduce_kernel(bf16 *dk, bf16 *dv, const float *dkx, c
 
 void attn_bwd_prep(cudaStream_t st, const bf16 *dout, const bf16 *o, float *Dvec, float *zero, size_t nzero,
                    int nrows, int D) {
-    attn_bwd_prep_kernel<<<(unsigned)(((size_t)nrows * 32 + 255) / 256), 256, 0, st>>>(dout, o, Dvec, zero, nzero,
-                                                                                        nrows, D);
+    const int rpw = attn_prep_rows_per_warp(D, dout, o);
+    const size_t warps = ((size_t)nrows + rpw - 1) / rpw;
+    attn_bwd_prep_kernel<<<(unsigned)((warps * 32 + 255) / 256), 256, 0, st>>>(dout, o, Dvec, zero, nzero, nrows, D,
+                                                                             rpw);
 }
 
 void attn_dq_to_bf16(cudaStream_t st, bf16 *dq, const float *dq_acc, size_t n) {

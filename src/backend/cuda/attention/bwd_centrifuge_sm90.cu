@@ -67,7 +67,7 @@ struct CfPrep {
     const bf16 *dout, *o;
     float *Dvec, *zero;
     size_t nzero;
-    int nrows, D, nr;            /* prep: rows (q rows x heads), head dim; blocks of the first range */
+    int nrows, D, rpw, nr;       /* prep: rows (q rows x heads), head dim, rows per warp; blocks of the first range */
     const int *rows, *seq_start; /* the kept rows, ascending */
     int n, nf, B, S;
     int *filt, *fstart;
@@ -78,7 +78,7 @@ struct CfPrep {
 
 __global__ void __launch_bounds__(256) cf_prep_kernel(const CfPrep p) {
     if ((int)blockIdx.x >= p.nr) {
-        attn_prep_body(p.dout, p.o, p.Dvec, p.zero, p.nzero, p.nrows, p.D, blockIdx.x - p.nr, gridDim.x - p.nr);
+        attn_prep_body(p.dout, p.o, p.Dvec, p.zero, p.nzero, p.nrows, p.D, p.rpw, blockIdx.x - p.nr, gridDim.x - p.nr);
         return;
     }
     if (blockIdx.x == 0)
@@ -309,7 +309,8 @@ int attn_cf_sm90_prep(cf_cuda_ctx *ctx, const AttnArgs &a, int D, const cf_rows 
     p.kf = kf;
     p.vf = vf;
     p.rowlen = (int)rowlen;
-    const int np = (int)(((size_t)p.nrows * 32 + 255) / 256);
+    p.rpw = attn_prep_rows_per_warp(D, a.dout, a.o);
+    const int np = (int)((((size_t)p.nrows + p.rpw - 1) / p.rpw * 32 + 255) / 256);
     cf_prep_kernel<<<p.nr + np, 256, 0, ctx->stream>>>(p);
     if (!CF_CK_LAUNCH(ctx, "attention sm90 centrifuge prep")) return -1;
     *p2 = a;

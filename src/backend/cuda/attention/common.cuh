@@ -203,19 +203,48 @@ __device__ __forceinline__ void atomic_add_f2(float *dst, float x, float y) {
  * bwd_sm90.cu and bwd_centrifuge_sm90.cu, which run several of them as
  * block ranges of one grid: blk, nblk = this block's place in its range) */
 
-/* D_i = dO_i . O_i per (q index, head), one warp each, and zero[0 .. nzero)
- * = 0 spread over the range's threads (a dq accumulator; none when NULL) */
+/* Rows of D_i per warp in attn_prep_body: 256 / D where a row is D/8
+ * lanes of 16-byte loads that divide the warp (D = 16, 32, 64, 128; rows
+ * 16-byte aligned), else 1 (a warp per row, 4-byte loads). The launches
+ * size their grids with it. */
+__host__ __device__ __forceinline__ int attn_prep_rows_per_warp(int D, const void *dout, const void *o) {
+    const bool vec = D % 8 == 0 && D >= 16 && D <= 256 && 32 % (D / 8) == 0 && ((uintptr_t)dout & 15) == 0 &&
+                     ((uintptr_t)o & 15) == 0;
+    return vec ? 256 / D : 1;
+}
+
+/* D_i = dO_i . O_i per (q index, head), rpw rows per warp
+ * (attn_prep_rows_per_warp), and zero[0 .. nzero) = 0 spread over the
+ * range's threads (a dq accumulator; none when NULL) */
 __device__ __forceinline__ void attn_prep_body(const bf16 *dout, const bf16 *o, float *Dvec, float *zero, size_t nzero,
-                                               int nrows, int D, int blk, int nblk) {
+                                               int nrows, int D, int rpw, int blk, int nblk) {
     if (zero) {
         const size_t nthreads = (size_t)nblk * blockDim.x, tid = (size_t)blk * blockDim.x + threadIdx.x;
         float4 *z4 = reinterpret_cast<float4 *>(zero);
         for (size_t i = tid; i < nzero / 4; i += nthreads) z4[i] = make_float4(0.f, 0.f, 0.f, 0.f);
         for (size_t i = nzero / 4 * 4 + tid; i < nzero; i += nthreads) zero[i] = 0.f;
     }
-    const int w = (blk * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
-    if (w >= nrows) return;
-    const bf16 *x = dout + (size_t)w * D, *y = o + (size_t)w * D;
+    const size_t w = ((size_t)blk * blockDim.x + threadIdx.x) >> 5;
+    const int lane = threadIdx.x & 31;
+    if (rpw > 1) {
+        /* D/8 lanes per row, each one 16-byte load of dO and of O; the
+         * warp's rows are disjoint lane groups, summed within the group */
+        const int per = 32 / rpw, sub = lane % per;
+        const size_t row = w * rpw + lane / per;
+        float acc = 0.f;
+        if (row < (size_t)nrows) {
+            float x[8], y[8];
+            unpack8(*reinterpret_cast<const pack8 *>(dout + row * D + 8 * sub), x);
+            unpack8(*reinterpret_cast<const pack8 *>(o + row * D + 8 * sub), y);
+#pragma unroll
+            for (int k = 0; k < 8; k++) acc += x[k] * y[k];
+        }
+        for (int off = per / 2; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+        if (row < (size_t)nrows && sub == 0) Dvec[row] = acc;
+        return;
+    }
+    if (w >= (size_t)nrows) return;
+    const bf16 *x = dout + w * D, *y = o + w * D;
     float acc = 0.f;
     for (int d = 2 * lane; d < D; d += 64) {
         const float2 u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(x + d));
