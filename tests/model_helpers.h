@@ -145,4 +145,23 @@ static inline int backward_with_mask(cf_model *m, cf_mode mode, const uint8_t *k
     return rc;
 }
 
+/* One forward of a sequence of S tokens, the half of the rows with the
+ * highest loss kept, a centrifuge backward over them; more: another
+ * micro-batch of the step follows (opt.more_micro: dwpair.c may hold the
+ * rows). 0, or -1 with cf_fail. */
+static inline int centrifuge_backward_of(cf_model *m, const int32_t *tok, int S, int more) {
+    float *l = malloc((size_t)S * sizeof(float));
+    uint8_t *keep = malloc((size_t)S);
+    int rc = l && keep ? cf_forward(m, tok, 1, S, l) : cf_fail("out of memory");
+    if (rc == 0) {
+        cf_select(l, NULL, 1, S, 0.5, CF_SELECT_SELF, 0, 3, keep);
+        m->opt.more_micro = more;
+        rc = backward_with_mask(m, CF_MODE_CENTRIFUGE, keep, 0);
+        m->opt.more_micro = 0;
+    }
+    free(l);
+    free(keep);
+    return rc;
+}
+
 #endif

@@ -128,17 +128,9 @@ TEST(pairing_only_where_two_backwards_fit_one_micro_batch_of_few_rows) {
     }
 }
 
-/* One forward, the top half of the rows by loss kept, a centrifuge
- * backward (held when `more` and the model pairs). */
+/* (model_helpers.h) at this file's S */
 static int centrifuge_backward(cf_model *m, const int32_t *tok, int more) {
-    float l[S];
-    if (cf_forward(m, tok, 1, S, l) != 0) return -1;
-    uint8_t keep[S];
-    cf_select(l, NULL, 1, S, 0.5, CF_SELECT_SELF, 0, 3, keep);
-    m->opt.more_micro = more;
-    int rc = backward_with_mask(m, CF_MODE_CENTRIFUGE, keep, 0);
-    m->opt.more_micro = 0;
-    return rc;
+    return centrifuge_backward_of(m, tok, S, more);
 }
 
 TEST(held_rows_are_flushed_by_the_step_or_a_backward_that_cannot_join_and_dropped_by_zero_grad) {

@@ -288,17 +288,9 @@ TEST(a_step_without_backward_sees_a_zero_gradient_even_over_poisoned_stale_memor
     cf_model_free(off);
 }
 
-/* One forward, the top half of the rows kept, a centrifuge backward (held
- * by dwpair.c when `more`). */
+/* (model_helpers.h) at this file's S */
 static int centrifuge_backward(cf_model *m, const int32_t *tok, int more) {
-    float l[S];
-    if (cf_forward(m, tok, 1, S, l) != 0) return -1;
-    uint8_t keep[S];
-    cf_select(l, NULL, 1, S, 0.5, CF_SELECT_SELF, 0, 3, keep);
-    m->opt.more_micro = more;
-    int rc = backward_with_mask(m, CF_MODE_CENTRIFUGE, keep, 0);
-    m->opt.more_micro = 0;
-    return rc;
+    return centrifuge_backward_of(m, tok, S, more);
 }
 
 /* Rows held over poisoned stale MLP gradients: the HOLD took their

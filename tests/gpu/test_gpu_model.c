@@ -297,129 +297,112 @@ TEST(gpu_adamw_refreshes_bf16_weights_and_zeroes_gradients_in_one_pass_unless_ke
     g->destroy(g);
 }
 
+/* Two GPU models with mc's weights trained in lockstep by the trainer
+ * (mode, keep, mb micro-batches of one sequence of S rows, three steps):
+ * losses, gradient norms (a lost or doubled row moves them by far more)
+ * and the weights after each step must agree to summation order through
+ * bf16 (1e-3). after_step, if set, runs on model a after each step. */
+static void lockstep_steps(const char *what, cf_model *a, cf_model *b, cf_model *mc, cf_mode mode, double keep,
+                           int mb, uint32_t seed, void (*after_step)(const char *, cf_model *, int)) {
+    copy_weights(a, mc);
+    copy_weights(b, mc);
+    cf_train_opts o = {0};
+    o.mode = mode;
+    o.select = (cf_select_opts){CF_SELECT_SELF, keep, 0, 1};
+    o.adamw = (cf_adamw_params){1e-2f, 0.9f, 0.95f, 1e-3f, 0.1f, 1.0f};
+    o.batch = 1; o.seq = S; o.grad_accum = mb;
+    cf_trainer *ta = cf_trainer_create(a, &o), *tb = cf_trainer_create(b, &o);
+    CHECK(ta && tb);
+    int32_t *tok = malloc((size_t)mb * (S + 1) * sizeof(int32_t));
+    cf_micro_batch *mbs = malloc((size_t)mb * sizeof *mbs);
+    size_t np = cf_model_num_params(a);
+    float *wa = malloc(np * sizeof(float)), *wb = malloc(np * sizeof(float));
+    for (int step = 0; step < 3 && ta && tb; step++) {
+        random_tokens(tok, mb * (S + 1), cf_model_config(a)->vocab_size, seed + step);
+        for (int i = 0; i < mb; i++) mbs[i] = (cf_micro_batch){tok + i * (S + 1), NULL};
+        cf_step_stats sa, sb;
+        CHECK(cf_trainer_step(ta, mbs, 1e-2f, &sa) == 0 && cf_trainer_step(tb, mbs, 1e-2f, &sb) == 0);
+        CHECK_MSG(fabs(sa.loss - sb.loss) <= 1e-3 * fabs(sb.loss), "%s step %d: losses %.6g vs %.6g", what, step,
+                  sa.loss, sb.loss);
+        CHECK_MSG(fabs(sa.grad_norm - sb.grad_norm) <= 1e-3 * sb.grad_norm && sb.grad_norm > 0,
+                  "%s step %d: gradient norms %.6g vs %.6g", what, step, sa.grad_norm, sb.grad_norm);
+        for (int i = 0; i < cf_model_num_tensors(a); i++) {
+            cf_model_get_param(a, i, wa + toff(a, i));
+            cf_model_get_param(b, i, wb + toff(b, i));
+        }
+        const char *where = "?";
+        double e = max_rel(a, wa, wb, &where);
+        CHECK_MSG(e < 1e-3, "%s step %d: weights differ by %.3g at %s", what, step, e, where);
+        if (after_step) after_step(what, a, step);
+    }
+    free(wa);
+    free(wb);
+    free(tok);
+    free(mbs);
+    cf_trainer_free(ta);
+    cf_trainer_free(tb);
+}
+
 /* engine/dwpair.c on the GPU: the trainer's steps (centrifuge, keep 0.5,
- * four micro-batches of one sequence of S rows, three steps) with the
- * MLP's weight gradients of two micro-batches in one GEMM give the steps
- * without (CF_DW_PAIR=0 at open), same weights: losses, gradient norms
- * (a lost or doubled row would move them by far more) and the weights
- * after each step agree to summation order through bf16 (1e-3), and pairs
- * happen (two per step from the second step on). */
+ * four micro-batches, three steps) with the MLP's weight gradients of two
+ * micro-batches in one GEMM give the steps without (CF_DW_PAIR=0 at open)
+ * (lockstep_steps), and pairs happen (two per step from the second step on). */
 TEST(gpu_paired_mlp_weight_gradients_give_the_unpaired_steps) {
     cf_model *mc = cpu_model("tiny-llama", 81);
     setenv("CF_DW_PAIR", "0", 1);
     cf_model *off = mc ? cf_model_create(cf_model_config(mc), CF_BACKEND_CUDA, 1) : NULL;
     unsetenv("CF_DW_PAIR");
     cf_model *on = mc ? cf_model_create(cf_model_config(mc), CF_BACKEND_CUDA, 1) : NULL;
-    if (!on || !off) { CHECK_MSG(0, "%s", cf_last_error()); cf_model_free(mc); cf_model_free(on); cf_model_free(off); return; }
-    copy_weights(on, mc);
-    copy_weights(off, mc);
-    enum { MB = 4 };
-    cf_train_opts o = {0};
-    o.mode = CF_MODE_CENTRIFUGE;
-    o.select = (cf_select_opts){CF_SELECT_SELF, 0.5, 0, 1};
-    o.adamw = (cf_adamw_params){1e-2f, 0.9f, 0.95f, 1e-3f, 0.1f, 1.0f};
-    o.batch = 1; o.seq = S; o.grad_accum = MB;
-    cf_trainer *tr_on = cf_trainer_create(on, &o), *tr_off = cf_trainer_create(off, &o);
-    CHECK(tr_on && tr_off);
-    static int32_t tok[MB * (S + 1)];
-    size_t np = cf_model_num_params(on);
-    float *wa = malloc(np * sizeof(float)), *wb = malloc(np * sizeof(float));
-    for (int step = 0; step < 3 && tr_on && tr_off; step++) {
-        random_tokens(tok, MB * (S + 1), cf_model_config(on)->vocab_size, 90 + step);
-        cf_micro_batch mbs[MB];
-        for (int i = 0; i < MB; i++) mbs[i] = (cf_micro_batch){tok + i * (S + 1), NULL};
-        cf_step_stats son, soff;
-        CHECK(cf_trainer_step(tr_on, mbs, 1e-2f, &son) == 0 && cf_trainer_step(tr_off, mbs, 1e-2f, &soff) == 0);
-        CHECK_MSG(fabs(son.loss - soff.loss) <= 1e-3 * fabs(soff.loss), "step %d: losses %.6g vs %.6g", step,
-                  son.loss, soff.loss);
-        CHECK_MSG(fabs(son.grad_norm - soff.grad_norm) <= 1e-3 * soff.grad_norm && soff.grad_norm > 0,
-                  "step %d: gradient norms %.6g vs %.6g", step, son.grad_norm, soff.grad_norm);
-        for (int i = 0; i < cf_model_num_tensors(on); i++) {
-            cf_model_get_param(on, i, wa + toff(on, i));
-            cf_model_get_param(off, i, wb + toff(off, i));
-        }
-        const char *where = "?";
-        double e = max_rel(on, wa, wb, &where);
-        CHECK_MSG(e < 1e-3, "step %d: weights differ by %.3g at %s", step, e, where);
+    if (on && off) {
+        lockstep_steps("pairs", on, off, mc, CF_MODE_CENTRIFUGE, 0.5, 4, 90, NULL);
+        CHECK_MSG(on->dwp.joins == 4 && off->dwp.joins == 0, "%lld joins (expected 4), %lld unpaired",
+                  (long long)on->dwp.joins, (long long)off->dwp.joins);
+    } else {
+        CHECK_MSG(0, "%s", cf_last_error());
     }
-    CHECK_MSG(on->dwp.joins == 4 && off->dwp.joins == 0, "%lld joins (expected 4), %lld unpaired",
-              (long long)on->dwp.joins, (long long)off->dwp.joins);
-    free(wa);
-    free(wb);
-    cf_trainer_free(tr_on);
-    cf_trainer_free(tr_off);
     cf_model_free(on);
     cf_model_free(off);
     cf_model_free(mc);
+}
+
+/* fills model m's STALE gradients with NaN; all of its set-only gradients
+ * (the 7 linear weights of each layer) must be STALE after a step */
+static void poison_stale(const char *what, cf_model *m, int step) {
+    int stale = 0;
+    for (int i = 0; i < m->ntensors; i++) {
+        if (!m->params[i].trainable || m->opt.gstate[i] != CF_GRAD_STALE) continue;
+        size_t n = m->params[i].numel;
+        float *nan = malloc(n * sizeof(float));
+        for (size_t j = 0; j < n; j++) nan[j] = NAN;
+        m->b->upload(m->b, cf_grad(m, i), nan, n * sizeof(float));
+        free(nan);
+        stale += m->params[i].grad_set_only;
+    }
+    CHECK_MSG(stale == 7 * cf_model_config(m)->num_hidden_layers, "%s step %d: %d stale gradients", what, step, stale);
 }
 
 /* Gradients left STALE by AdamW (engine/model_internal.h) on the GPU: the
  * trainer's steps (regular and centrifuge, two micro-batches, pairs from
  * the second step) with the set-only gradients not zeroed, and their memory
  * filled with NaN after every step, give the steps of the zeroing path
- * (cf_optim.keep_stale = 0): every stale gradient is overwritten by its
- * first GEMM (CF_MM_DW_SET), never added to or read. Attention's backward
- * adds with atomics, so two runs agree to 1e-3, not bitwise; a NaN that
- * got through would not. */
+ * (cf_optim.keep_stale = 0) (lockstep_steps): every stale gradient is
+ * overwritten by its first GEMM (CF_MM_DW_SET), never added to or read.
+ * Attention's backward adds with atomics, so two runs agree to 1e-3, not
+ * bitwise; a NaN that got through would not. */
 TEST(gpu_stale_gradients_give_the_zeroing_steps_even_when_poisoned) {
     const cf_mode modes[] = {CF_MODE_REGULAR, CF_MODE_CENTRIFUGE};
     for (int mi = 0; mi < 2; mi++) {
         cf_model *mc = cpu_model("tiny-llama", 91);
         cf_model *on = mc ? cf_model_create(cf_model_config(mc), CF_BACKEND_CUDA, 1) : NULL;
         cf_model *off = mc ? cf_model_create(cf_model_config(mc), CF_BACKEND_CUDA, 1) : NULL;
-        if (!on || !off) { CHECK_MSG(0, "%s", cf_last_error()); cf_model_free(mc); cf_model_free(on); cf_model_free(off); return; }
-        copy_weights(on, mc);
-        copy_weights(off, mc);
-        on->opt.keep_stale = 1;
-        off->opt.keep_stale = 0;
-        enum { MB = 2 };
-        cf_train_opts o = {0};
-        o.mode = modes[mi];
-        o.select = (cf_select_opts){CF_SELECT_SELF, mi ? 0.5 : 1.0, 0, 1};
-        o.adamw = (cf_adamw_params){1e-2f, 0.9f, 0.95f, 1e-3f, 0.1f, 1.0f};
-        o.batch = 1; o.seq = S; o.grad_accum = MB;
-        cf_trainer *tr_on = cf_trainer_create(on, &o), *tr_off = cf_trainer_create(off, &o);
-        CHECK(tr_on && tr_off);
-        static int32_t tok[MB * (S + 1)];
-        size_t np = cf_model_num_params(on);
-        float *wa = malloc(np * sizeof(float)), *wb = malloc(np * sizeof(float));
-        for (int step = 0; step < 3 && tr_on && tr_off; step++) {
-            random_tokens(tok, MB * (S + 1), cf_model_config(on)->vocab_size, 95 + step);
-            cf_micro_batch mbs[MB];
-            for (int i = 0; i < MB; i++) mbs[i] = (cf_micro_batch){tok + i * (S + 1), NULL};
-            cf_step_stats son, soff;
-            CHECK(cf_trainer_step(tr_on, mbs, 1e-2f, &son) == 0 && cf_trainer_step(tr_off, mbs, 1e-2f, &soff) == 0);
-            CHECK_MSG(fabs(son.loss - soff.loss) <= 1e-3 * fabs(soff.loss), "%s step %d: losses %.6g vs %.6g",
-                      cf_mode_name(modes[mi]), step, son.loss, soff.loss);
-            CHECK_MSG(fabs(son.grad_norm - soff.grad_norm) <= 1e-3 * soff.grad_norm && soff.grad_norm > 0,
-                      "%s step %d: gradient norms %.6g vs %.6g", cf_mode_name(modes[mi]), step, son.grad_norm,
-                      soff.grad_norm);
-            for (int i = 0; i < cf_model_num_tensors(on); i++) {
-                cf_model_get_param(on, i, wa + toff(on, i));
-                cf_model_get_param(off, i, wb + toff(off, i));
-            }
-            const char *where = "?";
-            double e = max_rel(on, wa, wb, &where);
-            CHECK_MSG(e < 1e-3, "%s step %d: weights differ by %.3g at %s", cf_mode_name(modes[mi]), step, e, where);
-            /* the set-only gradients are STALE now: poison them */
-            int stale = 0;
-            for (int i = 0; i < on->ntensors; i++) {
-                if (!on->params[i].trainable || on->opt.gstate[i] != CF_GRAD_STALE) continue;
-                size_t n = on->params[i].numel;
-                float *nan = malloc(n * sizeof(float));
-                for (size_t j = 0; j < n; j++) nan[j] = NAN;
-                on->b->upload(on->b, cf_grad(on, i), nan, n * sizeof(float));
-                free(nan);
-                stale += on->params[i].grad_set_only;
-            }
-            CHECK_MSG(stale == 7 * cf_model_config(on)->num_hidden_layers, "%s step %d: %d stale gradients",
-                      cf_mode_name(modes[mi]), step, stale);
+        if (on && off) {
+            on->opt.keep_stale = 1;
+            off->opt.keep_stale = 0;
+            lockstep_steps(cf_mode_name(modes[mi]), on, off, mc, modes[mi], mi ? 0.5 : 1.0, 2, 95, poison_stale);
+            if (mi) CHECK_MSG(on->dwp.joins == 2, "%lld joins (expected 2)", (long long)on->dwp.joins);
+        } else {
+            CHECK_MSG(0, "%s", cf_last_error());
         }
-        if (mi) CHECK_MSG(on->dwp.joins == 2, "%lld joins (expected 2)", (long long)on->dwp.joins);
-        free(wa);
-        free(wb);
-        cf_trainer_free(tr_on);
-        cf_trainer_free(tr_off);
         cf_model_free(on);
         cf_model_free(off);
         cf_model_free(mc);

@@ -370,26 +370,34 @@ static void cpu_rope_qk(cf_backend *b, void *q, const int *qpos, int Tq, int Hq,
     rope_apply(k, kpos, inv_freq, Tk, Hk, D, bwd ? -1.0f : 1.0f);
 }
 
-/* Split of the fused q/k/v rows: q and k rotated exactly as rope_apply
- * does (same theta, cos, sin and products, so the same bits), v copied. */
-static void cpu_qkv_split_rope(cf_backend *b, void *q_, void *k_, void *v_, const void *qkv_, const int *pos,
-                               int T, int Hq, int Hk, const float *inv_freq, int D) {
-    if (cpu_failed(b)) return;
-    float *q = q_, *k = k_, *v = v_;
-    const float *qkv = qkv_;
+/* The fused q/k/v rows qkv[T, (Hq + 2 Hk) D] and the parts q, k, v: split
+ * (join = 0: the rows copied into the parts, q and k rotated) or joined
+ * (join = 1, the split's backward: the parts copied into the rows, q and k
+ * rotated back). The rotation is rope_apply's, with the same theta, cos,
+ * sin and products, so the same bits. */
+static void qkv_rows(float *qkv, float *q, float *k, float *v, const int *pos, int T, int Hq, int Hk,
+                     const float *inv_freq, int D, int join) {
     const int half = D / 2, nh = Hq + 2 * Hk;
+    const size_t qw = (size_t)Hq * D * sizeof(float), kw = (size_t)Hk * D * sizeof(float);
+    const float sign = join ? -1.0f : 1.0f;
 #pragma omp parallel for schedule(static)
     for (int t = 0; t < T; t++) {
-        const float *row = qkv + (size_t)t * nh * D;
-        float *qt = q + (size_t)t * Hq * D, *kt = k + (size_t)t * Hk * D;
-        memcpy(qt, row, (size_t)Hq * D * sizeof(float));
-        memcpy(kt, row + (size_t)Hq * D, (size_t)Hk * D * sizeof(float));
-        memcpy(v + (size_t)t * Hk * D, row + (size_t)(Hq + Hk) * D, (size_t)Hk * D * sizeof(float));
+        float *row = qkv + (size_t)t * nh * D;
+        float *qt = q + (size_t)t * Hq * D, *kt = k + (size_t)t * Hk * D, *vt = v + (size_t)t * Hk * D;
+        if (join) {
+            memcpy(row, qt, qw);
+            memcpy(row + (size_t)Hq * D, kt, kw);
+            memcpy(row + (size_t)(Hq + Hk) * D, vt, kw);
+        } else {
+            memcpy(qt, row, qw);
+            memcpy(kt, row + (size_t)Hq * D, kw);
+            memcpy(vt, row + (size_t)(Hq + Hk) * D, kw);
+        }
         for (int i = 0; i < half; i++) {
             const float theta = (float)pos[t] * inv_freq[i];
-            const float c = cosf(theta), s = sinf(theta);
+            const float c = cosf(theta), s = sign * sinf(theta);
             for (int h = 0; h < Hq + Hk; h++) {
-                float *xh = h < Hq ? qt + (size_t)h * D : kt + (size_t)(h - Hq) * D;
+                float *xh = join ? row + (size_t)h * D : h < Hq ? qt + (size_t)h * D : kt + (size_t)(h - Hq) * D;
                 const float x1 = xh[i], x2 = xh[i + half];
                 xh[i] = x1 * c - x2 * s;
                 xh[i + half] = x2 * c + x1 * s;
@@ -398,31 +406,16 @@ static void cpu_qkv_split_rope(cf_backend *b, void *q_, void *k_, void *v_, cons
     }
 }
 
-/* The split's backward: rows of dq | dk | dv, dq and dk rotated back
- * exactly as rope_apply does with sign -1 (so the same bits), dv copied. */
-static void cpu_qkv_join_rope_bwd(cf_backend *b, void *dqkv_, const void *dq_, const void *dk_, const void *dv_,
+static void cpu_qkv_split_rope(cf_backend *b, void *q, void *k, void *v, const void *qkv, const int *pos, int T,
+                               int Hq, int Hk, const float *inv_freq, int D) {
+    if (cpu_failed(b)) return;
+    qkv_rows((float *)qkv, q, k, v, pos, T, Hq, Hk, inv_freq, D, 0);
+}
+
+static void cpu_qkv_join_rope_bwd(cf_backend *b, void *dqkv, const void *dq, const void *dk, const void *dv,
                                   const int *pos, int T, int Hq, int Hk, const float *inv_freq, int D) {
     if (cpu_failed(b)) return;
-    float *dqkv = dqkv_;
-    const float *dq = dq_, *dk = dk_, *dv = dv_;
-    const int half = D / 2, nh = Hq + 2 * Hk;
-#pragma omp parallel for schedule(static)
-    for (int t = 0; t < T; t++) {
-        float *row = dqkv + (size_t)t * nh * D;
-        memcpy(row, dq + (size_t)t * Hq * D, (size_t)Hq * D * sizeof(float));
-        memcpy(row + (size_t)Hq * D, dk + (size_t)t * Hk * D, (size_t)Hk * D * sizeof(float));
-        memcpy(row + (size_t)(Hq + Hk) * D, dv + (size_t)t * Hk * D, (size_t)Hk * D * sizeof(float));
-        for (int i = 0; i < half; i++) {
-            const float theta = (float)pos[t] * inv_freq[i];
-            const float c = cosf(theta), s = -1.0f * sinf(theta);
-            for (int h = 0; h < Hq + Hk; h++) {
-                float *xh = row + (size_t)h * D;
-                const float x1 = xh[i], x2 = xh[i + half];
-                xh[i] = x1 * c - x2 * s;
-                xh[i + half] = x2 * c + x1 * s;
-            }
-        }
-    }
+    qkv_rows(dqkv, (float *)dq, (float *)dk, (float *)dv, pos, T, Hq, Hk, inv_freq, D, 1);
 }
 
 /* ------------------------------------------------------------------ swiglu */

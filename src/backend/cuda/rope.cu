@@ -93,13 +93,14 @@ void cf_cuda_rope_qk(cf_backend *b, void *q, const int *qpos, int Tq, int Hq, vo
  * The rows of the fused projection, qkv[T, (Hq + 2 Hk) D] = q | k | v, into
  * q[T, Hq, D] and k[T, Hk, D] rotated as rope_kernel does (the same float
  * arithmetic) and v[T, Hk, D] copied: one read and one write of each
- * element instead of three GEMM outputs and an in-place RoPE pass. One
- * thread per (t, head, V consecutive i), heads q first, then k, then v;
- * V = 8: 16-byte loads and stores.
+ * element instead of three GEMM outputs and an in-place RoPE pass. JOIN is
+ * its backward: q, k, v (the gradients) joined into qkv's rows, q and k
+ * rotated back (angle -> -angle). One thread per (t, head, V consecutive
+ * i), heads q first, then k, then v; V = 8: 16-byte loads and stores.
  */
-template <int V>
-static __global__ void qkv_split_rope_kernel(bf16 *q, bf16 *k, bf16 *v, const bf16 *qkv, const int *pos, int T,
-                                             int Hq, int Hk, const float *inv_freq, int D) {
+template <int V, bool JOIN>
+static __global__ void qkv_rope_kernel(bf16 *qkv, bf16 *q, bf16 *k, bf16 *v, const int *pos, int T, int Hq, int Hk,
+                                       const float *inv_freq, int D) {
     const int half = D / 2, groups = half / V, nh = Hq + 2 * Hk;
     const size_t n = (size_t)T * nh * groups;
     for (size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n; idx += (size_t)gridDim.x * blockDim.x) {
@@ -107,12 +108,12 @@ static __global__ void qkv_split_rope_kernel(bf16 *q, bf16 *k, bf16 *v, const bf
         const size_t th = idx / groups; /* t * nh + head */
         const size_t t = th / nh;
         const int h = (int)(th % nh);
-        const bf16 *x1p = qkv + th * D + i0, *x2p = x1p + half;
-        bf16 *o1 = h < Hq        ? q + (t * Hq + h) * D
-                   : h < Hq + Hk ? k + (t * Hk + (h - Hq)) * D
-                                 : v + (t * Hk + (h - Hq - Hk)) * D;
-        o1 += i0;
-        bf16 *o2 = o1 + half;
+        bf16 *part = h < Hq        ? q + (t * Hq + h) * D
+                     : h < Hq + Hk ? k + (t * Hk + (h - Hq)) * D
+                                   : v + (t * Hk + (h - Hq - Hk)) * D;
+        bf16 *joined = qkv + th * D;
+        const bf16 *x1p = (JOIN ? part : joined) + i0, *x2p = x1p + half;
+        bf16 *o1 = (JOIN ? joined : part) + i0, *o2 = o1 + half;
         float x1[V], x2[V];
         if (V == 8) {
             unpack8(*(const pack8 *)x1p, x1);
@@ -125,6 +126,7 @@ static __global__ void qkv_split_rope_kernel(bf16 *q, bf16 *k, bf16 *v, const bf
             for (int j = 0; j < V; j++) {
                 float s, c;
                 sincosf(p * inv_freq[i0 + j], &s, &c);
+                if (JOIN) s *= -1.f;
                 const float a = x1[j], b = x2[j];
                 x1[j] = a * c - b * s;
                 x2[j] = b * c + a * s;
@@ -138,78 +140,29 @@ static __global__ void qkv_split_rope_kernel(bf16 *q, bf16 *k, bf16 *v, const bf
         }
     }
 }
-void cf_cuda_qkv_split_rope(cf_backend *b, void *q, void *k, void *v, const void *qkv, const int *pos, int T,
-                            int Hq, int Hk, const float *inv_freq, int D) {
+template <bool JOIN>
+static void qkv_rope(cf_backend *b, bf16 *qkv, bf16 *q, bf16 *k, bf16 *v, const int *pos, int T, int Hq, int Hk,
+                     const float *inv_freq, int D) {
     cf_cuda_ctx *ctx = cf_cuda_enter(b);
     if (!ctx || T <= 0 || D < 2 || Hq < 0 || Hk < 0 || Hq + 2 * Hk == 0) return;
     const size_t rows = (size_t)T * (Hq + 2 * Hk);
     /* 16-byte path: every head's halves start 16-byte aligned (D/2 % 8 == 0
      * and aligned bases); else scalar */
     if ((D / 2) % 8 == 0 && cf_aligned16(q) && cf_aligned16(k) && cf_aligned16(v) && cf_aligned16(qkv))
-        qkv_split_rope_kernel<8><<<cf_grid_for(rows * (D / 16), 256), 256, 0, ctx->stream>>>(
-            (bf16 *)q, (bf16 *)k, (bf16 *)v, (const bf16 *)qkv, pos, T, Hq, Hk, inv_freq, D);
+        qkv_rope_kernel<8, JOIN><<<cf_grid_for(rows * (D / 16), 256), 256, 0, ctx->stream>>>(qkv, q, k, v, pos, T, Hq,
+                                                                                         Hk, inv_freq, D);
     else
-        qkv_split_rope_kernel<1><<<cf_grid_for(rows * (D / 2), 256), 256, 0, ctx->stream>>>(
-            (bf16 *)q, (bf16 *)k, (bf16 *)v, (const bf16 *)qkv, pos, T, Hq, Hk, inv_freq, D);
-    CF_CK_LAUNCH(ctx, "qkv_split_rope");
+        qkv_rope_kernel<1, JOIN><<<cf_grid_for(rows * (D / 2), 256), 256, 0, ctx->stream>>>(qkv, q, k, v, pos, T, Hq,
+                                                                                        Hk, inv_freq, D);
+    if (JOIN) CF_CK_LAUNCH(ctx, "qkv_join_rope_bwd");
+    else CF_CK_LAUNCH(ctx, "qkv_split_rope");
 }
-
-/* The split's backward: dqkv[T, (Hq + 2 Hk) D] rows = dq | dk | dv with dq
- * and dk rotated back as rope_kernel does with sign -1 (the same float
- * arithmetic, so the same values as rope_qk's backward), dv copied. One
- * thread per (t, head, V consecutive i), heads q first, then k, then v. */
-template <int V>
-static __global__ void qkv_join_rope_bwd_kernel(bf16 *dqkv, const bf16 *dq, const bf16 *dk, const bf16 *dv,
-                                                const int *pos, int T, int Hq, int Hk, const float *inv_freq, int D) {
-    const int half = D / 2, groups = half / V, nh = Hq + 2 * Hk;
-    const size_t n = (size_t)T * nh * groups;
-    for (size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n; idx += (size_t)gridDim.x * blockDim.x) {
-        const int i0 = (int)(idx % groups) * V;
-        const size_t th = idx / groups; /* t * nh + head */
-        const size_t t = th / nh;
-        const int h = (int)(th % nh);
-        const bf16 *x1p = h < Hq        ? dq + (t * Hq + h) * D
-                          : h < Hq + Hk ? dk + (t * Hk + (h - Hq)) * D
-                                        : dv + (t * Hk + (h - Hq - Hk)) * D;
-        x1p += i0;
-        const bf16 *x2p = x1p + half;
-        bf16 *o1 = dqkv + th * D + i0, *o2 = o1 + half;
-        float x1[V], x2[V];
-        if (V == 8) {
-            unpack8(*(const pack8 *)x1p, x1);
-            unpack8(*(const pack8 *)x2p, x2);
-        } else {
-            for (int j = 0; j < V; j++) x1[j] = __bfloat162float(x1p[j]), x2[j] = __bfloat162float(x2p[j]);
-        }
-        if (h < Hq + Hk) {
-            const float p = (float)pos[t];
-            for (int j = 0; j < V; j++) {
-                float s, c;
-                sincosf(p * inv_freq[i0 + j], &s, &c);
-                s *= -1.f;
-                const float a = x1[j], b = x2[j];
-                x1[j] = a * c - b * s;
-                x2[j] = b * c + a * s;
-            }
-        }
-        if (V == 8) {
-            *(pack8 *)o1 = pack8_from(x1);
-            *(pack8 *)o2 = pack8_from(x2);
-        } else {
-            for (int j = 0; j < V; j++) o1[j] = __float2bfloat16_rn(x1[j]), o2[j] = __float2bfloat16_rn(x2[j]);
-        }
-    }
+void cf_cuda_qkv_split_rope(cf_backend *b, void *q, void *k, void *v, const void *qkv, const int *pos, int T,
+                            int Hq, int Hk, const float *inv_freq, int D) {
+    qkv_rope<false>(b, (bf16 *)qkv, (bf16 *)q, (bf16 *)k, (bf16 *)v, pos, T, Hq, Hk, inv_freq, D);
 }
+/* the split's backward (JOIN): the kernel reads q, k, v and writes qkv */
 void cf_cuda_qkv_join_rope_bwd(cf_backend *b, void *dqkv, const void *dq, const void *dk, const void *dv,
                                const int *pos, int T, int Hq, int Hk, const float *inv_freq, int D) {
-    cf_cuda_ctx *ctx = cf_cuda_enter(b);
-    if (!ctx || T <= 0 || D < 2 || Hq < 0 || Hk < 0 || Hq + 2 * Hk == 0) return;
-    const size_t rows = (size_t)T * (Hq + 2 * Hk);
-    if ((D / 2) % 8 == 0 && cf_aligned16(dq) && cf_aligned16(dk) && cf_aligned16(dv) && cf_aligned16(dqkv))
-        qkv_join_rope_bwd_kernel<8><<<cf_grid_for(rows * (D / 16), 256), 256, 0, ctx->stream>>>(
-            (bf16 *)dqkv, (const bf16 *)dq, (const bf16 *)dk, (const bf16 *)dv, pos, T, Hq, Hk, inv_freq, D);
-    else
-        qkv_join_rope_bwd_kernel<1><<<cf_grid_for(rows * (D / 2), 256), 256, 0, ctx->stream>>>(
-            (bf16 *)dqkv, (const bf16 *)dq, (const bf16 *)dk, (const bf16 *)dv, pos, T, Hq, Hk, inv_freq, D);
-    CF_CK_LAUNCH(ctx, "qkv_join_rope_bwd");
+    qkv_rope<true>(b, (bf16 *)dqkv, (bf16 *)dq, (bf16 *)dk, (bf16 *)dv, pos, T, Hq, Hk, inv_freq, D);
 }
