@@ -894,8 +894,8 @@ TEST(adamw_two_steps_and_weights_from_master_match_cpu_and_keep_grad_leaves_g) {
  * differ by accumulation order only: 1e-3 of max |loss|. dx is bf16 through
  * a bf16 dlogits: 2e-2; dW fp32 accumulated from bf16 dlogits: 2e-2. Rows
  * with dloss 0 must give dx exactly 0. */
-TEST(lmhead_loss_fwd_bwd_match_cpu_with_zero_dloss_rows) {
-    const int T = 37, C = 64, V = 1000;
+static void lmhead_fwd_bwd_case(int V) {
+    const int T = 37, C = 64;
     float *x = HOLD(hrand((size_t)T * C, 1.f)), *w = HOLD(hrand((size_t)V * C, 0.3f));
     int *tg = HOLD(inew(T));
     float *dl = HOLD(hnew(T)), *dw0 = HOLD(hrand((size_t)V * C, 0.01f));
@@ -926,6 +926,11 @@ TEST(lmhead_loss_fwd_bwd_match_cpu_with_zero_dloss_rows) {
     cmp("lmhead dW = (CF_MM_DW_SET)", get_f32(gdn, (size_t)V * C), rdz, (size_t)V * C, TOL_GRAD);
     free_all();
 }
+/* V = 1000: the rows kernel's 16-byte path; 1001: its scalar path */
+TEST(lmhead_loss_fwd_bwd_match_cpu_with_zero_dloss_rows) {
+    lmhead_fwd_bwd_case(1000);
+    lmhead_fwd_bwd_case(1001);
+}
 
 /* Issue 17: the forward that keeps g = softmax - onehot (bf16) and the
  * backward from it, against the CPU backend's same ops: losses as the plain
@@ -933,8 +938,8 @@ TEST(lmhead_loss_fwd_bwd_match_cpu_with_zero_dloss_rows) {
  * bf16 rounding, dx and dW as the recompute path's tolerances (the common
  * weight rides on the GEMMs, so g is rounded once), rows with dloss 0 exactly 0 in dx;
  * CF_MM_DW_SET writes a NaN-filled dW; a NULL dW (frozen head) gives dx. */
-TEST(lmhead_saved_grad_fwd_bwd_match_cpu_with_zero_dloss_rows) {
-    const int T = 37, C = 64, V = 1000;
+static void lmhead_saved_grad_case(int V) {
+    const int T = 37, C = 64;
     const size_t nx = (size_t)T * C, nw = (size_t)V * C, ng = (size_t)T * V;
     float *x = HOLD(hrand(nx, 1.f)), *w = HOLD(hrand(nw, 0.3f));
     int *tg = HOLD(inew(T));
@@ -988,6 +993,11 @@ TEST(lmhead_saved_grad_fwd_bwd_match_cpu_with_zero_dloss_rows) {
     cmp("lmhead saved: dx (dloss NULL)", get_act(gdx3, nx), rdx3, nx, TOL_GRAD);
     cmp("lmhead saved: dW (dloss NULL)", get_f32(gdw3, nw), rdw3, nw, TOL_GRAD);
     free_all();
+}
+/* V = 1000: the rows kernel's 16-byte path; 1001: its scalar path */
+TEST(lmhead_saved_grad_fwd_bwd_match_cpu_with_zero_dloss_rows) {
+    lmhead_saved_grad_case(1000);
+    lmhead_saved_grad_case(1001);
 }
 
 /* Vocab-parallel pieces (tensor parallelism): the embedding of a slice of

@@ -30,6 +30,61 @@ __device__ __forceinline__ void lse_combine(float &m, float &s, float m2, float 
  * stats != NULL writes {max, sum of exp relative to it, target logit or 0}
  * instead of the loss; lse_in != NULL is the whole vocabulary's
  * log-sum-exp for the gradient (nothing is reduced then). */
+/* One thread's part of a row's online (max, sum of exp): every blockDim-th
+ * element from threadIdx.x, or with VEC = 4 every blockDim-th float4 (16
+ * bytes a load: the row is read from HBM, and one 4-byte load per thread
+ * in flight left the kernel latency-bound at 1.5 TB/s) */
+template <int VEC>
+__device__ __forceinline__ void row_stats(const float *lg, int V, float &m, float &s) {
+    if constexpr (VEC == 4) {
+        const float4 *l4 = reinterpret_cast<const float4 *>(lg);
+        for (int j = threadIdx.x; j < V / 4; j += blockDim.x) {
+            const float4 x = l4[j];
+            const float mx = fmaxf(fmaxf(x.x, x.y), fmaxf(x.z, x.w));
+            if (mx > m) {
+                s *= expf(m - mx);
+                m = mx;
+            }
+            s += expf(x.x - m) + expf(x.y - m) + expf(x.z - m) + expf(x.w - m);
+        }
+    } else {
+        for (int j = threadIdx.x; j < V; j += blockDim.x) {
+            const float x = lg[j];
+            if (x > m) {
+                s = s * expf(m - x) + 1.f;
+                m = x;
+            } else {
+                s += expf(x - m);
+            }
+        }
+    }
+}
+/* out[j] = bf16(d (exp(lg[j] - lse) - [j == tgt])), 0 where d == 0; VEC = 4:
+ * a float4 read and four bf16 (8 bytes) written per step */
+template <int VEC>
+__device__ __forceinline__ void row_grad(bf16 *out, const float *lg, int V, float lse, float d, int tgt) {
+    if constexpr (VEC == 4) {
+        const float4 *l4 = reinterpret_cast<const float4 *>(lg);
+        for (int j = threadIdx.x; j < V / 4; j += blockDim.x) {
+            const float4 x = l4[j];
+            const int c = 4 * j;
+            float g[4] = {x.x, x.y, x.z, x.w};
+            for (int k = 0; k < 4; k++) g[k] = d == 0.f ? 0.f : d * (expf(g[k] - lse) - (c + k == tgt ? 1.f : 0.f));
+            const __nv_bfloat162 lo = __floats2bfloat162_rn(g[0], g[1]), hi = __floats2bfloat162_rn(g[2], g[3]);
+            uint2 u;
+            u.x = *reinterpret_cast<const uint32_t *>(&lo);
+            u.y = *reinterpret_cast<const uint32_t *>(&hi);
+            *reinterpret_cast<uint2 *>(out + c) = u;
+        }
+    } else {
+        for (int j = threadIdx.x; j < V; j += blockDim.x) {
+            const float g = d == 0.f ? 0.f : d * (expf(lg[j] - lse) - (j == tgt ? 1.f : 0.f));
+            out[j] = __float2bfloat16_rn(g);
+        }
+    }
+}
+
+template <int VEC>
 static __global__ void lmhead_rows_kernel(float *losses, float *stats, bf16 *dlogits, const float *logits,
                                           const int *targets, const float *dloss, const float *lse_in, int V,
                                           int vstart) {
@@ -39,25 +94,11 @@ static __global__ void lmhead_rows_kernel(float *losses, float *stats, bf16 *dlo
     const int tgt = targets[row] - vstart;
     const bool bad = tgt < 0 || tgt >= V;
     if (lse_in) {
-        const float lse = lse_in[row];
-        const float d = dloss ? dloss[row] : 0.f;
-        bf16 *out = dlogits + (size_t)row * V;
-        for (int j = threadIdx.x; j < V; j += blockDim.x) {
-            float g = d == 0.f ? 0.f : d * (expf(lg[j] - lse) - (j == tgt ? 1.f : 0.f));
-            out[j] = __float2bfloat16_rn(g);
-        }
+        row_grad<VEC>(dlogits + (size_t)row * V, lg, V, lse_in[row], dloss ? dloss[row] : 0.f, tgt);
         return;
     }
     float m = -INFINITY, s = 0.f;
-    for (int j = threadIdx.x; j < V; j += blockDim.x) {
-        float x = lg[j];
-        if (x > m) {
-            s = s * expf(m - x) + 1.f;
-            m = x;
-        } else {
-            s += expf(x - m);
-        }
-    }
+    row_stats<VEC>(lg, V, m, s);
     for (int o = 16; o > 0; o >>= 1) {
         float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
         lse_combine(m, s, m2, s2);
@@ -88,14 +129,18 @@ static __global__ void lmhead_rows_kernel(float *losses, float *stats, bf16 *dlo
     if (stats) return;
     const float lse = sm[0];
     if (losses && threadIdx.x == 0) losses[row] = bad ? NAN : lse - lg[tgt];
-    if (dlogits) {
-        const float d = dloss ? dloss[row] : 1.f;
-        bf16 *out = dlogits + (size_t)row * V;
-        for (int j = threadIdx.x; j < V; j += blockDim.x) {
-            float g = d == 0.f ? 0.f : d * (expf(lg[j] - lse) - (j == tgt ? 1.f : 0.f));
-            out[j] = __float2bfloat16_rn(g);
-        }
-    }
+    if (dlogits) row_grad<VEC>(dlogits + (size_t)row * V, lg, V, lse, dloss ? dloss[row] : 1.f, tgt);
+}
+/* one block of 512 threads per row; the 16-byte path where every row of
+ * the logits (and of dlogits) starts aligned */
+static void lmhead_rows(cf_cuda_ctx *ctx, int rows, float *losses, float *stats, bf16 *dlogits, const float *logits,
+                        const int *targets, const float *dloss, const float *lse_in, int V, int vstart) {
+    if (V % 4 == 0 && cf_aligned16(logits) && ((uintptr_t)dlogits & 7) == 0)
+        lmhead_rows_kernel<4><<<rows, 512, 0, ctx->stream>>>(losses, stats, dlogits, logits, targets, dloss, lse_in, V,
+                                                             vstart);
+    else
+        lmhead_rows_kernel<1><<<rows, 512, 0, ctx->stream>>>(losses, stats, dlogits, logits, targets, dloss, lse_in, V,
+                                                             vstart);
 }
 
 /* rows per chunk: fp32 logits + bf16 dlogits of a chunk stay under ~1.5 GiB */
@@ -123,7 +168,7 @@ static void lmhead_fwd(cf_backend *b, float *losses, float *stats, bf16 *g, cons
         float *lo = stats ? nullptr : losses + r0;
         float *st = stats ? stats + (size_t)r0 * 3 : nullptr;
         bf16 *gc = g ? g + (size_t)r0 * V : nullptr;
-        lmhead_rows_kernel<<<rows, 512, 0, ctx->stream>>>(lo, st, gc, logits, targets + r0, nullptr, nullptr, V, vstart);
+        lmhead_rows(ctx, rows, lo, st, gc, logits, targets + r0, nullptr, nullptr, V, vstart);
         if (!(stats ? CF_CK_LAUNCH(ctx, "lmhead_stats") : CF_CK_LAUNCH(ctx, "lmhead_rows"))) return;
     }
 }
@@ -156,8 +201,7 @@ void cf_cuda_lmhead_loss_bwd(cf_backend *b, void *dx, float *dwlm, const void *x
         const int rows = CF_MIN(chunk, T - r0);
         const bf16 *xc = (const bf16 *)x + (size_t)r0 * C;
         cf_cuda_gemm(ctx, true, false, V, rows, C, wlm, C, xc, C, logits, CUDA_R_32F, V, 0.f, NULL);
-        lmhead_rows_kernel<<<rows, 512, 0, ctx->stream>>>(NULL, NULL, dlogits, logits, targets + r0, dloss + r0,
-                                                           lse ? lse + r0 : NULL, V, vstart);
+        lmhead_rows(ctx, rows, NULL, NULL, dlogits, logits, targets + r0, dloss + r0, lse ? lse + r0 : NULL, V, vstart);
         if (!CF_CK_LAUNCH(ctx, "lmhead_rows")) return;
         /* dx = dlogits W ; dW += dlogits^T x (the first chunk writes dW when it holds zeros) */
         cf_cuda_matmul_bwd(b, (bf16 *)dx + (size_t)r0 * C, dwlm, NULL, dlogits, xc, wlm, rows, C, V,
