@@ -316,6 +316,7 @@ int attn_cf_sm90_prep(cf_cuda_ctx *ctx, const AttnArgs &a, int D, const cf_rows 
     *p2 = a;
     p2->kstart = fstart;
     p2->krow = filt;
+    p2->dq_acc = acc;
     if (nf > 0) {
         p2->k = kf;
         p2->v = vf;

@@ -422,7 +422,8 @@ int attn_sm90_bwd_split(const cf_cuda_ctx *ctx, int D, int H, int hpb, int B, in
  * launch on ctx->stream: what attn_bwd_prep does for the n = kept->n query
  * rows (a.Dvec, and acc[0 .. acc_n) zeroed), what attn_filtered_rows does
  * (filt, fstart), and the filtered rows' K and V compacted for part 2; *p2
- * = a with the filtered rows as its k side, reading the compact copies (1;
+ * = a with the filtered rows as its k side, reading the compact copies, and
+ * acc as its dq accumulator (1;
  * 0: no Hopper kernel for D; -1 on an error). attn_bwd_dq_sm90: part 2 on
  * stream st, adding the filtered keys' dq terms to the slot-order
  * accumulator p.dq_acc (1; 0: the driver refused a tensor map, nothing

@@ -283,14 +283,12 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
     const bool cf = mode == CF_ATTN_BWD_CENTRIFUGE;
     const int nf = T - n;
     int *filt = NULL, *fstart = NULL;
-    AttnArgs p2 = a;
+    AttnArgs p2 = a; /* part 2's arguments (Hopper): set by attn_cf_sm90_prep */
     int prepared = 0;
     if (cf) {
         filt = (int *)cf_cuda_scratch(ctx, CF_SCR_ATTN_FILT, (size_t)(nf > 0 ? nf : 1) * sizeof(int));
         fstart = (int *)cf_cuda_scratch(ctx, CF_SCR_ATTN_FSTART, (size_t)(B + 1) * sizeof(int));
         if (!filt || !fstart) return;
-        p2.kstart = fstart;
-        p2.krow = filt;
         if (try_hopper && (prepared = attn_cf_sm90_prep(ctx, a, D, kept, acc, acc_n, filt, fstart, &p2)) < 0) return;
     }
     if (!prepared) {
@@ -332,7 +330,6 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
     if (cf && hopper && prepared) {
         const bool side = parts_side_by_side();
         cudaStream_t st = side ? ctx->aux_stream : ctx->stream;
-        p2.dq_acc = acc;
         if (side && !CF_CK(ctx, cudaStreamWaitEvent(st, ctx->ev_fork, 0))) return;
         r = attn_bwd_dq_sm90(ctx, p2, D, n, nf, maxlen, tps, st);
         if (side && (!CF_CK(ctx, cudaEventRecord(ctx->ev_join, st)) ||
