@@ -263,6 +263,86 @@ TEST(saved_model_loads_back_with_identical_losses) {
     }
 }
 
+/* The parameter table puts q/k/v biases behind the three weights (so the
+ * projections fuse); state.bin files of the older order (each bias right
+ * after its weight: magic CFSTATE2, or CFSTATE1) still resume with every
+ * tensor's own AdamW moments. Each model type: a checkpoint with distinct
+ * moments per element, written as version 3, loaded back; then rewritten
+ * by hand as a version-2 file in the older order and loaded again. Only
+ * qwen2 (biases) has an older order that differs. */
+static int moments_equal(cf_model *m, const float *am, const float *av, size_t n) {
+    float *bm = malloc(2 * n * sizeof(float) + 1);
+    int ok = bm && cf_model_get_adam(m, bm, bm + n) == 0 && memcmp(bm, am, n * sizeof(float)) == 0 &&
+             memcmp(bm + n, av, n * sizeof(float)) == 0;
+    free(bm);
+    return ok;
+}
+
+TEST(state_bin_of_the_older_table_order_resumes_with_each_tensors_moments) {
+    for (int ti = 0; ti < NTYPES; ti++) {
+        cf_model *m = make_model(TYPES[ti], 61 + ti);
+        if (!m) { CHECK(0); continue; }
+        int *order = malloc((size_t)m->ntensors * sizeof(int));
+        CHECK(order != NULL);
+        if (!order) { cf_model_free(m); continue; }
+        const int differs = cf_param_order_v2(m, order);
+        CHECK_MSG(differs == !strcmp(TYPES[ti], "tiny-qwen2"), "%s: older order differs %d", TYPES[ti], differs);
+        const size_t n = m->opt.lay.nlocal;
+        float *am = malloc(2 * n * sizeof(float) + 1), *av = am + n;
+        for (size_t k = 0; k < n; k++) {
+            am[k] = (float)k + 0.25f;
+            av[k] = 2.0f * (float)k + 1.0f;
+        }
+        CHECK(cf_model_set_adam(m, am, av, 7) == 0);
+        char dir[] = "/tmp/cf_test_state_XXXXXX";
+        CHECK(mkdtemp(dir) != NULL);
+        CHECK_MSG(cf_checkpoint_save(m, dir, 3, 11, 1) == 0, "%s", cf_last_error());
+        cf_model_opts o = {0};
+        o.backend = CF_BACKEND_CPU;
+        int64_t step = 0, pos = 0;
+        cf_model *r = cf_checkpoint_load(dir, &o, &step, &pos);
+        CHECK_MSG(r && step == 3 && pos == 11 && moments_equal(r, am, av, n), "%s: version 3: %s", TYPES[ti],
+                  r ? "moments differ" : cf_last_error());
+        cf_model_free(r);
+        /* the same state as an older version wrote it */
+        char path[128];
+        snprintf(path, sizeof path, "%s/step_00000003/state.bin", dir);
+        size_t len = 0;
+        char *buf = cf_read_file(path, &len, 1 << 28);
+        cf_optim_layout old;
+        CHECK(buf && cf_optim_layout_order(m, order, &old) == 0 && old.nlocal == n);
+        const size_t hb = len - 2 * n * sizeof(float);
+        CHECK(buf && memcmp(buf, "CFSTATE3", 8) == 0 && hb == 40);
+        if (buf && old.goff) {
+            memcpy(buf, "CFSTATE2", 8);
+            float *fm = (float *)(buf + hb), *fv = fm + n;
+            for (int i = 0; i < m->ntensors; i++) {
+                if (!m->params[i].trainable) continue;
+                for (size_t j = 0; j < m->params[i].numel; j++) {
+                    fm[old.goff[i] + j] = am[m->opt.lay.goff[i] + j];
+                    fv[old.goff[i] + j] = av[m->opt.lay.goff[i] + j];
+                }
+            }
+            FILE *f = fopen(path, "wb");
+            CHECK(f && fwrite(buf, 1, len, f) == len);
+            if (f) fclose(f);
+            r = cf_checkpoint_load(dir, &o, &step, &pos);
+            CHECK_MSG(r && step == 3 && moments_equal(r, am, av, n), "%s: version 2: %s", TYPES[ti],
+                      r ? "moments differ" : cf_last_error());
+            CHECK(r && cf_optimizer_steps(r) == 7);
+            cf_model_free(r);
+        }
+        cf_optim_layout_free(&old);
+        free(buf);
+        char cmd[256];
+        snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+        CHECK(system(cmd) == 0);
+        free(am);
+        free(order);
+        cf_model_free(m);
+    }
+}
+
 TEST(training_steps_reduce_the_loss_on_a_repeated_batch) {
     cf_model *m = make_model("tiny-qwen3", 51);
     if (!m) { CHECK(0); return; }
@@ -507,7 +587,9 @@ static cf_model *fused_model(const char *name, unsigned lora, const char *freeze
  * with RoPE undone into one input and one weight-gradient GEMM, and one
  * gate/up pair) give the unfused losses and gradients, regular and
  * centrifuge, and the same weights after a step:
- * llama (both fused), qwen2 (q/k/v biases: gate/up only), qwen3 (q/k norm:
+ * llama (both fused), qwen2 (q/k/v biases, back to back: both fused; its
+ * weights frozen and biases trained: both fused; k's bias frozen: the
+ * biases apart, q/k/v not fused), qwen3 (q/k norm:
  * gate/up only), LoRA on q and up (an adapted projection keeps its group
  * apart: neither fused), LoRA on o and down only (both fused), q frozen or
  * v and up frozen (their weights live apart from the trainable ones: that
@@ -517,7 +599,9 @@ static cf_model *fused_model(const char *name, unsigned lora, const char *freeze
 TEST(fused_projections_give_the_unfused_losses_gradients_and_step) {
     static const struct { const char *name; unsigned lora; const char *freeze; int qkv, gu; } cs[] = {
         {"tiny-llama", 0, NULL, 1, 1},
-        {"tiny-qwen2", 0, NULL, 0, 1},
+        {"tiny-qwen2", 0, NULL, 1, 1},
+        {"tiny-qwen2", 0, "proj.weight", 1, 1},   /* frozen weights, trained biases */
+        {"tiny-qwen2", 0, "k_proj.bias", 0, 1},   /* biases apart: trained bq, bv; frozen bk */
         {"tiny-qwen3", 0, NULL, 0, 1},
         {"tiny-llama", CF_LORA_Q | CF_LORA_UP, NULL, 0, 0},
         {"tiny-mistral", CF_LORA_O | CF_LORA_DOWN, NULL, 1, 1},
@@ -698,6 +782,7 @@ int main(void) {
     RUN(equivalences_of_design_section_1_hold_for_every_model_type);
     RUN(doc_mask_gradients_match_finite_differences_and_centrifuge_equals_stopgrad_reference);
     RUN(saved_model_loads_back_with_identical_losses);
+    RUN(state_bin_of_the_older_table_order_resumes_with_each_tensors_moments);
     RUN(fused_projections_give_the_unfused_losses_gradients_and_step);
     RUN(lm_head_saved_grad_gives_the_recompute_paths_losses_and_gradients);
     RUN(training_steps_reduce_the_loss_on_a_repeated_batch);

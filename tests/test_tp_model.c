@@ -179,11 +179,11 @@ static void run_case(const tp_case *tc, cf_mode mode, uint64_t seed) {
     for (int r = 0; r < P; r++) CHECK_MSG(jobs[r].ok, "%s %s rank %d: %s", tc->name, cf_mode_name(mode), r, jobs[r].err);
     /* each rank's column slices of q/k/v and gate/up lie back to back: the
      * forward fuses them (model.c, plan_fused_proj), so that path is the
-     * one compared here (but q/k/v with biases or q/k norms) */
+     * one compared here (but q/k/v with q/k norms) */
     for (int r = 0; r < P; r++)
         for (int l = 0; jobs[r].m && l < jobs[r].m->cfg.num_hidden_layers; l++) {
             const cf_model *m = jobs[r].m;
-            CHECK_MSG(m->lp[l].fused_qkv == (!m->cfg.qkv_bias && !m->cfg.qk_norm) && m->lp[l].fused_gate_up,
+            CHECK_MSG(m->lp[l].fused_qkv == !m->cfg.qk_norm && m->lp[l].fused_gate_up,
                       "%s rank %d layer %d: fused q/k/v %d, gate/up %d", tc->name, r, l, m->lp[l].fused_qkv,
                       m->lp[l].fused_gate_up);
         }

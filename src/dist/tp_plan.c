@@ -85,12 +85,12 @@ typedef enum {
     T_LN1, T_QW, T_QB, T_KW, T_KB, T_VW, T_VB, T_OW, T_OB, T_QN, T_KN, T_LN2, T_GATE, T_UP, T_DOWN,
 } tensor_id;
 
-/* One layer's tensors in build_param_table order. */
+/* One layer's tensors in build_param_table order (q/k/v biases after the
+ * three weights). */
 static const struct { tensor_id id; const char *suffix; } LAYER[] = {
     {T_LN1, "input_layernorm.weight"},
-    {T_QW, "self_attn.q_proj.weight"}, {T_QB, "self_attn.q_proj.bias"},
-    {T_KW, "self_attn.k_proj.weight"}, {T_KB, "self_attn.k_proj.bias"},
-    {T_VW, "self_attn.v_proj.weight"}, {T_VB, "self_attn.v_proj.bias"},
+    {T_QW, "self_attn.q_proj.weight"}, {T_KW, "self_attn.k_proj.weight"}, {T_VW, "self_attn.v_proj.weight"},
+    {T_QB, "self_attn.q_proj.bias"}, {T_KB, "self_attn.k_proj.bias"}, {T_VB, "self_attn.v_proj.bias"},
     {T_OW, "self_attn.o_proj.weight"}, {T_OB, "self_attn.o_proj.bias"},
     {T_QN, "self_attn.q_norm.weight"}, {T_KN, "self_attn.k_norm.weight"},
     {T_LN2, "post_attention_layernorm.weight"},

@@ -224,20 +224,26 @@ static int gate_up_fused(cf_model *m, const cf_layer_params *p) {
     return !gg || gu == gg + g->numel;
 }
 
+/* Whether three gradients (of tensors i, j, k) are all absent (frozen) or
+ * back to back. */
+static int grads_joined(cf_model *m, int i, int j, int k) {
+    float *gi = cf_grad(m, i), *gj = cf_grad(m, j), *gk = cf_grad(m, k);
+    if (!gi != !gj || !gj != !gk) return 0;
+    return !gi || (gj == gi + m->params[i].numel && gk == gj + m->params[j].numel);
+}
+
 /* Whether the q, k, v projections' backward can run as one GEMM each for
  * the input and the weight gradient, as their forward does (model.c:
- * plan_fused_proj: no bias, adapter or q/k norm, the three weights back to
- * back): their gradients back to back too (or all frozen), and dk, dv of
- * the backward's own rows (not centrifuge-kv's every row). The input is
- * [dq dk dv] joined row by row with RoPE undone (qkv_join_rope_bwd), in the
- * slot the forward's fused output used. CF_FUSED_PROJ=0 turns it off with
- * the forward's. */
+ * plan_fused_proj: no adapter or q/k norm, the three weights and biases
+ * back to back): their gradients back to back too (or all frozen), and dk,
+ * dv of the backward's own rows (not centrifuge-kv's every row). The input
+ * is [dq dk dv] joined row by row with RoPE undone (qkv_join_rope_bwd), in
+ * the slot the forward's fused output used; the bias gradient is its column
+ * sum. CF_FUSED_PROJ=0 turns it off with the forward's. */
 static int qkv_fused_bwd(cf_model *m, const cf_layer_params *p, int kv_all) {
     if (!p->fused_qkv || kv_all || cf_tp_on(m) || !m->b->qkv_join_rope_bwd) return 0;
-    const cf_param *q = &m->params[p->q.w], *k = &m->params[p->k.w];
-    float *gq = cf_grad(m, p->q.w), *gk = cf_grad(m, p->k.w), *gv = cf_grad(m, p->v.w);
-    if (!gq != !gk || !gk != !gv) return 0;
-    return !gq || (gk == gq + q->numel && gv == gk + k->numel);
+    if (!grads_joined(m, p->q.w, p->k.w, p->v.w)) return 0;
+    return p->q.b < 0 || grads_joined(m, p->q.b, p->k.b, p->v.b);
 }
 
 /* Layer l's MLP after swiglu' in a paired backward (dwpair.c), whose
@@ -429,12 +435,14 @@ static int backward_body(cf_model *m, cf_mode mode, const cf_kept *kept, float t
              zero_filtered_rows(m, m->d_v, (size_t)kd, sg->keep) != 0))
             return -1;
         if (qkv_fused_bwd(m, p, kv_all)) {
-            /* dln1 = [dq dk dv] [Wq; Wk; Wv],  [dWq; dWk; dWv] (+)= [dq dk dv]^T ln1 */
+            /* dln1 = [dq dk dv] [Wq; Wk; Wv],  [dWq; dWk; dWv] (+)= [dq dk dv]^T ln1,
+             * [dbq; dbk; dbv] += colsum [dq dk dv] */
             void *dqkv = m->qkv ? m->qkv : m->tmp;
             OP(CF_PROF_ROPE, b->qkv_join_rope_bwd(b, dqkv, m->d_q, m->d_k, m->d_v, pos, n, H, Hkv, m->inv_freq, D));
             const int qkv[3] = {p->q.w, p->k.w, p->v.w};
             const int zero = cf_grad_take_zero_group(m, qkv, 3);
-            OP(CF_PROF_GEMM, b->matmul_bwd(b, m->d_ln, cf_grad(m, p->q.w), NULL, dqkv, SAVED(m, a->ln1),
+            float *dbias = p->q.b >= 0 ? cf_grad(m, p->q.b) : NULL;
+            OP(CF_PROF_GEMM, b->matmul_bwd(b, m->d_ln, cf_grad(m, p->q.w), dbias, dqkv, SAVED(m, a->ln1),
                                            cf_weight(m, p->q.w), n, C, qd + 2 * kd, zero));
         } else {
             OP(CF_PROF_ROPE, b->rope_qk(b, m->d_q, pos, n, H, m->d_k, kpos, nk, Hkv, m->inv_freq, D, 1));

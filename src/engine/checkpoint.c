@@ -30,12 +30,16 @@
 #include "base/common.h"
 #include "engine/model_internal.h"
 
-/* state.bin: this header, then Adam's m and v (nparams floats each).
- * opt_steps (version 2) is the optimizer's own step count, which Adam's bias
- * correction uses: it falls behind `step` by the number of skipped
- * (non-finite) steps, so an exact resume needs it. Version 1 files, without
- * it, still load (opt_steps = step). */
-#define STATE_MAGIC "CFSTATE2"
+/* state.bin: this header, then Adam's m and v (nparams floats each), in
+ * the optimizer's whole layout (cf_optim_layout_whole: the parameter
+ * table's order). opt_steps (version 2) is the optimizer's own step count,
+ * which Adam's bias correction uses: it falls behind `step` by the number
+ * of skipped (non-finite) steps, so an exact resume needs it. Version 1
+ * files, without it, still load (opt_steps = step). Version 3 has version
+ * 2's header; its moments follow the table in which q/k/v biases come after
+ * the three weights (model.c): older files are permuted on load. */
+#define STATE_MAGIC "CFSTATE3"
+#define STATE_MAGIC_V2 "CFSTATE2"
 #define STATE_MAGIC_V1 "CFSTATE1"
 typedef struct {
     char magic[8];
@@ -354,6 +358,37 @@ int cf_checkpoint_latest(const char *dir, char *out, size_t cap) {
     return rc;
 }
 
+/* Moments of a version 1 or 2 state.bin, written when each q/k/v bias
+ * followed its own weight in the table, into this table's layout (m, then
+ * v, n floats each; in place). Nothing to do for models without those
+ * biases, or with them frozen (LoRA). */
+static int state_from_v2_order(cf_model *m, float *mv, size_t n) {
+    int *order = cf_malloc((size_t)m->ntensors * sizeof(int));
+    if (!order) return -1;
+    cf_optim_layout old;
+    memset(&old, 0, sizeof old);
+    int rc = 0;
+    if (cf_param_order_v2(m, order) && (rc = cf_optim_layout_order(m, order, &old)) == 0) {
+        float *tmp = cf_malloc(2 * n * sizeof(float) + 1);
+        if (!tmp || old.nlocal != n || m->opt.lay.nlocal != n) {
+            rc = tmp ? cf_fail("internal: state.bin of %zu parameters does not match the layout", n) : -1;
+        } else {
+            memset(tmp, 0, 2 * n * sizeof(float));
+            for (int i = 0; i < m->ntensors; i++) {
+                const size_t from = old.goff[i], to = m->opt.lay.goff[i], len = m->params[i].numel;
+                if (!m->params[i].trainable) continue;
+                memcpy(tmp + to, mv + from, len * sizeof(float));
+                memcpy(tmp + n + to, mv + n + from, len * sizeof(float));
+            }
+            memcpy(mv, tmp, 2 * n * sizeof(float));
+        }
+        free(tmp);
+    }
+    cf_optim_layout_free(&old);
+    free(order);
+    return rc;
+}
+
 cf_model *cf_checkpoint_load(const char *dir, const cf_model_opts *opts, int64_t *step, int64_t *data_pos) {
     char path[4096], state[4096];
     if (cf_checkpoint_latest(dir, path, sizeof path) != 0) return NULL;
@@ -376,16 +411,15 @@ cf_model *cf_checkpoint_load(const char *dir, const cf_model_opts *opts, int64_t
     state_header h;
     memset(&h, 0, sizeof h);
     int v1 = len >= 8 && memcmp(buf, STATE_MAGIC_V1, 8) == 0;
+    int v2 = len >= 8 && memcmp(buf, STATE_MAGIC_V2, 8) == 0;
     size_t hbytes = v1 ? STATE_HEADER_V1_BYTES : sizeof h;
     if (len != hbytes + 2 * n * sizeof(float)) {
         cf_fail("%s: %zu bytes, expected %zu for %zu parameters", state, len, hbytes + 2 * n * sizeof(float), n);
         free(buf); cf_model_free(m); return NULL;
     }
     memcpy(&h, buf, hbytes);
-    if (v1) {
-        memcpy(h.magic, STATE_MAGIC, 8);
-        h.opt_steps = h.step;
-    }
+    if (v1) h.opt_steps = h.step;
+    if (v1 || v2) memcpy(h.magic, STATE_MAGIC, 8);
     if (memcmp(h.magic, STATE_MAGIC, 8) != 0 || h.nparams != (int64_t)n || h.step < 0 || h.data_pos < 0 ||
         h.opt_steps < 0) {
         cf_fail("%s: not a centrifuge training state for this model", state);
@@ -395,6 +429,7 @@ cf_model *cf_checkpoint_load(const char *dir, const cf_model_opts *opts, int64_t
     if (!mv) { free(buf); cf_model_free(m); return NULL; }
     memcpy(mv, buf + hbytes, 2 * n * sizeof(float));
     free(buf);
+    if ((v1 || v2) && state_from_v2_order(m, mv, n) != 0) { free(mv); cf_model_free(m); return NULL; }
     /* moments that are not finite would poison every later update */
     int rc2 = cf_checkpoint_check_state(m, NULL, mv, mv + n, state);
     if (rc2 != 0) cf_fail("%s; the checkpoint is damaged, not resuming from it", cf_last_error());

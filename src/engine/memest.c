@@ -71,9 +71,9 @@ static void param_counts(const cf_config *c, const char *freeze, uint64_t *all, 
     for (int l = 0; l < c->num_hidden_layers; l++) {
         struct { const char *what; uint64_t numel; int present; } t[] = {
             {"input_layernorm.weight", C, 1},
-            {"self_attn.q_proj.weight", qd * C, 1}, {"self_attn.q_proj.bias", qd, c->qkv_bias},
-            {"self_attn.k_proj.weight", kd * C, 1}, {"self_attn.k_proj.bias", kd, c->qkv_bias},
-            {"self_attn.v_proj.weight", kd * C, 1}, {"self_attn.v_proj.bias", kd, c->qkv_bias},
+            {"self_attn.q_proj.weight", qd * C, 1}, {"self_attn.k_proj.weight", kd * C, 1},
+            {"self_attn.v_proj.weight", kd * C, 1}, {"self_attn.q_proj.bias", qd, c->qkv_bias},
+            {"self_attn.k_proj.bias", kd, c->qkv_bias}, {"self_attn.v_proj.bias", kd, c->qkv_bias},
             {"self_attn.o_proj.weight", C * qd, 1}, {"self_attn.o_proj.bias", C, c->o_bias},
             {"self_attn.q_norm.weight", (uint64_t)c->head_dim, c->qk_norm},
             {"self_attn.k_norm.weight", (uint64_t)c->head_dim, c->qk_norm},
@@ -148,7 +148,7 @@ int cf_memory_estimate_config(const cf_config *cfg, cf_backend_kind backend, con
      * buffer it otherwise uses (model.c, alloc_acts; assumed fused) */
     uint64_t tmp_wide = C > qd ? C : qd;
     if (F > tmp_wide) tmp_wide = F;
-    if (!cfg->qkv_bias && !cfg->qk_norm && qd + 2 * kd > tmp_wide) row += (qd + 2 * kd) * A;
+    if (!cfg->qk_norm && qd + 2 * kd > tmp_wide) row += (qd + 2 * kd) * A;
     if (o->train) {
         /* issue 17: the training forward's g [T, V] for the LM head's
          * backward (model.c, cf_forward), gathered like the others */

@@ -59,19 +59,27 @@ static int layer_param(cf_model *m, int cap, int l, const char *suffix, int64_t 
     return add_param(m, cap, l, name, d0, d1);
 }
 
+static int layer_bias(cf_model *m, int cap, int l, const char *proj, int64_t out) {
+    char name[64];
+    snprintf(name, sizeof name, "%s.bias", proj);
+    return layer_param(m, cap, l, name, out, 0);
+}
+
 static cf_linear layer_linear(cf_model *m, int cap, int l, const char *proj, int64_t out, int64_t in, int bias) {
     char name[64];
     cf_linear lin = {-1, -1, -1, -1, -1, 0};
     snprintf(name, sizeof name, "%s.weight", proj);
     lin.w = layer_param(m, cap, l, name, out, in);
-    if (bias) {
-        snprintf(name, sizeof name, "%s.bias", proj);
-        lin.b = layer_param(m, cap, l, name, out, 0);
-    }
+    if (bias) lin.b = layer_bias(m, cap, l, proj, out);
     return lin;
 }
 
-/* Builds the parameter table in HF order and naming. */
+/* Builds the parameter table in HF naming and in HF order, except that
+ * q, k, v biases (qwen2, llama attention_bias) follow all three weights:
+ * Wq, Wk, Wv back to back let the projections run as one GEMM, and bq, bk,
+ * bv back to back are that GEMM's bias (plan_fused_proj). Training states
+ * written in the older order (state.bin v1, v2) are permuted on load
+ * (cf_param_order_v2). dist/tp_plan.c lists the same order. */
 static int build_param_table(cf_model *m) {
     const cf_config *c = &m->cfg;
     int L = c->num_hidden_layers, C = c->hidden_size, F = c->intermediate_size;
@@ -85,9 +93,14 @@ static int build_param_table(cf_model *m) {
         cf_layer_params *p = &m->lp[l];
         p->qn = p->kn = -1;
         p->ln1 = layer_param(m, cap, l, "input_layernorm.weight", C, 0);
-        p->q = layer_linear(m, cap, l, "self_attn.q_proj", qd, C, c->qkv_bias);
-        p->k = layer_linear(m, cap, l, "self_attn.k_proj", kd, C, c->qkv_bias);
-        p->v = layer_linear(m, cap, l, "self_attn.v_proj", kd, C, c->qkv_bias);
+        p->q = layer_linear(m, cap, l, "self_attn.q_proj", qd, C, 0);
+        p->k = layer_linear(m, cap, l, "self_attn.k_proj", kd, C, 0);
+        p->v = layer_linear(m, cap, l, "self_attn.v_proj", kd, C, 0);
+        if (c->qkv_bias) {
+            p->q.b = layer_bias(m, cap, l, "self_attn.q_proj", qd);
+            p->k.b = layer_bias(m, cap, l, "self_attn.k_proj", kd);
+            p->v.b = layer_bias(m, cap, l, "self_attn.v_proj", kd);
+        }
         p->o = layer_linear(m, cap, l, "self_attn.o_proj", C, qd, c->o_bias);
         if (c->qk_norm) {
             p->qn = layer_param(m, cap, l, "self_attn.q_norm.weight", c->head_dim, 0);
@@ -103,6 +116,23 @@ static int build_param_table(cf_model *m) {
     m->p_lm_head = c->tie_word_embeddings ? m->p_embed
                                           : add_param(m, cap, L, "lm_head.weight", c->vocab_size, C);
     return m->p_lm_head < 0 ? -1 : 0;
+}
+
+int cf_param_order_v2(const cf_model *m, int *order) {
+    int n = 0, moved = 0;
+    for (int i = 0; i < m->ntensors; i++) {
+        const int l = m->params[i].layer;
+        const cf_layer_params *p = l >= 0 && l < m->cfg.num_hidden_layers ? &m->lp[l] : NULL;
+        if (p && p->q.b >= 0 && (i == p->q.b || i == p->k.b || i == p->v.b)) continue;
+        order[n++] = i;
+        if (!p || p->q.b < 0) continue;
+        const int b = i == p->q.w ? p->q.b : i == p->k.w ? p->k.b : i == p->v.w ? p->v.b : -1;
+        if (b >= 0) {
+            order[n++] = b;
+            moved |= b != n - 1;
+        }
+    }
+    return moved;
 }
 
 int cf_lora_parse_targets(const char *s, unsigned *out) {
@@ -400,23 +430,29 @@ static int stored_after(const cf_model *m, int i, int j) {
     return m->params[j].woff == m->params[i].woff + m->params[i].numel;
 }
 
-/* Issue 17: the forward runs q, k, v as one GEMM with [Wq; Wk; Wv] (its
- * split fused with RoPE) and gate, up as one with [Wg; Wu], where the layout
- * allows. The parameter table puts each group back to back, but whether
- * their compute weights stay so depends on the optimizer layout (a ZeRO-1
- * plan pads between tensors, frozen and trainable tensors live apart), so
- * it is checked here, per layer, on the offsets of this process (under TP
- * its column slices). A bias, an adapter or (qwen3) a per-head norm between
- * the GEMM and RoPE keeps the projections apart. CF_FUSED_PROJ=0 in the
- * environment turns both off (A/B timing, cross-checks). */
+/* Issue 17: the forward runs q, k, v as one GEMM with [Wq; Wk; Wv] (and
+ * bias [bq; bk; bv] where they have biases; its split fused with RoPE) and
+ * gate, up as one with [Wg; Wu], where the layout allows. The parameter
+ * table puts each group back to back, but whether their compute weights
+ * stay so depends on the optimizer layout (a ZeRO-1 plan pads between
+ * tensors, frozen and trainable tensors live apart), so it is checked here,
+ * per layer, on the offsets of this process (under TP its column slices).
+ * An adapter or (qwen3) a per-head norm between the GEMM and RoPE keeps the
+ * projections apart. CF_FUSED_PROJ=0 in the environment turns both off
+ * (A/B timing, cross-checks). */
+static int qkv_bias_joined(const cf_model *m, const cf_layer_params *p) {
+    if (p->q.b < 0 && p->k.b < 0 && p->v.b < 0) return 1;
+    return p->q.b >= 0 && p->k.b >= 0 && p->v.b >= 0 && stored_after(m, p->q.b, p->k.b) &&
+           stored_after(m, p->k.b, p->v.b);
+}
+
 static void plan_fused_proj(cf_model *m) {
     const char *e = getenv("CF_FUSED_PROJ");
     const int on = !(e && *e == '0');
     for (int l = 0; l < m->cfg.num_hidden_layers; l++) {
         cf_layer_params *p = &m->lp[l];
-        p->fused_qkv = on && !m->cfg.qk_norm && p->q.b < 0 && p->k.b < 0 && p->v.b < 0 && p->q.la < 0 &&
-                       p->k.la < 0 && p->v.la < 0 && stored_after(m, p->q.w, p->k.w) &&
-                       stored_after(m, p->k.w, p->v.w);
+        p->fused_qkv = on && !m->cfg.qk_norm && qkv_bias_joined(m, p) && p->q.la < 0 && p->k.la < 0 &&
+                       p->v.la < 0 && stored_after(m, p->q.w, p->k.w) && stored_after(m, p->k.w, p->v.w);
         p->fused_gate_up = on && p->gate.b < 0 && p->up.b < 0 && p->gate.la < 0 && p->up.la < 0 &&
                            stored_after(m, p->gate.w, p->up.w);
     }
@@ -1142,10 +1178,11 @@ int cf_forward(cf_model *m, const int32_t *tokens, int B, int S, float *losses) 
             OP(CF_PROF_NORM, b->rmsnorm_fwd(b, ln1, m->saved[a->rstd1].full, x, cf_weight(m, p->ln1), T, C, c->rms_norm_eps));
         normed = 0;
         if (p->fused_qkv) {
-            /* q | k | v rows from one GEMM (plain linears: no bias, no
-             * adapter), split into their slots with RoPE in one pass */
+            /* q | k | v rows from one GEMM (no adapter; [bq; bk; bv] in
+             * its epilogue), split into their slots with RoPE in one pass */
             void *qkv = m->qkv ? m->qkv : m->tmp;
-            OP(CF_PROF_GEMM, b->matmul_fwd(b, qkv, ln1, cf_weight(m, p->q.w), NULL, T, C, qd + 2 * kd));
+            const void *bias = p->q.b >= 0 ? cf_weight(m, p->q.b) : NULL;
+            OP(CF_PROF_GEMM, b->matmul_fwd(b, qkv, ln1, cf_weight(m, p->q.w), bias, T, C, qd + 2 * kd));
             OP(CF_PROF_ROPE, b->qkv_split_rope(b, q, a->k, a->v, qkv, pos, T, H, Hkv, m->inv_freq, D));
         } else {
             if (c->qk_norm) {

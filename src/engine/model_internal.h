@@ -454,6 +454,9 @@ void cf_linear_bwd(cf_model *m, const cf_linear *l, void *din, const void *dout,
 /* The whole-model layout (one process): trainable tensors packed in table
  * order, padded to 16-byte boundaries. */
 int cf_optim_layout_whole(const cf_model *m, cf_optim_layout *lay);
+/* The same with the tensors packed in order[0..ntensors) (a permutation of
+ * the table's indices), e.g. an older table order (cf_param_order_v2). */
+int cf_optim_layout_order(const cf_model *m, const int *order, cf_optim_layout *lay);
 void cf_optim_layout_free(cf_optim_layout *lay);
 /* Allocates the optimizer state for a layout (takes ownership of lay) and
  * assigns woff/goff of every tensor. Called once, before weights are set. */
@@ -510,5 +513,9 @@ int cf_checkpoint_latest(const char *dir, char *out, size_t cap);
 /* Opens with an optional optimizer layout builder (data parallel); NULL =
  * whole. The builder gets the parameter table and fills lay. */
 cf_model *cf_model_open_with(const cf_model_opts *o, cf_layout_fn layout, void *layout_ctx);
+/* The parameter table's indices in the order of versions before the q/k/v
+ * biases moved behind the three weights (each bias right after its weight),
+ * into order[0..ntensors); returns whether that differs from the table. */
+int cf_param_order_v2(const cf_model *m, int *order);
 
 #endif

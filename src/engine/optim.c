@@ -23,13 +23,16 @@
 #define CF_ALIGN 8
 static size_t align_up(size_t n) { return (n + CF_ALIGN - 1) / CF_ALIGN * CF_ALIGN; }
 
-int cf_optim_layout_whole(const cf_model *m, cf_optim_layout *lay) {
+int cf_optim_layout_whole(const cf_model *m, cf_optim_layout *lay) { return cf_optim_layout_order(m, NULL, lay); }
+
+int cf_optim_layout_order(const cf_model *m, const int *order, cf_optim_layout *lay) {
     memset(lay, 0, sizeof *lay);
     lay->goff = cf_malloc((size_t)m->ntensors * sizeof(size_t));
     lay->seg = cf_calloc((size_t)m->ntensors + 1, sizeof(cf_segment));
     if (!lay->goff || !lay->seg) { cf_optim_layout_free(lay); return -1; }
     size_t off = 0;
-    for (int i = 0; i < m->ntensors; i++) {
+    for (int k = 0; k < m->ntensors; k++) {
+        const int i = order ? order[k] : k;
         const cf_param *p = &m->params[i];
         if (!p->trainable) { lay->goff[i] = SIZE_MAX; continue; }
         lay->goff[i] = off;
