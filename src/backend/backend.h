@@ -107,6 +107,15 @@ struct cf_backend {
     /* The first error so far without waiting; 0, or -1 (cf_fail set). */
     int (*check)(cf_backend *b);
     void (*destroy)(cf_backend *b);
+    /* Optional (NULL: ops run in issue order). The matmul_bwd calls (no
+     * dinp, no dbias) issued between side_begin and side_end may run
+     * beside the ops issued after side_end: they follow everything issued
+     * before side_begin, and everything issued after side_join follows
+     * them. Until side_join the caller leaves their inputs and outputs
+     * alone. Sections never nest. */
+    void (*side_begin)(cf_backend *b);
+    void (*side_end)(cf_backend *b);
+    void (*side_join)(cf_backend *b);
 
     /* ---- ops ---- */
     /* out[t,:] = wte[tokens[t] - vstart,:] for tokens in [vstart, vstart+vlen),

@@ -261,7 +261,13 @@ static void mlp_paired_grads(cf_model *m, int l, int n, int r0, int pair) {
     OP(CF_PROF_ELTWISE, b->copy(b, cf_dwpair_ln2(m, l, r0), SAVED(m, m->la[l].ln2), (size_t)n * rb));
     OP(CF_PROF_GEMM, b->matmul_bwd(b, m->d_ln, NULL, NULL, cf_dwpair_dgu(m, l, r0), NULL, cf_weight(m, p->gate.w), n,
                                    C, 2 * F, 0));
-    if (pair == CF_PAIR_JOIN) OP(CF_PROF_GEMM, cf_dwpair_weight_grads(m, l, r0 + n));
+    if (pair == CF_PAIR_JOIN) {
+        /* beside the rest of the backward (dwpair.c), joined at its end */
+        const int side = m->dwp.side && !m->profile && b->side_begin;
+        if (side) b->side_begin(b);
+        OP(CF_PROF_GEMM, cf_dwpair_weight_grads(m, l, r0 + n));
+        if (side) b->side_end(b);
+    }
 }
 
 /* Whether this backward's MLP weight gradients may pair with another
@@ -287,6 +293,7 @@ static int mlp_pairs(cf_model *m, cf_mode mode, const stopgrad *sg) {
 static int backward_impl(cf_model *m, cf_mode mode, const cf_kept *kept, float token_weight,
                          const stopgrad *sg) {
     int rc = backward_body(m, mode, kept, token_weight, sg);
+    if (m->b->side_join) m->b->side_join(m->b);   /* also where the body failed */
     cf_dwpair_end(m, rc == 0);
     cf_grad_settle(m);
     cf_grad_mark_all(m, CF_GRAD_LIVE);
@@ -485,6 +492,7 @@ static int backward_body(cf_model *m, cf_mode mode, const cf_kept *kept, float t
         if (dembed) OP(CF_PROF_ELTWISE, b->embedding_bwd(b, dembed, m->d_resid, SAVED(m, m->s_tokens), n, C, v0, vn));
         if (bucket_ready(m, -1) != 0) return -1;
     }
+    if (b->side_join) b->side_join(b);   /* the stage's time includes the pairs' GEMMs */
     cf_stage_end(m, CF_STAGE_BACKWARD);
     return b->check(b);
 #undef KSAVED

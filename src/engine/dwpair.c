@@ -29,6 +29,14 @@
  * backward ends, as before; still, pairs run in one process only until
  * tests/gpu/dp_check.sh has run with them (backward.c: mlp_pairs).
  * CF_DW_PAIR=0 in the environment at open turns pairing off (A/B timing).
+ *
+ * The joining GEMMs depend on nothing the rest of the backward computes
+ * and nothing in it reads their gradients, so they run in a side section
+ * of the backend (backend.h: side_begin; CUDA: a second stream), beside the
+ * backward's chain of input gradients, whose small kernels and part-wave
+ * GEMMs leave SMs idle; backward.c joins them at its end, before anything
+ * may read the gradients or refill the stash. CF_DW_SIDE=0 at open keeps
+ * them in line (A/B timing); so does --profile (per-op times).
  * The stash is taken from the second optimizer step on, where 1 GiB stays
  * free after it; else pairing is off for the model (memory is never traded
  * for it, and cf_memory_check's estimate leaves it out).
@@ -53,9 +61,10 @@
 #define CF_DWPAIR_MAX_ROWS 2048
 
 void cf_dwpair_init(cf_model *m) {
-    const char *e = getenv("CF_DW_PAIR");
+    const char *e = getenv("CF_DW_PAIR"), *s = getenv("CF_DW_SIDE");
     memset(&m->dwp, 0, sizeof m->dwp);
     m->dwp.off = e && *e == '0';
+    m->dwp.side = !(s && *s == '0');
 }
 
 void cf_dwpair_free(cf_model *m) {

@@ -211,6 +211,9 @@ typedef struct {
     uint8_t *zero;      /* [2L] down's, gate/up's gradient was ZERO or STALE at
                            HOLD: the joining (or flushing) GEMM writes it */
     int64_t joins;      /* backwards that joined a held one */
+    int side;           /* the joining GEMMs in a side section of the backend
+                           (beside the rest of the backward; CF_DW_SIDE=0 at
+                           open: in line) */
 } cf_dwpair;
 
 /* ----------------------------------------------------------- activations */

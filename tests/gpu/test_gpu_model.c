@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "backend/backend.h"
+#include "backend/cuda/context.h"
 #include "base/common.h"
 #include "engine/model_internal.h"
 #include "model_helpers.h"
@@ -365,6 +366,32 @@ TEST(gpu_paired_mlp_weight_gradients_give_the_unpaired_steps) {
     cf_model_free(mc);
 }
 
+/* The joining GEMMs of the pairs on the backend's side stream (dwpair.c,
+ * CUDA: cf_cuda_side_begin) give the steps with them in line
+ * (CF_DW_SIDE=0 at open) (lockstep_steps), and the side stream was used
+ * (created at the first section) by the one model only. */
+TEST(gpu_paired_gradients_on_the_side_stream_give_the_in_line_steps) {
+    cf_model *mc = cpu_model("tiny-llama", 83);
+    setenv("CF_DW_SIDE", "0", 1);
+    cf_model *off = mc ? cf_model_create(cf_model_config(mc), CF_BACKEND_CUDA, 1) : NULL;
+    unsetenv("CF_DW_SIDE");
+    cf_model *on = mc ? cf_model_create(cf_model_config(mc), CF_BACKEND_CUDA, 1) : NULL;
+    if (on && off) {
+        lockstep_steps("side", on, off, mc, CF_MODE_CENTRIFUGE, 0.5, 4, 95, NULL);
+        const cf_cuda_ctx *con = (const cf_cuda_ctx *)on->b->state, *coff = (const cf_cuda_ctx *)off->b->state;
+        CHECK_MSG(on->dwp.joins == 4 && off->dwp.joins == 4, "%lld and %lld joins (expected 4)",
+                  (long long)on->dwp.joins, (long long)off->dwp.joins);
+        CHECK_MSG(con->side_stream && !coff->side_stream && !con->side_open && !con->side_pending,
+                  "side stream %p (in line: %p), open %d, pending %d", (void *)con->side_stream,
+                  (void *)coff->side_stream, con->side_open, con->side_pending);
+    } else {
+        CHECK_MSG(0, "%s", cf_last_error());
+    }
+    cf_model_free(on);
+    cf_model_free(off);
+    cf_model_free(mc);
+}
+
 /* fills model m's STALE gradients with NaN; all of its set-only gradients
  * (the 7 linear weights of each layer) must be STALE after a step */
 static void poison_stale(const char *what, cf_model *m, int step) {
@@ -597,6 +624,7 @@ int main(void) {
     RUN(gpu_lora_losses_and_adapter_gradients_match_cpu);
     RUN(gpu_equivalences_of_design_section_1_hold_with_bf16_tolerances);
     RUN(gpu_paired_mlp_weight_gradients_give_the_unpaired_steps);
+    RUN(gpu_paired_gradients_on_the_side_stream_give_the_in_line_steps);
     RUN(gpu_stale_gradients_give_the_zeroing_steps_even_when_poisoned);
     return test_summary();
 }

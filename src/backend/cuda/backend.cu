@@ -34,6 +34,13 @@
 static int cu_synchronize(cf_backend *b) { return cf_cuda_ctx_synchronize((cf_cuda_ctx *)b->state); }
 static int cu_check(cf_backend *b) { return cf_cuda_ctx_check((cf_cuda_ctx *)b->state); }
 static void *cu_device_context(cf_backend *b) { return b->state; }
+static void cu_side_begin(cf_backend *b) {
+    if (cf_cuda_ctx *ctx = cf_cuda_enter(b)) cf_cuda_side_begin(ctx);
+}
+static void cu_side_end(cf_backend *b) { cf_cuda_side_end((cf_cuda_ctx *)b->state); }
+static void cu_side_join(cf_backend *b) {
+    if (cf_cuda_ctx *ctx = cf_cuda_enter(b)) cf_cuda_side_join(ctx);
+}
 
 /* Time marks: events recorded on the compute stream; the driver reads the
  * elapsed times once per step, so timing costs no synchronisation. */
@@ -90,6 +97,9 @@ extern "C" cf_backend *cf_backend_cuda_create(int device) {
     b->synchronize = cu_synchronize;
     b->check = cu_check;
     b->destroy = cu_destroy;
+    b->side_begin = cu_side_begin;
+    b->side_end = cu_side_end;
+    b->side_join = cu_side_join;
 
     b->embedding_fwd = cf_cuda_embedding_fwd;
     b->embedding_bwd = cf_cuda_embedding_bwd;

@@ -55,7 +55,8 @@ int cf_cuda_ctx_check(cf_cuda_ctx *ctx) {
 int cf_cuda_ctx_synchronize(cf_cuda_ctx *ctx) {
     if (cf_cuda_ctx_use(ctx) != 0) return cf_fail("%s", ctx->error);
     if (!CF_CK(ctx, cudaStreamSynchronize(ctx->stream)) || !CF_CK(ctx, cudaStreamSynchronize(ctx->comm_stream)) ||
-        !CF_CK(ctx, cudaStreamSynchronize(ctx->aux_stream)))
+        !CF_CK(ctx, cudaStreamSynchronize(ctx->aux_stream)) ||
+        (ctx->side_stream && !CF_CK(ctx, cudaStreamSynchronize(ctx->side_stream))))
         return -1;
     size_t free_b = 0, total_b = 0;
     if (cudaMemGetInfo(&free_b, &total_b) == cudaSuccess && total_b - free_b > ctx->mem_peak)
@@ -168,24 +169,83 @@ void cf_cuda_ctx_destroy(cf_cuda_ctx *ctx) {
     if (ctx->stream) cudaStreamSynchronize(ctx->stream);
     if (ctx->comm_stream) cudaStreamSynchronize(ctx->comm_stream);
     if (ctx->aux_stream) cudaStreamSynchronize(ctx->aux_stream);
+    if (ctx->side_stream) cudaStreamSynchronize(ctx->side_stream);
+    if (ctx->side_open) {
+        ctx->stream = ctx->side_main;
+        ctx->workspace = ctx->side_main_ws;
+    }
     cf_cuda_gemm_release(ctx);
     for (int i = 0; i < CF_SCR_COUNT; i++)
         if (ctx->scratch[i].p) cudaFree(ctx->scratch[i].p);
     if (ctx->staging) cudaFreeHost(ctx->staging);
     if (ctx->workspace) cudaFree(ctx->workspace);
+    if (ctx->side_workspace) cudaFree(ctx->side_workspace);
     if (ctx->lt) cublasLtDestroy(ctx->lt);
     if (ctx->ev_compute) cudaEventDestroy(ctx->ev_compute);
     if (ctx->ev_comm) cudaEventDestroy(ctx->ev_comm);
     if (ctx->ev_staging) cudaEventDestroy(ctx->ev_staging);
     if (ctx->ev_fork) cudaEventDestroy(ctx->ev_fork);
     if (ctx->ev_join) cudaEventDestroy(ctx->ev_join);
+    if (ctx->ev_side_fork) cudaEventDestroy(ctx->ev_side_fork);
+    if (ctx->ev_side_done) cudaEventDestroy(ctx->ev_side_done);
     for (int i = 0; i < CF_CUDA_MARKS; i++)
         if (ctx->marks[i]) cudaEventDestroy(ctx->marks[i]);
     if (ctx->stream) cudaStreamDestroy(ctx->stream);
     if (ctx->comm_stream) cudaStreamDestroy(ctx->comm_stream);
     if (ctx->aux_stream) cudaStreamDestroy(ctx->aux_stream);
+    if (ctx->side_stream) cudaStreamDestroy(ctx->side_stream);
     cudaGetLastError();
     free(ctx);
+}
+
+/* ========================================================= side sections */
+
+/* The side stream, its events and workspace, at the first section; on any
+ * failure none (side_off: sections then run on the compute stream). */
+static int side_ready(cf_cuda_ctx *ctx) {
+    if (ctx->side_stream) return 1;
+    if (ctx->side_off) return 0;
+    bool ok = cudaStreamCreateWithFlags(&ctx->side_stream, cudaStreamNonBlocking) == cudaSuccess &&
+              cudaEventCreateWithFlags(&ctx->ev_side_fork, cudaEventDisableTiming) == cudaSuccess &&
+              cudaEventCreateWithFlags(&ctx->ev_side_done, cudaEventDisableTiming) == cudaSuccess &&
+              cudaMalloc(&ctx->side_workspace, ctx->workspace_size) == cudaSuccess;
+    if (ok) return 1;
+    cudaGetLastError();
+    if (ctx->side_stream) cudaStreamDestroy(ctx->side_stream);
+    if (ctx->ev_side_fork) cudaEventDestroy(ctx->ev_side_fork);
+    if (ctx->ev_side_done) cudaEventDestroy(ctx->ev_side_done);
+    if (ctx->side_workspace) cudaFree(ctx->side_workspace);
+    ctx->side_stream = NULL;
+    ctx->ev_side_fork = ctx->ev_side_done = NULL;
+    ctx->side_workspace = NULL;
+    ctx->side_off = 1;
+    return 0;
+}
+
+void cf_cuda_side_begin(cf_cuda_ctx *ctx) {
+    if (ctx->side_open || ctx->failed || !side_ready(ctx)) return;
+    if (!CF_CK(ctx, cudaEventRecord(ctx->ev_side_fork, ctx->stream)) ||
+        !CF_CK(ctx, cudaStreamWaitEvent(ctx->side_stream, ctx->ev_side_fork, 0)))
+        return;
+    ctx->side_main = ctx->stream;
+    ctx->side_main_ws = ctx->workspace;
+    ctx->stream = ctx->side_stream;
+    ctx->workspace = ctx->side_workspace;
+    ctx->side_open = 1;
+}
+
+void cf_cuda_side_end(cf_cuda_ctx *ctx) {
+    if (!ctx->side_open) return;
+    ctx->stream = ctx->side_main;
+    ctx->workspace = ctx->side_main_ws;
+    ctx->side_open = 0;
+    if (CF_CK(ctx, cudaEventRecord(ctx->ev_side_done, ctx->side_stream))) ctx->side_pending = 1;
+}
+
+void cf_cuda_side_join(cf_cuda_ctx *ctx) {
+    if (!ctx->side_pending) return;
+    ctx->side_pending = 0;
+    CF_CK(ctx, cudaStreamWaitEvent(ctx->stream, ctx->ev_side_done, 0));
 }
 
 cf_cuda_ctx *cf_cuda_ctx_create(int device) {

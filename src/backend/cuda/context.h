@@ -96,6 +96,15 @@ typedef struct cf_cuda_ctx {
      * and joined back into `stream` within the op */
     cudaStream_t aux_stream;
     cudaEvent_t ev_fork, ev_join;
+    /* side sections (backend.h: side_begin): weight-gradient GEMMs on a
+     * stream of their own with a cuBLASLt workspace of their own, created
+     * at the first section. While a section is open, `stream` and
+     * `workspace` are the side ones and side_main, side_main_ws hold the
+     * compute stream's; ev_side_done marks the end of the last section. */
+    cudaStream_t side_stream, side_main;
+    cudaEvent_t ev_side_fork, ev_side_done;
+    void *side_workspace, *side_main_ws;
+    int side_open, side_pending, side_off;
 
     /* cuBLASLt */
     cublasLtHandle_t lt;
@@ -159,6 +168,12 @@ int cf_cublaslt_check_call(cf_cuda_ctx *ctx, cublasStatus_t s, const char *what,
 /* The first error so far without waiting (an asynchronous kernel fault
  * already known to the runtime counts): 0, or -1 with cf_fail set. */
 int cf_cuda_ctx_check(cf_cuda_ctx *ctx);
+
+/* Side sections (backend.h): begin, end, join. Without a side stream (it
+ * could not be created) the section's work stays on the compute stream. */
+void cf_cuda_side_begin(cf_cuda_ctx *ctx);
+void cf_cuda_side_end(cf_cuda_ctx *ctx);
+void cf_cuda_side_join(cf_cuda_ctx *ctx);
 
 /* Waits for the compute and communication streams; 0, or -1 (sticky). */
 int cf_cuda_ctx_synchronize(cf_cuda_ctx *ctx);

@@ -422,6 +422,12 @@ void cf_cuda_matmul_bwd(cf_backend *b, void *dinp, float *dw, float *dbias, cons
                         const void *w, int T, int K, int N, int flags) {
     cf_cuda_ctx *ctx = cf_cuda_enter(b);
     if (!ctx) return;
+    /* a side section (backend.h) shares no scratch buffer with the compute
+     * stream: only its GEMMs may run there */
+    if (ctx->side_open && (dinp || dbias)) {
+        cf_cuda_ctx_fail(ctx, "internal: matmul_bwd with an input or bias gradient in a side section");
+        return;
+    }
     cf_cuda_matmul_bwd_scaled(ctx, dinp, dw, dout, inp, w, T, K, N, flags, 1.f);
     if (dbias && T > 0) cf_cuda_colsum(ctx, dbias, (const bf16 *)dout, NULL, NULL, T, N);
 }
