@@ -6,7 +6,7 @@
 #   parts: tests sanitize sanitize-attn bench-main bench-old bench-sweeps bench-3b pytorch
 #          parity peft-parity dp-check dp-bench dp-ctas tp-check tp-bench rows-x4 rows-x8
 #          rows-x8-dry bench-accum profile dp-bf16 ab-profile ab-fused ab-head attn-shapes attn-ab attn-parts dp-prio
-#          bench-pair pair-ab norm-blocks cf-side ab-old grad-keep
+#          bench-pair pair-ab norm-blocks cf-side ab-old grad-keep side-ab
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G=$PWD/.gpucarry
@@ -148,6 +148,16 @@ for part in "$@"; do
           "$b" bench --device cuda --config $c --seq $sq --batch 1 --grad-accum 8 --modes regular,centrifuge \
             --keep 0.5 --steps ${ACCUM_STEPS:-6} --warmup 2 --json "$OUT/ab_${v}_${c}_r$rep.jsonl" 2>&1 |
             tee "$OUT/ab_${v}_${c}_r$rep.txt" | grep -E "  0\.50" | sed "s/^/$v rep $rep /"
+        done; done
+      done ;;
+    side-ab)
+      # the paired MLP weight gradients on a side stream (default) against in line (CF_DW_SIDE=0),
+      # alternated twice per model in ACCUM_MODELS at 1 x 8, centrifuge only (pairs are compact-mode only)
+      for cs in ${ACCUM_MODELS:-qwen2.5-1.5b:2048}; do c=${cs%%:*}; sq=${cs##*:}
+        for rep in 1 2; do for v in 0 1; do
+          CF_DW_SIDE=$v "$CF" bench --device cuda --config $c --seq $sq --batch 1 --grad-accum 8 --modes centrifuge \
+            --keep 0.5 --steps ${ACCUM_STEPS:-6} --warmup 2 --json "$OUT/side${v}_${c}_r$rep.jsonl" 2>&1 |
+            tee "$OUT/side${v}_${c}_r$rep.txt" | grep -E "  0\.50" | sed "s/^/side=$v rep $rep /"
         done; done
       done ;;
     grad-keep)
