@@ -6,7 +6,7 @@
 #   parts: tests sanitize sanitize-attn bench-main bench-old bench-sweeps bench-3b pytorch
 #          parity peft-parity dp-check dp-bench dp-ctas tp-check tp-bench rows-x4 rows-x8
 #          rows-x8-dry bench-accum profile dp-bf16 ab-profile ab-fused ab-head attn-shapes attn-ab attn-parts dp-prio
-#          bench-pair pair-ab norm-blocks cf-side ab-old grad-keep side-ab
+#          bench-pair pair-ab norm-blocks cf-side ab-old grad-keep side-ab ncu-step
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G=$PWD/.gpucarry
@@ -149,6 +149,19 @@ for part in "$@"; do
             --keep 0.5 --steps ${ACCUM_STEPS:-6} --warmup 2 --json "$OUT/ab_${v}_${c}_r$rep.jsonl" 2>&1 |
             tee "$OUT/ab_${v}_${c}_r$rep.txt" | grep -E "  0\.50" | sed "s/^/$v rep $rep /"
         done; done
+      done ;;
+    ncu-step)
+      # per-kernel time and DRAM traffic (ncu) of a short run per model in ACCUM_MODELS and mode: its first
+      # NCU_LAYERS layers (default 4), grad-accum 2, one warm-up and one timed step (the second step's
+      # backwards pair); GEMM tuning off (the heuristic's first algorithms); tools/ncu_kernels.py sums them
+      for cs in ${ACCUM_MODELS:-llama3.2-3b:2048}; do c=${cs%%:*}; sq=${cs##*:}
+        for md in regular centrifuge; do j="$OUT/ncu_${c}_$md"
+          CF_GEMM_TUNE=0 timeout 240 ncu --clock-control none --csv --print-units base \
+            --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum "$CF" bench --device cuda \
+            --config $c --layers ${NCU_LAYERS:-4} --seq $sq --batch 1 --grad-accum 2 --modes $md --keep 0.5 \
+            --steps 1 --warmup 1 >"$j.csv" 2>"$j.err"
+          echo "ncu $c $md rc=$?"; python3 tools/ncu_kernels.py "$j.csv" --top 32 | tee "$j.txt"
+        done
       done ;;
     side-ab)
       # the paired MLP weight gradients on a side stream (default) against in line (CF_DW_SIDE=0),
