@@ -108,11 +108,11 @@ struct cf_backend {
     int (*check)(cf_backend *b);
     void (*destroy)(cf_backend *b);
     /* Optional (NULL: ops run in issue order). The matmul_bwd calls (no
-     * dinp, no dbias) issued between side_begin and side_end may run
-     * beside the ops issued after side_end: they follow everything issued
-     * before side_begin, and everything issued after side_join follows
-     * them. Until side_join the caller leaves their inputs and outputs
-     * alone. Sections never nest. */
+     * dinp, no dbias) and sumsq calls issued between side_begin and
+     * side_end may run beside the ops issued after side_end: they follow
+     * everything issued before side_begin, and everything issued after
+     * side_join follows them. Until side_join the caller leaves their
+     * inputs and outputs alone. Sections never nest. */
     void (*side_begin)(cf_backend *b);
     void (*side_end)(cf_backend *b);
     void (*side_join)(cf_backend *b);

@@ -66,6 +66,7 @@ int cf_filter(cf_model *m, const cf_kept *kept) {
 
 void cf_zero_grad(cf_model *m) {
     cf_dwpair_drop(m); /* held rows are part of the gradient being cleared */
+    m->opt.pre_on = 0; /* and so is an early norm's sum */
     if (m->opt.grad) m->b->memzero(m->b, m->opt.grad, m->opt.lay.ngrad * sizeof(float));
     cf_grad_mark_all(m, CF_GRAD_ZERO);
 }
@@ -320,6 +321,7 @@ static int backward_body(cf_model *m, cf_mode mode, const cf_kept *kept, float t
     if (!compact) cf_model_reset_filter(m);
     cf_stage_begin(m, CF_STAGE_BACKWARD);
     m->prof_phase = 1;
+    cf_norm_pre_begin(m);
     int T = m->T;
     int n = compact ? m->n_kept : T;
     /* hold this backward's MLP rows for the next one, join held ones, or
@@ -485,6 +487,7 @@ static int backward_body(cf_model *m, cf_mode mode, const cf_kept *kept, float t
         OP(CF_PROF_NORM, b->rmsnorm_bwd(b, m->d_resid, cf_grad(m, p->ln1), m->d_ln, SAVED(m, m->resid[l]),
                        cf_weight(m, p->ln1), SAVED(m, a->rstd1), n, C, 1));
         if (bucket_ready(m, l) != 0) return -1;
+        cf_norm_pre_layer(m, l); /* layer l's gradients are final in the step's last backward */
     }
     if (defer_embed) {
         if (gs->embedding_rows(gs->ctx, m->d_resid, SAVED(m, m->s_tokens), n, m->cap_T, v0) != 0) return -1;

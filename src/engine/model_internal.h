@@ -90,6 +90,7 @@ typedef struct {
     double sumsq;
     float loss_sum;
     float pad_;
+    double sumsq_pre;   /* the layers' part, summed early (optim.c: cf_norm_pre_*) */
 } cf_scalars;
 
 /* Hooks of a gradient reduction (data parallel). NULL = one process. */
@@ -179,6 +180,14 @@ typedef struct {
      * 4-byte zero store per element in AdamW's pass). From CF_GRAD_KEEP and
      * CF_GRAD_SET at open (either 0: never); tests may flip it. */
     int keep_stale;
+    /* Early norm (optim.c: cf_norm_pre_*): pre_ok where the layout allows it
+     * (one process, whole layout, each layer's gradients one range
+     * [layer_lo[l], layer_hi[l]) in layer order) and CF_NORM_EARLY is not 0
+     * at open; pre_on while the step's last backward sums layers early,
+     * pre_layers of them so far; pre_steps: steps that used the sum. */
+    int pre_ok, pre_on, pre_layers;
+    size_t *layer_lo, *layer_hi;
+    int64_t pre_steps;
 } cf_optim;
 
 /* The state of a trainable tensor's fp32 gradient (cf_optim.gstate). A
@@ -472,6 +481,14 @@ int cf_optim_set_tensor(cf_model *m, int i, const float *host);
  * arrays of opt.lay.nlocal) and the master weights. */
 int cf_model_get_adam(cf_model *m, float *m_out, float *v_out);
 int cf_model_set_adam(cf_model *m, const float *m_in, const float *v_in, int64_t step);
+/* The early gradient norm. cf_norm_pre_begin, at every backward's start,
+ * forgets an earlier early sum and, for the step's last micro-batch (one
+ * process), starts a new one; cf_norm_pre_layer(m, l), once layer l's
+ * gradients are final, adds their squares in a side section of the backend
+ * (beside the rest of the backward); cf_step_ex then sums only the
+ * tensors outside the layers. */
+void cf_norm_pre_begin(cf_model *m);
+void cf_norm_pre_layer(cf_model *m, int l);
 /* Zeroes the squared-norm and loss accumulators. */
 void cf_model_clear_scalars(cf_model *m);
 /* cf_step that also returns the loss sum accumulated since the scalars were

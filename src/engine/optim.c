@@ -89,6 +89,74 @@ static void mark_set_only(cf_model *m) {
     }
 }
 
+/* Whether segment g holds its tensor whole (with one process: always). */
+static int segment_whole(const cf_model *m, const cf_segment *g) {
+    return g->goff == m->opt.lay.goff[g->tensor] && g->len == m->params[g->tensor].numel;
+}
+
+/* Whether the whole-layout gradient of each layer is one range, layers in
+ * order (the table's: embedding, layers 0..L-1, final norm, LM head; LoRA's
+ * adapters, appended after, are not): fills layer_lo/hi (lo = hi: nothing
+ * trainable in the layer). CF_NORM_EARLY=0 in the environment: never (A/B
+ * timing, cross-checks). */
+static int plan_norm_pre(cf_model *m) {
+    cf_optim *o = &m->opt;
+    const char *e = getenv("CF_NORM_EARLY");
+    const int L = m->cfg.num_hidden_layers;
+    if ((e && *e == '0') || o->lay.nlocal != o->lay.ngrad) return 0;
+    o->layer_lo = cf_calloc((size_t)L + 1, sizeof(size_t));
+    o->layer_hi = cf_calloc((size_t)L + 1, sizeof(size_t));
+    if (!o->layer_lo || !o->layer_hi) return 0;
+    int last = -1; /* the layer of the previous segment; -1 before layer 0 */
+    for (int s = 0; s < o->lay.nseg; s++) {
+        const cf_segment *g = &o->lay.seg[s];
+        const int l = m->params[g->tensor].layer;
+        if (g->loff != g->goff || !segment_whole(m, g)) return 0;
+        if (l < 0) {
+            if (last >= 0) return 0;
+            continue;
+        }
+        if (l < last) return 0;
+        if (l >= L) { last = L; continue; }
+        if (l != last) {
+            if (last == L) return 0;
+            o->layer_lo[l] = g->goff;
+        }
+        o->layer_hi[l] = g->goff + g->len;
+        last = l;
+    }
+    return 1;
+}
+
+void cf_norm_pre_begin(cf_model *m) {
+    cf_optim *o = &m->opt;
+    o->pre_on = 0;
+    if (!o->pre_ok || !o->last_micro || o->sync.bucket_ready || o->sync.finish || cf_tp_on(m)) return;
+    m->b->memzero(m->b, &m->scalars->sumsq_pre, sizeof(double));
+    o->pre_on = 1;
+    o->pre_layers = 0;
+}
+
+void cf_norm_pre_layer(cf_model *m, int l) {
+    cf_optim *o = &m->opt;
+    if (!o->pre_on) return;
+    /* a STALE gradient's memory is last step's: only the end of the backward
+     * (cf_grad_settle) zeroes it, so such a layer waits for the step */
+    for (int i = 0; i < m->ntensors; i++)
+        if (m->params[i].layer == l && m->params[i].trainable && o->gstate[i] == CF_GRAD_STALE) {
+            o->pre_on = 0;
+            return;
+        }
+    cf_backend *b = m->b;
+    if (o->layer_hi[l] > o->layer_lo[l]) {
+        const int side = b->side_begin != NULL;
+        if (side) b->side_begin(b);
+        b->sumsq(b, &m->scalars->sumsq_pre, o->grad + o->layer_lo[l], o->layer_hi[l] - o->layer_lo[l]);
+        if (side) b->side_end(b);
+    }
+    o->pre_layers++;
+}
+
 /* 0 when CF_GRAD_KEEP=0 is in the environment: AdamW zeroes every gradient
  * (A/B timing, cross-checks). */
 static int keep_stale_env(void) {
@@ -136,6 +204,7 @@ int cf_optim_init(cf_model *m, cf_optim_layout *lay) {
     cf_grad_mark_all(m, CF_GRAD_ZERO);
     mark_set_only(m);
     o->keep_stale = keep_stale_env() && cf_grad_set_env();
+    o->pre_ok = plan_norm_pre(m);
     b->memzero(b, o->adam_m, o->lay.nlocal * sizeof(float));
     b->memzero(b, o->adam_v, o->lay.nlocal * sizeof(float));
     if (!in_place) b->memzero(b, o->master, o->lay.nlocal * sizeof(float));
@@ -151,6 +220,9 @@ void cf_optim_free(cf_model *m) {
     b->free(b, o->adam_v);
     free(o->gstate);
     o->gstate = NULL;
+    free(o->layer_lo);
+    free(o->layer_hi);
+    o->layer_lo = o->layer_hi = NULL;
     cf_optim_layout_free(&o->lay);
     o->master = o->grad = o->adam_m = o->adam_v = NULL;
 }
@@ -200,11 +272,6 @@ float cf_lr_schedule(int64_t step, int64_t warmup, int64_t total, float max_lr, 
     return min_lr + 0.5f * (max_lr - min_lr) * (1.0f + (float)cos(M_PI * progress));
 }
 
-/* Whether segment g holds its tensor whole (with one process: always). */
-static int segment_whole(const cf_model *m, const cf_segment *g) {
-    return g->goff == m->opt.lay.goff[g->tensor] && g->len == m->params[g->tensor].numel;
-}
-
 /* Whether the step may leave the gradient of segment g's tensor STALE: a
  * set-only tensor that the segment holds whole, in one plain process (no
  * gradient reduction hooks, no tensor parallelism: their collectives and
@@ -229,11 +296,16 @@ int cf_step_ex(cf_model *m, const cf_adamw_params *hp, float *grad_norm, double 
     /* gradients the last step left STALE and no backward has written since
      * are zero: the norm and AdamW must read zeros there */
     cf_grad_settle(m);
+    /* the layers' squares, summed by the last backward (cf_norm_pre_*),
+     * unless held rows are flushed into their gradients now */
+    const int pre = o->pre_on && o->pre_layers == m->cfg.num_hidden_layers && !m->dwp.held;
+    o->pre_on = 0;
     /* rows held for a join that never came (the trainer's last micro-batch
      * never holds, so only a caller of its own gets here with some) */
     if (cf_dwpair_flush(m) != 0) return -1;
     if (o->sync.finish && o->sync.finish(o->sync.ctx) != 0) return -1;
-    b->memzero(b, &m->scalars->sumsq, sizeof(double));
+    double *acc = pre ? &m->scalars->sumsq_pre : &m->scalars->sumsq;
+    if (!pre) b->memzero(b, acc, sizeof(double));
     const int tp = cf_tp_on(m);
     if (tp && m->cfg.qk_norm) {
         /* qwen3's q/k norm weights act on every head: each TP rank's gradient
@@ -253,19 +325,23 @@ int cf_step_ex(cf_model *m, const cf_adamw_params *hp, float *grad_norm, double 
      * TP: a replicated tensor's gradient is the same on every TP rank, so
      * only TP rank 0 counts it; the split ones are summed over the group. */
     const int skip_replicated = tp && m->tp.rank != 0;
+#define SKIP_SEG(s) ((skip_replicated && m->params[o->lay.seg[s].tensor].tp_replicated) || \
+                     (pre && m->params[o->lay.seg[s].tensor].layer >= 0 &&                   \
+                      m->params[o->lay.seg[s].tensor].layer < m->cfg.num_hidden_layers))
     for (int s = 0; s < o->lay.nseg;) {
-        if (skip_replicated && m->params[o->lay.seg[s].tensor].tp_replicated) { s++; continue; }
+        if (SKIP_SEG(s)) { s++; continue; }
         size_t g0 = o->lay.seg[s].goff, g1 = g0 + o->lay.seg[s].len;
-        for (s++; s < o->lay.nseg && o->lay.seg[s].goff >= g1 && o->lay.seg[s].goff - g1 < CF_ALIGN &&
-                  !(skip_replicated && m->params[o->lay.seg[s].tensor].tp_replicated); s++)
+        for (s++; s < o->lay.nseg && o->lay.seg[s].goff >= g1 && o->lay.seg[s].goff - g1 < CF_ALIGN && !SKIP_SEG(s); s++)
             g1 = o->lay.seg[s].goff + o->lay.seg[s].len;
-        b->sumsq(b, &m->scalars->sumsq, o->grad + g0, g1 - g0);
+        b->sumsq(b, acc, o->grad + g0, g1 - g0);
     }
+#undef SKIP_SEG
+    o->pre_steps += pre;
     if (tp && cf_tp_allreduce(m, &m->scalars->sumsq, 1, CF_TP_F64, CF_TP_STEP) != 0) return -1;
     if (o->sync.sum_scalars && o->sync.sum_scalars(o->sync.ctx, m->scalars) != 0) return -1;
     cf_scalars sc;
     if (b->download(b, &sc, m->scalars, sizeof sc) != 0) return -1;
-    double norm = sqrt(sc.sumsq);
+    double norm = sqrt(pre ? sc.sumsq_pre : sc.sumsq);
     if (grad_norm) *grad_norm = (float)norm;
     if (loss_sum) *loss_sum = sc.loss_sum;
     if (!isfinite(norm) || !isfinite(sc.loss_sum)) {

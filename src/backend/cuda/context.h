@@ -96,8 +96,9 @@ typedef struct cf_cuda_ctx {
      * and joined back into `stream` within the op */
     cudaStream_t aux_stream;
     cudaEvent_t ev_fork, ev_join;
-    /* side sections (backend.h: side_begin): weight-gradient GEMMs on a
-     * stream of their own with a cuBLASLt workspace of their own, created
+    /* side sections (backend.h: side_begin): weight-gradient GEMMs and
+     * squared norms on a stream of their own with a cuBLASLt workspace of
+     * their own (sumsq's scratch is used by nothing else), created
      * at the first section. While a section is open, `stream` and
      * `workspace` are the side ones and side_main, side_main_ws hold the
      * compute stream's; ev_side_done marks the end of the last section. */
