@@ -6,7 +6,7 @@
 #   parts: tests sanitize sanitize-attn bench-main bench-old bench-sweeps bench-3b pytorch
 #          parity peft-parity dp-check dp-bench dp-ctas tp-check tp-bench rows-x4 rows-x8
 #          rows-x8-dry bench-accum profile dp-bf16 ab-profile ab-fused ab-head attn-shapes attn-ab attn-parts dp-prio
-#          bench-pair pair-ab norm-blocks cf-side ab-old grad-keep side-ab ncu-step
+#          bench-pair pair-ab norm-blocks cf-side ab-old grad-keep side-ab ncu-step norm-ab
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G=$PWD/.gpucarry
@@ -162,6 +162,17 @@ for part in "$@"; do
             --steps 1 --warmup 1 >"$j.csv" 2>"$j.err"
           echo "ncu $c $md rc=$?"; python3 tools/ncu_kernels.py "$j.csv" --top 32 | tee "$j.txt"
         done
+      done ;;
+    norm-ab)
+      # the early gradient norm (default) against the step's whole-buffer pass (CF_NORM_EARLY=0),
+      # alternated twice per model in ACCUM_MODELS at 1 x 8, regular and centrifuge
+      for cs in ${ACCUM_MODELS:-llama3.2-3b:2048}; do c=${cs%%:*}; sq=${cs##*:}
+        for rep in 1 2; do for v in 0 1; do
+          CF_NORM_EARLY=$v "$CF" bench --device cuda --config $c --seq $sq --batch 1 --grad-accum 8 \
+            --modes regular,centrifuge --keep 0.5 --steps ${ACCUM_STEPS:-6} --warmup 2 \
+            --json "$OUT/norm${v}_${c}_r$rep.jsonl" 2>&1 |
+            tee "$OUT/norm${v}_${c}_r$rep.txt" | grep -E "  0\.50" | sed "s/^/early=$v rep $rep /"
+        done; done
       done ;;
     side-ab)
       # the paired MLP weight gradients on a side stream (default) against in line (CF_DW_SIDE=0),

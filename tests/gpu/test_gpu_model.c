@@ -392,6 +392,31 @@ TEST(gpu_paired_gradients_on_the_side_stream_give_the_in_line_steps) {
     cf_model_free(mc);
 }
 
+/* The early gradient norm (optim.c: cf_norm_pre_*; its squares summed in
+ * side sections during the last backward) gives the steps of the
+ * whole-buffer pass (CF_NORM_EARLY=0 at open) (lockstep_steps), regular
+ * and centrifuge (with pairs), and was used in every step. */
+TEST(gpu_early_gradient_norm_gives_the_whole_buffer_steps) {
+    const cf_mode modes[] = {CF_MODE_REGULAR, CF_MODE_CENTRIFUGE};
+    for (int mi = 0; mi < 2; mi++) {
+        cf_model *mc = cpu_model("tiny-qwen2", 85 + mi);
+        setenv("CF_NORM_EARLY", "0", 1);
+        cf_model *off = mc ? cf_model_create(cf_model_config(mc), CF_BACKEND_CUDA, 1) : NULL;
+        unsetenv("CF_NORM_EARLY");
+        cf_model *on = mc ? cf_model_create(cf_model_config(mc), CF_BACKEND_CUDA, 1) : NULL;
+        if (on && off) {
+            lockstep_steps("early norm", on, off, mc, modes[mi], 0.5, 4, 97, NULL);
+            CHECK_MSG(on->opt.pre_steps == 3 && off->opt.pre_steps == 0, "%s: %lld early norms, %lld off",
+                      cf_mode_name(modes[mi]), (long long)on->opt.pre_steps, (long long)off->opt.pre_steps);
+        } else {
+            CHECK_MSG(0, "%s", cf_last_error());
+        }
+        cf_model_free(on);
+        cf_model_free(off);
+        cf_model_free(mc);
+    }
+}
+
 /* fills model m's STALE gradients with NaN; all of its set-only gradients
  * (the 7 linear weights of each layer) must be STALE after a step */
 static void poison_stale(const char *what, cf_model *m, int step) {
@@ -625,6 +650,7 @@ int main(void) {
     RUN(gpu_equivalences_of_design_section_1_hold_with_bf16_tolerances);
     RUN(gpu_paired_mlp_weight_gradients_give_the_unpaired_steps);
     RUN(gpu_paired_gradients_on_the_side_stream_give_the_in_line_steps);
+    RUN(gpu_early_gradient_norm_gives_the_whole_buffer_steps);
     RUN(gpu_stale_gradients_give_the_zeroing_steps_even_when_poisoned);
     return test_summary();
 }
