@@ -6,7 +6,7 @@
 #   parts: tests sanitize sanitize-attn bench-main bench-old bench-sweeps bench-3b pytorch
 #          parity peft-parity dp-check dp-bench dp-ctas tp-check tp-bench rows-x4 rows-x8
 #          rows-x8-dry bench-accum profile dp-bf16 ab-profile ab-fused ab-head attn-shapes attn-ab attn-parts dp-prio
-#          bench-pair pair-ab norm-blocks cf-side ab-old grad-keep side-ab ncu-step norm-ab
+#          bench-pair pair-ab norm-blocks cf-side ab-old grad-keep side-ab ncu-step norm-ab side-prio
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G=$PWD/.gpucarry
@@ -172,6 +172,19 @@ for part in "$@"; do
             --modes regular,centrifuge --keep 0.5 --steps ${ACCUM_STEPS:-6} --warmup 2 \
             --json "$OUT/norm${v}_${c}_r$rep.jsonl" 2>&1 |
             tee "$OUT/norm${v}_${c}_r$rep.txt" | grep -E "  0\.50" | sed "s/^/early=$v rep $rep /"
+        done; done
+      done ;;
+    side-prio)
+      # side sections' variants alternated twice per model in ACCUM_MODELS at 1 x 8, regular and centrifuge:
+      # noearly (CF_NORM_EARLY=0), early (the default: early norm, side stream at low priority) and
+      # level (CF_SIDE_PRIORITY=normal: every stream at one priority)
+      for cs in ${ACCUM_MODELS:-llama3.2-3b:2048}; do c=${cs%%:*}; sq=${cs##*:}
+        for rep in 1 2; do for v in noearly early level; do
+          ne=1; pr=low; [ $v = noearly ] && ne=0; [ $v = level ] && pr=normal
+          CF_NORM_EARLY=$ne CF_SIDE_PRIORITY=$pr "$CF" bench --device cuda --config $c --seq $sq --batch 1 \
+            --grad-accum 8 --modes regular,centrifuge --keep 0.5 --steps ${ACCUM_STEPS:-5} --warmup 2 \
+            --json "$OUT/prio_${v}_${c}_r$rep.jsonl" 2>&1 |
+            tee "$OUT/prio_${v}_${c}_r$rep.txt" | grep -E "  0\.50" | sed "s/^/$v rep $rep /"
         done; done
       done ;;
     side-ab)

@@ -369,13 +369,16 @@ TEST(gpu_paired_mlp_weight_gradients_give_the_unpaired_steps) {
 /* The joining GEMMs of the pairs on the backend's side stream (dwpair.c,
  * CUDA: cf_cuda_side_begin) give the steps with them in line
  * (CF_DW_SIDE=0 at open) (lockstep_steps), and the side stream was used
- * (created at the first section) by the one model only. */
+ * (created at the first section) by the one model only (both without the
+ * early norm, whose sums are side sections too). */
 TEST(gpu_paired_gradients_on_the_side_stream_give_the_in_line_steps) {
     cf_model *mc = cpu_model("tiny-llama", 83);
+    setenv("CF_NORM_EARLY", "0", 1); /* the other user of side sections */
     setenv("CF_DW_SIDE", "0", 1);
     cf_model *off = mc ? cf_model_create(cf_model_config(mc), CF_BACKEND_CUDA, 1) : NULL;
     unsetenv("CF_DW_SIDE");
     cf_model *on = mc ? cf_model_create(cf_model_config(mc), CF_BACKEND_CUDA, 1) : NULL;
+    unsetenv("CF_NORM_EARLY");
     if (on && off) {
         lockstep_steps("side", on, off, mc, CF_MODE_CENTRIFUGE, 0.5, 4, 95, NULL);
         const cf_cuda_ctx *con = (const cf_cuda_ctx *)on->b->state, *coff = (const cf_cuda_ctx *)off->b->state;

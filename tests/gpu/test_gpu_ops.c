@@ -735,7 +735,7 @@ TEST(gather_rows_copies_rows_exactly) {
 }
 
 /* sumsq: double accumulation of fp32 squares on both, added to a device
- * double: 1e-9 relative; the same bits every run. */
+ * double: 1e-9 relative; the same bits every run; also in a side section. */
 TEST(sumsq_accumulates_on_the_device_and_matches_cpu) {
     const size_t n = 1000003;
     float *g = HOLD(hnew(n));
@@ -757,6 +757,20 @@ TEST(sumsq_accumulates_on_the_device_and_matches_cpu) {
     gpu->sumsq(gpu, acc, (float *)gg + 1, n - 1);
     CHECK(gpu->download(gpu, &s2, acc, sizeof s2) == 0);
     CHECK(s2 == s); /* deterministic */
+    /* in a side section (backend.h: side_begin): the short-block variant
+     * on the side stream, joined before the download; twice: the same bits */
+    double s3[2] = {0, 0};
+    for (int k = 0; k < 2; k++) {
+        gpu->upload(gpu, acc, &init, sizeof init);
+        gpu->side_begin(gpu);
+        gpu->sumsq(gpu, acc, gg, n);
+        gpu->sumsq(gpu, acc, (float *)gg + 1, n - 1);
+        gpu->side_end(gpu);
+        gpu->side_join(gpu);
+        CHECK(gpu->download(gpu, &s3[k], acc, sizeof s3[k]) == 0);
+    }
+    printf("    sumsq side %.12g\n", s3[0]);
+    CHECK(fabs(s3[0] - r) <= 1e-9 * fabs(r) && s3[1] == s3[0]);
     free_all();
 }
 

@@ -3,6 +3,7 @@
  * zeroing, where asked, in one read of each buffer) and the squared
  * gradient norm.
  */
+#include <limits.h>
 #include "backend/cuda/cuda_common.cuh"
 
 /* per-block double partial sums of g^2 (fixed grid: deterministic) */
@@ -37,12 +38,70 @@ static __global__ void sumsq_final_kernel(double *acc, const double *partial, in
         *acc += s;
     }
 }
+/* The side sections' variant (backend.h: side_begin): block i sums chunk
+ * i of SUMSQ_CHUNK elements and ends, so a side block holds its SM for a
+ * microsecond or two and the backward's next kernel (one large block per
+ * SM) is not kept waiting behind grid-stride blocks that run for the
+ * whole pass; 256 threads then add the partials, strided, and a fixed tree
+ * (deterministic). */
+#define SUMSQ_CHUNK 16384
+static __global__ void sumsq_chunk_kernel(double *partial, const float *g, size_t n) {
+    __shared__ double red[8];
+    const size_t c0 = (size_t)blockIdx.x * SUMSQ_CHUNK, c1 = c0 + SUMSQ_CHUNK < n ? c0 + SUMSQ_CHUNK : n;
+    double acc = 0.0;
+    if (((uintptr_t)(g + c0) & 15) == 0) {
+        const size_t n4 = (c1 - c0) / 4;
+        const float4 *g4 = (const float4 *)(g + c0);
+        for (size_t i = threadIdx.x; i < n4; i += blockDim.x) {
+            const float4 f = g4[i];
+            acc += (double)f.x * f.x + (double)f.y * f.y + (double)f.z * f.z + (double)f.w * f.w;
+        }
+        for (size_t i = c0 + 4 * n4 + threadIdx.x; i < c1; i += blockDim.x) acc += (double)g[i] * g[i];
+    } else {
+        for (size_t i = c0 + threadIdx.x; i < c1; i += blockDim.x) acc += (double)g[i] * g[i];
+    }
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = acc;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        double s = 0.0;
+        for (int w = 0; w < (int)(blockDim.x >> 5); w++) s += red[w];
+        partial[blockIdx.x] = s;
+    }
+}
+static __global__ void sumsq_final_wide_kernel(double *acc, const double *partial, int n) {
+    __shared__ double red[256];
+    double s = 0.0;
+    for (int i = threadIdx.x; i < n; i += 256) s += partial[i];
+    red[threadIdx.x] = s;
+    __syncthreads();
+    for (int w = 128; w > 0; w >>= 1) {
+        if ((int)threadIdx.x < w) red[threadIdx.x] += red[threadIdx.x + w];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) *acc += red[0];
+}
+
 /* acc[0] += sum of g^2: per-block partials, then one thread adds them in
  * order; no host round trip (the norm of a sharded gradient can be reduced
- * across GPUs first). */
+ * across GPUs first). In a side section: the short blocks above. */
 void cf_cuda_sumsq(cf_backend *b, double *acc, const float *g, size_t n) {
     cf_cuda_ctx *ctx = cf_cuda_enter(b);
     if (!ctx || !n) return;
+    if (ctx->side_open) {
+        const size_t nb = (n + SUMSQ_CHUNK - 1) / SUMSQ_CHUNK;
+        if (nb > (size_t)INT_MAX) {
+            cf_cuda_ctx_fail(ctx, "sumsq: %zu elements are too many for one call", n);
+            return;
+        }
+        double *partial = (double *)cf_cuda_scratch(ctx, CF_SCR_SUMSQ, nb * sizeof(double));
+        if (!partial) return;
+        sumsq_chunk_kernel<<<(unsigned)nb, 256, 0, ctx->stream>>>(partial, g, n);
+        if (!CF_CK_LAUNCH(ctx, "sumsq_chunk")) return;
+        sumsq_final_wide_kernel<<<1, 256, 0, ctx->stream>>>(acc, partial, (int)nb);
+        CF_CK_LAUNCH(ctx, "sumsq_final");
+        return;
+    }
     const int blocks = ctx->sm_count * 4;
     double *partial = (double *)cf_cuda_scratch(ctx, CF_SCR_SUMSQ, (size_t)blocks * sizeof(double));
     if (!partial) return;

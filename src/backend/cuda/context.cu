@@ -205,7 +205,7 @@ void cf_cuda_ctx_destroy(cf_cuda_ctx *ctx) {
 static int side_ready(cf_cuda_ctx *ctx) {
     if (ctx->side_stream) return 1;
     if (ctx->side_off) return 0;
-    bool ok = cudaStreamCreateWithFlags(&ctx->side_stream, cudaStreamNonBlocking) == cudaSuccess &&
+    bool ok = cudaStreamCreateWithPriority(&ctx->side_stream, cudaStreamNonBlocking, ctx->side_prio) == cudaSuccess &&
               cudaEventCreateWithFlags(&ctx->ev_side_fork, cudaEventDisableTiming) == cudaSuccess &&
               cudaEventCreateWithFlags(&ctx->ev_side_done, cudaEventDisableTiming) == cudaSuccess &&
               cudaMalloc(&ctx->side_workspace, ctx->workspace_size) == cudaSuccess;
@@ -295,20 +295,36 @@ cf_cuda_ctx *cf_cuda_ctx_create(int device) {
         cf_fail("CF_COMM_PRIORITY=%s: expected high or normal", pe);
         return NULL;
     }
-    int comm_prio = 0, lo_prio = 0;
-    if (pe && strcmp(pe, "high") == 0 && cudaDeviceGetStreamPriorityRange(&lo_prio, &comm_prio) != cudaSuccess) {
-        cudaGetLastError();
-        comm_prio = 0;
+    /* Side sections (backend.h: side_begin) run at the lowest priority and
+     * the compute streams one above it, so that the block scheduler gives
+     * SMs that free up to the backward's own next kernel before the side
+     * work; the communication stream stays level with compute (or at the
+     * top with CF_COMM_PRIORITY=high). CF_SIDE_PRIORITY=normal: all level
+     * (A/B timing). */
+    const char *se = getenv("CF_SIDE_PRIORITY");
+    if (se && *se && strcmp(se, "low") != 0 && strcmp(se, "normal") != 0) {
+        free(ctx);
+        cf_fail("CF_SIDE_PRIORITY=%s: expected low or normal", se);
+        return NULL;
     }
+    int lo_prio = 0, hi_prio = 0;
+    if (cudaDeviceGetStreamPriorityRange(&lo_prio, &hi_prio) != cudaSuccess) {
+        cudaGetLastError();
+        lo_prio = hi_prio = 0;
+    }
+    /* CUDA: a smaller number is a higher priority */
+    const int main_prio = hi_prio < lo_prio && !(se && strcmp(se, "normal") == 0) ? lo_prio - 1 : lo_prio;
+    const int comm_prio = pe && strcmp(pe, "high") == 0 ? hi_prio : main_prio;
+    ctx->side_prio = lo_prio;
     int prev = -1;
     if (cudaGetDevice(&prev) != cudaSuccess) prev = -1;
     int ok = CF_CK(ctx, cudaSetDevice(device)) &&
-             CF_CK(ctx, cudaStreamCreateWithFlags(&ctx->stream, cudaStreamNonBlocking)) &&
+             CF_CK(ctx, cudaStreamCreateWithPriority(&ctx->stream, cudaStreamNonBlocking, main_prio)) &&
              CF_CK(ctx, cudaStreamCreateWithPriority(&ctx->comm_stream, cudaStreamNonBlocking, comm_prio)) &&
              CF_CK(ctx, cudaEventCreateWithFlags(&ctx->ev_compute, cudaEventDisableTiming)) &&
              CF_CK(ctx, cudaEventCreateWithFlags(&ctx->ev_comm, cudaEventDisableTiming)) &&
              CF_CK(ctx, cudaEventCreateWithFlags(&ctx->ev_staging, cudaEventDisableTiming)) &&
-             CF_CK(ctx, cudaStreamCreateWithFlags(&ctx->aux_stream, cudaStreamNonBlocking)) &&
+             CF_CK(ctx, cudaStreamCreateWithPriority(&ctx->aux_stream, cudaStreamNonBlocking, main_prio)) &&
              CF_CK(ctx, cudaEventCreateWithFlags(&ctx->ev_fork, cudaEventDisableTiming)) &&
              CF_CK(ctx, cudaEventCreateWithFlags(&ctx->ev_join, cudaEventDisableTiming)) &&
              CF_LT(ctx, cublasLtCreate(&ctx->lt));

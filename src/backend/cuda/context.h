@@ -106,6 +106,7 @@ typedef struct cf_cuda_ctx {
     cudaEvent_t ev_side_fork, ev_side_done;
     void *side_workspace, *side_main_ws;
     int side_open, side_pending, side_off;
+    int side_prio;              /* the side stream's priority (the lowest)  */
 
     /* cuBLASLt */
     cublasLtHandle_t lt;
