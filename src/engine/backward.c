@@ -321,7 +321,7 @@ static int backward_body(cf_model *m, cf_mode mode, const cf_kept *kept, float t
     if (!compact) cf_model_reset_filter(m);
     cf_stage_begin(m, CF_STAGE_BACKWARD);
     m->prof_phase = 1;
-    cf_norm_pre_begin(m);
+    cf_norm_pre_begin(m, compact);
     int T = m->T;
     int n = compact ? m->n_kept : T;
     /* hold this backward's MLP rows for the next one, join held ones, or

@@ -483,11 +483,14 @@ int cf_model_get_adam(cf_model *m, float *m_out, float *v_out);
 int cf_model_set_adam(cf_model *m, const float *m_in, const float *v_in, int64_t step);
 /* The early gradient norm. cf_norm_pre_begin, at every backward's start,
  * forgets an earlier early sum and, for the step's last micro-batch (one
- * process), starts a new one; cf_norm_pre_layer(m, l), once layer l's
- * gradients are final, adds their squares in a side section of the backend
- * (beside the rest of the backward); cf_step_ex then sums only the
- * tensors outside the layers. */
-void cf_norm_pre_begin(cf_model *m);
+ * process, a backward of every row), starts a new one;
+ * cf_norm_pre_layer(m, l), once layer l's gradients are final, adds their
+ * squares in a side section of the backend (beside the rest of the
+ * backward); cf_step_ex then sums only the tensors outside the layers.
+ * Not in the compact modes: their backward, of half the rows, has less
+ * compute to hide the pass's reads under, and measured slower with it than
+ * the optimizer got faster (docs/BENCHMARKS.md, run 19). */
+void cf_norm_pre_begin(cf_model *m, int compact);
 void cf_norm_pre_layer(cf_model *m, int l);
 /* Zeroes the squared-norm and loss accumulators. */
 void cf_model_clear_scalars(cf_model *m);

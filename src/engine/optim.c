@@ -128,10 +128,13 @@ static int plan_norm_pre(cf_model *m) {
     return 1;
 }
 
-void cf_norm_pre_begin(cf_model *m) {
+void cf_norm_pre_begin(cf_model *m, int compact) {
     cf_optim *o = &m->opt;
     o->pre_on = 0;
-    if (!o->pre_ok || !o->last_micro || o->sync.bucket_ready || o->sync.finish || cf_tp_on(m)) return;
+    /* --profile times op by op: nothing runs beside them */
+    if (!o->pre_ok || compact || m->profile || !o->last_micro || o->sync.bucket_ready || o->sync.finish ||
+        cf_tp_on(m))
+        return;
     m->b->memzero(m->b, &m->scalars->sumsq_pre, sizeof(double));
     o->pre_on = 1;
     o->pre_layers = 0;
