@@ -81,6 +81,34 @@ static inline double max_rel(const cf_model *m, const float *a, const float *b, 
     return worst;
 }
 
+/* Largest per-tensor relative L2 error between the weights of a and b. */
+static inline double weights_max_rel(cf_model *a, cf_model *b) {
+    size_t np = cf_model_num_params(a);
+    float *wa = malloc(np * sizeof(float)), *wb = malloc(np * sizeof(float));
+    for (int i = 0; i < cf_model_num_tensors(a); i++) {
+        cf_model_get_param(a, i, wa + toff(a, i));
+        cf_model_get_param(b, i, wb + toff(b, i));
+    }
+    double e = max_rel(a, wa, wb, NULL);
+    free(wa);
+    free(wb);
+    return e;
+}
+
+/* The trainer tests' options: micro-batches of one sequence of seq
+ * tokens, self-selection at keep, AdamW lr 1e-2 (betas 0.9, 0.95, eps
+ * 1e-3, weight decay 0.1) with gradient clipping at clip. */
+static inline cf_train_opts test_train_opts(cf_mode mode, double keep, int seq, int accum, float clip) {
+    cf_train_opts o = {0};
+    o.mode = mode;
+    o.select = (cf_select_opts){CF_SELECT_SELF, keep, 0, 1};
+    o.adamw = (cf_adamw_params){1e-2f, 0.9f, 0.95f, 1e-3f, 0.1f, clip};
+    o.batch = 1;
+    o.seq = seq;
+    o.grad_accum = accum;
+    return o;
+}
+
 /* Mean of losses[0, T) over the positions keep selects (NULL = all). */
 static inline double masked_mean(const float *losses, int T, const uint8_t *keep) {
     double s = 0;

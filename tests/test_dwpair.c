@@ -30,28 +30,7 @@ static cf_model *model(const char *name, int pair, uint64_t seed) {
 }
 
 static cf_train_opts opts(cf_mode mode, double keep, int accum) {
-    cf_train_opts o = {0};
-    o.mode = mode;
-    o.select = (cf_select_opts){CF_SELECT_SELF, keep, 0, 1};
-    o.adamw = (cf_adamw_params){1e-2f, 0.9f, 0.95f, 1e-3f, 0.1f, 1.0f};
-    o.batch = 1;
-    o.seq = S;
-    o.grad_accum = accum;
-    return o;
-}
-
-/* every weight of a and b, packed; largest per-tensor relative error */
-static double weights_rel(cf_model *a, cf_model *b) {
-    size_t np = cf_model_num_params(a);
-    float *wa = malloc(np * sizeof(float)), *wb = malloc(np * sizeof(float));
-    for (int i = 0; i < cf_model_num_tensors(a); i++) {
-        cf_model_get_param(a, i, wa + toff(a, i));
-        cf_model_get_param(b, i, wb + toff(b, i));
-    }
-    double e = max_rel(a, wa, wb, NULL);
-    free(wa);
-    free(wb);
-    return e;
+    return test_train_opts(mode, keep, S, accum, 1.0f);
 }
 
 TEST(paired_steps_give_the_unpaired_steps_in_every_compact_mode) {
@@ -82,7 +61,7 @@ TEST(paired_steps_give_the_unpaired_steps_in_every_compact_mode) {
                     CHECK_MSG(fabs(son.grad_norm - soff.grad_norm) <= 1e-5 * soff.grad_norm && soff.grad_norm > 0,
                               "%s %s x%d step %d: gradient norms %.9g vs %.9g", names[ni], cf_mode_name(modes[mi]),
                               accum, step, son.grad_norm, soff.grad_norm);
-                    double e = weights_rel(on, off);
+                    double e = weights_max_rel(on, off);
                     CHECK_MSG(e < 1e-5, "%s %s x%d step %d: weights differ by %.3g", names[ni],
                               cf_mode_name(modes[mi]), accum, step, e);
                 }
@@ -172,7 +151,7 @@ TEST(held_rows_are_flushed_by_the_step_or_a_backward_that_cannot_join_and_droppe
             CHECK(cf_step(m, &hp, NULL) == 0);
             CHECK(m->dwp.held == 0);
         }
-        double e = weights_rel(on, off);
+        double e = weights_max_rel(on, off);
         CHECK_MSG(e < 1e-5, "case %d: weights after the step differ by %.3g", c, e);
         cf_model_free(on);
         cf_model_free(off);

@@ -47,14 +47,7 @@ static cf_model *open_model(const char *name, uint64_t seed, const char *freeze,
 }
 
 static cf_train_opts opts(cf_mode mode, int accum) {
-    cf_train_opts o = {0};
-    o.mode = mode;
-    o.select = (cf_select_opts){CF_SELECT_SELF, mode == CF_MODE_REGULAR ? 1.0 : 0.5, 0, 1};
-    o.adamw = (cf_adamw_params){1e-2f, 0.9f, 0.95f, 1e-3f, 0.1f, 1.0f};
-    o.batch = 1;
-    o.seq = S;
-    o.grad_accum = accum;
-    return o;
+    return test_train_opts(mode, mode == CF_MODE_REGULAR ? 1.0 : 0.5, S, accum, 1.0f);
 }
 
 /* The tensors whose gradient is STALE, their memory filled with NaN (a
