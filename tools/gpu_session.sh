@@ -6,7 +6,7 @@
 #   parts: tests sanitize sanitize-attn bench-main bench-old bench-sweeps bench-3b pytorch
 #          parity peft-parity dp-check dp-bench dp-ctas tp-check tp-bench rows-x4 rows-x8
 #          rows-x8-dry bench-accum profile dp-bf16 ab-profile ab-fused ab-head attn-shapes attn-ab attn-parts dp-prio
-#          bench-pair pair-ab norm-blocks cf-side ab-old grad-keep side-ab ncu-step norm-ab side-prio
+#          bench-pair pair-ab norm-blocks cf-side ab-old grad-keep side-ab ncu-step norm-ab side-prio pair-rows
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G=$PWD/.gpucarry
@@ -185,6 +185,16 @@ for part in "$@"; do
             --grad-accum 8 --modes regular,centrifuge --keep 0.5 --steps ${ACCUM_STEPS:-5} --warmup 2 \
             --json "$OUT/prio_${v}_${c}_r$rep.jsonl" 2>&1 |
             tee "$OUT/prio_${v}_${c}_r$rep.txt" | grep -E "  0\.50" | sed "s/^/$v rep $rep /"
+        done; done
+      done ;;
+    pair-rows)
+      # pairs up to CF_DWPAIR_MAX_ROWS=4096 (TinyLlama @4096's 2048 kept rows pair) against the default 2048,
+      # alternated twice per model in ACCUM_MODELS at 1 x 8, centrifuge only
+      for cs in ${ACCUM_MODELS:-tinyllama-1.1b:4096}; do c=${cs%%:*}; sq=${cs##*:}
+        for rep in 1 2; do for v in 2048 4096; do
+          CF_DWPAIR_MAX_ROWS=$v "$CF" bench --device cuda --config $c --seq $sq --batch 1 --grad-accum 8 \
+            --modes centrifuge --keep 0.5 --steps ${ACCUM_STEPS:-6} --warmup 2 --json "$OUT/rows${v}_${c}_r$rep.jsonl" 2>&1 |
+            tee "$OUT/rows${v}_${c}_r$rep.txt" | grep -E "  0\.50" | sed "s/^/max_rows=$v rep $rep /"
         done; done
       done ;;
     side-ab)

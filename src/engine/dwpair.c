@@ -61,10 +61,13 @@
 #define CF_DWPAIR_MAX_ROWS 2048
 
 void cf_dwpair_init(cf_model *m) {
-    const char *e = getenv("CF_DW_PAIR"), *s = getenv("CF_DW_SIDE");
+    const char *e = getenv("CF_DW_PAIR"), *s = getenv("CF_DW_SIDE"), *r = getenv("CF_DWPAIR_MAX_ROWS");
     memset(&m->dwp, 0, sizeof m->dwp);
     m->dwp.off = e && *e == '0';
     m->dwp.side = !(s && *s == '0');
+    /* CF_DWPAIR_MAX_ROWS=n at open replaces the bound (timing only) */
+    const long v = r && *r ? strtol(r, NULL, 10) : 0;
+    m->dwp.max_rows = v >= 1 && v <= (1L << 30) ? (int)v : CF_DWPAIR_MAX_ROWS;
 }
 
 void cf_dwpair_free(cf_model *m) {
@@ -169,7 +172,7 @@ int cf_dwpair_begin(cf_model *m, int eligible, int n) {
         }
         if (cf_dwpair_flush(m) != 0) return -1;
     }
-    if (eligible && !p->off && m->opt.more_micro && n > 0 && n < CF_DWPAIR_MAX_ROWS && 2 * n <= m->cap_T &&
+    if (eligible && !p->off && m->opt.more_micro && n > 0 && n < p->max_rows && 2 * n <= m->cap_T &&
         ensure_stash(m) == 0) {
         p->phase = CF_PAIR_HOLD;
         for (int l = 0; l < m->cfg.num_hidden_layers; l++) {

@@ -220,6 +220,7 @@ typedef struct {
     uint8_t *zero;      /* [2L] down's, gate/up's gradient was ZERO or STALE at
                            HOLD: the joining (or flushing) GEMM writes it */
     int64_t joins;      /* backwards that joined a held one */
+    int max_rows;       /* a backward of fewer rows may hold (CF_DWPAIR_MAX_ROWS) */
     int side;           /* the joining GEMMs in a side section of the backend
                            (beside the rest of the backward; CF_DW_SIDE=0 at
                            open: in line) */
