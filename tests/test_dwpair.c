@@ -80,15 +80,15 @@ TEST(paired_steps_give_the_unpaired_steps_in_every_compact_mode) {
 
 /* Regular and loss-only backwards take every row: two would not fit one
  * micro-batch's capacity; nor do two of keep 0.75; a single micro-batch
- * has nothing to pair with; 2048 kept rows (a sequence of 4096) are
+ * has nothing to pair with; 4096 kept rows (a sequence of 8192) are
  * enough for the GEMM alone (dwpair.c: CF_DWPAIR_MAX_ROWS). None of them
- * pairs; 2047 kept rows do. */
+ * pairs; 2048 kept rows (TinyLlama @4096's) do. */
 TEST(pairing_only_where_two_backwards_fit_one_micro_batch_of_few_rows) {
     static const struct { cf_mode mode; double keep; int accum, seq, want; } cs[] = {
         {CF_MODE_REGULAR, 1.0, 2, S, 0},       {CF_MODE_LOSS_ONLY, 0.5, 2, S, 0}, {CF_MODE_CENTRIFUGE, 0.75, 2, S, 0},
-        {CF_MODE_CENTRIFUGE, 0.5, 1, S, 0},    {CF_MODE_CENTRIFUGE, 0.5, 2, 4096, 0},
-        {CF_MODE_CENTRIFUGE, 0.5, 2, S, 1},    {CF_MODE_CENTRIFUGE, 0.5, 2, 4094, 1}};
-    static int32_t tok[2 * (4096 + 1)];
+        {CF_MODE_CENTRIFUGE, 0.5, 1, S, 0},    {CF_MODE_CENTRIFUGE, 0.5, 2, 8192, 0},
+        {CF_MODE_CENTRIFUGE, 0.5, 2, S, 1},    {CF_MODE_CENTRIFUGE, 0.5, 2, 4096, 1}};
+    static int32_t tok[2 * (8192 + 1)];
     for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
         cf_model *m = model("tiny-llama", 1, 21);
         if (!m) { CHECK(0); return; }

@@ -50,15 +50,16 @@
 #include "base/common.h"
 #include "engine/model_internal.h"
 
-/* Rows from which a backward no longer holds: with n rows a weight's
- * gradient costs 2n FLOPs against 8 bytes of fp32 read and write, and from
+/* Rows from which a backward no longer holds. With n rows a weight's
+ * gradient costs 2n FLOPs against 8 bytes of fp32 read and write; from
  * n = 2048 (512 FLOPs per byte, about twice an H100's ~270 at 800 TFLOP/s
- * and 3 TB/s) the GEMM hides the traffic: TinyLlama @4096 at keep 0.5
- * (2048 kept rows) ran its centrifuge backward in 187.3 ms per step with
- * pairs and 188.3 without, while Llama3.2-3B and Qwen2.5-1.5B @2048 (1024)
- * gained 5-7% (docs/BENCHMARKS.md, run 17); pairing would only cost the
- * stash's memory there. */
-#define CF_DWPAIR_MAX_ROWS 2048
+ * and 3 TB/s) the GEMM hides that traffic, and in line pairs gained nothing
+ * there (TinyLlama @4096 at keep 0.5, 2048 kept rows: 187.3 against 188.3
+ * ms per step, run 17). Beside the backward (a side section) they do: the
+ * same 181.2, 183.5 -> 177.7, 175.6 ms (-3.1%, run 19, 3.5 GiB of stash),
+ * as Llama3.2-3B's and Qwen2.5-1.5B's 1024 rows gained 5-7% in line (run
+ * 17) and 1.5-2% more beside (run 19). Measured up to 2048 rows. */
+#define CF_DWPAIR_MAX_ROWS 4096
 
 void cf_dwpair_init(cf_model *m) {
     const char *e = getenv("CF_DW_PAIR"), *s = getenv("CF_DW_SIDE"), *r = getenv("CF_DWPAIR_MAX_ROWS");
