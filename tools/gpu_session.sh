@@ -20,6 +20,19 @@ CF="$G/centrifuge-cuda"
 need_peft() { python3 -c 'import peft' 2>/dev/null || pip install -q --no-index --no-deps .gpucarry-whl/peft-*.whl 2>&1 | tail -1; }
 # the commit of the carried binaries, for tools/bench_pytorch.py's records (this copy has no .git)
 CF_COMMIT=$(head -c 7 "$G/commit.txt" 2>/dev/null); export CF_COMMIT
+# env_ab VAR "VALUES" MODES TAG [DEFAULT_MODEL]: one environment switch A/B, alternated twice per model
+# in ACCUM_MODELS (default DEFAULT_MODEL) at 1 x 8, the bench rows of MODES; records
+# $OUT/TAG<value>_<model>_r<rep>.jsonl (.txt), lines prefixed "VAR=value rep N"
+env_ab() {
+  local var=$1 values=$2 modes=$3 tag=$4 cs c sq rep v
+  for cs in ${ACCUM_MODELS:-${5:-qwen2.5-1.5b:2048}}; do c=${cs%%:*}; sq=${cs##*:}
+    for rep in 1 2; do for v in $values; do
+      env "$var=$v" "$CF" bench --device cuda --config $c --seq $sq --batch 1 --grad-accum 8 --modes $modes \
+        --keep 0.5 --steps ${ACCUM_STEPS:-6} --warmup 2 --json "$OUT/$tag${v}_${c}_r$rep.jsonl" 2>&1 |
+        tee "$OUT/$tag${v}_${c}_r$rep.txt" | grep -E "  0\.50" | sed "s/^/$var=$v rep $rep /"
+    done; done
+  done
+}
 for part in "$@"; do
   echo "=== $part $(date +%T)"
   case $part in
@@ -164,16 +177,8 @@ for part in "$@"; do
         done
       done ;;
     norm-ab)
-      # the early gradient norm (default) against the step's whole-buffer pass (CF_NORM_EARLY=0),
-      # alternated twice per model in ACCUM_MODELS at 1 x 8, regular and centrifuge
-      for cs in ${ACCUM_MODELS:-llama3.2-3b:2048}; do c=${cs%%:*}; sq=${cs##*:}
-        for rep in 1 2; do for v in 0 1; do
-          CF_NORM_EARLY=$v "$CF" bench --device cuda --config $c --seq $sq --batch 1 --grad-accum 8 \
-            --modes regular,centrifuge --keep 0.5 --steps ${ACCUM_STEPS:-6} --warmup 2 \
-            --json "$OUT/norm${v}_${c}_r$rep.jsonl" 2>&1 |
-            tee "$OUT/norm${v}_${c}_r$rep.txt" | grep -E "  0\.50" | sed "s/^/early=$v rep $rep /"
-        done; done
-      done ;;
+      # the early gradient norm (default) against the step's whole-buffer pass (CF_NORM_EARLY=0)
+      env_ab CF_NORM_EARLY "0 1" regular,centrifuge norm llama3.2-3b:2048 ;;
     side-prio)
       # side sections' variants alternated twice per model in ACCUM_MODELS at 1 x 8, regular and centrifuge:
       # noearly (CF_NORM_EARLY=0), early (the default: early norm, side stream at low priority) and
@@ -188,35 +193,16 @@ for part in "$@"; do
         done; done
       done ;;
     pair-rows)
-      # pairs up to CF_DWPAIR_MAX_ROWS=4096 (TinyLlama @4096's 2048 kept rows pair) against the default 2048,
-      # alternated twice per model in ACCUM_MODELS at 1 x 8, centrifuge only
-      for cs in ${ACCUM_MODELS:-tinyllama-1.1b:4096}; do c=${cs%%:*}; sq=${cs##*:}
-        for rep in 1 2; do for v in 2048 4096; do
-          CF_DWPAIR_MAX_ROWS=$v "$CF" bench --device cuda --config $c --seq $sq --batch 1 --grad-accum 8 \
-            --modes centrifuge --keep 0.5 --steps ${ACCUM_STEPS:-6} --warmup 2 --json "$OUT/rows${v}_${c}_r$rep.jsonl" 2>&1 |
-            tee "$OUT/rows${v}_${c}_r$rep.txt" | grep -E "  0\.50" | sed "s/^/max_rows=$v rep $rep /"
-        done; done
-      done ;;
+      # pairs up to CF_DWPAIR_MAX_ROWS=4096 (TinyLlama @4096's 2048 kept rows pair) against 2048, centrifuge only
+      env_ab CF_DWPAIR_MAX_ROWS "2048 4096" centrifuge rows tinyllama-1.1b:4096 ;;
     side-ab)
       # the paired MLP weight gradients on a side stream (default) against in line (CF_DW_SIDE=0),
-      # alternated twice per model in ACCUM_MODELS at 1 x 8, centrifuge only (pairs are compact-mode only)
-      for cs in ${ACCUM_MODELS:-qwen2.5-1.5b:2048}; do c=${cs%%:*}; sq=${cs##*:}
-        for rep in 1 2; do for v in 0 1; do
-          CF_DW_SIDE=$v "$CF" bench --device cuda --config $c --seq $sq --batch 1 --grad-accum 8 --modes centrifuge \
-            --keep 0.5 --steps ${ACCUM_STEPS:-6} --warmup 2 --json "$OUT/side${v}_${c}_r$rep.jsonl" 2>&1 |
-            tee "$OUT/side${v}_${c}_r$rep.txt" | grep -E "  0\.50" | sed "s/^/side=$v rep $rep /"
-        done; done
-      done ;;
+      # centrifuge only (pairs are compact-mode only)
+      env_ab CF_DW_SIDE "0 1" centrifuge side ;;
     grad-keep)
       # AdamW leaving the set-only gradients stale (default) against zeroing every gradient (CF_GRAD_KEEP=0),
-      # alternated twice per model in ACCUM_MODELS at 1 x 8, regular only: the optimizer column
-      for cs in ${ACCUM_MODELS:-llama3.2-3b:2048}; do c=${cs%%:*}; sq=${cs##*:}
-        for rep in 1 2; do for v in 0 1; do
-          CF_GRAD_KEEP=$v "$CF" bench --device cuda --config $c --seq $sq --batch 1 --grad-accum 8 --modes regular \
-            --keep 0.5 --steps ${ACCUM_STEPS:-6} --warmup 2 --json "$OUT/keep${v}_${c}_r$rep.jsonl" 2>&1 |
-            tee "$OUT/keep${v}_${c}_r$rep.txt" | grep -E "  0\.50" | sed "s/^/keep=$v rep $rep /"
-        done; done
-      done ;;
+      # regular only: the optimizer column
+      env_ab CF_GRAD_KEEP "0 1" regular keep llama3.2-3b:2048 ;;
     cf-side)
       # issue 17: centrifuge's Hopper part 2 beside part 1 on a second stream (default) against after it
       # (CF_ATTN_CF_SIDE_BY_SIDE=0): bench_attention at the four shapes, then the models in ACCUM_MODELS at 1 x 8
