@@ -367,23 +367,44 @@ static int state_from_v2_order(cf_model *m, float *mv, size_t n) {
     if (!order) return -1;
     cf_optim_layout old;
     memset(&old, 0, sizeof old);
+    float *tmp = NULL;
+    size_t cap = 0;
     int rc = 0;
     if (cf_param_order_v2(m, order) && (rc = cf_optim_layout_order(m, order, &old)) == 0) {
-        float *tmp = cf_malloc(2 * n * sizeof(float) + 1);
-        if (!tmp || old.nlocal != n || m->opt.lay.nlocal != n) {
-            rc = tmp ? cf_fail("internal: state.bin of %zu parameters does not match the layout", n) : -1;
-        } else {
-            memset(tmp, 0, 2 * n * sizeof(float));
+        if (old.nlocal != n || m->opt.lay.nlocal != n)
+            rc = cf_fail("internal: state.bin of %zu parameters does not match the layout", n);
+        /* the orders differ only inside a layer, whose tensors fill the
+         * same span in both layouts: each span goes through a buffer once
+         * (the largest span's, not the whole state's) */
+        for (int l = -1; rc == 0 && l <= m->cfg.num_hidden_layers; l++) {
+            size_t lo = SIZE_MAX, hi = 0;
             for (int i = 0; i < m->ntensors; i++) {
-                const size_t from = old.goff[i], to = m->opt.lay.goff[i], len = m->params[i].numel;
-                if (!m->params[i].trainable) continue;
-                memcpy(tmp + to, mv + from, len * sizeof(float));
-                memcpy(tmp + n + to, mv + n + from, len * sizeof(float));
+                if (!m->params[i].trainable || m->params[i].layer != l) continue;
+                lo = CF_MIN(lo, m->opt.lay.goff[i]);
+                hi = CF_MAX(hi, m->opt.lay.goff[i] + m->params[i].numel);
             }
-            memcpy(mv, tmp, 2 * n * sizeof(float));
+            if (lo >= hi) continue;
+            for (int i = 0; rc == 0 && i < m->ntensors; i++)
+                if (m->params[i].trainable && m->params[i].layer == l &&
+                    (old.goff[i] < lo || old.goff[i] + m->params[i].numel > hi))
+                    rc = cf_fail("internal: %s moves out of its layer's span of the optimizer state", m->params[i].name);
+            if (rc == 0 && hi - lo > cap) {
+                free(tmp);
+                cap = hi - lo;
+                tmp = cf_malloc(cap * sizeof(float));
+                if (!tmp) rc = -1;
+            }
+            for (size_t half = 0; rc == 0 && half < 2 * n; half += n) { /* m, then v */
+                memcpy(tmp, mv + half + lo, (hi - lo) * sizeof(float));
+                memset(mv + half + lo, 0, (hi - lo) * sizeof(float)); /* padding stays zero */
+                for (int i = 0; i < m->ntensors; i++)
+                    if (m->params[i].trainable && m->params[i].layer == l)
+                        memcpy(mv + half + m->opt.lay.goff[i], tmp + (old.goff[i] - lo),
+                               m->params[i].numel * sizeof(float));
+            }
         }
-        free(tmp);
     }
+    free(tmp);
     cf_optim_layout_free(&old);
     free(order);
     return rc;

@@ -95,17 +95,17 @@ static int segment_whole(const cf_model *m, const cf_segment *g) {
 }
 
 /* Whether the whole-layout gradient of each layer is one range, layers in
- * order (the table's: embedding, layers 0..L-1, final norm, LM head; LoRA's
- * adapters, appended after, are not): fills layer_lo/hi (lo = hi: nothing
- * trainable in the layer). CF_NORM_EARLY=0 in the environment: never (A/B
- * timing, cross-checks). */
+ * order (the table's: embedding, layers 0..L-1, final norm, LM head; with
+ * LoRA only the adapters train, appended layer by layer: also in order):
+ * fills layer_lo/hi (lo = hi: nothing trainable in the layer).
+ * CF_NORM_EARLY=0 in the environment: never (A/B timing, cross-checks). */
 static int plan_norm_pre(cf_model *m) {
     cf_optim *o = &m->opt;
     const char *e = getenv("CF_NORM_EARLY");
     const int L = m->cfg.num_hidden_layers;
     if ((e && *e == '0') || o->lay.nlocal != o->lay.ngrad) return 0;
-    o->layer_lo = cf_calloc((size_t)L + 1, sizeof(size_t));
-    o->layer_hi = cf_calloc((size_t)L + 1, sizeof(size_t));
+    o->layer_lo = cf_calloc((size_t)L, sizeof(size_t));
+    o->layer_hi = cf_calloc((size_t)L, sizeof(size_t));
     if (!o->layer_lo || !o->layer_hi) return 0;
     int last = -1; /* the layer of the previous segment; -1 before layer 0 */
     for (int s = 0; s < o->lay.nseg; s++) {
