@@ -1,8 +1,8 @@
 /*
  * test_dwpair.c — the MLP's weight gradients of two micro-batches in one
  * GEMM (engine/dwpair.c), on the CPU backend: the trainer's step with
- * pairing gives the step without it (CF_DW_PAIR=0 at open) in every compact
- * mode, at 2, 3 and 4 micro-batches and over three steps (the first one
+ * pairing gives the step without it (CF_DW_PAIR=0 at open) in every
+ * mode, compact and full, at 2, 3 and 4 micro-batches and over three steps (the first one
  * never pairs; in the later ones AdamW has left the MLP's gradients STALE:
  * the joining GEMM writes them); pairing happens where it should (the join
  * count) and nowhere else; rows held for a join that never comes are
@@ -22,10 +22,14 @@
 
 enum { S = 12, MAXMB = 4 };
 
+/* pair: 0 no pairs (CF_DW_PAIR=0), 1 every mode, 2 the compact modes at
+ * keep <= 0.5 only (CF_DW_PAIR_FULL=0) */
 static cf_model *model(const char *name, int pair, uint64_t seed) {
     if (!pair) setenv("CF_DW_PAIR", "0", 1);
+    if (pair == 2) setenv("CF_DW_PAIR_FULL", "0", 1);
     cf_model *m = make_model(name, seed);
     unsetenv("CF_DW_PAIR");
+    unsetenv("CF_DW_PAIR_FULL");
     return m;
 }
 
@@ -33,11 +37,12 @@ static cf_train_opts opts(cf_mode mode, double keep, int accum) {
     return test_train_opts(mode, keep, S, accum, 1.0f);
 }
 
-TEST(paired_steps_give_the_unpaired_steps_in_every_compact_mode) {
+TEST(paired_steps_give_the_unpaired_steps_in_every_mode) {
     static const char *const names[] = {"tiny-llama", "tiny-qwen2", "tiny-mistral"};
-    const cf_mode modes[] = {CF_MODE_CENTRIFUGE, CF_MODE_STRAWMAN, CF_MODE_CENTRIFUGE_KV};
+    const cf_mode modes[] = {CF_MODE_CENTRIFUGE, CF_MODE_STRAWMAN, CF_MODE_CENTRIFUGE_KV, CF_MODE_REGULAR,
+                             CF_MODE_LOSS_ONLY};
     for (int ni = 0; ni < 3; ni++)
-        for (int mi = 0; mi < 3; mi++)
+        for (int mi = 0; mi < 5; mi++)
             for (int accum = 2; accum <= MAXMB; accum++) {
                 cf_model *on = model(names[ni], 1, 11 + ni), *off = model(names[ni], 0, 11 + ni);
                 if (!on || !off) { CHECK(0); cf_model_free(on); cf_model_free(off); return; }
@@ -78,19 +83,24 @@ TEST(paired_steps_give_the_unpaired_steps_in_every_compact_mode) {
             }
 }
 
-/* Regular and loss-only backwards take every row: two would not fit one
- * micro-batch's capacity; nor do two of keep 0.75; a single micro-batch
- * has nothing to pair with; 4096 kept rows (a sequence of 8192) are
- * enough for the GEMM alone (dwpair.c: CF_DWPAIR_MAX_ROWS). None of them
- * pairs; 2048 kept rows (TinyLlama @4096's) do. */
-TEST(pairing_only_where_two_backwards_fit_one_micro_batch_of_few_rows) {
-    static const struct { cf_mode mode; double keep; int accum, seq, want; } cs[] = {
-        {CF_MODE_REGULAR, 1.0, 2, S, 0},       {CF_MODE_LOSS_ONLY, 0.5, 2, S, 0}, {CF_MODE_CENTRIFUGE, 0.75, 2, S, 0},
-        {CF_MODE_CENTRIFUGE, 0.5, 1, S, 0},    {CF_MODE_CENTRIFUGE, 0.5, 2, 8192, 0},
-        {CF_MODE_CENTRIFUGE, 0.5, 2, S, 1},    {CF_MODE_CENTRIFUGE, 0.5, 2, 4096, 1}};
+/* Two backwards of at most half a micro-batch's rows (centrifuge at keep
+ * 0.5) pair in a stash of one micro-batch's capacity; regular, loss-only
+ * and keep 0.75 take more rows: they pair in a stash of twice that, and not
+ * at all with CF_DW_PAIR_FULL=0. A single micro-batch has nothing to pair
+ * with; 4096 rows (a centrifuge sequence of 8192, a regular one of 4096)
+ * are enough for the GEMM alone (dwpair.c: CF_DWPAIR_MAX_ROWS); 2048 rows
+ * (TinyLlama @4096's kept rows, Llama3.2-3B @2048's regular ones) pair. */
+TEST(pairing_only_where_two_backwards_fit_the_stash_and_have_few_rows) {
+    static const struct { cf_mode mode; double keep; int accum, seq, pair, want, cap2; } cs[] = {
+        {CF_MODE_REGULAR, 1.0, 2, S, 1, 1, 1},         {CF_MODE_LOSS_ONLY, 0.5, 2, S, 1, 1, 1},
+        {CF_MODE_CENTRIFUGE, 0.75, 2, S, 1, 1, 1},     {CF_MODE_REGULAR, 1.0, 2, S, 2, 0, 0},
+        {CF_MODE_LOSS_ONLY, 0.5, 2, S, 2, 0, 0},       {CF_MODE_CENTRIFUGE, 0.75, 2, S, 2, 0, 0},
+        {CF_MODE_CENTRIFUGE, 0.5, 1, S, 1, 0, 0},      {CF_MODE_CENTRIFUGE, 0.5, 2, 8192, 1, 0, 0},
+        {CF_MODE_REGULAR, 1.0, 2, 4096, 1, 0, 0},      {CF_MODE_CENTRIFUGE, 0.5, 2, S, 2, 1, 0},
+        {CF_MODE_CENTRIFUGE, 0.5, 2, 4096, 1, 1, 0},   {CF_MODE_REGULAR, 1.0, 2, 2048, 1, 1, 1}};
     static int32_t tok[2 * (8192 + 1)];
     for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
-        cf_model *m = model("tiny-llama", 1, 21);
+        cf_model *m = model("tiny-llama", cs[i].pair, 21);
         if (!m) { CHECK(0); return; }
         cf_train_opts o = opts(cs[i].mode, cs[i].keep, cs[i].accum);
         o.seq = cs[i].seq;
@@ -100,8 +110,13 @@ TEST(pairing_only_where_two_backwards_fit_one_micro_batch_of_few_rows) {
         cf_step_stats st;
         /* two steps: the first one never pairs (the stash waits for it) */
         CHECK(t && cf_trainer_step(t, mbs, 1e-2f, &st) == 0 && cf_trainer_step(t, mbs, 1e-2f, &st) == 0);
-        CHECK_MSG(m->dwp.joins == cs[i].want, "%s keep %.2f x%d, %d rows: %lld joins, expected %d",
-                  cf_mode_name(cs[i].mode), cs[i].keep, cs[i].accum, cs[i].seq, (long long)m->dwp.joins, cs[i].want);
+        CHECK_MSG(m->dwp.joins == cs[i].want, "%s keep %.2f x%d, %d rows, pair %d: %lld joins, expected %d",
+                  cf_mode_name(cs[i].mode), cs[i].keep, cs[i].accum, cs[i].seq, cs[i].pair, (long long)m->dwp.joins,
+                  cs[i].want);
+        /* the stash: none, one micro-batch's capacity, or twice that */
+        const int cap = cs[i].want ? (cs[i].cap2 ? 2 : 1) * cs[i].seq : 0;
+        CHECK_MSG(m->dwp.cap == cap, "%s keep %.2f, %d rows: a stash of %d rows, expected %d",
+                  cf_mode_name(cs[i].mode), cs[i].keep, cs[i].seq, m->dwp.cap, cap);
         cf_trainer_free(t);
         cf_model_free(m);
     }
@@ -159,8 +174,8 @@ TEST(held_rows_are_flushed_by_the_step_or_a_backward_that_cannot_join_and_droppe
 }
 
 int main(void) {
-    RUN(paired_steps_give_the_unpaired_steps_in_every_compact_mode);
-    RUN(pairing_only_where_two_backwards_fit_one_micro_batch_of_few_rows);
+    RUN(paired_steps_give_the_unpaired_steps_in_every_mode);
+    RUN(pairing_only_where_two_backwards_fit_the_stash_and_have_few_rows);
     RUN(held_rows_are_flushed_by_the_step_or_a_backward_that_cannot_join_and_dropped_by_zero_grad);
     return test_summary();
 }

@@ -272,12 +272,13 @@ static void mlp_paired_grads(cf_model *m, int l, int n, int r0, int pair) {
 }
 
 /* Whether this backward's MLP weight gradients may pair with another
- * micro-batch's (dwpair.c): the compact modes, every layer's gate/up fused
- * and trainable, a plain down projection, not a reference; one process
- * (data parallel's bucket hooks with pairs are not yet checked against one
- * GPU on two: tests/gpu/dp_check.sh; TP splits the MLP). */
-static int mlp_pairs(cf_model *m, cf_mode mode, const stopgrad *sg) {
-    if (sg || !cf_mode_is_compact(mode) || cf_tp_on(m) || m->opt.sync.world > 1) return 0;
+ * micro-batch's (dwpair.c, which also decides by the number of rows): every
+ * layer's gate/up fused and trainable, a plain down projection, not a
+ * reference; one process (data parallel's bucket hooks with pairs are not
+ * yet checked against one GPU on two: tests/gpu/dp_check.sh; TP splits the
+ * MLP). */
+static int mlp_pairs(cf_model *m, const stopgrad *sg) {
+    if (sg || cf_tp_on(m) || m->opt.sync.world > 1) return 0;
     for (int l = 0; l < m->cfg.num_hidden_layers; l++) {
         const cf_layer_params *p = &m->lp[l];
         if (!gate_up_fused(m, p) || !cf_grad(m, p->gate.w) || !cf_grad(m, p->down.w) || p->down.la >= 0 ||
@@ -326,7 +327,7 @@ static int backward_body(cf_model *m, cf_mode mode, const cf_kept *kept, float t
     int n = compact ? m->n_kept : T;
     /* hold this backward's MLP rows for the next one, join held ones, or
      * neither (held rows that cannot join are flushed first) */
-    if (cf_dwpair_begin(m, mlp_pairs(m, mode, sg), n) != 0) return -1;
+    if (cf_dwpair_begin(m, mlp_pairs(m, sg), n) != 0) return -1;
     const int pair = m->dwp.phase, r0 = pair == CF_PAIR_JOIN ? m->dwp.held : 0;
     /* the forward's row of each backward row, for LoRA dropout's mask */
     m->lora_rows = compact ? m->rows : NULL;

@@ -10,8 +10,9 @@
  * Two micro-batches' rows in one GEMM halve it: dW += [dY_a; dY_b]^T [X_a; X_b].
  *
  * How. A micro-batch whose backward another one of the same step follows
- * (the trainer says so: cf_optim.more_micro) and whose kept rows fit twice
- * in a micro-batch's capacity, fewer than CF_DWPAIR_MAX_ROWS, HOLDs: its
+ * (the trainer says so: cf_optim.more_micro) and whose rows (kept rows in
+ * the compact modes, all rows in a full backward) number fewer than
+ * CF_DWPAIR_MAX_ROWS, HOLDs: its
  * MLP writes dgate|dup and h straight into a per-layer stash at rows
  * [0, n), copies the down projection's dY (the residual gradient) and the
  * gate/up input (ln2) there, and skips the MLP's three weight gradients
@@ -42,7 +43,9 @@
  * for it, and cf_memory_check's estimate leaves it out).
  *
  * Stash of layer l (backend memory, cap rows each): dgu [cap, 2F] | h
- * [cap, F] | ln2 [cap, C] | dres [cap, C], activation dtype.
+ * [cap, F] | ln2 [cap, C] | dres [cap, C], activation dtype; cap is the
+ * micro-batch's capacity cap_T (two compact backwards' kept rows), or
+ * 2 cap_T once a full backward pairs (CF_DW_PAIR_FULL=0: never).
  */
 #include <stdlib.h>
 #include <string.h>
@@ -58,14 +61,20 @@
  * ms per step, run 17). Beside the backward (a side section) they do: the
  * same 181.2, 183.5 -> 177.7, 175.6 ms (-3.1%, run 19, 3.5 GiB of stash),
  * as Llama3.2-3B's and Qwen2.5-1.5B's 1024 rows gained 5-7% in line (run
- * 17) and 1.5-2% more beside (run 19). Measured up to 2048 rows. */
+ * 17) and 1.5-2% more beside (run 19). Full backwards too (run 20,
+ * regular, ms per backward of 8 micro-batches): Llama3.2-3B's 2048 rows
+ * 446.2, 447.3 -> 435.8, 434.5 (-2.5%, 6.6 GiB of stash), Qwen2.5-1.5B's
+ * 225.6, 227.0 -> 224.5, 220.4; TinyLlama's 4096 (with this bound at
+ * 8192) 355.6, 352.7 -> 354.7, 354.2: nothing, so 4096 rows stay unpaired. */
 #define CF_DWPAIR_MAX_ROWS 4096
 
 void cf_dwpair_init(cf_model *m) {
     const char *e = getenv("CF_DW_PAIR"), *s = getenv("CF_DW_SIDE"), *r = getenv("CF_DWPAIR_MAX_ROWS");
+    const char *f = getenv("CF_DW_PAIR_FULL");
     memset(&m->dwp, 0, sizeof m->dwp);
     m->dwp.off = e && *e == '0';
     m->dwp.side = !(s && *s == '0');
+    m->dwp.full = !(f && *f == '0');
     /* CF_DWPAIR_MAX_ROWS=n at open replaces the bound (timing only) */
     const long v = r && *r ? strtol(r, NULL, 10) : 0;
     m->dwp.max_rows = v >= 1 && v <= (1L << 30) ? (int)v : CF_DWPAIR_MAX_ROWS;
@@ -103,23 +112,30 @@ size_t cf_dwpair_bytes(const cf_config *c, int cap_rows, size_t act_size) {
     return (size_t)c->num_hidden_layers * (size_t)cap_rows * (3 * F + 2 * C) * act_size;
 }
 
-/* A stash of cap_T rows per layer, once (again only when none is held and
- * the capacity grew); 0, or -1 where there is none (yet). Only from the
+/* A stash of `want` rows per layer (cap_T for the compact modes' kept
+ * rows, 2 cap_T once a full backward pairs), once (again only when none is
+ * held and more rows are wanted); 0, or -1 where there is none (yet). Only from the
  * second optimizer step on: by then the first one has allocated every
  * buffer a step allocates lazily (the filter's compact copies, attention's
  * scratch), so the stash takes memory that no step needs; and only with
- * 1 GiB left free after it, else pairing is off for the model. */
-static int ensure_stash(cf_model *m) {
+ * 1 GiB left free after it, else pairing is off for the model (for its
+ * full backwards only, where those wanted the larger stash). */
+static void stash_refused(cf_model *m, int want) {
+    if (want > m->cap_T) m->dwp.full = 0;
+    else m->dwp.off = 1;
+}
+
+static int ensure_stash(cf_model *m, int want) {
     cf_dwpair *p = &m->dwp;
-    if (p->buf && p->cap >= m->cap_T) return 0;
+    if (p->buf && p->cap >= want) return 0;
     if (p->held || m->opt.step < 1) return -1;
     cf_dwpair_free(m);
     const int L = m->cfg.num_hidden_layers;
-    p->layer_bytes = (size_t)m->cap_T * row_elems(m) * m->b->act_size;
+    p->layer_bytes = (size_t)want * row_elems(m) * m->b->act_size;
     size_t free_b = 0, total_b = 0;
     if (m->b->memory_info && m->b->memory_info(m->b, &free_b, &total_b) == 0 &&
         free_b < p->layer_bytes * (size_t)L + ((size_t)1 << 30)) {
-        p->off = 1;
+        stash_refused(m, want);
         return -1;
     }
     p->zero = cf_calloc((size_t)2 * L, 1);
@@ -129,11 +145,11 @@ static int ensure_stash(cf_model *m) {
          * failed allocation's message is not an error of the step) */
         free(p->zero);
         p->zero = NULL;
-        p->off = 1;
+        stash_refused(m, want);
         cf_fail("%s", "");
         return -1;
     }
-    p->cap = m->cap_T;
+    p->cap = want;
     return 0;
 }
 
@@ -164,6 +180,10 @@ void cf_dwpair_drop(cf_model *m) { m->dwp.held = 0; }
 
 int cf_dwpair_begin(cf_model *m, int eligible, int n) {
     cf_dwpair *p = &m->dwp;
+    /* two backwards of at most half a micro-batch's rows (the compact
+     * modes' kept rows at keep <= 0.5) fit a stash of cap_T rows; more
+     * (a full backward's) take 2 cap_T, unless CF_DW_PAIR_FULL=0 */
+    const int small = 2 * n <= m->cap_T, want = small ? m->cap_T : 2 * m->cap_T;
     p->phase = CF_PAIR_NONE;
     p->rows = n;
     if (p->held) {
@@ -173,8 +193,8 @@ int cf_dwpair_begin(cf_model *m, int eligible, int n) {
         }
         if (cf_dwpair_flush(m) != 0) return -1;
     }
-    if (eligible && !p->off && m->opt.more_micro && n > 0 && n < p->max_rows && 2 * n <= m->cap_T &&
-        ensure_stash(m) == 0) {
+    if (eligible && !p->off && m->opt.more_micro && n > 0 && n < p->max_rows && (small || (p->full && n <= m->cap_T)) &&
+        ensure_stash(m, want) == 0) {
         p->phase = CF_PAIR_HOLD;
         for (int l = 0; l < m->cfg.num_hidden_layers; l++) {
             /* whether the gradients may (ZERO) or must (STALE) be written

@@ -224,6 +224,10 @@ typedef struct {
     int side;           /* the joining GEMMs in a side section of the backend
                            (beside the rest of the backward; CF_DW_SIDE=0 at
                            open: in line) */
+    int full;           /* backwards of more than half a micro-batch's rows
+                           (the full ones: regular, loss-only) pair too, in a
+                           stash of 2 cap_T rows (CF_DW_PAIR_FULL=0 at open,
+                           or no memory for it: they do not) */
 } cf_dwpair;
 
 /* ----------------------------------------------------------- activations */

@@ -344,26 +344,31 @@ static void lockstep_steps(const char *what, cf_model *a, cf_model *b, cf_model 
     cf_trainer_free(tb);
 }
 
-/* engine/dwpair.c on the GPU: the trainer's steps (centrifuge, keep 0.5,
- * four micro-batches, three steps) with the MLP's weight gradients of two
+/* engine/dwpair.c on the GPU: the trainer's steps (centrifuge at keep 0.5,
+ * in a stash of one micro-batch's rows, and regular, in one of two; four
+ * micro-batches, three steps) with the MLP's weight gradients of two
  * micro-batches in one GEMM give the steps without (CF_DW_PAIR=0 at open)
  * (lockstep_steps), and pairs happen (two per step from the second step on). */
 TEST(gpu_paired_mlp_weight_gradients_give_the_unpaired_steps) {
-    cf_model *mc = cpu_model("tiny-llama", 81);
-    setenv("CF_DW_PAIR", "0", 1);
-    cf_model *off = mc ? cf_model_create(cf_model_config(mc), CF_BACKEND_CUDA, 1) : NULL;
-    unsetenv("CF_DW_PAIR");
-    cf_model *on = mc ? cf_model_create(cf_model_config(mc), CF_BACKEND_CUDA, 1) : NULL;
-    if (on && off) {
-        lockstep_steps("pairs", on, off, mc, CF_MODE_CENTRIFUGE, 0.5, 4, 90, NULL);
-        CHECK_MSG(on->dwp.joins == 4 && off->dwp.joins == 0, "%lld joins (expected 4), %lld unpaired",
-                  (long long)on->dwp.joins, (long long)off->dwp.joins);
-    } else {
-        CHECK_MSG(0, "%s", cf_last_error());
+    const cf_mode modes[] = {CF_MODE_CENTRIFUGE, CF_MODE_REGULAR};
+    for (int mi = 0; mi < 2; mi++) {
+        cf_model *mc = cpu_model("tiny-llama", 81);
+        setenv("CF_DW_PAIR", "0", 1);
+        cf_model *off = mc ? cf_model_create(cf_model_config(mc), CF_BACKEND_CUDA, 1) : NULL;
+        unsetenv("CF_DW_PAIR");
+        cf_model *on = mc ? cf_model_create(cf_model_config(mc), CF_BACKEND_CUDA, 1) : NULL;
+        if (on && off) {
+            lockstep_steps(cf_mode_name(modes[mi]), on, off, mc, modes[mi], 0.5, 4, 90, NULL);
+            CHECK_MSG(on->dwp.joins == 4 && off->dwp.joins == 0 && on->dwp.cap == (mi ? 2 * S : S),
+                      "%s: %lld joins (expected 4), %lld unpaired, a stash of %d rows", cf_mode_name(modes[mi]),
+                      (long long)on->dwp.joins, (long long)off->dwp.joins, on->dwp.cap);
+        } else {
+            CHECK_MSG(0, "%s", cf_last_error());
+        }
+        cf_model_free(on);
+        cf_model_free(off);
+        cf_model_free(mc);
     }
-    cf_model_free(on);
-    cf_model_free(off);
-    cf_model_free(mc);
 }
 
 /* The joining GEMMs of the pairs on the backend's side stream (dwpair.c,
@@ -398,8 +403,9 @@ TEST(gpu_paired_gradients_on_the_side_stream_give_the_in_line_steps) {
 /* The early gradient norm (optim.c: cf_norm_pre_*; its squares summed in
  * side sections during the last backward) gives the steps of the
  * whole-buffer pass (CF_NORM_EARLY=0 at open) (lockstep_steps), regular
- * and centrifuge (with pairs), and was used in every regular step and in
- * no centrifuge one. */
+ * and centrifuge (both with pairs: the last backward joins, its MLP
+ * gradients finished by GEMMs in side sections too), and was used in every
+ * regular step and in no centrifuge one. */
 TEST(gpu_early_gradient_norm_gives_the_whole_buffer_steps) {
     const cf_mode modes[] = {CF_MODE_REGULAR, CF_MODE_CENTRIFUGE};
     for (int mi = 0; mi < 2; mi++) {
@@ -439,8 +445,8 @@ static void poison_stale(const char *what, cf_model *m, int step) {
 }
 
 /* Gradients left STALE by AdamW (engine/model_internal.h) on the GPU: the
- * trainer's steps (regular and centrifuge, two micro-batches, pairs from
- * the second step) with the set-only gradients not zeroed, and their memory
+ * trainer's steps (regular and centrifuge, two micro-batches, a pair in
+ * each step from the second on) with the set-only gradients not zeroed, and their memory
  * filled with NaN after every step, give the steps of the zeroing path
  * (cf_optim.keep_stale = 0) (lockstep_steps): every stale gradient is
  * overwritten by its first GEMM (CF_MM_DW_SET), never added to or read.
@@ -456,7 +462,7 @@ TEST(gpu_stale_gradients_give_the_zeroing_steps_even_when_poisoned) {
             on->opt.keep_stale = 1;
             off->opt.keep_stale = 0;
             lockstep_steps(cf_mode_name(modes[mi]), on, off, mc, modes[mi], mi ? 0.5 : 1.0, 2, 95, poison_stale);
-            if (mi) CHECK_MSG(on->dwp.joins == 2, "%lld joins (expected 2)", (long long)on->dwp.joins);
+            CHECK_MSG(on->dwp.joins == 2, "%lld joins (expected 2)", (long long)on->dwp.joins);
         } else {
             CHECK_MSG(0, "%s", cf_last_error());
         }
