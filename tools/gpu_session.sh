@@ -7,7 +7,7 @@
 #          parity peft-parity dp-check dp-bench dp-ctas tp-check tp-bench rows-x4 rows-x8
 #          rows-x8-dry bench-accum profile dp-bf16 ab-profile ab-fused ab-head attn-shapes attn-ab attn-parts dp-prio
 #          bench-pair pair-ab norm-blocks cf-side ab-old grad-keep side-ab ncu-step norm-ab side-prio pair-rows
-#          pair-full gqa-ab
+#          pair-full gqa-ab side-attn
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G=$PWD/.gpucarry
@@ -201,6 +201,9 @@ for part in "$@"; do
       # compact modes only (CF_DW_PAIR_FULL=0); regular (loss-only runs the same backward; TinyLlama @4096 pairs only with
       # CF_DWPAIR_MAX_ROWS above 4096 in the environment)
       env_ab CF_DW_PAIR_FULL "0 1" regular full llama3.2-3b:2048 ;;
+    side-attn)
+      # o's and q/k/v's weight gradients beside the backward (default) against in line (CF_DW_SIDE_ATTN=0)
+      env_ab CF_DW_SIDE_ATTN "0 1" regular,centrifuge sattn ;;
     gqa-ab)
       # the attention backward's GQA dk/dv summed on chip (default) against fp32 partials reduced after
       # (CF_ATTN_GQA_ONCHIP=0): bench_attention at the four shapes, then the models in ACCUM_MODELS at 1 x 8

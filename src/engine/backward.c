@@ -288,6 +288,22 @@ static int mlp_pairs(cf_model *m, const stopgrad *sg) {
     return 1;
 }
 
+/* Whether o's and the joined q/k/v's weight gradients may run beside this
+ * backward (dwside.c): in every layer q/k/v join (qkv_fused_bwd), o is a
+ * plain trainable projection without a bias, and the q/k/v weights train;
+ * not a reference; one process (data parallel's buckets reduce a layer's
+ * gradient when its backward ends; TP joins no q/k/v). */
+static int attn_side(cf_model *m, int kv_all, const stopgrad *sg) {
+    if (sg || cf_tp_on(m) || m->opt.sync.world > 1) return 0;
+    for (int l = 0; l < m->cfg.num_hidden_layers; l++) {
+        const cf_layer_params *p = &m->lp[l];
+        if (!qkv_fused_bwd(m, p, kv_all) || p->o.la >= 0 || p->o.b >= 0 || !cf_grad(m, p->o.w) ||
+            !cf_grad(m, p->q.w))
+            return 0;
+    }
+    return 1;
+}
+
 /* The backward; afterwards no gradient counts as zero any more (every
  * trainable tensor may have been written, by whatever op). A STALE one this
  * backward did not write (rows held by dwpair.c took theirs at HOLD) is
@@ -329,6 +345,8 @@ static int backward_body(cf_model *m, cf_mode mode, const cf_kept *kept, float t
      * neither (held rows that cannot join are flushed first) */
     if (cf_dwpair_begin(m, mlp_pairs(m, sg), n) != 0) return -1;
     const int pair = m->dwp.phase, r0 = pair == CF_PAIR_JOIN ? m->dwp.held : 0;
+    /* o's and q/k/v's weight gradients beside the chain (dwside.c), or in line */
+    const int aside = cf_dwside_begin(m, attn_side(m, kv_all, sg));
     /* the forward's row of each backward row, for LoRA dropout's mask */
     m->lora_rows = compact ? m->rows : NULL;
     const uint8_t *keep = mode == CF_MODE_REGULAR ? NULL : m->keep_dev;
@@ -437,7 +455,20 @@ static int backward_body(cf_model *m, cf_mode mode, const cf_kept *kept, float t
         OP(CF_PROF_NORM, b->rmsnorm_bwd(b, m->d_resid, cf_grad(m, p->ln2), m->d_ln, SAVED(m, a->x_mid),
                        cf_weight(m, p->ln2), SAVED(m, a->rstd2), n, C, 1));
         /* attention: x_mid = x + o(attn(q, k, v)) */
-        OP(CF_PROF_GEMM, cf_linear_bwd(m, &p->o, m->d_att, m->d_resid, SAVED(m, a->att), n, qd, C, 0));
+        if (aside) {
+            /* dWo += dY^T att beside, from a copy of dY (the chain updates
+             * the residual gradient in place); dY Wo here */
+            void *dres = cf_dwside_dres(m, l);
+            OP(CF_PROF_ELTWISE, b->copy(b, dres, m->d_resid, (size_t)n * C * b->act_size));
+            OP(CF_PROF_GEMM, cf_linear_bwd_input(m, &p->o, m->d_att, m->d_resid, n, qd, C, 0));
+            const int zero = cf_grad_take_zero(m, p->o.w);
+            if (b->side_begin) b->side_begin(b);
+            OP(CF_PROF_GEMM, b->matmul_bwd(b, NULL, cf_grad(m, p->o.w), NULL, dres, SAVED(m, a->att),
+                                           cf_weight(m, p->o.w), n, qd, C, zero));
+            if (b->side_end) b->side_end(b);
+        } else {
+            OP(CF_PROF_GEMM, cf_linear_bwd(m, &p->o, m->d_att, m->d_resid, SAVED(m, a->att), n, qd, C, 0));
+        }
         OP(CF_PROF_ATTN, b->attention_bwd(b, m->d_q, m->d_k, m->d_v, m->d_att, SAVED(m, a->q), a->k, a->v,
                          SAVED(m, a->att), SAVED(m, a->lse), &shape, compact ? &rows : NULL, amode));
         if (sg && !sg->input_only &&
@@ -447,13 +478,22 @@ static int backward_body(cf_model *m, cf_mode mode, const cf_kept *kept, float t
         if (qkv_fused_bwd(m, p, kv_all)) {
             /* dln1 = [dq dk dv] [Wq; Wk; Wv],  [dWq; dWk; dWv] (+)= [dq dk dv]^T ln1,
              * [dbq; dbk; dbv] += colsum [dq dk dv] */
-            void *dqkv = m->qkv ? m->qkv : m->tmp;
+            /* beside (dwside.c): [dq dk dv] in the layer's buffer, the
+             * weight gradient in a side section; dln1 and dbias here */
+            void *dqkv = aside ? cf_dwside_dqkv(m, l) : m->qkv ? m->qkv : m->tmp;
             OP(CF_PROF_ROPE, b->qkv_join_rope_bwd(b, dqkv, m->d_q, m->d_k, m->d_v, pos, n, H, Hkv, m->inv_freq, D));
             const int qkv[3] = {p->q.w, p->k.w, p->v.w};
             const int zero = cf_grad_take_zero_group(m, qkv, 3);
             float *dbias = p->q.b >= 0 ? cf_grad(m, p->q.b) : NULL;
-            OP(CF_PROF_GEMM, b->matmul_bwd(b, m->d_ln, cf_grad(m, p->q.w), dbias, dqkv, SAVED(m, a->ln1),
-                                           cf_weight(m, p->q.w), n, C, qd + 2 * kd, zero));
+            float *dw = cf_grad(m, p->q.w);
+            OP(CF_PROF_GEMM, b->matmul_bwd(b, m->d_ln, aside ? NULL : dw, dbias, dqkv, SAVED(m, a->ln1),
+                                           cf_weight(m, p->q.w), n, C, qd + 2 * kd, aside ? 0 : zero));
+            if (aside) {
+                if (b->side_begin) b->side_begin(b);
+                OP(CF_PROF_GEMM, b->matmul_bwd(b, NULL, dw, NULL, dqkv, SAVED(m, a->ln1), cf_weight(m, p->q.w), n,
+                                               C, qd + 2 * kd, zero));
+                if (b->side_end) b->side_end(b);
+            }
         } else {
             OP(CF_PROF_ROPE, b->rope_qk(b, m->d_q, pos, n, H, m->d_k, kpos, nk, Hkv, m->inv_freq, D, 1));
             void *dq = m->d_q, *dk = m->d_k;

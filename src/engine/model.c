@@ -473,6 +473,7 @@ static cf_model *model_alloc(const cf_config *cfg, const cf_model_opts *o, const
     m->s_lse = -1;
     m->drop_seed = o->seed;
     cf_dwpair_init(m);
+    cf_dwside_init(m);
     if (tp && tp->size > 1) {
         if (o->lora.rank > 0 || o->adapter_dir) {
             cf_fail("--tp with LoRA adapters is not supported yet: use data parallelism (ZeRO-1) for LoRA");
@@ -793,6 +794,7 @@ void cf_model_free(cf_model *m) {
         cf_backend *b = m->b;
         free_acts(m);
         cf_dwpair_free(m);
+        cf_dwside_free(m);
         cf_optim_free(m);
         b->free(b, m->w);
         b->free(b, m->inv_freq);

@@ -230,6 +230,17 @@ typedef struct {
                            or no memory for it: they do not) */
 } cf_dwpair;
 
+/* dwside.c: the attention projections' weight gradients beside the backward */
+typedef struct {
+    int off;            /* CF_DW_SIDE_ATTN=0 or CF_DW_SIDE=0 at open, or no memory */
+    int force;          /* CF_DW_SIDE_ATTN=1: also without side sections (tests) */
+    int on;             /* in the backward in flight */
+    int cap;            /* rows per layer in the buffers */
+    void *buf;          /* backend memory: L buffers of layer_bytes */
+    size_t layer_bytes;
+    int64_t backwards;  /* backwards that ran them beside */
+} cf_dwside;
+
 /* ----------------------------------------------------------- activations */
 
 /* A saved activation: T token rows of row_bytes each. The filter operator
@@ -274,6 +285,7 @@ struct cf_model {
     void *w;               /* compute copy, all tensors (backend dtype) */
     cf_optim opt;
     cf_dwpair dwp;         /* weight-gradient pairs (dwpair.c) */
+    cf_dwside dws;         /* attention's weight gradients beside (dwside.c) */
     cf_layer_params *lp;
     int p_embed, p_norm, p_lm_head;   /* lm_head == embed when tied */
     cf_lora_opts lora;     /* rank 0: no adapters */
@@ -428,6 +440,15 @@ void *cf_dwpair_ln2(cf_model *m, int l, int row);
 void *cf_dwpair_dres(cf_model *m, int l, int row);
 /* Backend bytes of the stash at cap_rows rows (memest.c). */
 size_t cf_dwpair_bytes(const cf_config *c, int cap_rows, size_t act_size);
+
+void cf_dwside_init(cf_model *m);
+void cf_dwside_free(cf_model *m);
+/* whether this backward runs o's and q/k/v's weight gradients beside
+ * (eligible: backward.c's conditions), taking the buffers if needed */
+int cf_dwside_begin(cf_model *m, int eligible);
+void *cf_dwside_dres(cf_model *m, int l); /* [cap, C]: o's dY */
+void *cf_dwside_dqkv(cf_model *m, int l); /* [cap, qd + 2 kd]: [dq dk dv] */
+size_t cf_dwside_bytes(const cf_config *c, int cap_rows, size_t act_size);
 
 /* ---- kept.c ---- */
 /* Fails unless kept is the current selection of the current forward. */

@@ -400,6 +400,37 @@ TEST(gpu_paired_gradients_on_the_side_stream_give_the_in_line_steps) {
     cf_model_free(mc);
 }
 
+/* o's and q/k/v's weight gradients beside the backward (dwside.c: a side
+ * section per GEMM, from per-layer copies of their dY) give the steps with
+ * them in line (CF_DW_SIDE_ATTN=0 at open) (lockstep_steps), regular and
+ * centrifuge, on Llama and on Qwen2 (q/k/v biases, whose gradient stays in
+ * line), four micro-batches (the MLP's pairs beside too); the path ran in
+ * every backward from the second step, in the one model only. */
+TEST(gpu_attention_weight_gradients_beside_give_the_in_line_steps) {
+    static const char *const names[] = {"tiny-llama", "tiny-qwen2"};
+    const cf_mode modes[] = {CF_MODE_REGULAR, CF_MODE_CENTRIFUGE};
+    char what[96];
+    for (int ni = 0; ni < 2; ni++)
+        for (int mi = 0; mi < 2; mi++) {
+            cf_model *mc = cpu_model(names[ni], 87 + ni);
+            setenv("CF_DW_SIDE_ATTN", "0", 1);
+            cf_model *off = mc ? cf_model_create(cf_model_config(mc), CF_BACKEND_CUDA, 1) : NULL;
+            unsetenv("CF_DW_SIDE_ATTN");
+            cf_model *on = mc ? cf_model_create(cf_model_config(mc), CF_BACKEND_CUDA, 1) : NULL;
+            if (on && off) {
+                snprintf(what, sizeof what, "attention beside, %s %s", names[ni], cf_mode_name(modes[mi]));
+                lockstep_steps(what, on, off, mc, modes[mi], 0.5, 4, 99, NULL);
+                CHECK_MSG(on->dws.backwards == 8 && off->dws.backwards == 0, "%s: %lld backwards beside (expected 8), %lld",
+                          what, (long long)on->dws.backwards, (long long)off->dws.backwards);
+            } else {
+                CHECK_MSG(0, "%s", cf_last_error());
+            }
+            cf_model_free(on);
+            cf_model_free(off);
+            cf_model_free(mc);
+        }
+}
+
 /* The early gradient norm (optim.c: cf_norm_pre_*; its squares summed in
  * side sections during the last backward) gives the steps of the
  * whole-buffer pass (CF_NORM_EARLY=0 at open) (lockstep_steps), regular
@@ -661,6 +692,7 @@ int main(void) {
     RUN(gpu_equivalences_of_design_section_1_hold_with_bf16_tolerances);
     RUN(gpu_paired_mlp_weight_gradients_give_the_unpaired_steps);
     RUN(gpu_paired_gradients_on_the_side_stream_give_the_in_line_steps);
+    RUN(gpu_attention_weight_gradients_beside_give_the_in_line_steps);
     RUN(gpu_early_gradient_norm_gives_the_whole_buffer_steps);
     RUN(gpu_stale_gradients_give_the_zeroing_steps_even_when_poisoned);
     return test_summary();

@@ -1,0 +1,103 @@
+/*
+ * dwside.c — the attention projections' weight gradients beside the
+ * backward (issue 17).
+ *
+ * Why. A layer's o and joined q/k/v weight gradients,
+ *   dWo += dY^T att,   [dWq; dWk; dWv] += [dq dk dv]^T ln1,
+ * feed nothing later in the backward, yet in line they sit on its chain of
+ * input gradients: two GEMMs per layer that at the compact modes' few rows
+ * run at a third to a half of the matmul rate (part-wave grids, the fp32
+ * gradient's read and write in the epilogue). In a side section of the
+ * backend (backend.h: side_begin; CUDA: a second stream at the lowest
+ * priority) they fill the SMs that the chain leaves idle: attention's
+ * small and uneven grids, the norm and element-wise kernels.
+ *
+ * How. A side GEMM's inputs must stay as they are until the backward's end,
+ * where backward.c joins the side work. att and ln1 are saved activations,
+ * left alone until the next forward. [dq dk dv] is written by the joined
+ * RoPE backward straight into this layer's buffer instead of the shared
+ * scratch. o's dY is the residual gradient, which the chain goes on
+ * updating in place, so it is copied into the layer's buffer (n x C, the
+ * one extra pass). Nothing is paired: each backward's GEMMs take its own
+ * rows (dwpair.c pairs the MLP's).
+ *
+ * Buffers, per layer (backend memory, cap rows each, activation dtype):
+ * dres [cap, C] | dqkv [cap, qd + 2 kd]. Taken from the second optimizer
+ * step on with 1 GiB left free after them (as dwpair.c's stash), else the
+ * gradients stay in line for the model. CF_DW_SIDE_ATTN=0 at open keeps
+ * them in line (A/B timing); so do --profile (per-op times) and CF_DW_SIDE=0.
+ * A backend without side sections (the CPU) keeps them in line too, unless
+ * CF_DW_SIDE_ATTN=1 (tests: this path's buffers, in issue order).
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/common.h"
+#include "engine/model_internal.h"
+
+void cf_dwside_init(cf_model *m) {
+    const char *e = getenv("CF_DW_SIDE_ATTN"), *s = getenv("CF_DW_SIDE");
+    memset(&m->dws, 0, sizeof m->dws);
+    m->dws.off = (e && *e == '0') || (s && *s == '0');
+    m->dws.force = e && *e == '1';
+}
+
+void cf_dwside_free(cf_model *m) {
+    if (m->b && m->dws.buf) m->b->free(m->b, m->dws.buf);
+    m->dws.buf = NULL;
+    m->dws.cap = 0;
+    m->dws.on = 0;
+}
+
+static size_t row_elems(const cf_model *m) {
+    const cf_config *c = &m->cfg;
+    return (size_t)c->hidden_size + (size_t)(c->num_attention_heads + 2 * c->num_key_value_heads) * c->head_dim;
+}
+
+size_t cf_dwside_bytes(const cf_config *c, int cap_rows, size_t act_size) {
+    const size_t row = (size_t)c->hidden_size + (size_t)(c->num_attention_heads + 2 * c->num_key_value_heads) *
+                                                    (size_t)c->head_dim;
+    return (size_t)c->num_hidden_layers * (size_t)cap_rows * row * act_size;
+}
+
+/* Buffers of cap_T rows per layer (again when cap_T grew): 0, or -1 where
+ * there are none (yet). No side work is pending here: the last backward
+ * joined it. */
+static int ensure_buffers(cf_model *m) {
+    cf_dwside *d = &m->dws;
+    if (d->buf && d->cap >= m->cap_T) return 0;
+    if (m->opt.step < 1) return -1;
+    cf_dwside_free(m);
+    const size_t bytes = cf_dwside_bytes(&m->cfg, m->cap_T, m->b->act_size);
+    size_t free_b = 0, total_b = 0;
+    if (m->b->memory_info && m->b->memory_info(m->b, &free_b, &total_b) == 0 && free_b < bytes + ((size_t)1 << 30)) {
+        d->off = 1;
+        return -1;
+    }
+    d->buf = m->b->alloc(m->b, bytes);
+    if (!d->buf) {
+        /* no memory for them: the gradients stay in line (the failed
+         * allocation's message is not an error of the step) */
+        d->off = 1;
+        cf_fail("%s", "");
+        return -1;
+    }
+    d->layer_bytes = (size_t)m->cap_T * row_elems(m) * m->b->act_size;
+    d->cap = m->cap_T;
+    return 0;
+}
+
+int cf_dwside_begin(cf_model *m, int eligible) {
+    cf_dwside *d = &m->dws;
+    /* a backend without side sections runs them in line: only through the
+     * buffers when forced (CF_DW_SIDE_ATTN=1, the CPU tests of this path) */
+    d->on = eligible && !d->off && !m->profile && (m->b->side_begin || d->force) && ensure_buffers(m) == 0;
+    if (d->on) d->backwards++;
+    return d->on;
+}
+
+void *cf_dwside_dres(cf_model *m, int l) { return (char *)m->dws.buf + m->dws.layer_bytes * (size_t)l; }
+
+void *cf_dwside_dqkv(cf_model *m, int l) {
+    return (char *)cf_dwside_dres(m, l) + (size_t)m->dws.cap * (size_t)m->cfg.hidden_size * m->b->act_size;
+}
