@@ -74,14 +74,16 @@ const char *cf_cuda_format_bytes(size_t bytes, char *buf, size_t cap) {
 
 /* ================================================================ scratch */
 
-static const char *const scratch_names[CF_SCR_COUNT] = {
+static const char *const scratch_names[] = {
     "colsum partials", "sumsq partials", "sort keys", "sort values", "sort temporary", "iota",
     "LM-head logits", "LM-head dlogits", "gather descriptors", "keep counts",
     "attention dq accumulator", "attention D", "attention dk (GQA)", "attention dv (GQA)",
     "attention filtered rows", "attention filtered starts", "attention kept out", "attention kept lse",
     "attention padded q", "attention padded k", "attention padded v", "attention padded out",
     "attention padded dout", "attention padded dq", "attention padded dk", "attention padded dv",
+    "attention sm90 dq accumulator", "attention sm90 filtered k", "attention sm90 filtered v",
 };
+static_assert(sizeof scratch_names / sizeof scratch_names[0] == CF_SCR_COUNT, "a name per scratch id");
 
 /* Growing frees the old buffer after the stream's work is done: fine, it
  * happens in the first steps only. */
