@@ -7,7 +7,7 @@
 #          parity peft-parity dp-check dp-bench dp-ctas tp-check tp-bench rows-x4 rows-x8
 #          rows-x8-dry bench-accum profile dp-bf16 ab-profile ab-fused ab-head attn-shapes attn-ab attn-parts dp-prio
 #          bench-pair pair-ab norm-blocks cf-side ab-old grad-keep side-ab ncu-step norm-ab side-prio pair-rows
-#          pair-full gqa-ab side-attn
+#          pair-full side-attn
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G=$PWD/.gpucarry
@@ -204,14 +204,6 @@ for part in "$@"; do
     side-attn)
       # o's and q/k/v's weight gradients beside the backward (default) against in line (CF_DW_SIDE_ATTN=0)
       env_ab CF_DW_SIDE_ATTN "0 1" regular,centrifuge sattn ;;
-    gqa-ab)
-      # the attention backward's GQA dk/dv summed on chip (default) against fp32 partials reduced after
-      # (CF_ATTN_GQA_ONCHIP=0): bench_attention at the four shapes, then the models in ACCUM_MODELS at 1 x 8
-      for sh in "4096 32 4 64" "4096 32 8 128" "2048 12 2 128" "2048 24 8 128"; do for rep in 1 2; do for v in 0 1; do
-        echo "CF_ATTN_GQA_ONCHIP=$v (rep $rep), S H Hkv D = $sh"
-        CF_ATTN_GQA_ONCHIP=$v BENCH_ATTN_PATHS=auto "$G/bench_attention" $sh 2>&1 | grep -E "backward (full|centrifuge)"
-      done; done; done 2>&1 | tee "$OUT/gqa_attn_ab.txt"
-      env_ab CF_ATTN_GQA_ONCHIP "0 1" regular,centrifuge gqa ;;
     side-ab)
       # the paired MLP weight gradients on a side stream (default) against in line (CF_DW_SIDE=0),
       # centrifuge only (pairs are compact-mode only)
