@@ -7,7 +7,7 @@
 #          parity peft-parity dp-check dp-bench dp-ctas tp-check tp-bench rows-x4 rows-x8
 #          rows-x8-dry bench-accum profile dp-bf16 ab-profile ab-fused ab-head attn-shapes attn-ab attn-parts dp-prio
 #          bench-pair pair-ab norm-blocks cf-side ab-old grad-keep side-ab ncu-step norm-ab side-prio pair-rows
-#          pair-full side-attn
+#          pair-full side-attn gemm-survey attn-hpb
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G=$PWD/.gpucarry
@@ -201,6 +201,28 @@ for part in "$@"; do
       # compact modes only (CF_DW_PAIR_FULL=0); regular (loss-only runs the same backward; TinyLlama @4096 pairs only with
       # CF_DWPAIR_MAX_ROWS above 4096 in the environment)
       env_ab CF_DW_PAIR_FULL "0 1" regular full llama3.2-3b:2048 ;;
+    gemm-survey)
+      # every cuBLASLt heuristic result of each GEMM shape of a short run (CF_GEMM_TUNE=3: the bit-identical
+      # ones and those that differ, timed), per model in ACCUM_MODELS, centrifuge then regular; the lines of
+      # results at least 10% faster than the heuristic's first
+      for cs in ${ACCUM_MODELS:-qwen2.5-1.5b:2048}; do c=${cs%%:*}; sq=${cs##*:}
+        CF_GEMM_TUNE=3 "$CF" bench --device cuda --config $c --seq $sq --batch 1 --grad-accum 2 --modes centrifuge,regular \
+          --keep 0.5 --steps 1 --warmup 1 >"$OUT/survey_$c.txt" 2>"$OUT/survey_$c.err"
+        echo "survey $c rc=$? $(grep -c 'gemm survey' "$OUT/survey_$c.err") results"
+        sed -n 's/^gemm survey: \(.*(\([0-9.]*\)x the first)\)$/\2 \1/p' "$OUT/survey_$c.err" |
+          awk '$1 > 0 && $1 < 0.9' | cut -d' ' -f2- | head -40
+      done ;;
+    attn-hpb)
+      # attention alone at the two default shapes: every forced heads-per-block (1 2 4) x query parts (1 2),
+      # full and centrifuge backward (the rules' choice first)
+      for sh in "4096 32 4 64" "4096 32 8 128"; do
+        echo "auto, S H Hkv D = $sh"; BENCH_ATTN_PATHS=auto "$G/bench_attention" $sh 2>&1 | grep -E "backward (full|centrifuge)"
+        for hpb in 1 2 4; do for sp in 1 2; do
+          echo "hpb $hpb split $sp, S H Hkv D = $sh"
+          CF_ATTN_SM90_BWD_HPB=$hpb CF_ATTN_SM90_BWD_SPLIT=$sp BENCH_ATTN_PATHS=auto "$G/bench_attention" $sh 2>&1 |
+            grep -E "backward (full|centrifuge)"
+        done; done
+      done 2>&1 | tee "$OUT/attn_hpb.txt" ;;
     side-attn)
       # o's and q/k/v's weight gradients beside the backward (default) against in line (CF_DW_SIDE_ATTN=0)
       env_ab CF_DW_SIDE_ATTN "0 1" regular,centrifuge sattn ;;

@@ -137,7 +137,9 @@ void cf_cuda_colsum(cf_cuda_ctx *ctx, float *out, const bf16 *dout, const bf16 *
  * different orders yet agree bitwise on one random problem of the exact
  * shape; with 10^5..10^7 fp32 outputs of random data this does not happen in
  * practice.) CF_GEMM_TUNE=0 in the environment keeps the heuristic's first;
- * CF_GEMM_TUNE=2 also prints each choice to stderr. Problems whose scratch
+ * CF_GEMM_TUNE=2 also prints each choice to stderr; CF_GEMM_TUNE=3 also
+ * times the results that differ and prints every one with its tile,
+ * split-K and time (the choice is the same). Problems whose scratch
  * would exceed CF_GEMM_TUNE_MAX_BYTES (the LM head's [V, C] fp32 gradient)
  * keep the first.
  */
@@ -189,6 +191,15 @@ static __global__ void tune_diff_kernel(unsigned *diff, const uint16_t *a, const
     if (d) atomicOr(diff, 1u);
 }
 
+/* the median of one candidate's CF_GEMM_TUNE_ROUNDS timings */
+static float median_ms(const float *t) {
+    float v[CF_GEMM_TUNE_ROUNDS];
+    for (int r = 0; r < CF_GEMM_TUNE_ROUNDS; r++) v[r] = t[r];
+    for (int x = 1; x < CF_GEMM_TUNE_ROUNDS; x++)
+        for (int y = x; y > 0 && v[y] < v[y - 1]; y--) { float u = v[y]; v[y] = v[y - 1]; v[y - 1] = u; }
+    return v[CF_GEMM_TUNE_ROUNDS / 2];
+}
+
 /*
  * Chooses pl->algo among heur[0..nres) as described above. A, B: the
  * operands' stored sizes in elements (bf16); dbytes: D's. Falls back to
@@ -218,8 +229,11 @@ static void tune_plan(cf_cuda_ctx *ctx, cf_gemm_plan *pl, const cublasLtMatmulHe
               cudaStreamSynchronize(ctx->stream) == cudaSuccess;
     for (int i = 0; ok && i < 2 * nres; i++) ok = cudaEventCreate(&ev[i]) == cudaSuccess;
     float ms[CF_GEMM_CANDIDATES][CF_GEMM_TUNE_ROUNDS];
-    bool same[CF_GEMM_CANDIDATES] = {true};
+    bool same[CF_GEMM_CANDIDATES] = {true}, ran[CF_GEMM_CANDIDATES] = {true};
     int nsame = 1;
+    /* CF_GEMM_TUNE=3: also time the results that differ from the first and
+     * print every one (a survey of what the bitwise rule leaves out) */
+    const bool survey = tune_mode() >= 3;
     if (ok) {
         uint16_t *A = (uint16_t *)buf, *B = (uint16_t *)(buf + abytes);
         char *D0 = buf + abytes + bbytes, *D1 = D0 + dpad;
@@ -250,6 +264,7 @@ static void tune_plan(cf_cuda_ctx *ctx, cf_gemm_plan *pl, const cublasLtMatmulHe
             tune_fill_kernel<<<256, 256, 0, s>>>((uint16_t *)D1, dpad / 2, seed1);
             same[i] = cudaGetLastError() == cudaSuccess && cudaMemsetAsync(diff, 0, 4, s) == cudaSuccess &&
                       run(i, D1);
+            ran[i] = same[i];
             if (same[i]) {
                 tune_diff_kernel<<<256, 256, 0, s>>>(diff, (const uint16_t *)D0, (const uint16_t *)D1, dpad / 2);
                 same[i] = cudaGetLastError() == cudaSuccess &&
@@ -259,20 +274,44 @@ static void tune_plan(cf_cuda_ctx *ctx, cf_gemm_plan *pl, const cublasLtMatmulHe
             cudaGetLastError(); /* an algorithm that failed to run is just not a candidate */
             nsame += same[i];
         }
-        /* timing: rounds of CF_GEMM_TUNE_LAUNCHES launches per candidate, interleaved */
-        if (ok && nsame > 1) {
+        /* timing: rounds of CF_GEMM_TUNE_LAUNCHES launches per candidate,
+         * interleaved (survey: every result that ran, for the report) */
+        bool timed[CF_GEMM_CANDIDATES];
+        for (int i = 0; i < nres; i++) timed[i] = same[i] || (survey && ran[i]);
+        if (ok && (nsame > 1 || survey)) {
             for (int i = 0; ok && i < nres; i++)
-                if (same[i]) ok = run(i, D1) && run(i, D1);
+                if (timed[i]) ok = run(i, D1) && run(i, D1);
             for (int r = 0; ok && r < CF_GEMM_TUNE_ROUNDS; r++) {
                 for (int i = 0; ok && i < nres; i++) {
-                    if (!same[i]) continue;
+                    if (!timed[i]) continue;
                     ok = cudaEventRecord(ev[2 * i], s) == cudaSuccess;
                     for (int j = 0; ok && j < CF_GEMM_TUNE_LAUNCHES; j++) ok = run(i, D1);
                     ok = ok && cudaEventRecord(ev[2 * i + 1], s) == cudaSuccess;
                 }
                 ok = ok && cudaStreamSynchronize(s) == cudaSuccess;
                 for (int i = 0; ok && i < nres; i++)
-                    if (same[i]) ok = cudaEventElapsedTime(&ms[i][r], ev[2 * i], ev[2 * i + 1]) == cudaSuccess;
+                    if (timed[i]) ok = cudaEventElapsedTime(&ms[i][r], ev[2 * i], ev[2 * i + 1]) == cudaSuccess;
+            }
+        }
+        if (ok && survey) {
+            float md[CF_GEMM_CANDIDATES] = {0};
+            for (int i = 0; i < nres; i++)
+                if (timed[i]) md[i] = median_ms(ms[i]);
+            for (int i = 0; i < nres; i++) {
+                int tile = -1, splitk = -1, red = -1, stages = -1;
+                size_t w = 0;
+                cublasLtMatmulAlgoConfigGetAttribute(&heur[i].algo, CUBLASLT_ALGO_CONFIG_TILE_ID, &tile, sizeof tile, &w);
+                cublasLtMatmulAlgoConfigGetAttribute(&heur[i].algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splitk,
+                                                     sizeof splitk, &w);
+                cublasLtMatmulAlgoConfigGetAttribute(&heur[i].algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &red,
+                                                     sizeof red, &w);
+                cublasLtMatmulAlgoConfigGetAttribute(&heur[i].algo, CUBLASLT_ALGO_CONFIG_STAGES_ID, &stages,
+                                                     sizeof stages, &w);
+                fprintf(stderr, "gemm survey: m=%d n=%d k=%d ta=%d tb=%d beta=%g #%d %s tile %d stages %d splitk %d "
+                                "reduction %d: %.4f ms (%.2fx the first)\n",
+                        pl->key[2], pl->key[3], pl->key[4], pl->key[0], pl->key[1], beta, i,
+                        !ran[i] ? "did not run" : same[i] ? "bit-identical" : "differs", tile, stages, splitk, red,
+                        md[i] / CF_GEMM_TUNE_LAUNCHES, md[0] > 0 ? md[i] / md[0] : 0.f);
             }
         }
         ok = cudaStreamSynchronize(s) == cudaSuccess && ok;
@@ -280,14 +319,8 @@ static void tune_plan(cf_cuda_ctx *ctx, cf_gemm_plan *pl, const cublasLtMatmulHe
     int best = 0;
     float med[CF_GEMM_CANDIDATES] = {0};
     if (ok && nsame > 1) {
-        for (int i = 0; i < nres; i++) {
-            if (!same[i]) continue;
-            float v[CF_GEMM_TUNE_ROUNDS];
-            for (int r = 0; r < CF_GEMM_TUNE_ROUNDS; r++) v[r] = ms[i][r];
-            for (int x = 1; x < CF_GEMM_TUNE_ROUNDS; x++)
-                for (int y = x; y > 0 && v[y] < v[y - 1]; y--) { float t = v[y]; v[y] = v[y - 1]; v[y - 1] = t; }
-            med[i] = v[CF_GEMM_TUNE_ROUNDS / 2] / CF_GEMM_TUNE_LAUNCHES;
-        }
+        for (int i = 0; i < nres; i++)
+            if (same[i]) med[i] = median_ms(ms[i]) / CF_GEMM_TUNE_LAUNCHES;
         for (int i = 1; i < nres; i++)
             if (same[i] && med[i] < med[best]) best = i;
         if (best != 0 && !(med[best] < 0.97f * med[0])) best = 0;
