@@ -7,7 +7,7 @@
 #          parity peft-parity dp-check dp-bench dp-ctas tp-check tp-bench rows-x4 rows-x8
 #          rows-x8-dry bench-accum profile dp-bf16 ab-profile ab-fused ab-head attn-shapes attn-ab attn-parts dp-prio
 #          bench-pair pair-ab norm-blocks cf-side ab-old grad-keep side-ab ncu-step norm-ab side-prio pair-rows
-#          pair-full side-attn gemm-survey attn-hpb fwd-nc
+#          pair-full side-attn gemm-survey attn-hpb
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G=$PWD/.gpucarry
@@ -223,15 +223,6 @@ for part in "$@"; do
             grep -E "backward (full|centrifuge)"
         done; done
       done 2>&1 | tee "$OUT/attn_hpb.txt" ;;
-    fwd-nc)
-      # the D = 64 forward with three consumer warpgroups (CF_ATTN_SM90_FWD_NC=3, 192 queries per block)
-      # against two: the attention tests of test_gpu_ops with 3, then bench_attention alternated 3 times
-      CF_ATTN_SM90_FWD_NC=3 CF_TEST_ONLY=attention "$G/test_gpu_ops" >"$OUT/test_gpu_ops_fwd_nc3.log" 2>&1
-      echo "test_gpu_ops (attention, NC=3) rc=$?"; tail -1 "$OUT/test_gpu_ops_fwd_nc3.log"
-      for rep in 1 2 3; do for nc in 2 3; do
-        echo "NC=$nc rep $rep"; CF_ATTN_SM90_FWD_NC=$nc BENCH_ATTN_PATHS=auto "$G/bench_attention" 4096 32 4 64 2>&1 |
-          grep -E "forward"
-      done; done 2>&1 | tee "$OUT/fwd_nc.txt" ;;
     side-attn)
       # o's and q/k/v's weight gradients beside the backward (default) against in line (CF_DW_SIDE_ATTN=0)
       env_ab CF_DW_SIDE_ATTN "0 1" regular,centrifuge sattn ;;

@@ -28,16 +28,10 @@
  * log2(e), so P = exp2(x - m). A row that sees no key so far keeps m = -inf
  * and uses 0 as its base.
  */
-#include <stdlib.h>
-
 #include "backend/cuda/attention/sm90.cuh"
 
-template <int D, int NC_> struct FwdSm90 {
-    static_assert(NC_ == 2 || (NC_ == 3 && D == 64), "three consumers at D = 64 only (registers)");
-    static constexpr int NC = NC_;       /* consumer warpgroups           */
-    /* registers per thread (setmaxnreg): 128 x NC + 128 threads share
-     * the 64K register file */
-    static constexpr int PRODUCER_REGS = NC == 3 ? 24 : 40, CONSUMER_REGS = NC == 3 ? 160 : 232;
+template <int D> struct FwdSm90 {
+    static constexpr int NC = 2;         /* consumer warpgroups           */
     static constexpr int BM = 64 * NC;   /* queries per block             */
     static constexpr int BN = 128;       /* keys per tile                 */
     static constexpr int KST = 2;        /* stages of the K/V ring        */
@@ -53,12 +47,12 @@ template <int D, int NC_> struct FwdSm90 {
 namespace {
 
 
-template <int D, int NC>
-__global__ void __launch_bounds__(FwdSm90<D, NC>::THREADS, 1)
+template <int D>
+__global__ void __launch_bounds__(FwdSm90<D>::THREADS, 1)
     attn_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tmQ, const __grid_constant__ CUtensorMap tmK,
                          const __grid_constant__ CUtensorMap tmV, const AttnArgs a) {
 #if CF_SM90A_PATH
-    using C = FwdSm90<D, NC>;
+    using C = FwdSm90<D>;
     constexpr int BM = C::BM, BN = C::BN, KST = C::KST, DB = D / 64;
     extern __shared__ unsigned char smem_raw[];
     const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
@@ -94,7 +88,7 @@ __global__ void __launch_bounds__(FwdSm90<D, NC>::THREADS, 1)
     const int wg = threadIdx.x >> 7;
     if (wg == 0) {
         /* ---------------------------------------------------- producer */
-        setmaxnreg_dec<C::PRODUCER_REGS>();
+        setmaxnreg_dec<40>();
         if (threadIdx.x == 0) {
             mbar_arrive_tx(full_q, C::Q_BYTES);
             for (int cb = 0; cb < DB; cb++) tma_load_3d(sQ + cb * BM * 128, &tmQ, cb * 64, h, qs + q0, full_q);
@@ -129,7 +123,7 @@ __global__ void __launch_bounds__(FwdSm90<D, NC>::THREADS, 1)
     }
 
     /* ------------------------------------------------------- consumers */
-    setmaxnreg_inc<C::CONSUMER_REGS>();
+    setmaxnreg_inc<232>();
     const int w = wg - 1, tid = threadIdx.x & 127, v = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
     const int wq0 = q0 + 64 * w + 16 * v; /* this warp's first query */
     int qi[2], qdoc[2];
@@ -270,35 +264,24 @@ __global__ void __launch_bounds__(FwdSm90<D, NC>::THREADS, 1)
 
 /* ==================================================================== host */
 
-template <int D, int NC>
+template <int D>
 static int fwd_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a) {
-    using C = FwdSm90<D, NC>;
+    using C = FwdSm90<D>;
     const int T = a.B * a.S;
     CUtensorMap mq, mk, mv;
     if (!attn_sm90_map_rows(&mq, a.q, T, a.H, D, C::BM) || !attn_sm90_map_rows(&mk, a.k, T, a.Hkv, D, C::BN) ||
         !attn_sm90_map_rows(&mv, a.v, T, a.Hkv, D, C::BN))
         return 0;
-    const void *fn = (const void *)attn_fwd_sm90_kernel<D, NC>;
-    if (!attn_sm90_prepare(ctx, fn, C::SMEM, D == 128 ? 1 : NC == 2 ? 0 : 7)) return -1;
+    const void *fn = (const void *)attn_fwd_sm90_kernel<D>;
+    if (!attn_sm90_prepare(ctx, fn, C::SMEM, D == 64 ? 0 : 1)) return -1;
     dim3 grid(a.H, (a.S + C::BM - 1) / C::BM, a.B), block(C::THREADS);
     void *args[] = {(void *)&mq, (void *)&mk, (void *)&mv, (void *)&a};
     return CF_CK(ctx, cudaLaunchKernel(fn, grid, block, args, C::SMEM, ctx->stream)) ? 1 : -1;
 }
 
-/* Consumer warpgroups of the D = 64 forward: 3 (192 queries per block)
- * with CF_ATTN_SM90_FWD_NC=3, else 2 (read once; timing). */
-static int fwd_nc64(void) {
-    static int nc = -1;
-    if (nc < 0) {
-        const char *e = getenv("CF_ATTN_SM90_FWD_NC");
-        nc = e && *e == '3' ? 3 : 2;
-    }
-    return nc;
-}
-
 int attn_fwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D) {
     if (a.qstart || a.kstart || a.qrow || a.krow) return 0; /* all rows only */
-    if (D == 64) return fwd_nc64() == 3 ? fwd_sm90_launch<64, 3>(ctx, a) : fwd_sm90_launch<64, 2>(ctx, a);
-    if (D == 128) return fwd_sm90_launch<128, 2>(ctx, a);
+    if (D == 64) return fwd_sm90_launch<64>(ctx, a);
+    if (D == 128) return fwd_sm90_launch<128>(ctx, a);
     return 0;
 }
