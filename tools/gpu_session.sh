@@ -7,7 +7,7 @@
 #          parity peft-parity dp-check dp-bench dp-ctas tp-check tp-bench rows-x4 rows-x8
 #          rows-x8-dry bench-accum profile dp-bf16 ab-profile ab-fused ab-head attn-shapes attn-ab attn-parts dp-prio
 #          bench-pair pair-ab norm-blocks cf-side ab-old grad-keep side-ab ncu-step norm-ab side-prio pair-rows
-#          pair-full side-attn gemm-survey attn-hpb
+#          pair-full side-attn gemm-survey attn-hpb side-sms
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G=$PWD/.gpucarry
@@ -223,6 +223,10 @@ for part in "$@"; do
             grep -E "backward (full|centrifuge)"
         done; done
       done 2>&1 | tee "$OUT/attn_hpb.txt" ;;
+    side-sms)
+      # side-section GEMMs planned for fewer SMs (CF_SIDE_SMS=n), leaving the rest to the compute stream,
+      # against every SM (0), regular and centrifuge
+      env_ab CF_SIDE_SMS "${SIDE_SMS_VALUES:-0 66 100}" regular,centrifuge sms ;;
     side-attn)
       # o's and q/k/v's weight gradients beside the backward (default) against in line (CF_DW_SIDE_ATTN=0)
       env_ab CF_DW_SIDE_ATTN "0 1" regular,centrifuge sattn ;;

@@ -119,7 +119,8 @@ void cf_cuda_colsum(cf_cuda_ctx *ctx, float *out, const bf16 *dout, const bf16 *
  *   dinp^T [K,T] = W^T [K,N] (colmajor as stored) . dout^T [N,T]
  *   dW^T [K,N]  = x^T [K,T] . dout [T,N] (colmajor [N,T], transposed)
  * Plans (descriptors + the chosen algorithm) are cached by shape, dtypes,
- * epilogue, pointer alignment and whether beta is 0.
+ * epilogue, pointer alignment, whether beta is 0 and the SMs targeted
+ * (side_sms).
  *
  * Algorithm choice (issue 17: the backward's GEMMs at M = kept rows). The
  * heuristic's first algorithm is the reference. Its next CF_GEMM_CANDIDATES-1
@@ -353,6 +354,10 @@ static cf_gemm_plan *get_plan(cf_cuda_ctx *ctx, const int key[16], bool transa, 
     bool ok = CF_LT(ctx, cublasLtMatmulDescCreate(&pl->op, CUBLAS_COMPUTE_32F, CUDA_R_32F)) &&
               CF_LT(ctx, cublasLtMatmulDescSetAttribute(pl->op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta)) &&
               CF_LT(ctx, cublasLtMatmulDescSetAttribute(pl->op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+    if (ok && key[15] > 0) {
+        const int32_t sms = key[15];
+        ok = CF_LT(ctx, cublasLtMatmulDescSetAttribute(pl->op, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &sms, sizeof sms));
+    }
     if (ok && bias) {
         cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
         cudaDataType_t bt = CUDA_R_16BF;
@@ -406,6 +411,23 @@ static cf_gemm_plan *get_plan(cf_cuda_ctx *ctx, const int key[16], bool transa, 
     return pl;
 }
 
+/* SMs that a GEMM in a side section (backend.h: side_begin) is planned
+ * for: cuBLASLt's persistent kernels launch one CTA per SM they target and
+ * keep it to the end, so a side GEMM planned for every SM holds them all
+ * while the compute stream's next kernel waits, whatever the streams'
+ * priorities. CF_SIDE_SMS=n (read once) plans side GEMMs for n SMs (the
+ * heuristic and the tuner see n), leaving the rest to the compute stream;
+ * 0 or unset: every SM. */
+static int side_sms(const cf_cuda_ctx *ctx) {
+    static int n = -1;
+    if (n < 0) {
+        const char *e = getenv("CF_SIDE_SMS");
+        n = e && *e ? atoi(e) : 0;
+        if (n < 0) n = 0;
+    }
+    return n > 0 && n < ctx->sm_count ? n : 0;
+}
+
 /* D = op(A) op(B) + beta C (+ bias), C = D when Cin is NULL; C has D's layout */
 static void gemm_c(cf_cuda_ctx *ctx, bool transa, bool transb, int m, int n, int k, const void *A, int lda,
                    const void *B, int ldb, void *D, cudaDataType_t dtype, int ldd, float alpha, float beta,
@@ -414,7 +436,8 @@ static void gemm_c(cf_cuda_ctx *ctx, bool transa, bool transb, int m, int n, int
     const void *C = Cin ? Cin : D;
     /* the C alignment joins D's in the key (both fill the C/D preference) */
     int key[16] = {transa, transb, m, n, k, lda, ldb, ldd, (int)dtype, bias != NULL,
-                   align_of(A), align_of(B), min(align_of(D), align_of(C)), bias ? align_of(bias) : 0, beta == 0.f, 0};
+                   align_of(A), align_of(B), min(align_of(D), align_of(C)), bias ? align_of(bias) : 0, beta == 0.f,
+                   ctx->side_open ? side_sms(ctx) : 0};
     cf_gemm_plan *pl = get_plan(ctx, key, transa, transb, m, n, k, lda, ldb, dtype, ldd, bias != NULL, beta);
     if (!pl) return;
     if (bias &&
