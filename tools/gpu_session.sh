@@ -224,9 +224,9 @@ for part in "$@"; do
         done; done
       done 2>&1 | tee "$OUT/attn_hpb.txt" ;;
     side-sms)
-      # side-section GEMMs planned for fewer SMs (CF_SIDE_SMS=n), leaving the rest to the compute stream,
-      # against every SM (0), regular and centrifuge
-      env_ab CF_SIDE_SMS "${SIDE_SMS_VALUES:-0 66 100}" regular,centrifuge sms ;;
+      # side-section GEMMs planned for n SMs (CF_SIDE_SMS=n; the default leaves 32 to the compute stream),
+      # against every SM (0), regular and centrifuge (SIDE_SMS_VALUES: the n to alternate)
+      env_ab CF_SIDE_SMS "${SIDE_SMS_VALUES:-0 100}" regular,centrifuge sms ;;
     side-attn)
       # o's and q/k/v's weight gradients beside the backward (default) against in line (CF_DW_SIDE_ATTN=0)
       env_ab CF_DW_SIDE_ATTN "0 1" regular,centrifuge sattn ;;

@@ -415,17 +415,22 @@ static cf_gemm_plan *get_plan(cf_cuda_ctx *ctx, const int key[16], bool transa, 
  * for: cuBLASLt's persistent kernels launch one CTA per SM they target and
  * keep it to the end, so a side GEMM planned for every SM holds them all
  * while the compute stream's next kernel waits, whatever the streams'
- * priorities. CF_SIDE_SMS=n (read once) plans side GEMMs for n SMs (the
- * heuristic and the tuner see n), leaving the rest to the compute stream;
- * 0 or unset: every SM. */
+ * priorities. Planned for all but CF_SIDE_FREE_SMS (the heuristic and the
+ * tuner see that count), it leaves those to the compute stream. Measured on
+ * an H100 (132 SMs, docs/BENCHMARKS.md run 20): 100 SMs against all 132,
+ * centrifuge backward Qwen2.5-1.5B -3 to -6%, Llama3.2-3B -2 to -2.5%;
+ * regular Qwen -2%, Llama3.2-3B -0.2 to +1%; 66 and 84 were slower, 116
+ * no better. CF_SIDE_SMS=n (read once) plans them for n SMs instead (0:
+ * every SM). GPUs of fewer than 2 x CF_SIDE_FREE_SMS SMs use every SM. */
+#define CF_SIDE_FREE_SMS 32
 static int side_sms(const cf_cuda_ctx *ctx) {
-    static int n = -1;
-    if (n < 0) {
+    static int env = -2;
+    if (env == -2) {
         const char *e = getenv("CF_SIDE_SMS");
-        n = e && *e ? atoi(e) : 0;
-        if (n < 0) n = 0;
+        env = e && *e ? atoi(e) : -1;
     }
-    return n > 0 && n < ctx->sm_count ? n : 0;
+    if (env >= 0) return env > 0 && env < ctx->sm_count ? env : 0;
+    return ctx->sm_count >= 2 * CF_SIDE_FREE_SMS ? ctx->sm_count - CF_SIDE_FREE_SMS : 0;
 }
 
 /* D = op(A) op(B) + beta C (+ bias), C = D when Cin is NULL; C has D's layout */
