@@ -112,8 +112,11 @@ struct cf_backend {
      * side_end may run beside the ops issued after side_end: they follow
      * everything issued before side_begin, and everything issued after
      * side_join follows them. Until side_join the caller leaves their
-     * inputs and outputs alone. Sections never nest. */
-    void (*side_begin)(cf_backend *b);
+     * inputs and outputs alone. Sections never nest. narrow: the section's
+     * work may take only part of the device, leaving the rest to the ops
+     * issued after it (CUDA: its GEMMs planned for fewer SMs; gemm.cu:
+     * side_sms). */
+    void (*side_begin)(cf_backend *b, int narrow);
     void (*side_end)(cf_backend *b);
     void (*side_join)(cf_backend *b);
 

@@ -265,7 +265,7 @@ static void mlp_paired_grads(cf_model *m, int l, int n, int r0, int pair) {
     if (pair == CF_PAIR_JOIN) {
         /* beside the rest of the backward (dwpair.c), joined at its end */
         const int side = m->dwp.side && !m->profile && b->side_begin;
-        if (side) b->side_begin(b);
+        if (side) b->side_begin(b, m->side_narrow);
         OP(CF_PROF_GEMM, cf_dwpair_weight_grads(m, l, r0 + n));
         if (side) b->side_end(b);
     }
@@ -339,6 +339,10 @@ static int backward_body(cf_model *m, cf_mode mode, const cf_kept *kept, float t
     cf_stage_begin(m, CF_STAGE_BACKWARD);
     m->prof_phase = 1;
     cf_norm_pre_begin(m, compact);
+    /* the compact backwards' chain (small GEMMs, attention's small grids)
+     * needs SMs while side GEMMs run; a full one's is mostly GEMMs that
+     * fill the device (gemm.cu: side_sms, measured there) */
+    m->side_narrow = compact;
     int T = m->T;
     int n = compact ? m->n_kept : T;
     /* hold this backward's MLP rows for the next one, join held ones, or
@@ -462,7 +466,7 @@ static int backward_body(cf_model *m, cf_mode mode, const cf_kept *kept, float t
             OP(CF_PROF_ELTWISE, b->copy(b, dres, m->d_resid, (size_t)n * C * b->act_size));
             OP(CF_PROF_GEMM, cf_linear_bwd_input(m, &p->o, m->d_att, m->d_resid, n, qd, C, 0));
             const int zero = cf_grad_take_zero(m, p->o.w);
-            if (b->side_begin) b->side_begin(b);
+            if (b->side_begin) b->side_begin(b, m->side_narrow);
             OP(CF_PROF_GEMM, b->matmul_bwd(b, NULL, cf_grad(m, p->o.w), NULL, dres, SAVED(m, a->att),
                                            cf_weight(m, p->o.w), n, qd, C, zero));
             if (b->side_end) b->side_end(b);
@@ -489,7 +493,7 @@ static int backward_body(cf_model *m, cf_mode mode, const cf_kept *kept, float t
             OP(CF_PROF_GEMM, b->matmul_bwd(b, m->d_ln, aside ? NULL : dw, dbias, dqkv, SAVED(m, a->ln1),
                                            cf_weight(m, p->q.w), n, C, qd + 2 * kd, aside ? 0 : zero));
             if (aside) {
-                if (b->side_begin) b->side_begin(b);
+                if (b->side_begin) b->side_begin(b, m->side_narrow);
                 OP(CF_PROF_GEMM, b->matmul_bwd(b, NULL, dw, NULL, dqkv, SAVED(m, a->ln1), cf_weight(m, p->q.w), n,
                                                C, qd + 2 * kd, zero));
                 if (b->side_end) b->side_end(b);

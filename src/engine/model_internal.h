@@ -286,6 +286,9 @@ struct cf_model {
     cf_optim opt;
     cf_dwpair dwp;         /* weight-gradient pairs (dwpair.c) */
     cf_dwside dws;         /* attention's weight gradients beside (dwside.c) */
+    int side_narrow;       /* the backward in flight is compact: its side
+                              sections leave part of the device to the chain
+                              (backend.h: side_begin) */
     cf_layer_params *lp;
     int p_embed, p_norm, p_lm_head;   /* lm_head == embed when tied */
     cf_lora_opts lora;     /* rank 0: no adapters */

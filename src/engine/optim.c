@@ -153,7 +153,7 @@ void cf_norm_pre_layer(cf_model *m, int l) {
     cf_backend *b = m->b;
     if (o->layer_hi[l] > o->layer_lo[l]) {
         const int side = b->side_begin != NULL;
-        if (side) b->side_begin(b);
+        if (side) b->side_begin(b, 0);
         b->sumsq(b, &m->scalars->sumsq_pre, o->grad + o->layer_lo[l], o->layer_hi[l] - o->layer_lo[l]);
         if (side) b->side_end(b);
     }

@@ -762,7 +762,7 @@ TEST(sumsq_accumulates_on_the_device_and_matches_cpu) {
     double s3[2] = {0, 0};
     for (int k = 0; k < 2; k++) {
         gpu->upload(gpu, acc, &init, sizeof init);
-        gpu->side_begin(gpu);
+        gpu->side_begin(gpu, 0);
         gpu->sumsq(gpu, acc, gg, n);
         gpu->sumsq(gpu, acc, (float *)gg + 1, n - 1);
         gpu->side_end(gpu);

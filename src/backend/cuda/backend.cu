@@ -34,8 +34,8 @@
 static int cu_synchronize(cf_backend *b) { return cf_cuda_ctx_synchronize((cf_cuda_ctx *)b->state); }
 static int cu_check(cf_backend *b) { return cf_cuda_ctx_check((cf_cuda_ctx *)b->state); }
 static void *cu_device_context(cf_backend *b) { return b->state; }
-static void cu_side_begin(cf_backend *b) {
-    if (cf_cuda_ctx *ctx = cf_cuda_enter(b)) cf_cuda_side_begin(ctx);
+static void cu_side_begin(cf_backend *b, int narrow) {
+    if (cf_cuda_ctx *ctx = cf_cuda_enter(b)) cf_cuda_side_begin(ctx, narrow);
 }
 static void cu_side_end(cf_backend *b) { cf_cuda_side_end((cf_cuda_ctx *)b->state); }
 static void cu_side_join(cf_backend *b) {

@@ -224,7 +224,7 @@ static int side_ready(cf_cuda_ctx *ctx) {
     return 0;
 }
 
-void cf_cuda_side_begin(cf_cuda_ctx *ctx) {
+void cf_cuda_side_begin(cf_cuda_ctx *ctx, int narrow) {
     if (ctx->side_open || ctx->failed || !side_ready(ctx)) return;
     if (!CF_CK(ctx, cudaEventRecord(ctx->ev_side_fork, ctx->stream)) ||
         !CF_CK(ctx, cudaStreamWaitEvent(ctx->side_stream, ctx->ev_side_fork, 0)))
@@ -234,6 +234,7 @@ void cf_cuda_side_begin(cf_cuda_ctx *ctx) {
     ctx->stream = ctx->side_stream;
     ctx->workspace = ctx->side_workspace;
     ctx->side_open = 1;
+    ctx->side_narrow = narrow != 0;
 }
 
 void cf_cuda_side_end(cf_cuda_ctx *ctx) {

@@ -106,6 +106,7 @@ typedef struct cf_cuda_ctx {
     cudaEvent_t ev_side_fork, ev_side_done;
     void *side_workspace, *side_main_ws;
     int side_open, side_pending, side_off;
+    int side_narrow;            /* the open section's GEMMs leave SMs free (gemm.cu: side_sms) */
     int side_prio;              /* the side stream's priority (the lowest)  */
 
     /* cuBLASLt */
@@ -173,7 +174,7 @@ int cf_cuda_ctx_check(cf_cuda_ctx *ctx);
 
 /* Side sections (backend.h): begin, end, join. Without a side stream (it
  * could not be created) the section's work stays on the compute stream. */
-void cf_cuda_side_begin(cf_cuda_ctx *ctx);
+void cf_cuda_side_begin(cf_cuda_ctx *ctx, int narrow);
 void cf_cuda_side_end(cf_cuda_ctx *ctx);
 void cf_cuda_side_join(cf_cuda_ctx *ctx);
 

@@ -411,17 +411,20 @@ static cf_gemm_plan *get_plan(cf_cuda_ctx *ctx, const int key[16], bool transa, 
     return pl;
 }
 
-/* SMs that a GEMM in a side section (backend.h: side_begin) is planned
- * for: cuBLASLt's persistent kernels launch one CTA per SM they target and
- * keep it to the end, so a side GEMM planned for every SM holds them all
- * while the compute stream's next kernel waits, whatever the streams'
- * priorities. Planned for all but CF_SIDE_FREE_SMS (the heuristic and the
- * tuner see that count), it leaves those to the compute stream. Measured on
- * an H100 (132 SMs, docs/BENCHMARKS.md run 20): 100 SMs against all 132,
- * centrifuge backward Qwen2.5-1.5B -3 to -6%, Llama3.2-3B -2 to -2.5%;
- * regular Qwen -2%, Llama3.2-3B -0.2 to +1%; 66 and 84 were slower, 116
- * no better. CF_SIDE_SMS=n (read once) plans them for n SMs instead (0:
- * every SM). GPUs of fewer than 2 x CF_SIDE_FREE_SMS SMs use every SM. */
+/* SMs that a GEMM in a narrow side section (backend.h: side_begin; the
+ * compact backwards') is planned for: cuBLASLt's persistent kernels launch
+ * one CTA per SM they target and keep it to the end, so a side GEMM planned
+ * for every SM holds them all while the compute stream's next kernel
+ * waits, whatever the streams' priorities. Planned for all but
+ * CF_SIDE_FREE_SMS (the heuristic and the tuner see that count), it leaves
+ * those to the compute stream. Measured on an H100 (132 SMs,
+ * docs/BENCHMARKS.md run 20), 100 SMs against all 132: centrifuge backward
+ * Qwen2.5-1.5B -3 to -6%, Llama3.2-3B -2 to -2.5%, TinyLlama -0.8%; 66 and
+ * 84 were slower, 116 no better. The regular backwards moved by -2%
+ * (Qwen), -0.2 to +1.1% (Llama3.2-3B), +1.4% (TinyLlama): their sections
+ * are not narrow. CF_SIDE_SMS=n (read once) plans narrow sections' GEMMs
+ * for n SMs instead (0: every SM). GPUs of fewer than 2 x CF_SIDE_FREE_SMS
+ * SMs use every SM. */
 #define CF_SIDE_FREE_SMS 32
 static int side_sms(const cf_cuda_ctx *ctx) {
     static int env = -2;
@@ -442,7 +445,7 @@ static void gemm_c(cf_cuda_ctx *ctx, bool transa, bool transb, int m, int n, int
     /* the C alignment joins D's in the key (both fill the C/D preference) */
     int key[16] = {transa, transb, m, n, k, lda, ldb, ldd, (int)dtype, bias != NULL,
                    align_of(A), align_of(B), min(align_of(D), align_of(C)), bias ? align_of(bias) : 0, beta == 0.f,
-                   ctx->side_open ? side_sms(ctx) : 0};
+                   ctx->side_open && ctx->side_narrow ? side_sms(ctx) : 0};
     cf_gemm_plan *pl = get_plan(ctx, key, transa, transb, m, n, k, lda, ldb, dtype, ldd, bias != NULL, beta);
     if (!pl) return;
     if (bias &&
