@@ -5,9 +5,7 @@
  * what is checked is its data flow: o's dY copied per layer, [dq dk dv]
  * written to the layer's buffer, the weight gradients taken apart from the
  * input and bias gradients, their set-or-add flags (STALE gradients from
- * the second step on), and the LM head's weight gradient taken by a second
- * call of its op (CF_LMHEAD_G_SCALED: g not scaled twice). The trainer's
- * steps with the path give the steps
+ * the second step on). The trainer's steps with the path give the steps
  * without it (CF_DW_SIDE_ATTN=0) in every mode where it applies (the GEMMs
  * are the same, so to fp32 rounding of nothing: 1e-6), at 1 and 3
  * micro-batches (with and without MLP pairs), on Llama, Qwen2 (q/k/v biases:

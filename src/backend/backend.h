@@ -36,10 +36,6 @@ typedef struct cf_backend cf_backend;
 #define CF_MM_ACC_DINP 1 /* dinp += instead of =                                  */
 #define CF_MM_DW_SET 2   /* dw = instead of +=: dw is logically zero (its memory
                             may hold anything, even NaN: it is never read)       */
-#define CF_LMHEAD_G_SCALED 4 /* lmhead_loss_bwd_saved: an earlier call with the
-                                same g, dloss and scale scaled g's rows already;
-                                only the products run (the split of dx and dwlm
-                                into two calls)                              */
 
 /* adamw flags */
 #define CF_ADAMW_KEEP_GRAD 1 /* leave g as it is (the caller's next writer of g
@@ -113,8 +109,7 @@ struct cf_backend {
     void (*destroy)(cf_backend *b);
     /* Optional (NULL: ops run in issue order). The matmul_bwd calls (no
      * dinp, no dbias) and sumsq calls issued between side_begin and
-     * side_end may run beside the ops issued after side_end (and the
-     * lmhead_loss_bwd_saved calls with CF_LMHEAD_G_SCALED and no dx): they follow
+     * side_end may run beside the ops issued after side_end: they follow
      * everything issued before side_begin, and everything issued after
      * side_join follows them. Until side_join the caller leaves their
      * inputs and outputs alone. Sections never nest. narrow: the section's
@@ -254,9 +249,7 @@ struct cf_backend {
      *   dx[T,C] = scale g W (overwrite), dwlm[V,C] += scale g^T x
      * (= with CF_MM_DW_SET; dwlm NULL: a frozen LM head). The common weight
      * rides on the GEMMs (fp32), so g is rounded to bf16 once, as the
-     * recompute path's dlogits are. scale: finite, nonzero. g is consumed,
-     * except by a second call with CF_LMHEAD_G_SCALED (dx, dwlm may then be
-     * split between the two calls; dx NULL: none). */
+     * recompute path's dlogits are. scale: finite, nonzero. g is consumed. */
     void (*lmhead_loss_bwd_saved)(cf_backend *b, void *dx, float *dwlm, void *g, const void *x, const void *wlm,
                                   const float *dloss, float scale, int T, int C, int V, int flags);
     /* Vocab-parallel forward, first half: for the slice [vstart, vstart+V)

@@ -381,7 +381,6 @@ static int backward_body(cf_model *m, cf_mode mode, const cf_kept *kept, float t
      * input gradient is a partial sum */
     const int tp = cf_tp_on(m);
     const int v0 = tp ? m->tp.vocab_start : 0, vn = tp ? m->tp.vocab_len : c->vocab_size;
-    int head_side = 0; /* the LM head's weight gradient beside (dwside.c) */
     if (m->head_g_fwd == m->fwd_id && token_weight != 0.0f && isfinite(token_weight)) {
         /* issue 17: the forward kept g = softmax - onehot (never under TP;
          * of the kept rows after the filter): the two GEMMs carry the token
@@ -389,22 +388,9 @@ static int backward_body(cf_model *m, cf_mode mode, const cf_kept *kept, float t
          * backward) are they reweighted in g first. g is consumed; another
          * backward of this forward recomputes. */
         const float *dl = keep && !compact ? m->dloss : NULL;
-        float *dwlm = cf_grad(m, m->p_lm_head);
-        const int zero = cf_grad_take_zero(m, m->p_lm_head);
-        void *g = SAVED(m, m->s_head);
-        head_side = aside && dwlm && !m->dws.head_off;
-        /* beside (dwside.c): dx here, the weight gradient in a side section
-         * (g and the final norm's output stay until the backward's end) */
-        OP(CF_PROF_LMHEAD, b->lmhead_loss_bwd_saved(b, m->d_ln, head_side ? NULL : dwlm, g, SAVED(m, m->s_lnf),
-                                                     cf_weight(m, m->p_lm_head), dl, token_weight, n, C, vn,
-                                                     head_side ? 0 : zero));
-        if (head_side) {
-            if (b->side_begin) b->side_begin(b, m->side_narrow);
-            OP(CF_PROF_LMHEAD, b->lmhead_loss_bwd_saved(b, NULL, dwlm, g, SAVED(m, m->s_lnf),
-                                                         cf_weight(m, m->p_lm_head), dl, token_weight, n, C, vn,
-                                                         zero | CF_LMHEAD_G_SCALED));
-            if (b->side_end) b->side_end(b);
-        }
+        OP(CF_PROF_LMHEAD, b->lmhead_loss_bwd_saved(b, m->d_ln, cf_grad(m, m->p_lm_head), SAVED(m, m->s_head),
+                           SAVED(m, m->s_lnf), cf_weight(m, m->p_lm_head), dl, token_weight, n, C, vn,
+                           cf_grad_take_zero(m, m->p_lm_head)));
         m->head_g_fwd = 0;
     } else {
         OP(CF_PROF_LMHEAD, b->lmhead_loss_bwd(b, m->d_ln, cf_grad(m, m->p_lm_head), SAVED(m, m->s_lnf),
@@ -548,9 +534,6 @@ static int backward_body(cf_model *m, cf_mode mode, const cf_kept *kept, float t
         if (bucket_ready(m, l) != 0) return -1;
         cf_norm_pre_layer(m, l); /* layer l's gradients are final in the step's last backward */
     }
-    /* tied: the embedding's rows add to the LM head's gradient, which a side
-     * section may still be writing */
-    if (head_side && m->p_embed == m->p_lm_head && b->side_join) b->side_join(b);
     if (defer_embed) {
         if (gs->embedding_rows(gs->ctx, m->d_resid, SAVED(m, m->s_tokens), n, m->cap_T, v0) != 0) return -1;
     } else {

@@ -1,6 +1,6 @@
 /*
- * dwside.c — the attention projections' (and the LM head's) weight
- * gradients beside the backward (issue 17).
+ * dwside.c — the attention projections' weight gradients beside the
+ * backward (issue 17).
  *
  * Why. A layer's o and joined q/k/v weight gradients,
  *   dWo += dY^T att,   [dWq; dWk; dWv] += [dq dk dv]^T ln1,
@@ -21,13 +21,6 @@
  * one extra pass). Nothing is paired: each backward's GEMMs take its own
  * rows (dwpair.c pairs the MLP's).
  *
- * The LM head's weight gradient from the forward's g (dW += g^T x_L) goes
- * beside too, where the layers' do (backward.c): its backend op runs
- * twice, the input gradient in line and the weight gradient in a side
- * section (CF_LMHEAD_G_SCALED; g and x_L are saved tensors). With tied
- * embeddings the embedding's backward, which adds to the same gradient,
- * waits for the side work first. CF_DW_SIDE_HEAD=0 at open keeps it in line.
- *
  * Buffers, per layer (backend memory, cap rows each, activation dtype):
  * dres [cap, C] | dqkv [cap, qd + 2 kd]. Taken from the second optimizer
  * step on with 1 GiB left free after them (as dwpair.c's stash), else the
@@ -47,8 +40,6 @@ void cf_dwside_init(cf_model *m) {
     memset(&m->dws, 0, sizeof m->dws);
     m->dws.off = (e && *e == '0') || (s && *s == '0');
     m->dws.force = e && *e == '1';
-    const char *h = getenv("CF_DW_SIDE_HEAD");
-    m->dws.head_off = h && *h == '0';
 }
 
 void cf_dwside_free(cf_model *m) {

@@ -234,7 +234,6 @@ typedef struct {
 typedef struct {
     int off;            /* CF_DW_SIDE_ATTN=0 or CF_DW_SIDE=0 at open, or no memory */
     int force;          /* CF_DW_SIDE_ATTN=1: also without side sections (tests) */
-    int head_off;       /* CF_DW_SIDE_HEAD=0: the LM head's weight gradient in line */
     int on;             /* in the backward in flight */
     int cap;            /* rows per layer in the buffers */
     void *buf;          /* backend memory: L buffers of layer_bytes */

@@ -659,14 +659,12 @@ static void cpu_lmhead_loss_bwd_saved(cf_backend *b, void *dx, float *dwlm, void
     }
     float *g = g_;
     /* fp32: dloss g directly (the GPU's split into a row factor and a GEMM
-     * scale only saves it a rounding); not again with CF_LMHEAD_G_SCALED */
-    if (!(flags & CF_LMHEAD_G_SCALED)) {
+     * scale only saves it a rounding) */
 #pragma omp parallel for schedule(static)
-        for (int t = 0; t < T; t++) {
-            float *gr = g + (size_t)t * V;
-            const float d = dloss ? dloss[t] : scale;
-            for (int j = 0; j < V; j++) gr[j] = d == 0.0f ? 0.0f : d * gr[j];
-        }
+    for (int t = 0; t < T; t++) {
+        float *gr = g + (size_t)t * V;
+        const float d = dloss ? dloss[t] : scale;
+        for (int j = 0; j < V; j++) gr[j] = d == 0.0f ? 0.0f : d * gr[j];
     }
     cpu_matmul_bwd(b, dx, dwlm, NULL, g, x, wlm, T, C, V, flags & CF_MM_DW_SET);
 }

@@ -234,13 +234,7 @@ void cf_cuda_lmhead_loss_bwd_saved(cf_backend *b, void *dx, float *dwlm, void *g
         cf_cuda_ctx_fail(ctx, "lmhead_loss_bwd_saved: scale %g must be finite and nonzero", scale);
         return;
     }
-    const bool scaled = flags & CF_LMHEAD_G_SCALED;
-    /* a side section (backend.h) holds the weight gradient alone */
-    if (ctx->side_open && (dx || !scaled)) {
-        cf_cuda_ctx_fail(ctx, "internal: lmhead_loss_bwd_saved with an input gradient or a row scaling in a side section");
-        return;
-    }
-    if (dloss && !scaled) {
+    if (dloss) {
         lmhead_scale_rows_kernel<<<T, 512, 0, ctx->stream>>>((bf16 *)g, dloss, scale, V);
         if (!CF_CK_LAUNCH(ctx, "lmhead_scale_rows")) return;
     }
