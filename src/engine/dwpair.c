@@ -107,9 +107,24 @@ void *cf_dwpair_h(cf_model *m, int l, int row) { return stash(m, l, 1, row); }
 void *cf_dwpair_ln2(cf_model *m, int l, int row) { return stash(m, l, 2, row); }
 void *cf_dwpair_dres(cf_model *m, int l, int row) { return stash(m, l, 3, row); }
 
-size_t cf_dwpair_bytes(const cf_config *c, int cap_rows, size_t act_size) {
-    const size_t C = (size_t)c->hidden_size, F = (size_t)c->intermediate_size;
-    return (size_t)c->num_hidden_layers * (size_t)cap_rows * (3 * F + 2 * C) * act_size;
+/* Backend memory of `bytes` that leaves 1 GiB free (where the backend
+ * reports its free memory), or NULL: the buffers of dwpair.c and dwside.c
+ * take memory no step needs, never memory a step might. A failed
+ * allocation's message is cleared: it is not an error of the step. */
+void *cf_alloc_spare(cf_model *m, size_t bytes) {
+    size_t free_b = 0, total_b = 0;
+    if (m->b->memory_info && m->b->memory_info(m->b, &free_b, &total_b) == 0 && free_b < bytes + ((size_t)1 << 30))
+        return NULL;
+    void *p = m->b->alloc(m->b, bytes);
+    if (!p) cf_fail("%s", "");
+    return p;
+}
+
+/* no stash of `want` rows: no pairs for the model, or for its full
+ * backwards where those wanted the larger one */
+static void stash_refused(cf_model *m, int want) {
+    if (want > m->cap_T) m->dwp.full = 0;
+    else m->dwp.off = 1;
 }
 
 /* A stash of `want` rows per layer (cap_T for the compact modes' kept
@@ -120,11 +135,6 @@ size_t cf_dwpair_bytes(const cf_config *c, int cap_rows, size_t act_size) {
  * scratch), so the stash takes memory that no step needs; and only with
  * 1 GiB left free after it, else pairing is off for the model (for its
  * full backwards only, where those wanted the larger stash). */
-static void stash_refused(cf_model *m, int want) {
-    if (want > m->cap_T) m->dwp.full = 0;
-    else m->dwp.off = 1;
-}
-
 static int ensure_stash(cf_model *m, int want) {
     cf_dwpair *p = &m->dwp;
     if (p->buf && p->cap >= want) return 0;
@@ -132,21 +142,15 @@ static int ensure_stash(cf_model *m, int want) {
     cf_dwpair_free(m);
     const int L = m->cfg.num_hidden_layers;
     p->layer_bytes = (size_t)want * row_elems(m) * m->b->act_size;
-    size_t free_b = 0, total_b = 0;
-    if (m->b->memory_info && m->b->memory_info(m->b, &free_b, &total_b) == 0 &&
-        free_b < p->layer_bytes * (size_t)L + ((size_t)1 << 30)) {
-        stash_refused(m, want);
-        return -1;
-    }
     p->zero = cf_calloc((size_t)2 * L, 1);
-    p->buf = p->zero ? m->b->alloc(m->b, p->layer_bytes * (size_t)L) : NULL;
+    p->buf = p->zero ? cf_alloc_spare(m, p->layer_bytes * (size_t)L) : NULL;
     if (!p->buf) {
-        /* not enough memory for the stash: train without pairing (the
-         * failed allocation's message is not an error of the step) */
+        /* not enough memory for the stash: train without pairing (a failed
+         * allocation's message is not an error of the step) */
+        cf_fail("%s", "");
         free(p->zero);
         p->zero = NULL;
         stash_refused(m, want);
-        cf_fail("%s", "");
         return -1;
     }
     p->cap = want;

@@ -49,15 +49,9 @@ void cf_dwside_free(cf_model *m) {
     m->dws.on = 0;
 }
 
-static size_t row_elems(const cf_model *m) {
-    const cf_config *c = &m->cfg;
+/* elements of a row of a layer's buffers: dres C | dqkv qd + 2 kd */
+static size_t row_elems(const cf_config *c) {
     return (size_t)c->hidden_size + (size_t)(c->num_attention_heads + 2 * c->num_key_value_heads) * c->head_dim;
-}
-
-size_t cf_dwside_bytes(const cf_config *c, int cap_rows, size_t act_size) {
-    const size_t row = (size_t)c->hidden_size + (size_t)(c->num_attention_heads + 2 * c->num_key_value_heads) *
-                                                    (size_t)c->head_dim;
-    return (size_t)c->num_hidden_layers * (size_t)cap_rows * row * act_size;
 }
 
 /* Buffers of cap_T rows per layer (again when cap_T grew): 0, or -1 where
@@ -68,21 +62,12 @@ static int ensure_buffers(cf_model *m) {
     if (d->buf && d->cap >= m->cap_T) return 0;
     if (m->opt.step < 1) return -1;
     cf_dwside_free(m);
-    const size_t bytes = cf_dwside_bytes(&m->cfg, m->cap_T, m->b->act_size);
-    size_t free_b = 0, total_b = 0;
-    if (m->b->memory_info && m->b->memory_info(m->b, &free_b, &total_b) == 0 && free_b < bytes + ((size_t)1 << 30)) {
-        d->off = 1;
-        return -1;
-    }
-    d->buf = m->b->alloc(m->b, bytes);
+    d->layer_bytes = (size_t)m->cap_T * row_elems(&m->cfg) * m->b->act_size;
+    d->buf = cf_alloc_spare(m, d->layer_bytes * (size_t)m->cfg.num_hidden_layers);
     if (!d->buf) {
-        /* no memory for them: the gradients stay in line (the failed
-         * allocation's message is not an error of the step) */
-        d->off = 1;
-        cf_fail("%s", "");
+        d->off = 1; /* no memory for them: the gradients stay in line */
         return -1;
     }
-    d->layer_bytes = (size_t)m->cap_T * row_elems(m) * m->b->act_size;
     d->cap = m->cap_T;
     return 0;
 }

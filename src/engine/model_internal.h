@@ -442,7 +442,7 @@ void *cf_dwpair_h(cf_model *m, int l, int row);
 void *cf_dwpair_ln2(cf_model *m, int l, int row);
 void *cf_dwpair_dres(cf_model *m, int l, int row);
 /* Backend bytes of the stash at cap_rows rows (memest.c). */
-size_t cf_dwpair_bytes(const cf_config *c, int cap_rows, size_t act_size);
+void *cf_alloc_spare(cf_model *m, size_t bytes);
 
 void cf_dwside_init(cf_model *m);
 void cf_dwside_free(cf_model *m);
@@ -451,7 +451,6 @@ void cf_dwside_free(cf_model *m);
 int cf_dwside_begin(cf_model *m, int eligible);
 void *cf_dwside_dres(cf_model *m, int l); /* [cap, C]: o's dY */
 void *cf_dwside_dqkv(cf_model *m, int l); /* [cap, qd + 2 kd]: [dq dk dv] */
-size_t cf_dwside_bytes(const cf_config *c, int cap_rows, size_t act_size);
 
 /* ---- kept.c ---- */
 /* Fails unless kept is the current selection of the current forward. */

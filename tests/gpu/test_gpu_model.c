@@ -344,6 +344,15 @@ static void lockstep_steps(const char *what, cf_model *a, cf_model *b, cf_model 
     cf_trainer_free(tb);
 }
 
+/* Two GPU models of mc's config for an A/B of one switch: *off opened with
+ * var=0 in the environment, *on without it (NULL where mc is). */
+static void gpu_pair_env(const cf_model *mc, const char *var, cf_model **on, cf_model **off) {
+    setenv(var, "0", 1);
+    *off = mc ? cf_model_create(cf_model_config(mc), CF_BACKEND_CUDA, 1) : NULL;
+    unsetenv(var);
+    *on = mc ? cf_model_create(cf_model_config(mc), CF_BACKEND_CUDA, 1) : NULL;
+}
+
 /* engine/dwpair.c on the GPU: the trainer's steps (centrifuge at keep 0.5,
  * in a stash of one micro-batch's rows, and regular, in one of two; four
  * micro-batches, three steps) with the MLP's weight gradients of two
@@ -352,11 +361,8 @@ static void lockstep_steps(const char *what, cf_model *a, cf_model *b, cf_model 
 TEST(gpu_paired_mlp_weight_gradients_give_the_unpaired_steps) {
     const cf_mode modes[] = {CF_MODE_CENTRIFUGE, CF_MODE_REGULAR};
     for (int mi = 0; mi < 2; mi++) {
-        cf_model *mc = cpu_model("tiny-llama", 81);
-        setenv("CF_DW_PAIR", "0", 1);
-        cf_model *off = mc ? cf_model_create(cf_model_config(mc), CF_BACKEND_CUDA, 1) : NULL;
-        unsetenv("CF_DW_PAIR");
-        cf_model *on = mc ? cf_model_create(cf_model_config(mc), CF_BACKEND_CUDA, 1) : NULL;
+        cf_model *mc = cpu_model("tiny-llama", 81), *on, *off;
+        gpu_pair_env(mc, "CF_DW_PAIR", &on, &off);
         if (on && off) {
             lockstep_steps(cf_mode_name(modes[mi]), on, off, mc, modes[mi], 0.5, 4, 90, NULL);
             CHECK_MSG(on->dwp.joins == 4 && off->dwp.joins == 0 && on->dwp.cap == (mi ? 2 * S : S),
@@ -377,12 +383,9 @@ TEST(gpu_paired_mlp_weight_gradients_give_the_unpaired_steps) {
  * (created at the first section) by the one model only (both without the
  * early norm, whose sums are side sections too). */
 TEST(gpu_paired_gradients_on_the_side_stream_give_the_in_line_steps) {
-    cf_model *mc = cpu_model("tiny-llama", 83);
+    cf_model *mc = cpu_model("tiny-llama", 83), *on, *off;
     setenv("CF_NORM_EARLY", "0", 1); /* the other user of side sections */
-    setenv("CF_DW_SIDE", "0", 1);
-    cf_model *off = mc ? cf_model_create(cf_model_config(mc), CF_BACKEND_CUDA, 1) : NULL;
-    unsetenv("CF_DW_SIDE");
-    cf_model *on = mc ? cf_model_create(cf_model_config(mc), CF_BACKEND_CUDA, 1) : NULL;
+    gpu_pair_env(mc, "CF_DW_SIDE", &on, &off);
     unsetenv("CF_NORM_EARLY");
     if (on && off) {
         lockstep_steps("side", on, off, mc, CF_MODE_CENTRIFUGE, 0.5, 4, 95, NULL);
@@ -412,11 +415,8 @@ TEST(gpu_attention_weight_gradients_beside_give_the_in_line_steps) {
     char what[96];
     for (int ni = 0; ni < 2; ni++)
         for (int mi = 0; mi < 2; mi++) {
-            cf_model *mc = cpu_model(names[ni], 87 + ni);
-            setenv("CF_DW_SIDE_ATTN", "0", 1);
-            cf_model *off = mc ? cf_model_create(cf_model_config(mc), CF_BACKEND_CUDA, 1) : NULL;
-            unsetenv("CF_DW_SIDE_ATTN");
-            cf_model *on = mc ? cf_model_create(cf_model_config(mc), CF_BACKEND_CUDA, 1) : NULL;
+            cf_model *mc = cpu_model(names[ni], 87 + ni), *on, *off;
+            gpu_pair_env(mc, "CF_DW_SIDE_ATTN", &on, &off);
             if (on && off) {
                 snprintf(what, sizeof what, "attention beside, %s %s", names[ni], cf_mode_name(modes[mi]));
                 lockstep_steps(what, on, off, mc, modes[mi], 0.5, 4, 99, NULL);
@@ -440,11 +440,8 @@ TEST(gpu_attention_weight_gradients_beside_give_the_in_line_steps) {
 TEST(gpu_early_gradient_norm_gives_the_whole_buffer_steps) {
     const cf_mode modes[] = {CF_MODE_REGULAR, CF_MODE_CENTRIFUGE};
     for (int mi = 0; mi < 2; mi++) {
-        cf_model *mc = cpu_model("tiny-qwen2", 85 + mi);
-        setenv("CF_NORM_EARLY", "0", 1);
-        cf_model *off = mc ? cf_model_create(cf_model_config(mc), CF_BACKEND_CUDA, 1) : NULL;
-        unsetenv("CF_NORM_EARLY");
-        cf_model *on = mc ? cf_model_create(cf_model_config(mc), CF_BACKEND_CUDA, 1) : NULL;
+        cf_model *mc = cpu_model("tiny-qwen2", 85 + mi), *on, *off;
+        gpu_pair_env(mc, "CF_NORM_EARLY", &on, &off);
         if (on && off) {
             lockstep_steps("early norm", on, off, mc, modes[mi], 0.5, 4, 97, NULL);
             const int64_t want = modes[mi] == CF_MODE_REGULAR ? 3 : 0; /* never in the compact modes */
