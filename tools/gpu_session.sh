@@ -7,7 +7,7 @@
 #          parity peft-parity dp-check dp-bench dp-ctas tp-check tp-bench rows-x4 rows-x8
 #          rows-x8-dry bench-accum profile dp-bf16 ab-profile ab-fused ab-head attn-shapes attn-ab attn-parts dp-prio
 #          bench-pair pair-ab norm-blocks cf-side ab-old grad-keep side-ab ncu-step norm-ab side-prio pair-rows
-#          pair-full side-attn gemm-survey attn-hpb side-sms
+#          pair-full side-attn gemm-survey attn-hpb side-sms pair-head
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G=$PWD/.gpucarry
@@ -227,6 +227,10 @@ for part in "$@"; do
       # side-section GEMMs planned for n SMs (CF_SIDE_SMS=n; the default leaves 32 to the compute stream),
       # against every SM (0), regular and centrifuge (SIDE_SMS_VALUES: the n to alternate)
       env_ab CF_SIDE_SMS "${SIDE_SMS_VALUES:-0 100}" regular,centrifuge sms ;;
+    pair-head)
+      # the LM head's weight gradients of two compact backwards in one GEMM (default) against one per backward
+      # (CF_DW_PAIR_HEAD=0); centrifuge only (the full backwards never pair it)
+      env_ab CF_DW_PAIR_HEAD "0 1" centrifuge head ;;
     side-attn)
       # o's and q/k/v's weight gradients beside the backward (default) against in line (CF_DW_SIDE_ATTN=0)
       env_ab CF_DW_SIDE_ATTN "0 1" regular,centrifuge sattn ;;

@@ -247,9 +247,12 @@ struct cf_backend {
      *                                 skipped where dloss[t] == scale,
      *                                 exactly 0 where dloss[t] == 0)
      *   dx[T,C] = scale g W (overwrite), dwlm[V,C] += scale g^T x
-     * (= with CF_MM_DW_SET; dwlm NULL: a frozen LM head). The common weight
-     * rides on the GEMMs (fp32), so g is rounded to bf16 once, as the
-     * recompute path's dlogits are. scale: finite, nonzero. g is consumed. */
+     * (= with CF_MM_DW_SET; dwlm NULL: a frozen LM head, or its weight
+     * gradient left for later; dx NULL: the weight gradient alone). The
+     * common weight rides on the GEMMs (fp32), so g is rounded to bf16 once,
+     * as the recompute path's dlogits are. scale: finite, nonzero. With a
+     * dloss g may be rewritten; without one it is left as it is, so that a
+     * later call can read its rows again (engine/dwpair.c: LM head pairs). */
     void (*lmhead_loss_bwd_saved)(cf_backend *b, void *dx, float *dwlm, void *g, const void *x, const void *wlm,
                                   const float *dloss, float scale, int T, int C, int V, int flags);
     /* Vocab-parallel forward, first half: for the slice [vstart, vstart+V)

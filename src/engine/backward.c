@@ -33,6 +33,9 @@ int cf_filter(cf_model *m, const cf_kept *kept) {
     if (cf_kept_check(m, kept) != 0) return -1;
     if (m->filtered) return 0;
     cf_backend *b = m->b;
+    /* the LM head's g and lnf go after rows held for a pair (dwpair.c) */
+    const int head_at = cf_dwpair_head_place(m, m->n_kept);
+    if (head_at < 0) return -1;
     cf_stage_begin(m, CF_STAGE_FILTER);
     /* One pass over the registry: every saved token-major activation is
      * gathered to the kept rows. K and V are not in the registry. */
@@ -47,10 +50,10 @@ int cf_filter(cf_model *m, const cf_kept *kept) {
             s->compact = b->alloc(b, (size_t)m->cap_T * s->row_bytes);
             if (!s->compact) return -1;
         }
-        dst[count] = s->compact;
+        dst[count] = (char *)s->compact + (i == m->s_head || i == m->s_lnf ? (size_t)head_at * s->row_bytes : 0);
         src[count] = s->full;
         row_bytes[count++] = s->row_bytes;
-        s->cur = s->compact;
+        s->cur = dst[count - 1];
     }
     if (b->gather_rows_multi) {
         b->gather_rows_multi(b, count, dst, src, row_bytes, m->rows, m->n_kept);
@@ -288,6 +291,13 @@ static int mlp_pairs(cf_model *m, const stopgrad *sg) {
     return 1;
 }
 
+/* Whether the LM head's weight gradient may pair (dwpair.c; compact
+ * backwards only): in one process, without TP or a stop-gradient
+ * reference, a trainable LM head */
+static int head_pairs(cf_model *m, const stopgrad *sg) {
+    return !sg && !cf_tp_on(m) && m->opt.sync.world <= 1 && cf_grad(m, m->p_lm_head);
+}
+
 /* Whether o's and the joined q/k/v's weight gradients may run beside this
  * backward (dwside.c): in every layer q/k/v join (qkv_fused_bwd), o is a
  * plain trainable projection without a bias, and the q/k/v weights train;
@@ -381,16 +391,25 @@ static int backward_body(cf_model *m, cf_mode mode, const cf_kept *kept, float t
      * input gradient is a partial sum */
     const int tp = cf_tp_on(m);
     const int v0 = tp ? m->tp.vocab_start : 0, vn = tp ? m->tp.vocab_len : c->vocab_size;
-    if (m->head_g_fwd == m->fwd_id && token_weight != 0.0f && isfinite(token_weight)) {
+    const int head_saved = m->head_g_fwd == m->fwd_id && token_weight != 0.0f && isfinite(token_weight);
+    /* compact, from the forward's g: the weight gradient may wait for the
+     * next backward's rows, or take held ones' with its own (dwpair.c);
+     * held rows that cannot join are flushed */
+    if (cf_dwpair_head_begin(m, head_saved && compact && head_pairs(m, sg), n, token_weight) != 0) return -1;
+    if (head_saved) {
         /* issue 17: the forward kept g = softmax - onehot (never under TP;
          * of the kept rows after the filter): the two GEMMs carry the token
          * weight; only where a keep mask zeroes rows (loss-only's full
          * backward) are they reweighted in g first. g is consumed; another
          * backward of this forward recomputes. */
         const float *dl = keep && !compact ? m->dloss : NULL;
-        OP(CF_PROF_LMHEAD, b->lmhead_loss_bwd_saved(b, m->d_ln, cf_grad(m, m->p_lm_head), SAVED(m, m->s_head),
-                           SAVED(m, m->s_lnf), cf_weight(m, m->p_lm_head), dl, token_weight, n, C, vn,
-                           cf_grad_take_zero(m, m->p_lm_head)));
+        const int head_pair = m->dwp.head_phase;
+        float *dw = head_pair == CF_PAIR_NONE ? cf_grad(m, m->p_lm_head) : NULL;
+        OP(CF_PROF_LMHEAD, b->lmhead_loss_bwd_saved(b, m->d_ln, dw, SAVED(m, m->s_head), SAVED(m, m->s_lnf),
+                           cf_weight(m, m->p_lm_head), dl, token_weight, n, C, vn,
+                           dw ? cf_grad_take_zero(m, m->p_lm_head) : 0));
+        if (head_pair == CF_PAIR_JOIN)
+            OP(CF_PROF_LMHEAD, cf_dwpair_head_grads(m, m->dwp.head_held + n, token_weight, m->dwp.head_set));
         m->head_g_fwd = 0;
     } else {
         OP(CF_PROF_LMHEAD, b->lmhead_loss_bwd(b, m->d_ln, cf_grad(m, m->p_lm_head), SAVED(m, m->s_lnf),

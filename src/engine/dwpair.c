@@ -18,9 +18,10 @@
  * gate/up input (ln2) there, and skips the MLP's three weight gradients
  * (the input gradients run as always). The next backward JOINs: the same
  * at rows [held, held + n), then one GEMM per weight over held + n rows.
- * Only the MLP (3/4 of a Llama layer's weights) pairs; attention's
- * projections and the LM head do not (their copies would cost about what
- * the halved traffic saves).
+ * Of the layers only the MLP (3/4 of a Llama layer's weights) pairs;
+ * attention's projections do not (their copies would cost about what the
+ * halved traffic saves). The LM head pairs in the compact modes without a
+ * copy (second part, below).
  *
  * Every gradient is the same sum in another order. Held rows never reach
  * the optimizer or a reader unflushed: cf_step_ex and cf_model_get_grad
@@ -70,9 +71,10 @@
 
 void cf_dwpair_init(cf_model *m) {
     const char *e = getenv("CF_DW_PAIR"), *s = getenv("CF_DW_SIDE"), *r = getenv("CF_DWPAIR_MAX_ROWS");
-    const char *f = getenv("CF_DW_PAIR_FULL");
+    const char *f = getenv("CF_DW_PAIR_FULL"), *h = getenv("CF_DW_PAIR_HEAD");
     memset(&m->dwp, 0, sizeof m->dwp);
     m->dwp.off = e && *e == '0';
+    m->dwp.head_off = h && *h == '0';
     m->dwp.side = !(s && *s == '0');
     m->dwp.full = !(f && *f == '0');
     /* CF_DWPAIR_MAX_ROWS=n at open replaces the bound (timing only) */
@@ -171,16 +173,19 @@ void cf_dwpair_weight_grads(cf_model *m, int l, int rows) {
                   cf_weight(m, lp->gate.w), rows, C, 2 * F, z[1] ? CF_MM_DW_SET : 0);
 }
 
+static int head_flush(cf_model *m);
+
 /* The held rows' weight gradients alone (no join came) */
 int cf_dwpair_flush(cf_model *m) {
     cf_dwpair *p = &m->dwp;
+    if (head_flush(m) != 0) return -1;
     if (!p->held) return 0;
     for (int l = 0; l < m->cfg.num_hidden_layers; l++) cf_dwpair_weight_grads(m, l, p->held);
     p->held = 0;
     return m->b->check(m->b);
 }
 
-void cf_dwpair_drop(cf_model *m) { m->dwp.held = 0; }
+void cf_dwpair_drop(cf_model *m) { m->dwp.held = m->dwp.head_held = 0; }
 
 int cf_dwpair_begin(cf_model *m, int eligible, int n) {
     cf_dwpair *p = &m->dwp;
@@ -226,13 +231,93 @@ static void restale(cf_model *m) {
 void cf_dwpair_end(cf_model *m, int ok) {
     cf_dwpair *p = &m->dwp;
     if (!ok) {
-        /* the failed step's gradient is lost anyway */
+        /* the failed step's gradient is lost anyway (the LM head's
+         * gradient is never STALE: nothing to restale there) */
         if (p->phase != CF_PAIR_NONE) restale(m);
-        p->held = 0;
-    } else if (p->phase == CF_PAIR_HOLD) p->held = p->rows;
-    else if (p->phase == CF_PAIR_JOIN) {
-        p->held = 0;
-        p->joins++;
+        p->held = p->head_held = 0;
+    } else {
+        if (p->phase == CF_PAIR_HOLD) p->held = p->rows;
+        else if (p->phase == CF_PAIR_JOIN) {
+            p->held = 0;
+            p->joins++;
+        }
+        if (p->head_phase == CF_PAIR_HOLD) p->head_held = p->head_rows;
+        else if (p->head_phase == CF_PAIR_JOIN) {
+            p->head_held = 0;
+            p->head_joins++;
+        }
     }
-    p->phase = CF_PAIR_NONE;
+    p->phase = p->head_phase = CF_PAIR_NONE;
+}
+
+/*
+ * The LM head's pair. Its weight gradient dWlm += s g^T lnf (g: the
+ * forward's softmax - onehot of the kept rows, s the token weight) reads
+ * and writes the fp32 [V, C] gradient whatever the row count: at Qwen2.5-
+ * 1.5B's 1024 kept rows 1.9 GB against a 0.48 TFLOP product, and the GEMM
+ * ran at 425 TFLOP/s (ncu, run 19) against 640 at 2048 rows. A compact
+ * backward that another one follows HOLDs: its LM head runs the input
+ * gradient alone and leaves g's and lnf's rows where the filter put them,
+ * at rows [0, n) of their compact copies (which hold cap_T rows). The next
+ * filter puts its rows right after them (cf_dwpair_head_place), so the
+ * JOIN's GEMM runs over both micro-batches' rows in place: no copy, no
+ * stash. Only the backend's g is read again: lmhead_loss_bwd_saved leaves
+ * g as it is without a dloss (backend.h), as in the compact modes.
+ * Held rows that cannot join (no room for the next rows, another token
+ * weight, a backward that recomputes the logits or is not compact) are
+ * flushed: their GEMM alone, as cf_dwpair_flush's callers do.
+ * The gradient: untied, nothing else writes it between HOLD and JOIN, so
+ * HOLD takes its zero flag for the pair's GEMM; tied (the embedding's), the
+ * embedding's backward adds to it at the end of the HOLD, so the pair's
+ * GEMM adds too.
+ */
+static void *head_rows(cf_model *m, int slot, int row) {
+    const cf_saved *s = &m->saved[slot];
+    return (char *)s->compact + (size_t)row * s->row_bytes;
+}
+
+void cf_dwpair_head_grads(cf_model *m, int rows, float scale, int flags) {
+    cf_backend *b = m->b;
+    b->lmhead_loss_bwd_saved(b, NULL, cf_grad(m, m->p_lm_head), head_rows(m, m->s_head, 0), head_rows(m, m->s_lnf, 0),
+                             cf_weight(m, m->p_lm_head), NULL, scale, rows, m->cfg.hidden_size, m->cfg.vocab_size,
+                             flags);
+}
+
+static int head_flush(cf_model *m) {
+    cf_dwpair *p = &m->dwp;
+    if (!p->head_held) return 0;
+    cf_dwpair_head_grads(m, p->head_held, p->head_scale, p->head_set);
+    p->head_held = 0;
+    return m->b->check(m->b);
+}
+
+int cf_dwpair_head_place(cf_model *m, int n) {
+    cf_dwpair *p = &m->dwp;
+    p->head_at = 0;
+    if (!p->head_held) return 0;
+    if (p->head_held + n <= m->cap_T) return p->head_at = p->head_held;
+    return head_flush(m);
+}
+
+int cf_dwpair_head_begin(cf_model *m, int eligible, int n, float scale) {
+    cf_dwpair *p = &m->dwp;
+    /* g's and lnf's rows of this backward lie after the held ones (the
+     * filter put them there) or at row 0 */
+    const int at = m->filtered ? p->head_at : -1;
+    p->head_phase = CF_PAIR_NONE;
+    p->head_rows = n;
+    eligible = eligible && !p->head_off && m->s_head >= 0 && n > 0;
+    if (p->head_held) {
+        if (eligible && at == p->head_held && scale == p->head_scale) {
+            p->head_phase = CF_PAIR_JOIN;
+            return 0;
+        }
+        if (head_flush(m) != 0) return -1;
+    }
+    if (eligible && at == 0 && m->opt.more_micro && 2 * n <= m->cap_T && n < p->max_rows) {
+        p->head_phase = CF_PAIR_HOLD;
+        p->head_scale = scale;
+        p->head_set = m->p_lm_head == m->p_embed ? 0 : cf_grad_take_zero(m, m->p_lm_head);
+    }
+    return 0;
 }

@@ -1103,7 +1103,9 @@ int cf_forward(cf_model *m, const int32_t *tokens, int B, int S, float *losses) 
     int T = B * S;
     memset(m->prof, 0, sizeof m->prof);
     m->prof_phase = 0;
-    if (T > m->cap_T && alloc_acts(m, T) != 0) return -1;
+    /* held LM head rows (dwpair.c) lie in the compact copies that a larger
+     * micro-batch reallocates */
+    if (T > m->cap_T && (cf_dwpair_flush(m) != 0 || alloc_acts(m, T) != 0)) return -1;
     cf_model_reset_filter(m);
     m->B = B; m->S = S; m->T = T;
     m->fwd_id++;               /* invalidates the kept rows of earlier forwards */

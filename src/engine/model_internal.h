@@ -228,6 +228,16 @@ typedef struct {
                            (the full ones: regular, loss-only) pair too, in a
                            stash of 2 cap_T rows (CF_DW_PAIR_FULL=0 at open,
                            or no memory for it: they do not) */
+    /* the LM head's pair (dwpair.c, second part): no stash; the filter puts
+     * the next compact backward's g and lnf rows after the held ones */
+    int head_off;       /* CF_DW_PAIR_HEAD=0 at open */
+    int head_phase;     /* of the backward in flight */
+    int head_rows;      /* its kept rows */
+    int head_held;      /* rows held: g and lnf at [0, head_held) of the filter's compact copies */
+    int head_at;        /* the row at which the last filter put g's and lnf's rows */
+    float head_scale;   /* the held rows' token weight (a join needs the same) */
+    int head_set;       /* CF_MM_DW_SET: the gradient held zeros at HOLD, which the pair's GEMM writes */
+    int64_t head_joins; /* backwards whose LM head joined a held one */
 } cf_dwpair;
 
 /* dwside.c: the attention projections' weight gradients beside the backward */
@@ -432,16 +442,26 @@ int cf_dwpair_begin(cf_model *m, int eligible, int n);
 void cf_dwpair_end(cf_model *m, int ok);
 /* Layer l's three MLP weight gradients over the stash's first rows. */
 void cf_dwpair_weight_grads(cf_model *m, int l, int rows);
-/* The held rows' weight gradients alone; drop: forget them. */
+/* The held rows' weight gradients alone (MLP and LM head); drop: forget them. */
 int cf_dwpair_flush(cf_model *m);
 void cf_dwpair_drop(cf_model *m);
+/* The LM head's pair. place: at the filter of n kept rows, the row of the
+ * compact copies at which g's and lnf's rows go (after held ones that leave
+ * room; held ones that do not are flushed first), -1 on error. head_begin:
+ * in a backward of n rows whose LM head reads the forward's g (eligible: it
+ * may pair), decides m->dwp.head_phase (flushing held rows that cannot
+ * join); its LM head then runs the input gradient alone where that is not
+ * NONE, and at JOIN cf_dwpair_head_grads over the held and its own rows. */
+int cf_dwpair_head_place(cf_model *m, int n);
+int cf_dwpair_head_begin(cf_model *m, int eligible, int n, float scale);
+void cf_dwpair_head_grads(cf_model *m, int rows, float scale, int flags);
 /* Layer l's stash from row `row`: dgate|dup [., 2F], h [., F], ln2 and
  * the down projection's dY [., C]. */
 void *cf_dwpair_dgu(cf_model *m, int l, int row);
 void *cf_dwpair_h(cf_model *m, int l, int row);
 void *cf_dwpair_ln2(cf_model *m, int l, int row);
 void *cf_dwpair_dres(cf_model *m, int l, int row);
-/* Backend bytes of the stash at cap_rows rows (memest.c). */
+/* Backend memory of `bytes` that leaves 1 GiB free, or NULL (no error). */
 void *cf_alloc_spare(cf_model *m, size_t bytes);
 
 void cf_dwside_init(cf_model *m);

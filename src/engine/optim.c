@@ -301,7 +301,8 @@ int cf_step_ex(cf_model *m, const cf_adamw_params *hp, float *grad_norm, double 
     cf_grad_settle(m);
     /* the layers' squares, summed by the last backward (cf_norm_pre_*),
      * unless held rows are flushed into their gradients now */
-    const int pre = o->pre_on && o->pre_layers == m->cfg.num_hidden_layers && !m->dwp.held;
+    const int pre = o->pre_on && o->pre_layers == m->cfg.num_hidden_layers && !m->dwp.held &&
+                    !m->dwp.head_held;
     o->pre_on = 0;
     /* rows held for a join that never came (the trainer's last micro-batch
      * never holds, so only a caller of its own gets here with some) */

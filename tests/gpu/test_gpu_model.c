@@ -377,6 +377,34 @@ TEST(gpu_paired_mlp_weight_gradients_give_the_unpaired_steps) {
     }
 }
 
+/* The LM head's pairs (dwpair.c, second part: the filter puts the next
+ * backward's g and lnf rows after the held ones, one GEMM over both) give
+ * the steps without (CF_DW_PAIR_HEAD=0 at open) (lockstep_steps), in the
+ * compact modes, with an LM head of its own (tiny-llama) and the
+ * embedding's (tiny-qwen2); two joins per step of four micro-batches. */
+TEST(gpu_paired_lm_head_weight_gradients_give_the_unpaired_steps) {
+    static const char *const names[] = {"tiny-llama", "tiny-qwen2"};
+    const cf_mode modes[] = {CF_MODE_CENTRIFUGE, CF_MODE_CENTRIFUGE_KV};
+    char what[96];
+    for (int ni = 0; ni < 2; ni++)
+        for (int mi = 0; mi < 2; mi++) {
+            cf_model *mc = cpu_model(names[ni], 91 + ni), *on, *off;
+            gpu_pair_env(mc, "CF_DW_PAIR_HEAD", &on, &off);
+            if (on && off) {
+                snprintf(what, sizeof what, "LM head pairs, %s %s", names[ni], cf_mode_name(modes[mi]));
+                lockstep_steps(what, on, off, mc, modes[mi], 0.5, 4, 101, NULL);
+                CHECK_MSG(on->dwp.head_joins == 6 && off->dwp.head_joins == 0 && on->dwp.head_held == 0,
+                          "%s: %lld joins (expected 6), %lld unpaired, %d rows held", what,
+                          (long long)on->dwp.head_joins, (long long)off->dwp.head_joins, on->dwp.head_held);
+            } else {
+                CHECK_MSG(0, "%s", cf_last_error());
+            }
+            cf_model_free(on);
+            cf_model_free(off);
+            cf_model_free(mc);
+        }
+}
+
 /* The joining GEMMs of the pairs on the backend's side stream (dwpair.c,
  * CUDA: cf_cuda_side_begin) give the steps with them in line
  * (CF_DW_SIDE=0 at open) (lockstep_steps), and the side stream was used
@@ -688,6 +716,7 @@ int main(void) {
     RUN(gpu_lora_losses_and_adapter_gradients_match_cpu);
     RUN(gpu_equivalences_of_design_section_1_hold_with_bf16_tolerances);
     RUN(gpu_paired_mlp_weight_gradients_give_the_unpaired_steps);
+    RUN(gpu_paired_lm_head_weight_gradients_give_the_unpaired_steps);
     RUN(gpu_paired_gradients_on_the_side_stream_give_the_in_line_steps);
     RUN(gpu_attention_weight_gradients_beside_give_the_in_line_steps);
     RUN(gpu_early_gradient_norm_gives_the_whole_buffer_steps);

@@ -657,16 +657,23 @@ static void cpu_lmhead_loss_bwd_saved(cf_backend *b, void *dx, float *dwlm, void
         cpu_fail(b, "lmhead_loss_bwd_saved: scale %g must be finite and nonzero", scale);
         return;
     }
-    float *g = g_;
     /* fp32: dloss g directly (the GPU's split into a row factor and a GEMM
-     * scale only saves it a rounding) */
+     * scale only saves it a rounding); in place with a dloss, else in a
+     * copy (g stays as it is: backend.h) */
+    float *g = g_, *sg = dloss ? g : malloc((size_t)T * V * sizeof(float));
+    if (!sg) {
+        cpu_fail(b, "out of memory for the LM head's weighted g (%d x %d floats)", T, V);
+        return;
+    }
 #pragma omp parallel for schedule(static)
     for (int t = 0; t < T; t++) {
-        float *gr = g + (size_t)t * V;
+        const float *gr = g + (size_t)t * V;
+        float *out = sg + (size_t)t * V;
         const float d = dloss ? dloss[t] : scale;
-        for (int j = 0; j < V; j++) gr[j] = d == 0.0f ? 0.0f : d * gr[j];
+        for (int j = 0; j < V; j++) out[j] = d == 0.0f ? 0.0f : d * gr[j];
     }
-    cpu_matmul_bwd(b, dx, dwlm, NULL, g, x, wlm, T, C, V, flags & CF_MM_DW_SET);
+    cpu_matmul_bwd(b, dx, dwlm, NULL, sg, x, wlm, T, C, V, flags & CF_MM_DW_SET);
+    if (sg != g) free(sg);
 }
 
 /* Second half: the slices' (max, sum, target logit) -> lse and loss. */
