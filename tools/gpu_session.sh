@@ -8,6 +8,7 @@
 #          rows-x8-dry bench-accum profile dp-bf16 ab-profile ab-fused ab-head attn-shapes attn-ab attn-parts dp-prio
 #          bench-pair pair-ab norm-blocks cf-side ab-old grad-keep side-ab ncu-step norm-ab side-prio pair-rows
 #          pair-full side-attn gemm-survey attn-hpb side-sms pair-head
+#          lmhead-cluster
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G=$PWD/.gpucarry
@@ -231,6 +232,10 @@ for part in "$@"; do
       # the LM head's weight gradients of two compact backwards in one GEMM (default) against one per backward
       # (CF_DW_PAIR_HEAD=0); centrifuge only (the full backwards never pair it)
       env_ab CF_DW_PAIR_HEAD "0 1" centrifuge head ;;
+    lmhead-cluster)
+      # the LM head's rows read once by a cluster of blocks per row (default on Hopper) against the one-block
+      # kernel's two reads (CF_LMHEAD_CLUSTER=0): the forward column
+      env_ab CF_LMHEAD_CLUSTER "0 1" regular,centrifuge lmc ;;
     side-attn)
       # o's and q/k/v's weight gradients beside the backward (default) against in line (CF_DW_SIDE_ATTN=0)
       env_ab CF_DW_SIDE_ATTN "0 1" regular,centrifuge sattn ;;

@@ -951,7 +951,8 @@ TEST(lmhead_loss_fwd_bwd_match_cpu_with_zero_dloss_rows) {
  * forward's (bit for bit on the GPU too: the same kernel pass), g within
  * bf16 rounding, dx and dW as the recompute path's tolerances (the common
  * weight rides on the GEMMs, so g is rounded once), rows with dloss 0 exactly 0 in dx;
- * CF_MM_DW_SET writes a NaN-filled dW; a NULL dW (frozen head) gives dx. */
+ * CF_MM_DW_SET writes a NaN-filled dW; a NULL dW (frozen head) gives dx;
+ * without a dloss, g is left bit for bit as it was. */
 static void lmhead_saved_grad_case(int V) {
     const int T = 37, C = 64;
     const size_t nx = (size_t)T * C, nw = (size_t)V * C, ng = (size_t)T * V;
@@ -1003,7 +1004,9 @@ static void lmhead_saved_grad_case(int V) {
     cpu->lmhead_loss_bwd_saved(cpu, rdx3, rdw3, rg, x, w, ones, 1.f / T, T, C, V, CF_MM_DW_SET);
     void *gdx3 = gact_nan(nx), *gdw3 = gf32_nan(nw);
     gpu->lmhead_loss_fwd_grad(gpu, gl, gg, gx, gw, gt, T, C, V);
+    float *g0 = get_act(gg, ng);
     gpu->lmhead_loss_bwd_saved(gpu, gdx3, gdw3, gg, gx, gw, NULL, 1.f / T, T, C, V, CF_MM_DW_SET);
+    CHECK_MSG(bitwise_equal(get_act(gg, ng), g0, ng), "lmhead_loss_bwd_saved without dloss changed g");
     cmp("lmhead saved: dx (dloss NULL)", get_act(gdx3, nx), rdx3, nx, TOL_GRAD);
     cmp("lmhead saved: dW (dloss NULL)", get_f32(gdw3, nw), rdw3, nw, TOL_GRAD);
     free_all();
@@ -1012,6 +1015,45 @@ static void lmhead_saved_grad_case(int V) {
 TEST(lmhead_saved_grad_fwd_bwd_match_cpu_with_zero_dloss_rows) {
     lmhead_saved_grad_case(1000);
     lmhead_saved_grad_case(1001);
+}
+
+/* Targets V and -1 (outside [0, V)): NaN losses on both backends (the
+ * losses start at 0, so an unwritten row fails), the other rows' losses as
+ * the CPU's, and g there without the one-hot term. */
+static void lmhead_bad_target_case(int V) {
+    const int T = 9, C = 64;
+    const size_t ng = (size_t)T * V;
+    float *x = HOLD(hrand((size_t)T * C, 1.f)), *w = HOLD(hrand((size_t)V * C, 0.3f));
+    int *tg = HOLD(inew(T));
+    for (int t = 0; t < T; t++) tg[t] = (int)cf_rng_below(&rng, V);
+    tg[2] = V;
+    tg[5] = -1;
+    float *rl = HOLD(hnew(T)), *rg = HOLD(hnew(ng));
+    cpu->lmhead_loss_fwd_grad(cpu, rl, rg, x, w, tg, T, C, V);
+    void *gl = gf32(HOLD(hnew(T)), T), *gg = gact_nan(ng);
+    gpu->lmhead_loss_fwd_grad(gpu, gl, gg, gact(x, (size_t)T * C), gact(w, (size_t)V * C), gi32(tg, T), T, C, V);
+    float *l = get_f32(gl, T);
+    CHECK_MSG(isnan(l[2]) && isnan(l[5]) && isnan(rl[2]) && isnan(rl[5]), "a target outside [0, V) gave a loss");
+    l[2] = rl[2] = l[5] = rl[5] = 0.f;
+    cmp("lmhead bad targets: the other rows' losses", l, rl, T, 1e-3);
+    cmp("lmhead bad targets: g", get_act(gg, ng), rg, ng, 1e-2);
+    free_all();
+}
+/* Rows of over 64 KB of fp32 take the Hopper kernel where a cluster of
+ * blocks shares a row (lmhead.cu): V = 32000 (2 blocks), 128256 (Llama 3,
+ * 8 blocks), 151936 (Qwen2.5, 8 blocks); with CF_LMHEAD_CLUSTER=0 (and on
+ * other GPUs) the one-block kernel at the same V. */
+TEST(lmhead_one_pass_cluster_rows_match_cpu_at_large_vocabularies) {
+    const int Vs[3] = {32000, 128256, 151936};
+    for (int i = 0; i < 3; i++) {
+        lmhead_fwd_bwd_case(Vs[i]);
+        lmhead_saved_grad_case(Vs[i]);
+        lmhead_bad_target_case(Vs[i]);
+    }
+    setenv("CF_LMHEAD_CLUSTER", "0", 1);
+    lmhead_fwd_bwd_case(151936);
+    lmhead_bad_target_case(151936);
+    unsetenv("CF_LMHEAD_CLUSTER");
 }
 
 /* Vocab-parallel pieces (tensor parallelism): the embedding of a slice of
@@ -1719,6 +1761,7 @@ int main(void) {
     RUN_IF(adamw_two_steps_and_weights_from_master_match_cpu_and_keep_grad_leaves_g);
     RUN_IF(lmhead_loss_fwd_bwd_match_cpu_with_zero_dloss_rows);
     RUN_IF(lmhead_saved_grad_fwd_bwd_match_cpu_with_zero_dloss_rows);
+    RUN_IF(lmhead_one_pass_cluster_rows_match_cpu_at_large_vocabularies);
     RUN_IF(vocab_parallel_embedding_and_lmhead_slices_match_cpu);
     RUN_IF(attention_fwd_matches_cpu_causal_gqa_doc_mask_and_tails);
     RUN_IF(attention_full_bwd_matches_cpu);

@@ -6,6 +6,8 @@
  * every row's bf16 g = softmax - onehot (issue 17): its backward then scales
  * g by dloss and runs the two GEMMs, without recomputing the logits.
  */
+#include <cooperative_groups.h>
+
 #include "backend/cuda/cuda_common.cuh"
 
 /* ============================================================ lm head */
@@ -30,6 +32,15 @@ __device__ __forceinline__ void lse_combine(float &m, float &s, float m2, float 
  * stats != NULL writes {max, sum of exp relative to it, target logit or 0}
  * instead of the loss; lse_in != NULL is the whole vocabulary's
  * log-sum-exp for the gradient (nothing is reduced then). */
+/* four more logits into a thread's online (m, s) */
+__device__ __forceinline__ void lse_add4(float &m, float &s, float4 x) {
+    const float mx = fmaxf(fmaxf(x.x, x.y), fmaxf(x.z, x.w));
+    if (mx > m) {
+        s *= expf(m - mx);
+        m = mx;
+    }
+    s += expf(x.x - m) + expf(x.y - m) + expf(x.z - m) + expf(x.w - m);
+}
 /* One thread's part of a row's online (max, sum of exp): every blockDim-th
  * element from threadIdx.x, or with VEC = 4 every blockDim-th float4 (16
  * bytes a load: the row is read from HBM, and one 4-byte load per thread
@@ -38,15 +49,7 @@ template <int VEC>
 __device__ __forceinline__ void row_stats(const float *lg, int V, float &m, float &s) {
     if constexpr (VEC == 4) {
         const float4 *l4 = reinterpret_cast<const float4 *>(lg);
-        for (int j = threadIdx.x; j < V / 4; j += blockDim.x) {
-            const float4 x = l4[j];
-            const float mx = fmaxf(fmaxf(x.x, x.y), fmaxf(x.z, x.w));
-            if (mx > m) {
-                s *= expf(m - mx);
-                m = mx;
-            }
-            s += expf(x.x - m) + expf(x.y - m) + expf(x.z - m) + expf(x.w - m);
-        }
+        for (int j = threadIdx.x; j < V / 4; j += blockDim.x) lse_add4(m, s, l4[j]);
     } else {
         for (int j = threadIdx.x; j < V; j += blockDim.x) {
             const float x = lg[j];
@@ -84,21 +87,9 @@ __device__ __forceinline__ void row_grad(bf16 *out, const float *lg, int V, floa
     }
 }
 
-template <int VEC>
-static __global__ void lmhead_rows_kernel(float *losses, float *stats, bf16 *dlogits, const float *logits,
-                                          const int *targets, const float *dloss, const float *lse_in, int V,
-                                          int vstart) {
-    __shared__ float sm[32], ss[32];
-    const int row = blockIdx.x;
-    const float *lg = logits + (size_t)row * V;
-    const int tgt = targets[row] - vstart;
-    const bool bad = tgt < 0 || tgt >= V;
-    if (lse_in) {
-        row_grad<VEC>(dlogits + (size_t)row * V, lg, V, lse_in[row], dloss ? dloss[row] : 0.f, tgt);
-        return;
-    }
-    float m = -INFINITY, s = 0.f;
-    row_stats<VEC>(lg, V, m, s);
+/* The block's (m, s) into thread 0: butterflies within each warp, then warp
+ * 0 over the warps' partials (sm, ss: 32 floats of shared memory each) */
+__device__ __forceinline__ void block_lse(float &m, float &s, float *sm, float *ss) {
     for (int o = 16; o > 0; o >>= 1) {
         float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
         lse_combine(m, s, m2, s2);
@@ -116,13 +107,31 @@ static __global__ void lmhead_rows_kernel(float *losses, float *stats, bf16 *dlo
             float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
             lse_combine(m, s, m2, s2);
         }
-        if (lane == 0) {
-            sm[0] = m + logf(s);
-            if (stats) {
-                stats[(size_t)row * 3] = m;
-                stats[(size_t)row * 3 + 1] = s;
-                stats[(size_t)row * 3 + 2] = bad ? 0.f : lg[tgt];
-            }
+    }
+}
+
+template <int VEC>
+static __global__ void lmhead_rows_kernel(float *losses, float *stats, bf16 *dlogits, const float *logits,
+                                          const int *targets, const float *dloss, const float *lse_in, int V,
+                                          int vstart) {
+    __shared__ float sm[32], ss[32];
+    const int row = blockIdx.x;
+    const float *lg = logits + (size_t)row * V;
+    const int tgt = targets[row] - vstart;
+    const bool bad = tgt < 0 || tgt >= V;
+    if (lse_in) {
+        row_grad<VEC>(dlogits + (size_t)row * V, lg, V, lse_in[row], dloss ? dloss[row] : 0.f, tgt);
+        return;
+    }
+    float m = -INFINITY, s = 0.f;
+    row_stats<VEC>(lg, V, m, s);
+    block_lse(m, s, sm, ss);
+    if (threadIdx.x == 0) {
+        sm[0] = m + logf(s);
+        if (stats) {
+            stats[(size_t)row * 3] = m;
+            stats[(size_t)row * 3 + 1] = s;
+            stats[(size_t)row * 3 + 2] = bad ? 0.f : lg[tgt];
         }
     }
     __syncthreads();
@@ -131,10 +140,118 @@ static __global__ void lmhead_rows_kernel(float *losses, float *stats, bf16 *dlo
     if (losses && threadIdx.x == 0) losses[row] = bad ? NAN : lse - lg[tgt];
     if (dlogits) row_grad<VEC>(dlogits + (size_t)row * V, lg, V, lse, dloss ? dloss[row] : 1.f, tgt);
 }
-/* one block of 512 threads per row; the 16-byte path where every row of
- * the logits (and of dlogits) starts aligned */
+
+/*
+ * Hopper, whole vocabulary: the row read from HBM once. With V = 151936
+ * (Qwen2.5) a row is 608 KB of fp32, more than a block's shared memory, so
+ * lmhead_rows_kernel's pass 2 re-reads it from HBM (run 19's ncu: 2.67 GB
+ * of DRAM traffic per 1766-row chunk, 1.07 GB of it the second read).
+ * Here a cluster of CL blocks shares a row: block r loads the slice
+ * [r V/CL, (r+1) V/CL) into shared memory with its online (m_r, s_r), the
+ * blocks exchange their (m_r, s_r) through distributed shared memory and
+ * each combines them in rank order 0..CL-1, so all hold the same
+ *   lse = M + log S,  M = max_r m_r,  S = sum_r s_r exp(m_r - M),
+ * and the loss and the gradient come from the slices on chip.
+ */
+template <int CL>
+static __global__ void __launch_bounds__(512)
+    lmhead_rows_cluster_kernel(float *losses, bf16 *dlogits, const float *logits, const int *targets,
+                               const float *dloss, int V) {
+#if CF_SM90_PATH
+    namespace cg = cooperative_groups;
+    extern __shared__ float4 slice4[];   /* this block's V / CL logits */
+    __shared__ float sm[32], ss[32], part[2], lse_sh;
+    cg::cluster_group cluster = cg::this_cluster();
+    const int r = (int)cluster.block_rank(), row = blockIdx.y, n = V / CL, n4 = n / 4, c0 = r * n;
+    const float4 *g4 = reinterpret_cast<const float4 *>(logits + (size_t)row * V + c0);
+    /* four float4 loads in flight per thread; streaming: each is read once */
+    float m = -INFINITY, s = 0.f;
+    for (int j0 = threadIdx.x; j0 < n4; j0 += 4 * blockDim.x) {
+        float4 x[4];
+#pragma unroll
+        for (int k = 0; k < 4; k++)
+            if (j0 + k * (int)blockDim.x < n4) x[k] = __ldcs(g4 + j0 + k * blockDim.x);
+#pragma unroll
+        for (int k = 0; k < 4; k++)
+            if (j0 + k * (int)blockDim.x < n4) {
+                slice4[j0 + k * blockDim.x] = x[k];
+                lse_add4(m, s, x[k]);
+            }
+    }
+    block_lse(m, s, sm, ss);
+    if (threadIdx.x == 0) {
+        part[0] = m;
+        part[1] = s;
+    }
+    cluster.sync();
+    if (threadIdx.x == 0) {
+        float M = -INFINITY, S = 0.f;
+        for (int q = 0; q < CL; q++) {
+            const float *p = cluster.map_shared_rank(part, q);
+            lse_combine(M, S, p[0], p[1]);
+        }
+        lse_sh = M + logf(S);
+    }
+    /* no block leaves (or reuses part) while another still reads its part;
+     * also makes lse_sh visible to the block */
+    cluster.sync();
+    const float lse = lse_sh, *slice = reinterpret_cast<const float *>(slice4);
+    const int tgt = targets[row];
+    const bool bad = tgt < 0 || tgt >= V;
+    if (losses && threadIdx.x == 0) {
+        if (bad && r == 0) losses[row] = NAN;
+        else if (!bad && tgt / n == r) losses[row] = lse - slice[tgt - c0];
+    }
+    if (dlogits)
+        row_grad<4>(dlogits + (size_t)row * V + c0, slice, n, lse, dloss ? dloss[row] : 1.f, bad ? -1 : tgt - c0);
+#endif
+}
+
+/* The cluster kernel where it applies (false: the caller runs
+ * lmhead_rows_kernel): an sm_90 build on a GPU of cc >= 9, rows over 64 KB,
+ * CL the smallest of 2, 4, 8 with a slice of at most 100 KB of shared
+ * memory, the 16-byte path's alignment, and CF_LMHEAD_CLUSTER not "0" (an
+ * A/B switch, read at every call). */
+static bool lmhead_rows_cluster(cf_cuda_ctx *ctx, int rows, float *losses, bf16 *dlogits, const float *logits,
+                                const int *targets, const float *dloss, int V) {
+#if !(defined(CF_CUDA_PORTABLE) && CF_CUDA_PORTABLE)
+    const char *e = getenv("CF_LMHEAD_CLUSTER");
+    if (ctx->cc_major < 9 || (e && strcmp(e, "0") == 0) || (size_t)V * 4 <= (64 << 10) || rows > 65535) return false;
+    int cl = 2;
+    while (cl < 8 && (size_t)(V / cl) * 4 > (100 << 10)) cl *= 2;
+    const size_t bytes = (size_t)(V / cl) * 4;
+    if (bytes > (100 << 10) || bytes > ctx->smem_optin || V % (4 * cl) || !cf_aligned16(logits) ||
+        ((uintptr_t)dlogits & 7))
+        return false;
+    void (*k)(float *, bf16 *, const float *, const int *, const float *, int) =
+        cl == 2 ? lmhead_rows_cluster_kernel<2> : cl == 4 ? lmhead_rows_cluster_kernel<4> : lmhead_rows_cluster_kernel<8>;
+    if (!CF_CK(ctx, cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes))) return false;
+    cudaLaunchAttribute at[1];
+    at[0].id = cudaLaunchAttributeClusterDimension;
+    at[0].val.clusterDim.x = cl;
+    at[0].val.clusterDim.y = 1;
+    at[0].val.clusterDim.z = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(cl, rows);
+    cfg.blockDim = dim3(512);
+    cfg.dynamicSmemBytes = bytes;
+    cfg.stream = ctx->stream;
+    cfg.attrs = at;
+    cfg.numAttrs = 1;
+    return CF_CK(ctx, cudaLaunchKernelEx(&cfg, k, losses, dlogits, logits, targets, dloss, V));
+#else
+    return false;
+#endif
+}
+
+/* one block of 512 threads per row (or, whole vocabulary, the cluster
+ * kernel where it applies); the 16-byte path where every row of the logits
+ * (and of dlogits) starts aligned */
 static void lmhead_rows(cf_cuda_ctx *ctx, int rows, float *losses, float *stats, bf16 *dlogits, const float *logits,
                         const int *targets, const float *dloss, const float *lse_in, int V, int vstart) {
+    if (!stats && !lse_in && vstart == 0 &&
+        (lmhead_rows_cluster(ctx, rows, losses, dlogits, logits, targets, dloss, V) || ctx->failed))
+        return;
     if (V % 4 == 0 && cf_aligned16(logits) && ((uintptr_t)dlogits & 7) == 0)
         lmhead_rows_kernel<4><<<rows, 512, 0, ctx->stream>>>(losses, stats, dlogits, logits, targets, dloss, lse_in, V,
                                                              vstart);
