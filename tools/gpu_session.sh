@@ -8,7 +8,7 @@
 #          rows-x8-dry bench-accum profile dp-bf16 ab-profile ab-fused ab-head attn-shapes attn-ab attn-parts dp-prio
 #          bench-pair pair-ab norm-blocks cf-side ab-old grad-keep side-ab ncu-step norm-ab side-prio pair-rows
 #          pair-full side-attn gemm-survey attn-hpb side-sms pair-head
-#          lmhead-cluster
+#          lmhead-cluster ncu-lmhead
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G=$PWD/.gpucarry
@@ -232,6 +232,18 @@ for part in "$@"; do
       # the LM head's weight gradients of two compact backwards in one GEMM (default) against one per backward
       # (CF_DW_PAIR_HEAD=0); centrifuge only (the full backwards never pair it)
       env_ab CF_DW_PAIR_HEAD "0 1" centrifuge head ;;
+    ncu-lmhead)
+      # the LM head's rows kernels alone (ncu: time and DRAM bytes per launch), one-block (CF_LMHEAD_CLUSTER=0)
+      # and cluster, per model in ACCUM_MODELS: a 1-layer regular run, one warm-up and one timed step
+      for cs in ${ACCUM_MODELS:-qwen2.5-1.5b:2048}; do c=${cs%%:*}; sq=${cs##*:}
+        for v in 0 1; do j="$OUT/ncu_lmhead_${c}_cl$v"
+          CF_LMHEAD_CLUSTER=$v timeout 240 ncu --clock-control none --csv --print-units base --kernel-name regex:lmhead_rows \
+            --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum "$CF" bench --device cuda \
+            --config $c --layers 1 --seq $sq --batch 1 --grad-accum 1 --modes regular --steps 1 --warmup 1 \
+            >"$j.csv" 2>"$j.err"
+          echo "ncu-lmhead $c cluster=$v rc=$?"; python3 tools/ncu_kernels.py "$j.csv" --top 8 | tee "$j.txt"
+        done
+      done ;;
     lmhead-cluster)
       # the LM head's rows read once by a cluster of blocks per row (default on Hopper) against the one-block
       # kernel's two reads (CF_LMHEAD_CLUSTER=0): the forward column

@@ -6,49 +6,15 @@
 #include <limits.h>
 #include "backend/cuda/cuda_common.cuh"
 
-/* per-block double partial sums of g^2 (fixed grid: deterministic) */
-static __global__ void sumsq_partial_kernel(double *partial, const float *g, size_t n) {
+/* Block i: partial[i] = the sum of g^2 over its chunk [i chunk, (i+1)
+ * chunk) of [0, n), in double, float4 loads where the chunk starts
+ * aligned (chunk a multiple of 4). A fixed grid and fixed trees:
+ * deterministic. */
+static __global__ void sumsq_chunk_kernel(double *partial, const float *g, size_t n, size_t chunk) {
     __shared__ double red[32];
+    const size_t c0 = (size_t)blockIdx.x * chunk, c1 = c0 + chunk < n ? c0 + chunk : n;
     double acc = 0.0;
-    const size_t n4 = ((uintptr_t)g & 15) == 0 ? n / 4 : 0; /* float4 part */
-    const float4 *g4 = (const float4 *)g;
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += (size_t)gridDim.x * blockDim.x) {
-        float4 f = g4[i];
-        acc += (double)f.x * f.x + (double)f.y * f.y + (double)f.z * f.z + (double)f.w * f.w;
-    }
-    for (size_t i = 4 * n4 + (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-         i += (size_t)gridDim.x * blockDim.x) {
-        double v = g[i];
-        acc += v * v;
-    }
-    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (lane == 0) red[warp] = acc;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        double s = 0.0;
-        for (int w = 0; w < (int)(blockDim.x >> 5); w++) s += red[w];
-        partial[blockIdx.x] = s;
-    }
-}
-static __global__ void sumsq_final_kernel(double *acc, const double *partial, int n) {
-    if (threadIdx.x == 0 && blockIdx.x == 0) {
-        double s = 0.0;
-        for (int i = 0; i < n; i++) s += partial[i];
-        *acc += s;
-    }
-}
-/* The side sections' variant (backend.h: side_begin): block i sums chunk
- * i of SUMSQ_CHUNK elements and ends, so a side block holds its SM for a
- * microsecond or two and the backward's next kernel (one large block per
- * SM) is not kept waiting behind grid-stride blocks that run for the
- * whole pass; 256 threads then add the partials, strided, and a fixed tree
- * (deterministic). */
-#define SUMSQ_CHUNK 16384
-static __global__ void sumsq_chunk_kernel(double *partial, const float *g, size_t n) {
-    __shared__ double red[8];
-    const size_t c0 = (size_t)blockIdx.x * SUMSQ_CHUNK, c1 = c0 + SUMSQ_CHUNK < n ? c0 + SUMSQ_CHUNK : n;
-    double acc = 0.0;
+    size_t i0 = c0;
     if (((uintptr_t)(g + c0) & 15) == 0) {
         const size_t n4 = (c1 - c0) / 4;
         const float4 *g4 = (const float4 *)(g + c0);
@@ -56,10 +22,9 @@ static __global__ void sumsq_chunk_kernel(double *partial, const float *g, size_
             const float4 f = g4[i];
             acc += (double)f.x * f.x + (double)f.y * f.y + (double)f.z * f.z + (double)f.w * f.w;
         }
-        for (size_t i = c0 + 4 * n4 + threadIdx.x; i < c1; i += blockDim.x) acc += (double)g[i] * g[i];
-    } else {
-        for (size_t i = c0 + threadIdx.x; i < c1; i += blockDim.x) acc += (double)g[i] * g[i];
+        i0 += 4 * n4;
     }
+    for (size_t i = i0 + threadIdx.x; i < c1; i += blockDim.x) acc += (double)g[i] * g[i];
     for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
     if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = acc;
     __syncthreads();
@@ -69,7 +34,8 @@ static __global__ void sumsq_chunk_kernel(double *partial, const float *g, size_
         partial[blockIdx.x] = s;
     }
 }
-static __global__ void sumsq_final_wide_kernel(double *acc, const double *partial, int n) {
+/* acc[0] += the partials' sum: 256 threads, strided, then a fixed tree */
+static __global__ void sumsq_final_kernel(double *acc, const double *partial, int n) {
     __shared__ double red[256];
     double s = 0.0;
     for (int i = threadIdx.x; i < n; i += 256) s += partial[i];
@@ -82,32 +48,28 @@ static __global__ void sumsq_final_wide_kernel(double *acc, const double *partia
     if (threadIdx.x == 0) *acc += red[0];
 }
 
-/* acc[0] += sum of g^2: per-block partials, then one thread adds them in
- * order; no host round trip (the norm of a sharded gradient can be reduced
- * across GPUs first). In a side section: the short blocks above. */
+/* acc[0] += sum of g^2, no host round trip (the norm of a sharded gradient
+ * can be reduced across GPUs first). Chunks: 4 blocks per SM, each a
+ * contiguous 1/(4 SMs) of g; in a side section (backend.h: side_begin)
+ * chunks of SUMSQ_CHUNK elements instead, so that a side block holds its
+ * SM for a microsecond or two and the backward's next kernel (one large
+ * block per SM) is not kept waiting behind blocks that last the whole pass. */
+#define SUMSQ_CHUNK 16384
 void cf_cuda_sumsq(cf_backend *b, double *acc, const float *g, size_t n) {
     cf_cuda_ctx *ctx = cf_cuda_enter(b);
     if (!ctx || !n) return;
-    if (ctx->side_open) {
-        const size_t nb = (n + SUMSQ_CHUNK - 1) / SUMSQ_CHUNK;
-        if (nb > (size_t)INT_MAX) {
-            cf_cuda_ctx_fail(ctx, "sumsq: %zu elements are too many for one call", n);
-            return;
-        }
-        double *partial = (double *)cf_cuda_scratch(ctx, CF_SCR_SUMSQ, nb * sizeof(double));
-        if (!partial) return;
-        sumsq_chunk_kernel<<<(unsigned)nb, 256, 0, ctx->stream>>>(partial, g, n);
-        if (!CF_CK_LAUNCH(ctx, "sumsq_chunk")) return;
-        sumsq_final_wide_kernel<<<1, 256, 0, ctx->stream>>>(acc, partial, (int)nb);
-        CF_CK_LAUNCH(ctx, "sumsq_final");
+    const size_t blocks = (size_t)ctx->sm_count * 4;
+    const size_t chunk = ctx->side_open ? SUMSQ_CHUNK : ((n + blocks - 1) / blocks + 3) / 4 * 4;
+    const size_t nb = (n + chunk - 1) / chunk;
+    if (nb > (size_t)INT_MAX) {
+        cf_cuda_ctx_fail(ctx, "sumsq: %zu elements are too many for one call", n);
         return;
     }
-    const int blocks = ctx->sm_count * 4;
-    double *partial = (double *)cf_cuda_scratch(ctx, CF_SCR_SUMSQ, (size_t)blocks * sizeof(double));
+    double *partial = (double *)cf_cuda_scratch(ctx, CF_SCR_SUMSQ, nb * sizeof(double));
     if (!partial) return;
-    sumsq_partial_kernel<<<blocks, 256, 0, ctx->stream>>>(partial, g, n);
-    if (!CF_CK_LAUNCH(ctx, "sumsq_partial")) return;
-    sumsq_final_kernel<<<1, 32, 0, ctx->stream>>>(acc, partial, blocks);
+    sumsq_chunk_kernel<<<(unsigned)nb, 256, 0, ctx->stream>>>(partial, g, n, chunk);
+    if (!CF_CK_LAUNCH(ctx, "sumsq_chunk")) return;
+    sumsq_final_kernel<<<1, 256, 0, ctx->stream>>>(acc, partial, (int)nb);
     CF_CK_LAUNCH(ctx, "sumsq_final");
 }
 
