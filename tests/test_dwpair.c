@@ -40,6 +40,35 @@ static cf_train_opts opts(cf_mode mode, double keep, int accum) {
     return test_train_opts(mode, keep, S, accum, 1.0f);
 }
 
+/* Three trainer steps of `accum` micro-batches at keep 0.5 on two models of
+ * the same weights, on (the path under test) and off (without it): the
+ * first step's losses are equal (the same forward), then losses, gradient
+ * norms and weights agree to fp32 summation order (~1e-7). */
+static void steps_agree(const char *what, cf_model *on, cf_model *off, cf_mode mode, int accum, uint64_t seed) {
+    cf_train_opts o = opts(mode, 0.5, accum);
+    cf_trainer *ton = cf_trainer_create(on, &o), *toff = cf_trainer_create(off, &o);
+    CHECK(ton && toff);
+    int32_t tok[MAXMB * (S + 1)];
+    for (int step = 0; step < 3 && ton && toff; step++) {
+        random_tokens(tok, MAXMB * (S + 1), cf_model_config(on)->vocab_size, seed + 100 * step);
+        cf_micro_batch mbs[MAXMB];
+        for (int i = 0; i < accum; i++) mbs[i] = (cf_micro_batch){tok + i * (S + 1), NULL};
+        cf_step_stats son, soff;
+        CHECK(cf_trainer_step(ton, mbs, 1e-2f, &son) == 0);
+        CHECK(cf_trainer_step(toff, mbs, 1e-2f, &soff) == 0);
+        CHECK_MSG(step ? fabs(son.loss - soff.loss) <= 1e-6 * fabs(soff.loss) : son.loss == soff.loss,
+                  "%s %s x%d step %d: losses %.9g vs %.9g", what, cf_mode_name(mode), accum, step, son.loss,
+                  soff.loss);
+        CHECK_MSG(fabs(son.grad_norm - soff.grad_norm) <= 1e-5 * soff.grad_norm && soff.grad_norm > 0,
+                  "%s %s x%d step %d: gradient norms %.9g vs %.9g", what, cf_mode_name(mode), accum, step,
+                  son.grad_norm, soff.grad_norm);
+        double e = weights_max_rel(on, off);
+        CHECK_MSG(e < 1e-5, "%s %s x%d step %d: weights differ by %.3g", what, cf_mode_name(mode), accum, step, e);
+    }
+    cf_trainer_free(ton);
+    cf_trainer_free(toff);
+}
+
 TEST(paired_steps_give_the_unpaired_steps_in_every_mode) {
     static const char *const names[] = {"tiny-llama", "tiny-qwen2", "tiny-mistral"};
     const cf_mode modes[] = {CF_MODE_CENTRIFUGE, CF_MODE_STRAWMAN, CF_MODE_CENTRIFUGE_KV, CF_MODE_REGULAR,
@@ -50,29 +79,7 @@ TEST(paired_steps_give_the_unpaired_steps_in_every_mode) {
                 cf_model *on = model(names[ni], 1, 11 + ni), *off = model(names[ni], 0, 11 + ni);
                 if (!on || !off) { CHECK(0); cf_model_free(on); cf_model_free(off); return; }
                 CHECK(!on->dwp.off && off->dwp.off);
-                cf_train_opts o = opts(modes[mi], 0.5, accum);
-                cf_trainer *ton = cf_trainer_create(on, &o), *toff_ = cf_trainer_create(off, &o);
-                CHECK(ton && toff_);
-                int32_t tok[3][MAXMB * (S + 1)];
-                for (int step = 0; step < 3; step++)
-                    random_tokens(tok[step], MAXMB * (S + 1), cf_model_config(on)->vocab_size, 100 * step + accum);
-                for (int step = 0; step < 3; step++) {
-                    cf_micro_batch mbs[MAXMB];
-                    for (int i = 0; i < accum; i++) mbs[i] = (cf_micro_batch){tok[step] + i * (S + 1), NULL};
-                    cf_step_stats son, soff;
-                    CHECK(cf_trainer_step(ton, mbs, 1e-2f, &son) == 0);
-                    CHECK(cf_trainer_step(toff_, mbs, 1e-2f, &soff) == 0);
-                    /* the first step's forward is the same; the second one's weights differ by ~1e-7 */
-                    CHECK_MSG(step ? fabs(son.loss - soff.loss) <= 1e-6 * fabs(soff.loss) : son.loss == soff.loss,
-                              "%s %s x%d step %d: losses %.9g vs %.9g", names[ni],
-                              cf_mode_name(modes[mi]), accum, step, son.loss, soff.loss);
-                    CHECK_MSG(fabs(son.grad_norm - soff.grad_norm) <= 1e-5 * soff.grad_norm && soff.grad_norm > 0,
-                              "%s %s x%d step %d: gradient norms %.9g vs %.9g", names[ni], cf_mode_name(modes[mi]),
-                              accum, step, son.grad_norm, soff.grad_norm);
-                    double e = weights_max_rel(on, off);
-                    CHECK_MSG(e < 1e-5, "%s %s x%d step %d: weights differ by %.3g", names[ni],
-                              cf_mode_name(modes[mi]), accum, step, e);
-                }
+                steps_agree(names[ni], on, off, modes[mi], accum, accum);
                 /* from the second step on (dwpair.c: the stash), a pair per two
                  * micro-batches, the odd last one alone; none held after a step */
                 CHECK_MSG(on->dwp.joins == 2 * (accum / 2) && off->dwp.joins == 0 && on->dwp.held == 0,
@@ -85,8 +92,6 @@ TEST(paired_steps_give_the_unpaired_steps_in_every_mode) {
                           "%s %s x%d: %lld and %lld LM head joins (expected %d), %d rows held", names[ni],
                           cf_mode_name(modes[mi]), accum, (long long)on->dwp.head_joins,
                           (long long)off->dwp.head_joins, head, on->dwp.head_held);
-                cf_trainer_free(ton);
-                cf_trainer_free(toff_);
                 cf_model_free(on);
                 cf_model_free(off);
             }
@@ -194,31 +199,12 @@ TEST(lm_head_pairs_give_the_unpaired_steps_in_the_compact_modes) {
                 cf_model *on = model(names[ni], 1, 51 + ni), *off = model(names[ni], 3, 51 + ni);
                 if (!on || !off) { CHECK(0); cf_model_free(on); cf_model_free(off); return; }
                 CHECK(!on->dwp.head_off && off->dwp.head_off);
-                cf_train_opts o = opts(modes[mi], 0.5, accum);
-                cf_trainer *ton = cf_trainer_create(on, &o), *toff_ = cf_trainer_create(off, &o);
-                CHECK(ton && toff_);
-                int32_t tok[MAXMB * (S + 1)];
-                for (int step = 0; step < 3; step++) {
-                    random_tokens(tok, MAXMB * (S + 1), cf_model_config(on)->vocab_size, 300 * step + accum);
-                    cf_micro_batch mbs[MAXMB];
-                    for (int i = 0; i < accum; i++) mbs[i] = (cf_micro_batch){tok + i * (S + 1), NULL};
-                    cf_step_stats son, soff;
-                    CHECK(cf_trainer_step(ton, mbs, 1e-2f, &son) == 0);
-                    CHECK(cf_trainer_step(toff_, mbs, 1e-2f, &soff) == 0);
-                    CHECK_MSG(fabs(son.grad_norm - soff.grad_norm) <= 1e-5 * soff.grad_norm && soff.grad_norm > 0,
-                              "%s %s x%d step %d: gradient norms %.9g vs %.9g", names[ni], cf_mode_name(modes[mi]),
-                              accum, step, son.grad_norm, soff.grad_norm);
-                    double e = weights_max_rel(on, off);
-                    CHECK_MSG(e < 1e-5, "%s %s x%d step %d: weights differ by %.3g", names[ni],
-                              cf_mode_name(modes[mi]), accum, step, e);
-                }
+                steps_agree(names[ni], on, off, modes[mi], accum, 300 + accum);
                 CHECK_MSG(on->dwp.head_joins == 3 * (accum / 2) && off->dwp.head_joins == 0 &&
                               on->dwp.head_held == 0,
                           "%s %s x%d: %lld LM head joins (expected %d), %lld unpaired, %d rows held", names[ni],
                           cf_mode_name(modes[mi]), accum, (long long)on->dwp.head_joins, 3 * (accum / 2),
                           (long long)off->dwp.head_joins, on->dwp.head_held);
-                cf_trainer_free(ton);
-                cf_trainer_free(toff_);
                 cf_model_free(on);
                 cf_model_free(off);
             }
