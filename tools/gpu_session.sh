@@ -8,7 +8,7 @@
 #          rows-x8-dry bench-accum profile dp-bf16 ab-profile ab-fused ab-head attn-shapes attn-ab attn-parts dp-prio
 #          bench-pair pair-ab norm-blocks cf-side ab-old grad-keep side-ab ncu-step norm-ab side-prio pair-rows
 #          pair-full side-attn gemm-survey attn-hpb side-sms pair-head
-#          lmhead-cluster ncu-lmhead
+#          lmhead-cluster ncu-lmhead sanitize-lmhead parity-bigvocab
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G=$PWD/.gpucarry
@@ -47,6 +47,13 @@ for part in "$@"; do
       # the attention tests of test_gpu_ops (every backward mode, both paths, forced heads per block and parts)
       CF_TEST_ONLY=attention timeout 400 compute-sanitizer --tool memcheck --print-limit 5 "$G/test_gpu_ops" \
         >"$OUT/sanitizer_attn.log" 2>&1; echo "memcheck (attention) rc=$?"; tail -3 "$OUT/sanitizer_attn.log" ;;
+    sanitize-lmhead)
+      # the LM head's tests of test_gpu_ops (the cluster kernel at three vocabularies, the one-block kernel)
+      # under memcheck, then racecheck (shared memory hazards)
+      for tool in memcheck racecheck; do
+        CF_TEST_ONLY=lmhead timeout 300 compute-sanitizer --tool $tool --print-limit 5 "$G/test_gpu_ops" \
+          >"$OUT/sanitizer_lmhead_$tool.log" 2>&1; echo "$tool (lmhead) rc=$?"; tail -3 "$OUT/sanitizer_lmhead_$tool.log"
+      done ;;
     bench-main)
       "$CF" bench --device cuda --config tinyllama-1.1b --seq 4096 --modes regular,loss-only,centrifuge,strawman --keep 0.5 --steps 10 --warmup 2 --profile --json "$OUT/bench_tinyllama_4096.jsonl" 2>&1 | tee "$OUT/bench_tinyllama_4096.txt"
       "$CF" bench --device cuda --config qwen2.5-1.5b --seq 2048 --modes regular,loss-only,centrifuge,strawman --keep 0.5 --steps 10 --warmup 2 --profile --json "$OUT/bench_qwen_2048.jsonl" 2>&1 | tee "$OUT/bench_qwen_2048.txt" ;;
@@ -383,6 +390,13 @@ for part in "$@"; do
       python3 tools/peft_parity.py --bin "$CF" --device cuda --tol 2e-2 2>&1 | grep -v -i warn | tee "$OUT/peft_parity.txt" | tail -20 ;;
     parity)
       python3 tools/hf_parity.py --bin .gpucarry/centrifuge 2>&1 | tee "$OUT/hf_parity.txt" | tail -20 ;;
+    parity-bigvocab)
+      # the GPU binary against transformers with real vocabularies (Qwen2.5's 151936, Llama 3's 128256) on
+      # the tiny layers: the LM head's cluster rows kernel in training and in eval
+      for v in 151936 128256; do
+        python3 tools/hf_parity.py --bin "$CF" --device cuda --tol 5e-2 --types qwen2,llama \
+          --train-args "--vocab-size $v" 2>&1 | tee "$OUT/hf_parity_v$v.txt" | tail -6
+      done ;;
   esac
 done
 echo "=== done $(date +%T)"
