@@ -1056,6 +1056,18 @@ TEST(lmhead_one_pass_cluster_rows_match_cpu_at_large_vocabularies) {
     unsetenv("CF_LMHEAD_CLUSTER");
 }
 
+/* The cluster kernel's smaller clusters at small sizes (also what
+ * gpu_session.sh sanitize-lmhead runs under racecheck): V = 20000 (rows of
+ * 80 KB: 2 blocks of 40 KB) and 65536 (4 blocks of 64 KB). */
+TEST(lmhead_cluster_rows_of_two_and_four_blocks_match_cpu) {
+    const int Vs[2] = {20000, 65536};
+    for (int i = 0; i < 2; i++) {
+        lmhead_fwd_bwd_case(Vs[i]);
+        lmhead_saved_grad_case(Vs[i]);
+        lmhead_bad_target_case(Vs[i]);
+    }
+}
+
 /* Vocab-parallel pieces (tensor parallelism): the embedding of a slice of
  * the table, and the LM head over three slices (stats, combine, backward
  * with the combined lse) against the CPU backend's same ops. */
@@ -1761,6 +1773,7 @@ int main(void) {
     RUN_IF(adamw_two_steps_and_weights_from_master_match_cpu_and_keep_grad_leaves_g);
     RUN_IF(lmhead_loss_fwd_bwd_match_cpu_with_zero_dloss_rows);
     RUN_IF(lmhead_saved_grad_fwd_bwd_match_cpu_with_zero_dloss_rows);
+    RUN_IF(lmhead_cluster_rows_of_two_and_four_blocks_match_cpu);
     RUN_IF(lmhead_one_pass_cluster_rows_match_cpu_at_large_vocabularies);
     RUN_IF(vocab_parallel_embedding_and_lmhead_slices_match_cpu);
     RUN_IF(attention_fwd_matches_cpu_causal_gqa_doc_mask_and_tails);
