@@ -8,7 +8,7 @@
 #          rows-x8-dry bench-accum profile dp-bf16 ab-profile ab-fused ab-head attn-shapes attn-ab attn-parts dp-prio
 #          bench-pair pair-ab norm-blocks cf-side ab-old grad-keep side-ab ncu-step norm-ab side-prio pair-rows
 #          pair-full side-attn gemm-survey attn-hpb side-sms pair-head
-#          lmhead-cluster ncu-lmhead sanitize-lmhead parity-bigvocab
+#          lmhead-cluster ncu-lmhead sanitize-lmhead parity-bigvocab ab-old-accum
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G=$PWD/.gpucarry
@@ -58,6 +58,17 @@ for part in "$@"; do
     bench-main)
       "$CF" bench --device cuda --config tinyllama-1.1b --seq 4096 --modes regular,loss-only,centrifuge,strawman --keep 0.5 --steps 10 --warmup 2 --profile --json "$OUT/bench_tinyllama_4096.jsonl" 2>&1 | tee "$OUT/bench_tinyllama_4096.txt"
       "$CF" bench --device cuda --config qwen2.5-1.5b --seq 2048 --modes regular,loss-only,centrifuge,strawman --keep 0.5 --steps 10 --warmup 2 --profile --json "$OUT/bench_qwen_2048.jsonl" 2>&1 | tee "$OUT/bench_qwen_2048.txt" ;;
+    ab-old-accum)
+      # this build against the carried earlier one (centrifuge-cuda-old), alternated twice per model in
+      # ACCUM_MODELS at 1 x 8, the bench rows of AB_MODES (default centrifuge); records ab<old|new>_<model>_r<rep>
+      for cs in ${ACCUM_MODELS:-llama3.2-3b:2048}; do c=${cs%%:*}; sq=${cs##*:}
+        for rep in 1 2; do for v in old new; do
+          b="$CF"; [ $v = old ] && b="$G/centrifuge-cuda-old"
+          "$b" bench --device cuda --config $c --seq $sq --batch 1 --grad-accum 8 --modes ${AB_MODES:-centrifuge} \
+            --keep 0.5 --steps ${ACCUM_STEPS:-6} --warmup 2 --json "$OUT/ab${v}_${c}_r$rep.jsonl" 2>&1 |
+            tee "$OUT/ab${v}_${c}_r$rep.txt" | grep -E "  0\.50" | sed "s/^/$v rep $rep /"
+        done; done
+      done ;;
     bench-old)
       # this build and the carried build of an earlier commit (centrifuge-cuda-old), alternating
       for r in 1 2; do for v in old new; do
