@@ -6,27 +6,25 @@
 #include <limits.h>
 #include "backend/cuda/cuda_common.cuh"
 
-/* Block i: partial[i] = the sum of g^2 over its chunks [c, c + chunk) of
- * [0, n), c = i chunk + j stride, in double, float4 loads where a chunk
- * starts aligned (chunk a multiple of 4). A fixed grid and fixed trees:
+/* Block i: partial[i] = the sum of g^2 over its chunk [i chunk, (i+1)
+ * chunk) of [0, n), in double, float4 loads where the chunk starts
+ * aligned (chunk a multiple of 4). A fixed grid and fixed trees:
  * deterministic. */
-static __global__ void sumsq_chunk_kernel(double *partial, const float *g, size_t n, size_t chunk, size_t stride) {
+static __global__ void sumsq_chunk_kernel(double *partial, const float *g, size_t n, size_t chunk) {
     __shared__ double red[32];
+    const size_t c0 = (size_t)blockIdx.x * chunk, c1 = c0 + chunk < n ? c0 + chunk : n;
     double acc = 0.0;
-    for (size_t c0 = (size_t)blockIdx.x * chunk; c0 < n; c0 += stride) {
-        const size_t c1 = c0 + chunk < n ? c0 + chunk : n;
-        size_t i0 = c0;
-        if (((uintptr_t)(g + c0) & 15) == 0) {
-            const size_t n4 = (c1 - c0) / 4;
-            const float4 *g4 = (const float4 *)(g + c0);
-            for (size_t i = threadIdx.x; i < n4; i += blockDim.x) {
-                const float4 f = g4[i];
-                acc += (double)f.x * f.x + (double)f.y * f.y + (double)f.z * f.z + (double)f.w * f.w;
-            }
-            i0 += 4 * n4;
+    size_t i0 = c0;
+    if (((uintptr_t)(g + c0) & 15) == 0) {
+        const size_t n4 = (c1 - c0) / 4;
+        const float4 *g4 = (const float4 *)(g + c0);
+        for (size_t i = threadIdx.x; i < n4; i += blockDim.x) {
+            const float4 f = g4[i];
+            acc += (double)f.x * f.x + (double)f.y * f.y + (double)f.z * f.z + (double)f.w * f.w;
         }
-        for (size_t i = i0 + threadIdx.x; i < c1; i += blockDim.x) acc += (double)g[i] * g[i];
+        i0 += 4 * n4;
     }
+    for (size_t i = i0 + threadIdx.x; i < c1; i += blockDim.x) acc += (double)g[i] * g[i];
     for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
     if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = acc;
     __syncthreads();
@@ -51,27 +49,25 @@ static __global__ void sumsq_final_kernel(double *acc, const double *partial, in
 }
 
 /* acc[0] += sum of g^2, no host round trip (the norm of a sharded gradient
- * can be reduced across GPUs first). 4 blocks per SM, each taking every
- * 4-SMs-th chunk of one float4 per thread: the blocks read neighbouring
- * memory at any moment (contiguous chunks per block measured 1% slower on
- * the optimizer's pass, run 21). In a side section (backend.h: side_begin)
- * each block sums one chunk of SUMSQ_CHUNK elements instead, so that it
- * holds its SM for a microsecond or two and the backward's next kernel (one
- * large block per SM) is not kept waiting behind blocks that last the whole
- * pass. */
+ * can be reduced across GPUs first). Chunks: 4 blocks per SM, each a
+ * contiguous 1/(4 SMs) of g; in a side section (backend.h: side_begin)
+ * chunks of SUMSQ_CHUNK elements instead, so that a side block holds its
+ * SM for a microsecond or two and the backward's next kernel (one large
+ * block per SM) is not kept waiting behind blocks that last the whole pass. */
 #define SUMSQ_CHUNK 16384
 void cf_cuda_sumsq(cf_backend *b, double *acc, const float *g, size_t n) {
     cf_cuda_ctx *ctx = cf_cuda_enter(b);
     if (!ctx || !n) return;
-    const size_t chunk = ctx->side_open ? SUMSQ_CHUNK : 4 * 256;
-    const size_t nb = ctx->side_open ? (n + chunk - 1) / chunk : (size_t)ctx->sm_count * 4;
+    const size_t blocks = (size_t)ctx->sm_count * 4;
+    const size_t chunk = ctx->side_open ? SUMSQ_CHUNK : ((n + blocks - 1) / blocks + 3) / 4 * 4;
+    const size_t nb = (n + chunk - 1) / chunk;
     if (nb > (size_t)INT_MAX) {
         cf_cuda_ctx_fail(ctx, "sumsq: %zu elements are too many for one call", n);
         return;
     }
     double *partial = (double *)cf_cuda_scratch(ctx, CF_SCR_SUMSQ, nb * sizeof(double));
     if (!partial) return;
-    sumsq_chunk_kernel<<<(unsigned)nb, 256, 0, ctx->stream>>>(partial, g, n, chunk, nb * chunk);
+    sumsq_chunk_kernel<<<(unsigned)nb, 256, 0, ctx->stream>>>(partial, g, n, chunk);
     if (!CF_CK_LAUNCH(ctx, "sumsq_chunk")) return;
     sumsq_final_kernel<<<1, 256, 0, ctx->stream>>>(acc, partial, (int)nb);
     CF_CK_LAUNCH(ctx, "sumsq_final");
