@@ -208,7 +208,8 @@ static __global__ void __launch_bounds__(512)
 }
 
 /* The cluster kernel where it applies (false: the caller runs
- * lmhead_rows_kernel): an sm_90 build on a GPU of cc >= 9, rows over 64 KB,
+ * lmhead_rows_kernel): an sm_90 build on a GPU of cc >= 9 that can place
+ * the cluster, rows over 64 KB,
  * CL the smallest of 2, 4, 8 with a slice of at most 100 KB of shared
  * memory, the 16-byte path's alignment, and CF_LMHEAD_CLUSTER not "0" (an
  * A/B switch, read at every call). */
@@ -238,6 +239,13 @@ static bool lmhead_rows_cluster(cf_cuda_ctx *ctx, int rows, float *losses, bf16 
     cfg.stream = ctx->stream;
     cfg.attrs = at;
     cfg.numAttrs = 1;
+    /* a GPU that cannot place one such cluster (a MIG slice, too few SMs
+     * per GPC) keeps the one-block kernel */
+    int clusters = 0;
+    if (cudaOccupancyMaxActiveClusters(&clusters, k, &cfg) != cudaSuccess || clusters < 1) {
+        (void)cudaGetLastError(); /* not an error of the step */
+        return false;
+    }
     return CF_CK(ctx, cudaLaunchKernelEx(&cfg, k, losses, dlogits, logits, targets, dloss, V));
 #else
     return false;
