@@ -209,10 +209,9 @@ static __global__ void __launch_bounds__(512)
 
 /* The cluster kernel where it applies (false: the caller runs
  * lmhead_rows_kernel): an sm_90 build on a GPU of cc >= 9 that can place
- * the cluster, rows over 64 KB,
- * CL the smallest of 2, 4, 8 with a slice of at most 100 KB of shared
- * memory, the 16-byte path's alignment, and CF_LMHEAD_CLUSTER not "0" (an
- * A/B switch, read at every call). */
+ * the cluster, rows over 64 KB, CL the smallest of 2, 4, 8 with a slice of
+ * at most 100 KB of shared memory, the 16-byte path's alignment, and
+ * CF_LMHEAD_CLUSTER not "0" (an A/B switch, read at every call). */
 static bool lmhead_rows_cluster(cf_cuda_ctx *ctx, int rows, float *losses, bf16 *dlogits, const float *logits,
                                 const int *targets, const float *dloss, int V) {
 #if !(defined(CF_CUDA_PORTABLE) && CF_CUDA_PORTABLE)
