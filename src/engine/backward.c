@@ -274,14 +274,20 @@ static void mlp_paired_grads(cf_model *m, int l, int n, int r0, int pair) {
     }
 }
 
+/* Whether a backward may reorder a gradient's sum (weight gradients paired
+ * across micro-batches or computed beside the chain): not a stop-gradient
+ * reference, and one process without TP (data parallel's bucket hooks with
+ * these paths are not yet checked against one GPU on two:
+ * tests/gpu/dp_check.sh; TP splits the projections) */
+static int solo(cf_model *m, const stopgrad *sg) {
+    return !sg && !cf_tp_on(m) && m->opt.sync.world <= 1;
+}
+
 /* Whether this backward's MLP weight gradients may pair with another
  * micro-batch's (dwpair.c, which also decides by the number of rows): every
- * layer's gate/up fused and trainable, a plain down projection, not a
- * reference; one process (data parallel's bucket hooks with pairs are not
- * yet checked against one GPU on two: tests/gpu/dp_check.sh; TP splits the
- * MLP). */
+ * layer's gate/up fused and trainable, a plain down projection; solo. */
 static int mlp_pairs(cf_model *m, const stopgrad *sg) {
-    if (sg || cf_tp_on(m) || m->opt.sync.world > 1) return 0;
+    if (!solo(m, sg)) return 0;
     for (int l = 0; l < m->cfg.num_hidden_layers; l++) {
         const cf_layer_params *p = &m->lp[l];
         if (!gate_up_fused(m, p) || !cf_grad(m, p->gate.w) || !cf_grad(m, p->down.w) || p->down.la >= 0 ||
@@ -292,19 +298,18 @@ static int mlp_pairs(cf_model *m, const stopgrad *sg) {
 }
 
 /* Whether the LM head's weight gradient may pair (dwpair.c; compact
- * backwards only): in one process, without TP or a stop-gradient
- * reference, a trainable LM head */
+ * backwards only): a trainable LM head; solo. */
 static int head_pairs(cf_model *m, const stopgrad *sg) {
-    return !sg && !cf_tp_on(m) && m->opt.sync.world <= 1 && cf_grad(m, m->p_lm_head);
+    return solo(m, sg) && cf_grad(m, m->p_lm_head);
 }
 
 /* Whether o's and the joined q/k/v's weight gradients may run beside this
  * backward (dwside.c): in every layer q/k/v join (qkv_fused_bwd), o is a
  * plain trainable projection without a bias, and the q/k/v weights train;
- * not a reference; one process (data parallel's buckets reduce a layer's
- * gradient when its backward ends; TP joins no q/k/v). */
+ * solo (data parallel's buckets reduce a layer's gradient when its backward
+ * ends; TP joins no q/k/v). */
 static int attn_side(cf_model *m, int kv_all, const stopgrad *sg) {
-    if (sg || cf_tp_on(m) || m->opt.sync.world > 1) return 0;
+    if (!solo(m, sg)) return 0;
     for (int l = 0; l < m->cfg.num_hidden_layers; l++) {
         const cf_layer_params *p = &m->lp[l];
         if (!qkv_fused_bwd(m, p, kv_all) || p->o.la >= 0 || p->o.b >= 0 || !cf_grad(m, p->o.w) ||

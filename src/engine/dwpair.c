@@ -271,14 +271,14 @@ void cf_dwpair_end(cf_model *m, int ok) {
  * embedding's backward adds to it at the end of the HOLD, so the pair's
  * GEMM adds too.
  */
-static void *head_rows(cf_model *m, int slot, int row) {
+static void *compact_row(cf_model *m, int slot, int row) {
     const cf_saved *s = &m->saved[slot];
     return (char *)s->compact + (size_t)row * s->row_bytes;
 }
 
 void cf_dwpair_head_grads(cf_model *m, int rows, float scale, int flags) {
     cf_backend *b = m->b;
-    b->lmhead_loss_bwd_saved(b, NULL, cf_grad(m, m->p_lm_head), head_rows(m, m->s_head, 0), head_rows(m, m->s_lnf, 0),
+    b->lmhead_loss_bwd_saved(b, NULL, cf_grad(m, m->p_lm_head), compact_row(m, m->s_head, 0), compact_row(m, m->s_lnf, 0),
                              cf_weight(m, m->p_lm_head), NULL, scale, rows, m->cfg.hidden_size, m->cfg.vocab_size,
                              flags);
 }

@@ -353,6 +353,22 @@ static void gpu_pair_env(const cf_model *mc, const char *var, cf_model **on, cf_
     *on = mc ? cf_model_create(cf_model_config(mc), CF_BACKEND_CUDA, 1) : NULL;
 }
 
+/* One switch's A/B: two GPU models (gpu_pair_env: *off opened with var=0)
+ * with the weights of a CPU model of `name` (seed), trained in lockstep by
+ * lockstep_steps (mode at keep 0.5, four micro-batches, tokens from
+ * tok_seed). 0, after a failed check, where they could not be opened; the
+ * caller checks its counters and frees *on and *off. */
+static int switch_lockstep(const char *what, const char *name, uint64_t seed, const char *var, cf_mode mode,
+                           uint32_t tok_seed, cf_model **on, cf_model **off) {
+    cf_model *mc = cpu_model(name, seed);
+    gpu_pair_env(mc, var, on, off);
+    const int ok = *on && *off;
+    if (ok) lockstep_steps(what, *on, *off, mc, mode, 0.5, 4, tok_seed, NULL);
+    else CHECK_MSG(0, "%s", cf_last_error());
+    cf_model_free(mc);
+    return ok;
+}
+
 /* engine/dwpair.c on the GPU: the trainer's steps (centrifuge at keep 0.5,
  * in a stash of one micro-batch's rows, and regular, in one of two; four
  * micro-batches, three steps) with the MLP's weight gradients of two
@@ -361,19 +377,13 @@ static void gpu_pair_env(const cf_model *mc, const char *var, cf_model **on, cf_
 TEST(gpu_paired_mlp_weight_gradients_give_the_unpaired_steps) {
     const cf_mode modes[] = {CF_MODE_CENTRIFUGE, CF_MODE_REGULAR};
     for (int mi = 0; mi < 2; mi++) {
-        cf_model *mc = cpu_model("tiny-llama", 81), *on, *off;
-        gpu_pair_env(mc, "CF_DW_PAIR", &on, &off);
-        if (on && off) {
-            lockstep_steps(cf_mode_name(modes[mi]), on, off, mc, modes[mi], 0.5, 4, 90, NULL);
+        cf_model *on, *off;
+        if (switch_lockstep(cf_mode_name(modes[mi]), "tiny-llama", 81, "CF_DW_PAIR", modes[mi], 90, &on, &off))
             CHECK_MSG(on->dwp.joins == 4 && off->dwp.joins == 0 && on->dwp.cap == (mi ? 2 * S : S),
                       "%s: %lld joins (expected 4), %lld unpaired, a stash of %d rows", cf_mode_name(modes[mi]),
                       (long long)on->dwp.joins, (long long)off->dwp.joins, on->dwp.cap);
-        } else {
-            CHECK_MSG(0, "%s", cf_last_error());
-        }
         cf_model_free(on);
         cf_model_free(off);
-        cf_model_free(mc);
     }
 }
 
@@ -388,20 +398,14 @@ TEST(gpu_paired_lm_head_weight_gradients_give_the_unpaired_steps) {
     char what[96];
     for (int ni = 0; ni < 2; ni++)
         for (int mi = 0; mi < 2; mi++) {
-            cf_model *mc = cpu_model(names[ni], 91 + ni), *on, *off;
-            gpu_pair_env(mc, "CF_DW_PAIR_HEAD", &on, &off);
-            if (on && off) {
-                snprintf(what, sizeof what, "LM head pairs, %s %s", names[ni], cf_mode_name(modes[mi]));
-                lockstep_steps(what, on, off, mc, modes[mi], 0.5, 4, 101, NULL);
+            cf_model *on, *off;
+            snprintf(what, sizeof what, "LM head pairs, %s %s", names[ni], cf_mode_name(modes[mi]));
+            if (switch_lockstep(what, names[ni], 91 + ni, "CF_DW_PAIR_HEAD", modes[mi], 101, &on, &off))
                 CHECK_MSG(on->dwp.head_joins == 6 && off->dwp.head_joins == 0 && on->dwp.head_held == 0,
                           "%s: %lld joins (expected 6), %lld unpaired, %d rows held", what,
                           (long long)on->dwp.head_joins, (long long)off->dwp.head_joins, on->dwp.head_held);
-            } else {
-                CHECK_MSG(0, "%s", cf_last_error());
-            }
             cf_model_free(on);
             cf_model_free(off);
-            cf_model_free(mc);
         }
 }
 
@@ -443,19 +447,13 @@ TEST(gpu_attention_weight_gradients_beside_give_the_in_line_steps) {
     char what[96];
     for (int ni = 0; ni < 2; ni++)
         for (int mi = 0; mi < 2; mi++) {
-            cf_model *mc = cpu_model(names[ni], 87 + ni), *on, *off;
-            gpu_pair_env(mc, "CF_DW_SIDE_ATTN", &on, &off);
-            if (on && off) {
-                snprintf(what, sizeof what, "attention beside, %s %s", names[ni], cf_mode_name(modes[mi]));
-                lockstep_steps(what, on, off, mc, modes[mi], 0.5, 4, 99, NULL);
+            cf_model *on, *off;
+            snprintf(what, sizeof what, "attention beside, %s %s", names[ni], cf_mode_name(modes[mi]));
+            if (switch_lockstep(what, names[ni], 87 + ni, "CF_DW_SIDE_ATTN", modes[mi], 99, &on, &off))
                 CHECK_MSG(on->dws.backwards == 8 && off->dws.backwards == 0, "%s: %lld backwards beside (expected 8), %lld",
                           what, (long long)on->dws.backwards, (long long)off->dws.backwards);
-            } else {
-                CHECK_MSG(0, "%s", cf_last_error());
-            }
             cf_model_free(on);
             cf_model_free(off);
-            cf_model_free(mc);
         }
 }
 
@@ -468,19 +466,14 @@ TEST(gpu_attention_weight_gradients_beside_give_the_in_line_steps) {
 TEST(gpu_early_gradient_norm_gives_the_whole_buffer_steps) {
     const cf_mode modes[] = {CF_MODE_REGULAR, CF_MODE_CENTRIFUGE};
     for (int mi = 0; mi < 2; mi++) {
-        cf_model *mc = cpu_model("tiny-qwen2", 85 + mi), *on, *off;
-        gpu_pair_env(mc, "CF_NORM_EARLY", &on, &off);
-        if (on && off) {
-            lockstep_steps("early norm", on, off, mc, modes[mi], 0.5, 4, 97, NULL);
+        cf_model *on, *off;
+        if (switch_lockstep("early norm", "tiny-qwen2", 85 + mi, "CF_NORM_EARLY", modes[mi], 97, &on, &off)) {
             const int64_t want = modes[mi] == CF_MODE_REGULAR ? 3 : 0; /* never in the compact modes */
             CHECK_MSG(on->opt.pre_steps == want && off->opt.pre_steps == 0, "%s: %lld early norms, %lld off",
                       cf_mode_name(modes[mi]), (long long)on->opt.pre_steps, (long long)off->opt.pre_steps);
-        } else {
-            CHECK_MSG(0, "%s", cf_last_error());
         }
         cf_model_free(on);
         cf_model_free(off);
-        cf_model_free(mc);
     }
 }
 

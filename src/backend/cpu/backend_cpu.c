@@ -220,30 +220,34 @@ static void cpu_matmul_fwd_residual(cf_backend *b, void *out_, const void *inp_,
     if (K > 0) cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, N, K, 1.0f, inp, K, w, K, 1.0f, out, N);
 }
 
-/* dinp[T,K] (=, or += if flags & CF_MM_ACC_DINP) dout[T,N] W[N,K]
- * dw[N,K]   += dout^T inp   (= if flags & CF_MM_DW_SET, zeros when T <= 0)
- * dbias[N]  += sum_t dout[t,:]   (if dbias; parallel over columns, rows in order) */
-static void cpu_matmul_bwd(cf_backend *b, void *dinp_, float *dw, float *dbias, const void *dout_,
-                           const void *inp_, const void *w_, int T, int K, int N, int flags) {
-    if (cpu_failed(b)) return;
+/* dinp[T,K] (=, or += if flags & CF_MM_ACC_DINP) alpha dout[T,N] W[N,K]
+ * dw[N,K]   += alpha dout^T inp   (= if flags & CF_MM_DW_SET, zeros when T <= 0) */
+static void matmul_bwd_scaled(cf_backend *b, float *dinp, float *dw, const float *dout, const float *inp,
+                              const float *w, int T, int K, int N, int flags, float alpha) {
     const int accumulate = flags & CF_MM_ACC_DINP;
-    float *dinp = dinp_;
-    const float *dout = dout_, *inp = inp_, *w = w_;
     if (T <= 0 && dw && (flags & CF_MM_DW_SET) && N > 0 && K > 0)
         memset(dw, 0, (size_t)N * K * sizeof(float)); /* the product over no rows */
     if (T <= 0 || K <= 0) return;
     if (dinp) {
         if (N > 0)
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, T, K, N, 1.0f, dout, N, w, K,
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, T, K, N, alpha, dout, N, w, K,
                         accumulate ? 1.0f : 0.0f, dinp, K);
         else if (!accumulate)
             memset(dinp, 0, (size_t)T * K * sizeof(float));
     }
-    if (N <= 0) return;
-    if (dw)
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, N, K, T, 1.0f, dout, N, inp, K,
+    if (N > 0 && dw)
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, N, K, T, alpha, dout, N, inp, K,
                     (flags & CF_MM_DW_SET) ? 0.0f : 1.0f, dw, K);
-    if (dbias) {
+}
+
+/* matmul_bwd_scaled at alpha 1, and
+ * dbias[N]  += sum_t dout[t,:]   (if dbias; parallel over columns, rows in order) */
+static void cpu_matmul_bwd(cf_backend *b, void *dinp, float *dw, float *dbias, const void *dout_,
+                           const void *inp, const void *w, int T, int K, int N, int flags) {
+    if (cpu_failed(b)) return;
+    const float *dout = dout_;
+    matmul_bwd_scaled(b, dinp, dw, dout, inp, w, T, K, N, flags, 1.0f);
+    if (dbias && T > 0 && K > 0) {
 #pragma omp parallel for schedule(static)
         for (int n = 0; n < N; n++) {
             float acc = 0.0f;
@@ -648,7 +652,8 @@ static void cpu_lmhead_loss_bwd(cf_backend *b, void *dx_, float *dwlm, const voi
 
 /* The backward from the forward's g = softmax - onehot (no recompute):
  *   g[t,:] *= dloss[t]   (0 where dloss[t] == 0, whatever g holds)
- *   dx = g W ; dwlm += g^T x   (matmul_bwd's two GEMMs over all T rows) */
+ *   dx = g W ; dwlm += g^T x   (matmul_bwd's two GEMMs over all T rows)
+ * or, without a dloss, the two products times scale and g unchanged */
 static void cpu_lmhead_loss_bwd_saved(cf_backend *b, void *dx, float *dwlm, void *g_, const void *x,
                                       const void *wlm, const float *dloss, float scale, int T, int C, int V,
                                       int flags) {
@@ -657,23 +662,20 @@ static void cpu_lmhead_loss_bwd_saved(cf_backend *b, void *dx, float *dwlm, void
         cpu_fail(b, "lmhead_loss_bwd_saved: scale %g must be finite and nonzero", scale);
         return;
     }
-    /* fp32: dloss g directly (the GPU's split into a row factor and a GEMM
-     * scale only saves it a rounding); in place with a dloss, else in a
-     * copy (g stays as it is: backend.h) */
-    float *g = g_, *sg = dloss ? g : malloc((size_t)T * V * sizeof(float));
-    if (!sg) {
-        cpu_fail(b, "out of memory for the LM head's weighted g (%d x %d floats)", T, V);
-        return;
-    }
+    /* fp32. With a dloss: g's rows weighted in place (the GPU's split into a
+     * row factor and a GEMM scale only saves it a rounding); without one the
+     * scale rides on the GEMMs, as on the GPU, and g stays as it is
+     * (backend.h) */
+    float *g = g_;
+    if (dloss) {
 #pragma omp parallel for schedule(static)
-    for (int t = 0; t < T; t++) {
-        const float *gr = g + (size_t)t * V;
-        float *out = sg + (size_t)t * V;
-        const float d = dloss ? dloss[t] : scale;
-        for (int j = 0; j < V; j++) out[j] = d == 0.0f ? 0.0f : d * gr[j];
+        for (int t = 0; t < T; t++) {
+            float *gr = g + (size_t)t * V;
+            const float d = dloss[t];
+            for (int j = 0; j < V; j++) gr[j] = d == 0.0f ? 0.0f : d * gr[j];
+        }
     }
-    cpu_matmul_bwd(b, dx, dwlm, NULL, sg, x, wlm, T, C, V, flags & CF_MM_DW_SET);
-    if (sg != g) free(sg);
+    matmul_bwd_scaled(b, dx, dwlm, g, x, wlm, T, C, V, flags & CF_MM_DW_SET, dloss ? 1.0f : scale);
 }
 
 /* Second half: the slices' (max, sum, target logit) -> lse and loss. */
