@@ -11,6 +11,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 G=.gpucarry
+# the binaries must stamp HEAD: their bench and train records name the commit they were built at
+# (Makefile: COMMIT_STAMP), and a build made before the last commit would name the one before it
+c=$(git rev-parse --short HEAD)
+for b in centrifuge centrifuge-cuda; do
+  grep -aq "$c" "$b" || { echo "gpu_carry: $b was built before HEAD ($c): run make and make cuda first" >&2; exit 1; }
+done
 rm -rf "$G"; mkdir -p "$G/lib"
 cp centrifuge centrifuge-cuda "$G/"
 for t in build/cuda/tests/*; do [ -x "$t" ] && [ -f "$t" ] && cp "$t" "$G/"; done
