@@ -8,7 +8,7 @@
 #          rows-x8-dry bench-accum profile dp-bf16 ab-profile ab-fused ab-head attn-shapes attn-ab attn-parts dp-prio
 #          bench-pair pair-ab norm-blocks cf-side ab-old grad-keep side-ab ncu-step norm-ab side-prio pair-rows
 #          pair-full side-attn gemm-survey attn-hpb side-sms pair-head
-#          lmhead-cluster ncu-lmhead sanitize-lmhead parity-bigvocab ab-old-accum attn-opts
+#          lmhead-cluster ncu-lmhead sanitize-lmhead parity-bigvocab ab-old-accum
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G=$PWD/.gpucarry
@@ -318,21 +318,6 @@ for part in "$@"; do
         if [ $hpb = auto ]; then unset CF_ATTN_SM90_BWD_HPB; else export CF_ATTN_SM90_BWD_HPB=$hpb; fi
         echo "hpb $hpb, S H Hkv D = $sh"; BENCH_ATTN_PATHS=auto "$G/bench_attention" $sh 2>&1 | grep -E "forward|backward"
       done; done 2>&1 | tee "$OUT/attn_shapes.txt"; unset CF_ATTN_SM90_BWD_HPB ;;
-    attn-opts)
-      # issue 17: the Hopper backward's options (bwd_sm90.cu's bwd_opts): dQ reduced from registers
-      # (CF_ATTN_BWD_DQ_DIRECT) and the next step's S^T behind dK (CF_ATTN_BWD_EARLY_S). First the attention
-      # tests of test_gpu_ops under each combination, then bench_attention at four shapes, alternated twice
-      for o in "0 0" "1 0" "0 1" "1 1"; do read -r d e <<<"$o"
-        CF_ATTN_BWD_DQ_DIRECT=$d CF_ATTN_BWD_EARLY_S=$e CF_TEST_ONLY=attention "$G/test_gpu_ops" \
-          >"$OUT/test_attn_opts_$d$e.log" 2>&1; echo "direct=$d early=$e test_gpu_ops(attention) rc=$?"
-        tail -1 "$OUT/test_attn_opts_$d$e.log"
-      done
-      for sh in "4096 32 4 64" "4096 32 8 128" "2048 12 2 128" "2048 24 8 128"; do for rep in 1 2; do
-        for o in "0 0" "1 0" "0 1" "1 1"; do read -r d e <<<"$o"
-          echo "direct=$d early=$e (rep $rep), S H Hkv D = $sh"
-          CF_ATTN_BWD_DQ_DIRECT=$d CF_ATTN_BWD_EARLY_S=$e BENCH_ATTN_PATHS=auto "$G/bench_attention" $sh 2>&1 |
-            grep -E "backward (full|centrifuge)"
-        done; done; done 2>&1 | tee "$OUT/attn_opts.txt" ;;
     attn-ab)
       # attention alone: the carried bench_attention_old (an earlier build, see gpu_carry.sh) against this
       # build's, alternated twice per shape (default shapes, then Qwen2.5-1.5B's and Llama3.2-3B's)

@@ -54,8 +54,6 @@
 
 #include "backend/cuda/attention/sm90.cuh"
 
-enum { BWD_DQ_DIRECT = 1, BWD_EARLY_S = 2 }; /* the kernel's options (bwd_opts) */
-
 template <int D, int BM_> struct BwdSm90 {
     static_assert(BM_ == 64 || (BM_ == 128 && D == 64), "128-query steps for D = 64 only (registers)");
     static constexpr int BN = 128;     /* keys per block (64 per consumer) */
@@ -74,10 +72,10 @@ template <int D, int BM_> struct BwdSm90 {
 
 namespace {
 
-template <int D, int BM_, bool EARLY_S>
+template <int D, int BM_>
 __global__ void __launch_bounds__(384, 1)
     attn_bwd_sm90_kernel(const __grid_constant__ CUtensorMap tmQ, const __grid_constant__ CUtensorMap tmO,
-                         const AttnArgs a, int tps, int hpb, int ns, int opts) {
+                         const AttnArgs a, int tps, int hpb, int ns) {
 #if CF_SM90A_PATH
     using C = BwdSm90<D, BM_>;
     constexpr int BN = C::BN, BM = C::BM, QST = C::QST, NW = C::NW, DB = D / 64;
@@ -149,7 +147,7 @@ __global__ void __launch_bounds__(384, 1)
                 }
                 mbar_arrive(full(s));
             }
-        } else if (warp == 2 && !(opts & BWD_DQ_DIRECT)) {
+        } else if (warp == 2) {
             /* the dq writer: adds each step's dQ tile (BM x D fp32 in slot
              * order, written to shared memory by the consumers) to the
              * accumulator with one bulk reduction, off the consumers' path */
@@ -209,35 +207,19 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
     for (int i = 0; i < D / 2; i++) dk[i] = dv[i] = 0.f;
 
-    /* S^T of step i: with EARLY_S, step i - 1 issues it behind its dK
-     * product, so the tensor cores go on from one step to the next while
-     * the step's last results are written out */
-    float st[BM / 2];
-    auto issue_s = [&](int i, bool wait) {
-        const int s = i % QST;
-        if (wait) mbar_wait(full(s), (i / QST) & 1);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < D / 16; kk++)
-            wgmma_ss<0, 0>(st, desc_k(sK, BN, 64 * w, kk), desc_k(sQ + s * C::QT_BYTES, BM, 0, kk), kk > 0);
-        wgmma_commit();
-    };
-    if constexpr (EARLY_S) {
-        /* keep dK's and dV's zeroing above the first product (ptxas
-         * serialises the products if they are read while it is in flight) */
-        fence_regs(dk);
-        fence_regs(dv);
-        if (nsteps > 0) issue_s(0, true);
-    }
     for (int i = 0; i < nsteps; i++) {
         const int s = i % QST, db = i & 1, qt = qt_begin + i % nq;
         const uint32_t sQs = sQ + s * C::QT_BYTES, sOs = sO + s * C::QT_BYTES, sDSb = sDS + db * C::DS_BYTES;
-        if constexpr (!EARLY_S) issue_s(i, true);
+        mbar_wait(full(s), (i / QST) & 1);
         const float *sm = small(s);
         const int *qrow_s = reinterpret_cast<const int *>(sm) + 2 * BM, *qdoc_s = qrow_s + BM;
 
-        float dpt[BM / 2];
+        float st[BM / 2], dpt[BM / 2];
         wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++)
+            wgmma_ss<0, 0>(st, desc_k(sK, BN, 64 * w, kk), desc_k(sQs, BM, 0, kk), kk > 0);
+        wgmma_commit();
 #pragma unroll
         for (int kk = 0; kk < D / 16; kk++)
             wgmma_ss<0, 0>(dpt, desc_k(sV, BN, 64 * w, kk), desc_k(sOs, BM, 0, kk), kk > 0);
@@ -316,42 +298,20 @@ __global__ void __launch_bounds__(384, 1)
         fence_regs(dq);
         fence_regs(pa);
 
-        if (opts & BWD_DQ_DIRECT) {
-            /* dQ -> the accumulator straight from registers: 16-byte
-             * reductions in slot order (a warp's land on 512 contiguous
-             * bytes), no shared-memory round trip and no hand-off */
-            float *dst = a.dq_acc + dq_slot_base(b, h0 + i / nq, 0, a.H, D, tps) + (size_t)qt * (BM * D) +
-                         w * (64 * NW) + 4 * tid;
+        /* dQ -> shared in slot order, then to the writer warp */
+        if (i > 0) named_barrier(3, 256 + 32); /* the writer has read the last one */
 #pragma unroll
-            for (int j = 0; j < NW / 8; j++)
-                red_add_f32x4(dst + 512 * j, dq[4 * j] * a.scale, dq[4 * j + 1] * a.scale, dq[4 * j + 2] * a.scale,
-                              dq[4 * j + 3] * a.scale);
-        } else {
-            /* dQ -> shared in slot order, then to the writer warp */
-            if (i > 0) named_barrier(3, 256 + 32); /* the writer has read the last one */
-#pragma unroll
-            for (int j = 0; j < NW / 8; j++)
-                dqs[j * 128 + tid] = make_float4(dq[4 * j] * a.scale, dq[4 * j + 1] * a.scale,
-                                                 dq[4 * j + 2] * a.scale, dq[4 * j + 3] * a.scale);
-            fence_async_smem();
-            named_barrier_arrive(2, 256 + 32);
-        }
-        if constexpr (EARLY_S) {
-            /* the last step repeats its own S^T (its stage is still held)
-             * rather than branch around the product: a conditional wgmma
-             * on st makes ptxas serialise the loop's products */
-            const int next = i + 1 < nsteps ? i + 1 : i;
-            issue_s(next, next != i);
-            wgmma_wait<1>(); /* dK: the stage's Q and dO are read (S^T of the next step may still run) */
-        } else {
-            wgmma_wait<0>(); /* dK: the stage's Q and dO are read */
-        }
+        for (int j = 0; j < NW / 8; j++)
+            dqs[j * 128 + tid] = make_float4(dq[4 * j] * a.scale, dq[4 * j + 1] * a.scale, dq[4 * j + 2] * a.scale,
+                                             dq[4 * j + 3] * a.scale);
+        fence_async_smem();
+        named_barrier_arrive(2, 256 + 32);
+        wgmma_wait<0>(); /* dK: the stage's Q and dO are read */
         fence_regs(dk);
         fence_regs(da);
         __syncwarp();
         if (lane == 0) mbar_arrive(empty(s));
     }
-    if constexpr (EARLY_S) wgmma_wait<0>(); /* the last step's repeated S^T */
 
 #pragma unroll
     for (int r = 0; r < 2; r++) {
@@ -450,20 +410,6 @@ static int env_int(const char *name, int dflt) {
     const char *e = getenv(name);
     return e && *e ? atoi(e) : dflt;
 }
-/* The kernel's options (BWD_*, read once):
- *   BWD_DQ_DIRECT: dQ of a step added to the accumulator by the consumers
- *     themselves, with 16-byte reductions from registers, instead of staged
- *     in shared memory for the writer warp's bulk reduction. The staging
- *     costs shared-memory bandwidth: at D = 128 a step's products read
- *     ~256 KB of it per block, and the dQ tile adds 32 KB written plus 32 KB
- *     read. CF_ATTN_BWD_DQ_DIRECT=0/1.
- *   BWD_EARLY_S: S^T of the next step issued behind the dK product of this
- *     one. CF_ATTN_BWD_EARLY_S=0/1. */
-static int bwd_opts() {
-    static const int opts = (env_int("CF_ATTN_BWD_DQ_DIRECT", 0) ? BWD_DQ_DIRECT : 0) |
-                            (env_int("CF_ATTN_BWD_EARLY_S", 0) ? BWD_EARLY_S : 0);
-    return opts;
-}
 static int bwd_bm_for(int D) {
     static const int bm64 = env_int("CF_ATTN_SM90_BWD_BM", 128) == 64 ? 64 : 128;
     return D == 64 ? bm64 : 64;
@@ -520,12 +466,10 @@ static int bwd_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int
     CUtensorMap mq, mo;
     if (!attn_sm90_map_rows(&mq, a.q, nq_rows, a.H, D, C::BM) || !attn_sm90_map_rows(&mo, a.dout, nq_rows, a.H, D, C::BM))
         return 0;
-    int opts = bwd_opts();
-    const void *fn = (opts & BWD_EARLY_S) ? (const void *)attn_bwd_sm90_kernel<D, BM, true>
-                                          : (const void *)attn_bwd_sm90_kernel<D, BM, false>;
+    const void *fn = (const void *)attn_bwd_sm90_kernel<D, BM>;
     if (!attn_sm90_prepare(ctx, fn, C::SMEM, D == 128 ? 2 : BM == 64 ? 3 : 6)) return -1;
     dim3 grid(a.H / hpb, (kmaxlen + C::BN - 1) / C::BN * ns, a.B), block(C::THREADS);
-    void *args[] = {(void *)&mq, (void *)&mo, (void *)&a, (void *)&tps, (void *)&hpb, (void *)&ns, (void *)&opts};
+    void *args[] = {(void *)&mq, (void *)&mo, (void *)&a, (void *)&tps, (void *)&hpb, (void *)&ns};
     return CF_CK(ctx, cudaLaunchKernel(fn, grid, block, args, C::SMEM, ctx->stream)) ? 1 : -1;
 }
 

@@ -275,12 +275,6 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float *dst, uint32_t src, ui
                 "r"(bytes)
                 : "memory");
 }
-/* dst[0..3] += (x, y, z, w) in global memory, one 16-byte reduction without
- * a returned value (dst 16-byte aligned) */
-__device__ __forceinline__ void red_add_f32x4(float *dst, float x, float y, float z, float w) {
-    CF_SM90_ASM("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "f"(x), "f"(y), "f"(z), "f"(w)
-                : "memory");
-}
 __device__ __forceinline__ void bulk_commit() { CF_SM90_ASM("cp.async.bulk.commit_group;\n" ::: "memory"); }
 /* waits until the issuing thread's bulk operations have read their source */
 __device__ __forceinline__ void bulk_wait_read() { CF_SM90_ASM("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
