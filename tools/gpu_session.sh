@@ -8,7 +8,7 @@
 #          rows-x8-dry bench-accum profile dp-bf16 ab-profile ab-fused ab-head attn-shapes attn-ab attn-parts dp-prio
 #          bench-pair pair-ab norm-blocks cf-side ab-old grad-keep side-ab ncu-step norm-ab side-prio pair-rows
 #          pair-full side-attn gemm-survey attn-hpb side-sms pair-head
-#          lmhead-cluster ncu-lmhead sanitize-lmhead parity-bigvocab ab-old-accum fwd-opts
+#          lmhead-cluster ncu-lmhead sanitize-lmhead parity-bigvocab ab-old-accum pingpong pingpong-model
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G=$PWD/.gpucarry
@@ -318,21 +318,31 @@ for part in "$@"; do
         if [ $hpb = auto ]; then unset CF_ATTN_SM90_BWD_HPB; else export CF_ATTN_SM90_BWD_HPB=$hpb; fi
         echo "hpb $hpb, S H Hkv D = $sh"; BENCH_ATTN_PATHS=auto "$G/bench_attention" $sh 2>&1 | grep -E "forward|backward"
       done; done 2>&1 | tee "$OUT/attn_shapes.txt"; unset CF_ATTN_SM90_BWD_HPB ;;
-    fwd-opts)
-      # issue 17: the Hopper forward's variants (fwd_sm90.cu): the consumers' ping-pong turns
-      # (CF_ATTN_FWD_PINGPONG) and 3 consumer warpgroups at D = 64 (CF_ATTN_FWD_NC=3). The attention tests of
-      # test_gpu_ops under each, then bench_attention's forward at four shapes, alternated twice
-      for o in "0 2" "1 2" "0 3" "1 3"; do read -r pp nc <<<"$o"
-        CF_ATTN_FWD_PINGPONG=$pp CF_ATTN_FWD_NC=$nc CF_TEST_ONLY=attention "$G/test_gpu_ops" \
-          >"$OUT/test_fwd_opts_$pp$nc.log" 2>&1; echo "pingpong=$pp nc=$nc test_gpu_ops(attention) rc=$?"
-        tail -1 "$OUT/test_fwd_opts_$pp$nc.log"
+    pingpong)
+      # issue 17: ping-pong turns of the consumer warpgroups in the Hopper forward (CF_ATTN_FWD_PINGPONG,
+      # default on) and in centrifuge part 2 (CF_ATTN_CF_PINGPONG, default off): the attention tests of
+      # test_gpu_ops under each combination, then bench_attention at four shapes, alternated twice
+      for o in "0 0" "1 0" "0 1" "1 1"; do read -r f c <<<"$o"
+        CF_ATTN_FWD_PINGPONG=$f CF_ATTN_CF_PINGPONG=$c CF_TEST_ONLY=attention "$G/test_gpu_ops" \
+          >"$OUT/test_pingpong_$f$c.log" 2>&1; echo "fwd=$f cf=$c test_gpu_ops(attention) rc=$?"
+        tail -1 "$OUT/test_pingpong_$f$c.log"
       done
       for sh in "4096 32 4 64" "4096 32 8 128" "2048 12 2 128" "2048 24 8 128"; do for rep in 1 2; do
-        for o in "0 2" "1 2" "0 3" "1 3"; do read -r pp nc <<<"$o"
-          [ "$nc" = 3 ] && [ "${sh##* }" != 64 ] && continue
-          echo "pingpong=$pp nc=$nc (rep $rep), S H Hkv D = $sh"
-          CF_ATTN_FWD_PINGPONG=$pp CF_ATTN_FWD_NC=$nc BENCH_ATTN_PATHS=auto "$G/bench_attention" $sh 2>&1 | grep -E "forward"
-        done; done; done 2>&1 | tee "$OUT/fwd_opts.txt" ;;
+        for o in "0 0" "1 1"; do read -r f c <<<"$o"
+          echo "fwd=$f cf=$c (rep $rep), S H Hkv D = $sh"
+          CF_ATTN_FWD_PINGPONG=$f CF_ATTN_CF_PINGPONG=$c BENCH_ATTN_PATHS=auto "$G/bench_attention" $sh 2>&1 |
+            grep -E "forward|backward (full|centrifuge)"
+        done; done; done 2>&1 | tee "$OUT/pingpong.txt" ;;
+    pingpong-model)
+      # the same two switches together in the models of ACCUM_MODELS (default TinyLlama @4096) at 1 x 8
+      for cs in ${ACCUM_MODELS:-tinyllama-1.1b:4096}; do c=${cs%%:*}; sq=${cs##*:}
+        for rep in 1 2; do for v in 0 1; do
+          CF_ATTN_FWD_PINGPONG=$v CF_ATTN_CF_PINGPONG=$v "$CF" bench --device cuda --config $c --seq $sq --batch 1 \
+            --grad-accum 8 --modes regular,centrifuge --keep 0.5 --steps ${ACCUM_STEPS:-6} --warmup 2 \
+            --json "$OUT/pp${v}_${c}_r$rep.jsonl" 2>&1 | tee "$OUT/pp${v}_${c}_r$rep.txt" | grep -E "  0\.50" |
+            sed "s/^/pingpong=$v rep $rep /"
+        done; done
+      done ;;
     attn-ab)
       # attention alone: the carried bench_attention_old (an earlier build, see gpu_carry.sh) against this
       # build's, alternated twice per shape (default shapes, then Qwen2.5-1.5B's and Llama3.2-3B's)

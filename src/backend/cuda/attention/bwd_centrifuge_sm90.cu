@@ -26,6 +26,8 @@
  * this one on a second stream beside part 1 (launch.cu): each fills the
  * SMs the other's uneven causal grid leaves idle.
  */
+#include <stdlib.h>
+
 #include "backend/cuda/attention/sm90.cuh"
 
 template <int D> struct DqSm90 {
@@ -97,7 +99,7 @@ __global__ void __launch_bounds__(256) cf_prep_kernel(const CfPrep p) {
     }
 }
 
-template <int D>
+template <int D, bool PINGPONG>
 __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
     attn_bwd_dq_sm90_kernel(const __grid_constant__ CUtensorMap tmQ, const __grid_constant__ CUtensorMap tmO,
                             const __grid_constant__ CUtensorMap tmK, const __grid_constant__ CUtensorMap tmV,
@@ -190,11 +192,20 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
     float dq[D / 2];
 #pragma unroll
     for (int i = 0; i < D / 2; i++) dq[i] = 0.f;
-    if (nt > 0) mbar_wait(full_q, 0);
+    /* With PINGPONG the consumers take turns (sm90.cuh: Turns) at both
+     * issue points of a tile, S and dP, then dQ: 0's S, dP; 1's S, dP; 0's
+     * dQ; 1's dQ; ..., so one's exponentials and dS run while the other's
+     * products keep the tensor cores busy. */
+    Turns<C::NC, 4, PINGPONG> turn{w};
+    if (nt > 0) {
+        turn.open();
+        mbar_wait(full_q, 0);
+    }
     for (int t = 0; t < nt; t++) {
         const int st = t % KST, par = (t / KST) & 1;
         const uint32_t sKs = sK + st * C::KV_BYTES, sVs = sV + st * C::KV_BYTES;
         float s[BN / 2], dp[BN / 2];
+        turn.take();
         mbar_wait(full_k(st), par);
         wgmma_fence();
 #pragma unroll
@@ -204,6 +215,7 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
 #pragma unroll
         for (int kk = 0; kk < D / 16; kk++) wgmma_ss<0, 0>(dp, desc_k(sO, BM, 64 * w, kk), desc_k(sVs, BN, 0, kk), kk > 0);
         wgmma_commit();
+        turn.pass();
         const int *krow_s = small(st), *kdoc_s = krow_s + BN;
         wgmma_wait<1>();
         fence_regs(s);
@@ -226,16 +238,19 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
                 const int i0 = 8 * kk + 2 * q, r = q & 1;
                 da[kk][q] = pack_bf16(s[i0] * (dp[i0] - Dv[r]), s[i0 + 1] * (dp[i0 + 1] - Dv[r]));
             }
+        turn.take();
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BN / 16; kk++) wgmma_rs<1>(dq, da[kk], desc_mn(sKs, BN, 0, kk), 1);
         wgmma_commit();
+        turn.pass();
         wgmma_wait<0>();
         fence_regs(dq);
         fence_regs(da);
         __syncwarp();
         if (lane == 0) mbar_arrive(empty(st));
     }
+    if (nt > 0) turn.close();
 
     /* acc += scale * dQ (slot order; c even: (c, c + 1) are adjacent) */
     if (nt == 0) return;
@@ -258,6 +273,16 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
 
 /* ==================================================================== host */
 
+/* The consumers' ping-pong turns, off unless CF_ATTN_CF_PINGPONG=1 (for
+ * timing; read once). */
+static bool dq_pingpong() {
+    static const bool on = [] {
+        const char *e = getenv("CF_ATTN_CF_PINGPONG");
+        return e && *e && atoi(e) != 0;
+    }();
+    return on;
+}
+
 template <int D>
 static int dq_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int nk_rows, int maxlen, int tps,
                           cudaStream_t st) {
@@ -268,7 +293,8 @@ static int dq_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int 
         !attn_sm90_map_rows(&mk, a.k, nk_rows, a.Hkv, D, C::BN) ||
         !attn_sm90_map_rows(&mv, a.v, nk_rows, a.Hkv, D, C::BN))
         return 0;
-    const void *fn = (const void *)attn_bwd_dq_sm90_kernel<D>;
+    const void *fn = dq_pingpong() ? (const void *)attn_bwd_dq_sm90_kernel<D, true>
+                                   : (const void *)attn_bwd_dq_sm90_kernel<D, false>;
     if (!attn_sm90_prepare(ctx, fn, C::SMEM, D == 64 ? 4 : 5)) return -1;
     dim3 grid(a.H, (maxlen + C::BM - 1) / C::BM, a.B), block(C::THREADS);
     int nw = attn_sm90_bwd_nw(D);

@@ -32,8 +32,8 @@
 
 #include "backend/cuda/attention/sm90.cuh"
 
-template <int D, int NC_ = 2> struct FwdSm90 {
-    static constexpr int NC = NC_;       /* consumer warpgroups (2, or 3) */
+template <int D> struct FwdSm90 {
+    static constexpr int NC = 2;         /* consumer warpgroups           */
     static constexpr int BM = 64 * NC;   /* queries per block             */
     static constexpr int BN = 128;       /* keys per tile                 */
     static constexpr int KST = 2;        /* stages of the K/V ring        */
@@ -44,22 +44,17 @@ template <int D, int NC_ = 2> struct FwdSm90 {
                               OFF_DOC = OFF_V + KST * KV_BYTES, OFF_BAR = OFF_DOC + KST * DOC_BYTES;
     /* barriers: full_q, full_k[KST], full_v[KST], empty[KST] */
     static constexpr uint32_t SMEM = OFF_BAR + 8 * (1 + 3 * KST) + 1024; /* + alignment slack */
-    /* registers per thread after setmaxnreg: the block holds 64K */
-    static constexpr int PRODUCER_REGS = NC == 2 ? 40 : 32, CONSUMER_REGS = NC == 2 ? 232 : 160;
-    static_assert(128 * PRODUCER_REGS + 128 * NC * CONSUMER_REGS <= 65536, "registers");
 };
-/* named barriers 4 .. 4 + NC - 1: the ping-pong turns of the consumers */
-constexpr int FWD_TURN_BAR = 4;
 
 namespace {
 
 
-template <int D, int NC, bool PINGPONG>
-__global__ void __launch_bounds__(FwdSm90<D, NC>::THREADS, 1)
+template <int D, bool PINGPONG>
+__global__ void __launch_bounds__(FwdSm90<D>::THREADS, 1)
     attn_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tmQ, const __grid_constant__ CUtensorMap tmK,
                          const __grid_constant__ CUtensorMap tmV, const AttnArgs a) {
 #if CF_SM90A_PATH
-    using C = FwdSm90<D, NC>;
+    using C = FwdSm90<D>;
     constexpr int BM = C::BM, BN = C::BN, KST = C::KST, DB = D / 64;
     extern __shared__ unsigned char smem_raw[];
     const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
@@ -95,7 +90,7 @@ __global__ void __launch_bounds__(FwdSm90<D, NC>::THREADS, 1)
     const int wg = threadIdx.x >> 7;
     if (wg == 0) {
         /* ---------------------------------------------------- producer */
-        setmaxnreg_dec<C::PRODUCER_REGS>();
+        setmaxnreg_dec<40>();
         if (threadIdx.x == 0) {
             mbar_arrive_tx(full_q, C::Q_BYTES);
             for (int cb = 0; cb < DB; cb++) tma_load_3d(sQ + cb * BM * 128, &tmQ, cb * 64, h, qs + q0, full_q);
@@ -130,7 +125,7 @@ __global__ void __launch_bounds__(FwdSm90<D, NC>::THREADS, 1)
     }
 
     /* ------------------------------------------------------- consumers */
-    setmaxnreg_inc<C::CONSUMER_REGS>();
+    setmaxnreg_inc<232>();
     const int w = wg - 1, tid = threadIdx.x & 127, v = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
     const int wq0 = q0 + 64 * w + 16 * v; /* this warp's first query */
     int qi[2], qdoc[2];
@@ -210,42 +205,32 @@ __global__ void __launch_bounds__(FwdSm90<D, NC>::THREADS, 1)
         }
     };
 
-    /* Ping-pong (PINGPONG): the consumers take turns to issue their
-     * products, warpgroup 0, 1, .., NC-1, 0, ..; each passes the turn on
-     * right after issuing, so one warpgroup's softmax runs while the
-     * next one's products keep the tensor cores busy (FlashAttention-3's
-     * inter-warpgroup overlap). Turn barrier w counts warpgroup w's 128
-     * threads waiting and the previous one's 128 arriving; warpgroup
-     * NC-1 opens the first turn, and the last round is not passed on, so
-     * every barrier ends complete. */
-    auto take_turn = [&]() {
-        if constexpr (PINGPONG) named_barrier(FWD_TURN_BAR + w, 256);
-    };
-    auto pass_turn = [&](bool last) {
-        if constexpr (PINGPONG)
-            if (!(last && w == NC - 1)) named_barrier_arrive(FWD_TURN_BAR + (w + 1) % NC, 256);
-    };
-    if constexpr (PINGPONG)
-        if (w == NC - 1) named_barrier_arrive(FWD_TURN_BAR, 256);
+    /* With PINGPONG the two consumers take turns to issue their products
+     * (sm90.cuh: Turns), so one's softmax runs while the other's products
+     * keep the tensor cores busy (FlashAttention-3's inter-warpgroup
+     * overlap): 0.220 -> 0.205 ms at S = 4096, D = 64, 0.317 -> 0.301 at
+     * D = 128 (H100, run 22). */
+    Turns<C::NC, 4, PINGPONG> turn{w};
+    turn.open();
 
     mbar_wait(full_q, 0);
     float alpha[2];
-    take_turn();
+    turn.take();
     mbar_wait(full_k(0), 0);
     issue_s(0);
-    pass_turn(false);
+    turn.pass();
     wgmma_wait<0>();
     fence_regs(s);
     softmax(0, 0, alpha);
     pack_p();
     for (int t = 1; t < nt; t++) {
         const int st = t % KST, sp = (t - 1) % KST;
-        take_turn();
+        turn.take();
         mbar_wait(full_k(st), (t / KST) & 1);
         issue_s(st);
         mbar_wait(full_v(sp), ((t - 1) / KST) & 1);
         issue_pv(sp);
-        pass_turn(false);
+        turn.pass();
         wgmma_wait<1>(); /* S_t done, P V may still run */
         fence_regs(s);
         softmax(t, st, alpha);
@@ -264,12 +249,13 @@ __global__ void __launch_bounds__(FwdSm90<D, NC>::THREADS, 1)
     }
     {
         const int sp = (nt - 1) % KST;
-        take_turn();
+        turn.take();
         mbar_wait(full_v(sp), ((nt - 1) / KST) & 1);
         issue_pv(sp);
-        pass_turn(true);
+        turn.pass();
         wgmma_wait<0>();
         fence_regs(o);
+        turn.close();
     }
 
     const size_t qstr = (size_t)a.H * D;
@@ -295,35 +281,28 @@ __global__ void __launch_bounds__(FwdSm90<D, NC>::THREADS, 1)
 
 /* ==================================================================== host */
 
-/* The forward's variants (read once, for timing): CF_ATTN_FWD_PINGPONG=0/1
- * (the consumers' turns, kernel comment) and CF_ATTN_FWD_NC=2/3 (consumer
- * warpgroups, so 128 or 192 queries per block; 3 at D = 64 only, where
- * the scores of 64 queries x 128 keys fit 160 registers). */
-static int env_flag(const char *name, int dflt) {
-    const char *e = getenv(name);
-    return e && *e ? atoi(e) : dflt;
-}
+/* The consumers' ping-pong turns, on unless CF_ATTN_FWD_PINGPONG=0 (for
+ * timing; read once). */
 static bool fwd_pingpong() {
-    static const bool on = env_flag("CF_ATTN_FWD_PINGPONG", 0) != 0;
+    static const bool on = [] {
+        const char *e = getenv("CF_ATTN_FWD_PINGPONG");
+        return !(e && *e && atoi(e) == 0);
+    }();
     return on;
 }
-static int fwd_consumers(int D) {
-    static const int nc = env_flag("CF_ATTN_FWD_NC", 2) == 3 ? 3 : 2;
-    return D == 64 ? nc : 2;
-}
 
-template <int D, int NC>
+template <int D>
 static int fwd_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a) {
-    using C = FwdSm90<D, NC>;
+    using C = FwdSm90<D>;
     const int T = a.B * a.S;
     CUtensorMap mq, mk, mv;
     if (!attn_sm90_map_rows(&mq, a.q, T, a.H, D, C::BM) || !attn_sm90_map_rows(&mk, a.k, T, a.Hkv, D, C::BN) ||
         !attn_sm90_map_rows(&mv, a.v, T, a.Hkv, D, C::BN))
         return 0;
-    /* one variant per process (the switches are read once), so one
-     * attribute bit per head dim */
-    const void *fn = fwd_pingpong() ? (const void *)attn_fwd_sm90_kernel<D, NC, true>
-                                    : (const void *)attn_fwd_sm90_kernel<D, NC, false>;
+    /* one variant per process (the switch is read once): one attribute bit
+     * per head dim */
+    const void *fn = fwd_pingpong() ? (const void *)attn_fwd_sm90_kernel<D, true>
+                                    : (const void *)attn_fwd_sm90_kernel<D, false>;
     if (!attn_sm90_prepare(ctx, fn, C::SMEM, D == 64 ? 0 : 1)) return -1;
     dim3 grid(a.H, (a.S + C::BM - 1) / C::BM, a.B), block(C::THREADS);
     void *args[] = {(void *)&mq, (void *)&mk, (void *)&mv, (void *)&a};
@@ -332,7 +311,7 @@ static int fwd_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a) {
 
 int attn_fwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D) {
     if (a.qstart || a.kstart || a.qrow || a.krow) return 0; /* all rows only */
-    if (D == 64) return fwd_consumers(64) == 3 ? fwd_sm90_launch<64, 3>(ctx, a) : fwd_sm90_launch<64, 2>(ctx, a);
-    if (D == 128) return fwd_sm90_launch<128, 2>(ctx, a);
+    if (D == 64) return fwd_sm90_launch<64>(ctx, a);
+    if (D == 128) return fwd_sm90_launch<128>(ctx, a);
     return 0;
 }

@@ -291,6 +291,30 @@ __device__ __forceinline__ void named_barrier(int id, int count) {
 __device__ __forceinline__ void named_barrier_arrive(int id, int count) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
+/* Ping-pong turns among N consumer warpgroups (w = 0..N-1), on named
+ * barriers BAR0 .. BAR0+N-1: warpgroup w takes its turn (waits), issues
+ * its products, passes the turn to w+1 (mod N), in the order 0, 1, ..,
+ * N-1, 0, ... Barrier w completes with warpgroup w's 128 threads waiting
+ * and warpgroup w-1's 128 arriving. Warpgroup N-1 opens the first turn
+ * and warpgroup 0 closes after the last one (so every barrier ends
+ * complete; every warpgroup takes the same number of turns). No branch
+ * around a pass: ptxas serialises the products when its own warpgroup
+ * arrives fall in a divergent path. ON = false makes every call nothing. */
+template <int N, int BAR0, bool ON> struct Turns {
+    int w;
+    __device__ __forceinline__ void open() const {
+        if (ON && w == N - 1) named_barrier_arrive(BAR0, 256);
+    }
+    __device__ __forceinline__ void take() const {
+        if (ON) named_barrier(BAR0 + w, 256);
+    }
+    __device__ __forceinline__ void pass() const {
+        if (ON) named_barrier_arrive(BAR0 + (w + 1) % N, 256);
+    }
+    __device__ __forceinline__ void close() const {
+        if (ON && w == 0) named_barrier(BAR0, 256);
+    }
+};
 template <int N> __device__ __forceinline__ void setmaxnreg_inc() {
     CF_SM90_ASM("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
 }
