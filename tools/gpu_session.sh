@@ -8,7 +8,7 @@
 #          rows-x8-dry bench-accum profile dp-bf16 ab-profile ab-fused ab-head attn-shapes attn-ab attn-parts dp-prio
 #          bench-pair pair-ab norm-blocks cf-side ab-old grad-keep side-ab ncu-step norm-ab side-prio pair-rows
 #          pair-full side-attn gemm-survey attn-hpb side-sms pair-head
-#          lmhead-cluster ncu-lmhead sanitize-lmhead parity-bigvocab ab-old-accum pingpong pingpong-model
+#          lmhead-cluster ncu-lmhead sanitize-lmhead parity-bigvocab ab-old-accum pingpong pingpong-model ncu-attn-src
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G=$PWD/.gpucarry
@@ -342,6 +342,18 @@ for part in "$@"; do
             --json "$OUT/pp${v}_${c}_r$rep.jsonl" 2>&1 | tee "$OUT/pp${v}_${c}_r$rep.txt" | grep -E "  0\.50" |
             sed "s/^/pingpong=$v rep $rep /"
         done; done
+      done ;;
+    ncu-attn-src)
+      # issue 17: where the Hopper attention backward's main kernel stalls: ncu's warp-state sampling per SASS
+      # instruction (SourceCounters) for one launch at S = 4096, D = 128 and D = 64 (bench_attention), kept as
+      # reports plus the source page as CSV; tools/ncu_stalls.py sums the samples per instruction kind
+      for sh in "4096 32 8 128" "4096 32 4 64"; do j="$OUT/ncu_bwd_src_d${sh##* }"
+        timeout 240 ncu --clock-control none --kernel-name regex:attn_bwd_sm90_kernel --launch-skip 2 --launch-count 1 \
+          --section SourceCounters --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
+          -o "$j" "$G/bench_attention" $sh >"$j.log" 2>&1; echo "ncu-attn-src $sh rc=$?"
+        ncu -i "$j.ncu-rep" --page source --csv --print-source sass >"$j.sass.csv" 2>"$j.err"
+        ncu -i "$j.ncu-rep" --page details --csv >"$j.details.csv" 2>>"$j.err"
+        python3 tools/ncu_stalls.py "$j.sass.csv" 2>&1 | tee "$j.txt" | head -40
       done ;;
     attn-ab)
       # attention alone: the carried bench_attention_old (an earlier build, see gpu_carry.sh) against this

@@ -273,14 +273,18 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
 
 /* ==================================================================== host */
 
-/* The consumers' ping-pong turns, off unless CF_ATTN_CF_PINGPONG=1 (for
- * timing; read once). */
-static bool dq_pingpong() {
-    static const bool on = [] {
+/* The consumers' ping-pong turns: on at D = 128, off at D = 64, where
+ * they cost time (bench_attention, H100, run 22 call 3, centrifuge
+ * backward: 0.278 -> 0.282-0.284 ms at S = 4096 D = 64; 0.088-0.092 ->
+ * 0.085-0.086 at Qwen2.5-1.5B's shape, 0.137-0.140 -> 0.135-0.136 at
+ * Llama3.2-3B's, even at S = 4096 D = 128). CF_ATTN_CF_PINGPONG=0/1 forces
+ * them off/on (for timing; read once). */
+static bool dq_pingpong(int D) {
+    static const int forced = [] {
         const char *e = getenv("CF_ATTN_CF_PINGPONG");
-        return e && *e && atoi(e) != 0;
+        return e && *e ? (atoi(e) != 0) : -1;
     }();
-    return on;
+    return forced >= 0 ? forced != 0 : D == 128;
 }
 
 template <int D>
@@ -293,7 +297,7 @@ static int dq_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int 
         !attn_sm90_map_rows(&mk, a.k, nk_rows, a.Hkv, D, C::BN) ||
         !attn_sm90_map_rows(&mv, a.v, nk_rows, a.Hkv, D, C::BN))
         return 0;
-    const void *fn = dq_pingpong() ? (const void *)attn_bwd_dq_sm90_kernel<D, true>
+    const void *fn = dq_pingpong(D) ? (const void *)attn_bwd_dq_sm90_kernel<D, true>
                                    : (const void *)attn_bwd_dq_sm90_kernel<D, false>;
     if (!attn_sm90_prepare(ctx, fn, C::SMEM, D == 64 ? 4 : 5)) return -1;
     dim3 grid(a.H, (maxlen + C::BM - 1) / C::BM, a.B), block(C::THREADS);
