@@ -219,15 +219,20 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
         const int *krow_s = small(st), *kdoc_s = krow_s + BN;
         wgmma_wait<1>();
         fence_regs(s);
+        /* branch-free (kdoc_s and qdoc are 0 without documents), the
+         * column pair (2 t4, 2 t4 + 1) read as one 8-byte load */
 #pragma unroll
-        for (int j = 0; j < BN / 8; j++)
+        for (int j = 0; j < BN / 8; j++) {
+            const int c = 8 * j + 2 * t4;
+            const int2 kr = *reinterpret_cast<const int2 *>(krow_s + c), kd = *reinterpret_cast<const int2 *>(kdoc_s + c);
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                const int c = 8 * j + 2 * t4 + (e & 1), r = e >> 1;
-                float p = fast_exp2(fmaf(s[4 * j + e], a.scale_log2, -lse2[r]));
-                if (!(krow_s[c] <= qrow[r] && (!a.doc || kdoc_s[c] == qdoc[r]))) p = 0.f;
-                s[4 * j + e] = p;
+                const int r = e >> 1, odd = e & 1;
+                const float p = fast_exp2(fmaf(s[4 * j + e], a.scale_log2, -lse2[r]));
+                const bool vis = ((odd ? kr.y : kr.x) <= qrow[r]) & ((odd ? kd.y : kd.x) == qdoc[r]);
+                s[4 * j + e] = vis ? p : 0.f;
             }
+        }
         wgmma_wait<0>();
         fence_regs(dp);
         uint32_t da[BN / 16][4];

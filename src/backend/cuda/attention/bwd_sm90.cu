@@ -228,15 +228,36 @@ __global__ void __launch_bounds__(384, 1)
         const bool need_mask = a.doc != nullptr || qt * BM + BM > qlen || k0 + BN > klen || wkrow_max > qrow_s[0];
         wgmma_wait<1>(); /* S^T */
         fence_regs(st);
+        /* P^T = exp2(x - lse), zero where key row > query row or the
+         * documents differ (kdoc_t and qdoc_s are 0 without documents).
+         * Branch-free, with the column pair (2 t4, 2 t4 + 1) read as one
+         * 8-byte load: a branch per element kept ptxas from interleaving
+         * the exponentials (run 22: 26% of the kernel's stall samples
+         * were in this loop at D = 128, a fifth of them resolving the
+         * branches) */
+        if (need_mask) {
 #pragma unroll
-        for (int j = 0; j < BM / 8; j++)
+            for (int j = 0; j < BM / 8; j++) {
+                const int c = 8 * j + 2 * t4;
+                const float2 l2 = *reinterpret_cast<const float2 *>(sm + c);
+                const int2 qr = *reinterpret_cast<const int2 *>(qrow_s + c), qd = *reinterpret_cast<const int2 *>(qdoc_s + c);
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int c = 8 * j + 2 * t4 + (e & 1), r = e >> 1;
-                float p = fast_exp2(fmaf(st[4 * j + e], a.scale_log2, -sm[c]));
-                if (need_mask && !(krow_t[r] <= qrow_s[c] && (!a.doc || kdoc_t[r] == qdoc_s[c]))) p = 0.f;
-                st[4 * j + e] = p;
+                for (int e = 0; e < 4; e++) {
+                    const int r = e >> 1, odd = e & 1;
+                    const float p = fast_exp2(fmaf(st[4 * j + e], a.scale_log2, -(odd ? l2.y : l2.x)));
+                    const bool vis = (krow_t[r] <= (odd ? qr.y : qr.x)) & (kdoc_t[r] == (odd ? qd.y : qd.x));
+                    st[4 * j + e] = vis ? p : 0.f;
+                }
             }
+        } else {
+#pragma unroll
+            for (int j = 0; j < BM / 8; j++) {
+                const float2 l2 = *reinterpret_cast<const float2 *>(sm + 8 * j + 2 * t4);
+#pragma unroll
+                for (int e = 0; e < 4; e++)
+                    st[4 * j + e] = fast_exp2(fmaf(st[4 * j + e], a.scale_log2, -((e & 1) ? l2.y : l2.x)));
+            }
+        }
         /* P^T and dS^T as bf16 A fragments. At BM = 64 the dV product is
          * issued before dS^T is formed and runs meanwhile; at BM = 128 the
          * scores take too many registers for that (ptxas serialises the
@@ -261,7 +282,8 @@ __global__ void __launch_bounds__(384, 1)
             for (int q = 0; q < 4; q++) {
                 const int i0 = 8 * kk + 2 * q, c = 16 * kk + 8 * (q >> 1) + 2 * t4;
                 if constexpr (!early_dv) pa[kk][q] = pack_bf16(st[i0], st[i0 + 1]);
-                da[kk][q] = pack_bf16(st[i0] * (dpt[i0] - sm[BM + c]), st[i0 + 1] * (dpt[i0 + 1] - sm[BM + c + 1]));
+                const float2 d2 = *reinterpret_cast<const float2 *>(sm + BM + c);
+                da[kk][q] = pack_bf16(st[i0] * (dpt[i0] - d2.x), st[i0 + 1] * (dpt[i0 + 1] - d2.y));
             }
         }
         /* dS^T -> shared, [128 keys][BM queries] swizzled */
