@@ -8,7 +8,7 @@
 #          rows-x8-dry bench-accum profile dp-bf16 ab-profile ab-fused ab-head attn-shapes attn-ab attn-parts dp-prio
 #          bench-pair pair-ab norm-blocks cf-side ab-old grad-keep side-ab ncu-step norm-ab side-prio pair-rows
 #          pair-full side-attn gemm-survey attn-hpb side-sms pair-head
-#          lmhead-cluster ncu-lmhead sanitize-lmhead parity-bigvocab ab-old-accum pingpong pingpong-model ncu-attn-src
+#          lmhead-cluster ncu-lmhead sanitize-lmhead parity-bigvocab ab-old-accum pingpong pingpong-model ncu-attn-src ncu-attn-kernels
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G=$PWD/.gpucarry
@@ -354,6 +354,14 @@ for part in "$@"; do
         ncu -i "$j.ncu-rep" --page source --csv --print-source sass >"$j.sass.csv" 2>"$j.err"
         ncu -i "$j.ncu-rep" --page details --csv >"$j.details.csv" 2>>"$j.err"
         python3 tools/ncu_stalls.py "$j.sass.csv" 2>&1 | tee "$j.txt" | head -40
+      done ;;
+    ncu-attn-kernels)
+      # the time of each kernel of the attention forward and backwards (full, centrifuge, strawman), ncu, at the
+      # four shapes: bench_attention's 23 runs of each (3 warm-up), summed per kernel by tools/ncu_kernels.py
+      for sh in "4096 32 4 64" "4096 32 8 128" "2048 12 2 128" "2048 24 8 128"; do j="$OUT/ncu_attn_kernels_${sh// /_}"
+        BENCH_ATTN_PATHS=auto timeout 240 ncu --clock-control none --csv --print-units base \
+          --metrics gpu__time_duration.sum "$G/bench_attention" $sh >"$j.csv" 2>"$j.err"
+        echo "ncu-attn-kernels $sh rc=$?"; python3 tools/ncu_kernels.py "$j.csv" --top 16 | tee "$j.txt"
       done ;;
     attn-ab)
       # attention alone: the carried bench_attention_old (an earlier build, see gpu_carry.sh) against this
