@@ -159,17 +159,31 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
                     tma_load_3d(sV + s * C::KV_BYTES + cb * BN * 128, &tmV, cb * 64, hk, row, full_v(s));
             }
         } else if (warp == 1) {
+            /* the next tile's rows and documents are loaded into registers
+             * right after this tile's are stored (as in bwd_sm90.cu), so
+             * their latency is not spent between a release and a refill */
+            constexpr int PER = BN / 32;
+            int row_r[PER], doc_r[PER];
+            auto load = [&](int t) {
+#pragma unroll
+                for (int k = 0; k < PER; k++) {
+                    const int j = t * BN + lane + 32 * k;
+                    row_r[k] = j < klen ? row_of(a.krow, ks + j) : INT_MAX;
+                    doc_r[k] = (a.doc && j < klen) ? a.doc[row_r[k]] : 0;
+                }
+            };
+            if (nt > 0) load(0);
             for (int t = 0; t < nt; t++) {
                 const int s = t % KST, n = t / KST;
                 if (n > 0) mbar_wait(empty(s), (n - 1) & 1);
                 int *sm = small(s);
-                for (int c = lane; c < BN; c += 32) {
-                    const int j = t * BN + c;
-                    const int row = j < klen ? row_of(a.krow, ks + j) : INT_MAX;
-                    sm[c] = row;
-                    sm[BN + c] = (a.doc && j < klen) ? a.doc[row] : 0;
+#pragma unroll
+                for (int k = 0; k < PER; k++) {
+                    sm[lane + 32 * k] = row_r[k];
+                    sm[BN + lane + 32 * k] = doc_r[k];
                 }
                 mbar_arrive(full_k(s));
+                if (t + 1 < nt) load(t + 1);
             }
         }
         return;

@@ -8,7 +8,7 @@
  * A block owns BN = 128 keys (k side, any index space) of hpb query heads
  * and one sequence, and the queries of one of ns parts of the key tile's
  * query range (ns = 2 on small grids, attn_sm90_bwd_split):
- *   warpgroup 0 (producer, 24 registers): thread 0 streams the Q and dO
+ *   warpgroup 0 (producer, 32 registers): thread 0 streams the Q and dO
  *     tiles (BM = 64 q-side rows; the q side is always contiguous rows, so
  *     TMA) into a ring of QST stages; warp 1 fills the per-query vectors of
  *     the stage (lse in log2 units, D_i, original row, document id) with
@@ -118,7 +118,7 @@ __global__ void __launch_bounds__(384, 1)
     const int wg = threadIdx.x >> 7;
     if (wg == 0) {
         /* ---------------------------------------------------- producer */
-        setmaxnreg_dec<24>();
+        setmaxnreg_dec<32>(); /* 32 x 128 + 240 x 256 = 64K registers */
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
         if (warp == 0 && lane == 0) {
             for (int i = 0; i < nsteps; i++) {
@@ -131,21 +131,43 @@ __global__ void __launch_bounds__(384, 1)
                 }
             }
         } else if (warp == 1) {
-            for (int i = 0; i < nsteps; i++) {
-                const int h = h0 + i / nq, s = i % QST, n = i / QST;
-                if (n > 0) mbar_wait(empty(s), (n - 1) & 1);
-                float *sm = small(s);
-                for (int c = lane; c < BM; c += 32) {
-                    const int qi = (qt_begin + i % nq) * BM + c;
+            /* the next step's vectors are loaded into registers right
+             * after this step's are stored, so the global loads' latency
+             * is spent while the consumers work, not between a stage's
+             * release and its refill (run 22: the consumers' wait for a
+             * full stage grew to 8% of the samples once the mask loop got
+             * faster, with this warp mostly waiting on its loads) */
+            constexpr int PER = BM / 32;
+            float lse_r[PER], d_r[PER];
+            int row_r[PER], doc_r[PER];
+            auto load = [&](int i) {
+                const int h = h0 + i / nq;
+#pragma unroll
+                for (int k = 0; k < PER; k++) {
+                    const int qi = (qt_begin + i % nq) * BM + lane + 32 * k;
                     const bool ok = qi < qlen;
                     const size_t idx = (size_t)(qs + qi) * a.H + h;
-                    const int row = ok ? row_of(a.qrow, qs + qi) : -1;
-                    sm[c] = ok ? a.lse[idx] * LOG2E_F : 0.f;
-                    sm[BM + c] = ok ? a.Dvec[idx] : 0.f;
-                    reinterpret_cast<int *>(sm)[2 * BM + c] = row;
-                    reinterpret_cast<int *>(sm)[3 * BM + c] = (ok && a.doc) ? a.doc[row] : 0;
+                    row_r[k] = ok ? row_of(a.qrow, qs + qi) : -1;
+                    lse_r[k] = ok ? a.lse[idx] * LOG2E_F : 0.f;
+                    d_r[k] = ok ? a.Dvec[idx] : 0.f;
+                    doc_r[k] = (ok && a.doc) ? a.doc[row_r[k]] : 0;
+                }
+            };
+            if (nsteps > 0) load(0);
+            for (int i = 0; i < nsteps; i++) {
+                const int s = i % QST, n = i / QST;
+                if (n > 0) mbar_wait(empty(s), (n - 1) & 1);
+                float *sm = small(s);
+#pragma unroll
+                for (int k = 0; k < PER; k++) {
+                    const int c = lane + 32 * k;
+                    sm[c] = lse_r[k];
+                    sm[BM + c] = d_r[k];
+                    reinterpret_cast<int *>(sm)[2 * BM + c] = row_r[k];
+                    reinterpret_cast<int *>(sm)[3 * BM + c] = doc_r[k];
                 }
                 mbar_arrive(full(s));
+                if (i + 1 < nsteps) load(i + 1);
             }
         } else if (warp == 2) {
             /* the dq writer: adds each step's dQ tile (BM x D fp32 in slot
