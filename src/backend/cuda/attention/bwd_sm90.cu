@@ -8,7 +8,7 @@
  * A block owns BN = 128 keys (k side, any index space) of hpb query heads
  * and one sequence, and the queries of one of ns parts of the key tile's
  * query range (ns = 2 on small grids, attn_sm90_bwd_split):
- *   warpgroup 0 (producer, 32 registers): thread 0 streams the Q and dO
+ *   warpgroup 0 (producer, 24 registers): thread 0 streams the Q and dO
  *     tiles (BM = 64 q-side rows; the q side is always contiguous rows, so
  *     TMA) into a ring of QST stages; warp 1 fills the per-query vectors of
  *     the stage (lse in log2 units, D_i, original row, document id) with
@@ -118,7 +118,10 @@ __global__ void __launch_bounds__(384, 1)
     const int wg = threadIdx.x >> 7;
     if (wg == 0) {
         /* ---------------------------------------------------- producer */
-        setmaxnreg_dec<32>(); /* 32 x 128 + 240 x 256 = 64K registers */
+        /* 24 x 128 + 240 x 256 = 384 x 168, the block's registers at
+         * launch: the consumers' setmaxnreg.inc waits for registers the
+         * producer gives back, so more here would leave them waiting */
+        setmaxnreg_dec<24>();
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
         if (warp == 0 && lane == 0) {
             for (int i = 0; i < nsteps; i++) {
