@@ -8,7 +8,7 @@
 #          rows-x8-dry bench-accum profile dp-bf16 ab-profile ab-fused ab-head attn-shapes attn-ab attn-parts dp-prio
 #          bench-pair pair-ab norm-blocks cf-side ab-old grad-keep side-ab ncu-step norm-ab side-prio pair-rows
 #          pair-full side-attn gemm-survey attn-hpb side-sms pair-head
-#          lmhead-cluster ncu-lmhead sanitize-lmhead parity-bigvocab ab-old-accum pingpong pingpong-model ncu-attn-src ncu-attn-kernels
+#          lmhead-cluster ncu-lmhead sanitize-lmhead parity-bigvocab ab-old-accum pingpong pingpong-model ncu-attn-src ncu-attn-kernels cf-pp64
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G=$PWD/.gpucarry
@@ -363,6 +363,11 @@ for part in "$@"; do
           --metrics gpu__time_duration.sum "$G/bench_attention" $sh >"$j.csv" 2>"$j.err"
         echo "ncu-attn-kernels $sh rc=$?"; python3 tools/ncu_kernels.py "$j.csv" --top 16 | tee "$j.txt"
       done ;;
+    cf-pp64)
+      # centrifuge part 2's ping-pong turns at D = 64 (off by default there), alternated twice
+      for rep in 1 2; do for v in 0 1; do echo "cf pingpong=$v (rep $rep), S H Hkv D = 4096 32 4 64"
+        CF_ATTN_CF_PINGPONG=$v BENCH_ATTN_PATHS=auto "$G/bench_attention" 4096 32 4 64 2>&1 | grep -E "backward (full|centrifuge)"
+      done; done 2>&1 | tee "$OUT/cf_pp64.txt" ;;
     attn-ab)
       # attention alone: the carried bench_attention_old (an earlier build, see gpu_carry.sh) against this
       # build's, alternated twice per shape (default shapes, then Qwen2.5-1.5B's and Llama3.2-3B's)
