@@ -34,8 +34,8 @@
  *     BM = 128: rows 64w.. with all D columns. Each stores its part of dQ
  *     (fp32) to shared memory; warp 2 of the producer adds the BM x D tile
  *     to the accumulator with one bulk reduction (cp.reduce.async.bulk
- *     .add.f32) while the consumers go on (named barriers hand the tile
- *     back and forth; two tiles at D = 128: BwdSm90::DQB).
+ *     .add.f32) while the consumers go on (named barriers 2 and 3 hand the
+ *     buffer back and forth).
  * BM = 128 halves the per-step costs (barriers, hand-offs, waits) for the
  * same work but needs twice the score registers: D = 64 only.
  *
@@ -63,27 +63,11 @@ template <int D, int BM_> struct BwdSm90 {
     static constexpr int THREADS = 384;
     static constexpr uint32_t KT_BYTES = BN * D * 2, QT_BYTES = BM * D * 2, DS_BYTES = BN * BM * 2;
     static constexpr uint32_t DQ_BYTES = BM * D * 4;     /* a step's dq tile, fp32 */
-    /* dq tiles in shared memory: two at D = 128, so the consumers need not
-     * wait for the writer's bulk reduction of the last step to have read
-     * its tile (that wait was 3% of the kernel's stall samples, run 22);
-     * one at D = 64, where two do not fit */
-    static constexpr int DQB = D == 128 ? 2 : 1;
-    /* the hand-off of dq tile i % DQB between the consumers and the writer
-     * warp: named barriers "full" (2, 4) and "empty" (3, 5), one pair per
-     * tile, since the consumers may arrive for step i + 1 before the writer
-     * waited for step i, and arrivals on one barrier would then mix steps */
-    static __device__ __forceinline__ int dq_full(int i) { return 2 + 2 * (i % DQB); }
-    static __device__ __forceinline__ int dq_empty(int i) { return 3 + 2 * (i % DQB); }
     static constexpr uint32_t SMALL_BYTES = 4 * BM * 4; /* lse, D, row, doc of a stage */
     static constexpr uint32_t OFF_K = 0, OFF_V = KT_BYTES, OFF_Q = 2 * KT_BYTES, OFF_DO = OFF_Q + QST * QT_BYTES,
                               OFF_DS = OFF_DO + QST * QT_BYTES, OFF_DQ = OFF_DS + 2 * DS_BYTES,
-                              OFF_SMALL = OFF_DQ + DQB * DQ_BYTES, OFF_BAR = OFF_SMALL + QST * SMALL_BYTES;
-    /* + slack to align the base to 1024 bytes, except with two dq tiles,
-     * which leave no room for it: the kernel then requires an aligned
-     * base, which dynamic shared memory has on sm_90 (this kernel has no
-     * static shared memory), and traps otherwise */
-    static constexpr uint32_t SLACK = DQB == 2 ? 0 : 1024;
-    static constexpr uint32_t SMEM = OFF_BAR + 16 * QST + SLACK;
+                              OFF_SMALL = OFF_DQ + DQ_BYTES, OFF_BAR = OFF_SMALL + QST * SMALL_BYTES;
+    static constexpr uint32_t SMEM = OFF_BAR + 16 * QST + 1024;
 };
 
 namespace {
@@ -97,7 +81,6 @@ __global__ void __launch_bounds__(384, 1)
     constexpr int BN = C::BN, BM = C::BM, QST = C::QST, NW = C::NW, DB = D / 64;
     extern __shared__ unsigned char smem_raw[];
     const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
-    if (C::SLACK == 0 && base != smem_u32(smem_raw)) __trap(); /* no room to align (BwdSm90::SLACK) */
     unsigned char *sbase = smem_raw + (base - smem_u32(smem_raw));
     const uint32_t sK = base + C::OFF_K, sV = base + C::OFF_V, sQ = base + C::OFF_Q, sO = base + C::OFF_DO,
                    sDS = base + C::OFF_DS;
@@ -194,17 +177,17 @@ __global__ void __launch_bounds__(384, 1)
              * order, written to shared memory by the consumers) to the
              * accumulator with one bulk reduction, off the consumers' path */
             for (int i = 0; i < nsteps; i++) {
-                named_barrier(C::dq_full(i), 256 + 32); /* the consumers' dQ of step i is in shared memory */
+                named_barrier(2, 256 + 32); /* the consumers' dQ of step i is in shared memory */
                 if (lane == 0) {
                     /* slots of (b, h): 64-row tiles, a step covers BM / 64 of them */
                     float *dst = a.dq_acc + dq_slot_base(b, h0 + i / nq, 0, a.H, D, tps) +
                                  (size_t)(qt_begin + i % nq) * (BM * D);
-                    bulk_reduce_add_f32(dst, base + C::OFF_DQ + (i % C::DQB) * C::DQ_BYTES, C::DQ_BYTES);
+                    bulk_reduce_add_f32(dst, base + C::OFF_DQ, C::DQ_BYTES);
                     bulk_commit();
                     bulk_wait_read();
                 }
                 __syncwarp();
-                if (i + C::DQB < nsteps) named_barrier_arrive(C::dq_empty(i), 256 + 32); /* the tile may be rewritten */
+                if (i + 1 < nsteps) named_barrier_arrive(3, 256 + 32); /* the buffer may be rewritten */
             }
             if (lane == 0) bulk_wait_all();
         }
@@ -243,7 +226,7 @@ __global__ void __launch_bounds__(384, 1)
     /* this warpgroup's dQ product: rows (queries) from column qc0 of dS^T,
      * columns from kc0 of K; its block of the step's slot tile */
     const int qc0 = BM == 64 ? 0 : 64 * w, kc0 = BM == 64 ? w * (D / 2) : 0;
-    float4 *const dqs0 = reinterpret_cast<float4 *>(sbase + C::OFF_DQ) + w * (64 * NW / 4);
+    float4 *dqs = reinterpret_cast<float4 *>(sbase + C::OFF_DQ) + w * (64 * NW / 4);
 
     float dk[D / 2], dv[D / 2];
 #pragma unroll
@@ -363,14 +346,13 @@ __global__ void __launch_bounds__(384, 1)
         fence_regs(pa);
 
         /* dQ -> shared in slot order, then to the writer warp */
-        if (i >= C::DQB) named_barrier(C::dq_empty(i), 256 + 32); /* the writer has read step i - DQB's tile */
-        float4 *dqs = dqs0 + (i % C::DQB) * (C::DQ_BYTES / 16);
+        if (i > 0) named_barrier(3, 256 + 32); /* the writer has read the last one */
 #pragma unroll
         for (int j = 0; j < NW / 8; j++)
             dqs[j * 128 + tid] = make_float4(dq[4 * j] * a.scale, dq[4 * j + 1] * a.scale, dq[4 * j + 2] * a.scale,
                                              dq[4 * j + 3] * a.scale);
         fence_async_smem();
-        named_barrier_arrive(C::dq_full(i), 256 + 32);
+        named_barrier_arrive(2, 256 + 32);
         wgmma_wait<0>(); /* dK: the stage's Q and dO are read */
         fence_regs(dk);
         fence_regs(da);
