@@ -26,8 +26,6 @@
  * this one on a second stream beside part 1 (launch.cu): each fills the
  * SMs the other's uneven causal grid leaves idle.
  */
-#include <stdlib.h>
-
 #include "backend/cuda/attention/sm90.cuh"
 
 template <int D> struct DqSm90 {
@@ -299,10 +297,7 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
  * Llama3.2-3B's, even at S = 4096 D = 128). CF_ATTN_CF_PINGPONG=0/1 forces
  * them off/on (for timing; read once). */
 static bool dq_pingpong(int D) {
-    static const int forced = [] {
-        const char *e = getenv("CF_ATTN_CF_PINGPONG");
-        return e && *e ? (atoi(e) != 0) : -1;
-    }();
+    static const int forced = attn_env_int("CF_ATTN_CF_PINGPONG", -1);
     return forced >= 0 ? forced != 0 : D == 128;
 }
 

@@ -50,8 +50,6 @@
  * the position of element (r, c); attn_sm90_dq_convert undoes it.
  * dq is a sum in nondeterministic order (as in bwd.cu); dk, dv are not.
  */
-#include <stdlib.h>
-
 #include "backend/cuda/attention/sm90.cuh"
 
 template <int D, int BM_> struct BwdSm90 {
@@ -453,12 +451,8 @@ __global__ void __launch_bounds__(256) bwd_finish_kernel(bf16 *dq, float *dqf, c
 /* 128 queries per backward step at D = 64 (64 with CF_ATTN_SM90_BWD_BM=64,
  * for timing both; read once). Measured on an H100 (FULL, S = 4096, H = 32,
  * Hkv = 4, two query heads per block): 0.690 ms with 128, 0.753 with 64. */
-static int env_int(const char *name, int dflt) {
-    const char *e = getenv(name);
-    return e && *e ? atoi(e) : dflt;
-}
 static int bwd_bm_for(int D) {
-    static const int bm64 = env_int("CF_ATTN_SM90_BWD_BM", 128) == 64 ? 64 : 128;
+    static const int bm64 = attn_env_int("CF_ATTN_SM90_BWD_BM", 128) == 64 ? 64 : 128;
     return D == 64 ? bm64 : 64;
 }
 
@@ -482,7 +476,7 @@ static int bwd_bm_for(int D) {
 static_assert(BwdSm90<64, 128>::BN == BwdSm90<128, 64>::BN && BwdSm90<64, 64>::BN == BwdSm90<128, 64>::BN,
               "one key tile for every variant");
 int attn_sm90_bwd_hpb(const cf_cuda_ctx *ctx, int D, int H, int Hkv, int B, int kmaxlen) {
-    static const int forced = env_int("CF_ATTN_SM90_BWD_HPB", 0);
+    static const int forced = attn_env_int("CF_ATTN_SM90_BWD_HPB", 0);
     int hpb = ctx->attn_bwd_hpb > 0 ? ctx->attn_bwd_hpb : forced;
     if (hpb < 1) return bwd_heads_per_block(D, H, Hkv, B, kmaxlen, BwdSm90<128, 64>::BN, ctx->sm_count);
     const int G = H / Hkv;
@@ -501,7 +495,7 @@ int attn_sm90_bwd_hpb(const cf_cuda_ctx *ctx, int D, int H, int Hkv, int B, int 
  * tests/gpu/host_bwd_parts.cu). CF_ATTN_SM90_BWD_SPLIT=n
  * forces n (timing; read once), ctx->attn_bwd_split per context (tests). */
 int attn_sm90_bwd_split(const cf_cuda_ctx *ctx, int D, int H, int hpb, int B, int qmaxlen, int kmaxlen) {
-    static const int forced = env_int("CF_ATTN_SM90_BWD_SPLIT", 0);
+    static const int forced = attn_env_int("CF_ATTN_SM90_BWD_SPLIT", 0);
     const int f = ctx->attn_bwd_split > 0 ? ctx->attn_bwd_split : forced;
     if (f > 0) return f > 2 ? 2 : f;
     return bwd_query_parts(BwdSm90<128, 64>::BN, bwd_bm_for(D), H, hpb, B, qmaxlen, kmaxlen, ctx->sm_count);

@@ -399,6 +399,10 @@ static inline int attn_grid_for(size_t n) {
  * device, the binary's sm_90a code runs on it, the driver encodes tensor
  * maps, and CENTRIFUGE_ATTENTION is not "portable" (read once per context) */
 bool attn_sm90_enabled(cf_cuda_ctx *ctx);
+/* launch_sm90.cu: the integer in environment variable `name`, or dflt where
+ * it is unset or empty (the kernels' timing switches; each caller reads its
+ * switch once) */
+int attn_env_int(const char *name, int dflt);
 /* fwd_sm90.cu: the forward, all rows (no kept lists), D = 64 or 128 */
 int attn_fwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D);
 /* bwd_sm90.cu: the main backward kernel (as bwd.cu's) over k-side tiles of

@@ -28,8 +28,6 @@
  * log2(e), so P = exp2(x - m). A row that sees no key so far keeps m = -inf
  * and uses 0 as its base.
  */
-#include <stdlib.h>
-
 #include "backend/cuda/attention/sm90.cuh"
 
 template <int D> struct FwdSm90 {
@@ -284,10 +282,7 @@ __global__ void __launch_bounds__(FwdSm90<D>::THREADS, 1)
 /* The consumers' ping-pong turns, on unless CF_ATTN_FWD_PINGPONG=0 (for
  * timing; read once). */
 static bool fwd_pingpong() {
-    static const bool on = [] {
-        const char *e = getenv("CF_ATTN_FWD_PINGPONG");
-        return !(e && *e && atoi(e) == 0);
-    }();
+    static const bool on = attn_env_int("CF_ATTN_FWD_PINGPONG", 1) != 0;
     return on;
 }
 

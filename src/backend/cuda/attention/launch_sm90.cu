@@ -65,6 +65,11 @@ bool attn_sm90_map_ints(CUtensorMap *map, const void *base, int n, int box_n) {
                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
+int attn_env_int(const char *name, int dflt) {
+    const char *e = getenv(name);
+    return e && *e ? atoi(e) : dflt;
+}
+
 bool attn_sm90_prepare(cf_cuda_ctx *ctx, const void *fn, size_t smem, int which) {
     const unsigned bit = 1u << which;
     if (ctx->attn_sm90_attr_done & bit) return true;
