@@ -137,6 +137,11 @@ typedef struct cf_cuda_ctx {
      * the grid's size (attention/bwd_sm90.cu: attn_sm90_bwd_split); tests
      * set 1 or 2 */
     int attn_bwd_split;
+    /* the LM head's cluster kernel (lmhead.cu: lmhead_cluster_plan): the
+     * vocabulary size last planned for (0: none yet) and its cluster size
+     * (0: the one-block kernel), so the attribute and placement queries run
+     * once per vocabulary size, not at every chunk */
+    int lmhead_cluster_v, lmhead_cluster_cl;
 
     /* time marks on the compute stream (backend.h: mark), created lazily */
 #define CF_CUDA_MARKS 4096

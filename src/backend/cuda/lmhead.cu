@@ -207,30 +207,19 @@ static __global__ void __launch_bounds__(512)
 #endif
 }
 
-/* The cluster kernel where it applies (false: the caller runs
- * lmhead_rows_kernel): an sm_90 build on a GPU of cc >= 9 that can place
- * the cluster, rows over 64 KB, CL the smallest of 2, 4, 8 with a slice of
- * at most 100 KB of shared memory, the 16-byte path's alignment, and
- * CF_LMHEAD_CLUSTER not "0" (an A/B switch, read at every call). */
-static bool lmhead_rows_cluster(cf_cuda_ctx *ctx, int rows, float *losses, bf16 *dlogits, const float *logits,
-                                const int *targets, const float *dloss, int V) {
 #if !(defined(CF_CUDA_PORTABLE) && CF_CUDA_PORTABLE)
-    const char *e = getenv("CF_LMHEAD_CLUSTER");
-    if (ctx->cc_major < 9 || (e && strcmp(e, "0") == 0) || (size_t)V * 4 <= (64 << 10) || rows > 65535) return false;
-    int cl = 2;
-    while (cl < 8 && (size_t)(V / cl) * 4 > (100 << 10)) cl *= 2;
-    const size_t bytes = (size_t)(V / cl) * 4;
-    if (bytes > (100 << 10) || bytes > ctx->smem_optin || V % (4 * cl) || !cf_aligned16(logits) ||
-        ((uintptr_t)dlogits & 7))
-        return false;
-    void (*k)(float *, bf16 *, const float *, const int *, const float *, int) =
-        cl == 2 ? lmhead_rows_cluster_kernel<2> : cl == 4 ? lmhead_rows_cluster_kernel<4> : lmhead_rows_cluster_kernel<8>;
-    if (!CF_CK(ctx, cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes))) return false;
-    cudaLaunchAttribute at[1];
-    at[0].id = cudaLaunchAttributeClusterDimension;
-    at[0].val.clusterDim.x = cl;
-    at[0].val.clusterDim.y = 1;
-    at[0].val.clusterDim.z = 1;
+typedef void (*lmhead_cluster_fn)(float *, bf16 *, const float *, const int *, const float *, int);
+static lmhead_cluster_fn lmhead_cluster_kernel_for(int cl) {
+    return cl == 2 ? lmhead_rows_cluster_kernel<2> : cl == 4 ? lmhead_rows_cluster_kernel<4> : lmhead_rows_cluster_kernel<8>;
+}
+
+/* A cluster launch of CL blocks of 512 threads per row */
+static cudaLaunchConfig_t lmhead_cluster_config(cf_cuda_ctx *ctx, int cl, int rows, size_t bytes,
+                                                cudaLaunchAttribute *at) {
+    at->id = cudaLaunchAttributeClusterDimension;
+    at->val.clusterDim.x = cl;
+    at->val.clusterDim.y = 1;
+    at->val.clusterDim.z = 1;
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(cl, rows);
     cfg.blockDim = dim3(512);
@@ -238,14 +227,57 @@ static bool lmhead_rows_cluster(cf_cuda_ctx *ctx, int rows, float *losses, bf16 
     cfg.stream = ctx->stream;
     cfg.attrs = at;
     cfg.numAttrs = 1;
-    /* a GPU that cannot place one such cluster (a MIG slice, too few SMs
-     * per GPC) keeps the one-block kernel */
-    int clusters = 0;
-    if (cudaOccupancyMaxActiveClusters(&clusters, k, &cfg) != cudaSuccess || clusters < 1) {
-        (void)cudaGetLastError(); /* not an error of the step */
-        return false;
+    return cfg;
+}
+
+/* The cluster size for a vocabulary of V on this context, or 0 for the
+ * one-block kernel: a GPU of cc >= 9, rows over 64 KB, CL the smallest of
+ * 2, 4, 8 with a slice of at most 100 KB of shared memory, V a multiple of
+ * 4 CL, and a GPU that can place such a cluster (not so on a MIG slice or
+ * with too few SMs per GPC). Planned once per V (ctx->lmhead_cluster_*):
+ * the shared-memory attribute and the placement query cost microseconds,
+ * and the forward asks at every chunk. -1: a CUDA call failed (ctx->failed). */
+static int lmhead_cluster_plan(cf_cuda_ctx *ctx, int V) {
+    if (ctx->lmhead_cluster_v == V) return ctx->lmhead_cluster_cl;
+    int cl = 0;
+    if (ctx->cc_major >= 9 && (size_t)V * 4 > (64 << 10)) {
+        cl = 2;
+        while (cl < 8 && (size_t)(V / cl) * 4 > (100 << 10)) cl *= 2;
+        const size_t bytes = (size_t)(V / cl) * 4;
+        if (bytes > (100 << 10) || bytes > ctx->smem_optin || V % (4 * cl)) {
+            cl = 0;
+        } else {
+            const lmhead_cluster_fn k = lmhead_cluster_kernel_for(cl);
+            if (!CF_CK(ctx, cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes))) return -1;
+            cudaLaunchAttribute at;
+            const cudaLaunchConfig_t cfg = lmhead_cluster_config(ctx, cl, 1, bytes, &at);
+            int clusters = 0;
+            if (cudaOccupancyMaxActiveClusters(&clusters, k, &cfg) != cudaSuccess || clusters < 1) {
+                (void)cudaGetLastError(); /* not an error of the step */
+                cl = 0;
+            }
+        }
     }
-    return CF_CK(ctx, cudaLaunchKernelEx(&cfg, k, losses, dlogits, logits, targets, dloss, V));
+    ctx->lmhead_cluster_v = V;
+    ctx->lmhead_cluster_cl = cl;
+    return cl;
+}
+#endif
+
+/* The cluster kernel where it applies (false: the caller runs
+ * lmhead_rows_kernel): an sm_90 build, a vocabulary lmhead_cluster_plan
+ * gives a cluster size, at most 65535 rows, the 16-byte path's alignment,
+ * and CF_LMHEAD_CLUSTER not "0" (an A/B switch, read at every call). */
+static bool lmhead_rows_cluster(cf_cuda_ctx *ctx, int rows, float *losses, bf16 *dlogits, const float *logits,
+                                const int *targets, const float *dloss, int V) {
+#if !(defined(CF_CUDA_PORTABLE) && CF_CUDA_PORTABLE)
+    const char *e = getenv("CF_LMHEAD_CLUSTER");
+    if ((e && strcmp(e, "0") == 0) || rows > 65535 || !cf_aligned16(logits) || ((uintptr_t)dlogits & 7)) return false;
+    const int cl = lmhead_cluster_plan(ctx, V);
+    if (cl <= 0) return false;
+    cudaLaunchAttribute at;
+    const cudaLaunchConfig_t cfg = lmhead_cluster_config(ctx, cl, rows, (size_t)(V / cl) * 4, &at);
+    return CF_CK(ctx, cudaLaunchKernelEx(&cfg, lmhead_cluster_kernel_for(cl), losses, dlogits, logits, targets, dloss, V));
 #else
     return false;
 #endif
