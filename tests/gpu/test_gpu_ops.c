@@ -289,15 +289,19 @@ TEST(matmul_bwd_matches_cpu_dinp_dw_dbias_and_accumulate) {
 }
 
 /* rmsnorm: out bf16 (1e-2); rstd fp32 from identical inputs (1e-5);
- * dinp bf16 (1e-2), dw fp32 accumulated (2e-2). */
+ * dinp bf16 (1e-2), dw fp32 accumulated (2e-2). The widths reach every
+ * forward kernel: rows in registers at 2, 8 and 16 packs per lane (256;
+ * 1000 and 1536, partial packs; 3072), the two-pass 16-byte kernel (5120)
+ * and the scalar one (36). */
+static const int norm_widths[] = {256, 36, 1000, 1536, 3072, 5120};
+#define NORM_WIDTHS ((int)(sizeof norm_widths / sizeof norm_widths[0]))
 /* The TP path's residual add fused with the norm after it: the sum (bf16
  * rounded) and the norm of the rounded sum, against the CPU's add then
  * norm, on the 16-byte and scalar paths, and with the sum over a in place. */
 TEST(add_rmsnorm_fwd_matches_cpu_vector_scalar_and_in_place) {
     const int T = 67;
-    const int Cs[2] = {256, 36};
-    for (int ci = 0; ci < 2; ci++) {
-        const int C = Cs[ci];
+    for (int ci = 0; ci < NORM_WIDTHS; ci++) {
+        const int C = norm_widths[ci];
         float *x = HOLD(hrand((size_t)T * C, 2.f)), *y = HOLD(hrand((size_t)T * C, 1.f)), *w = HOLD(hrand(C, 1.f));
         float *rs = HOLD(hnew((size_t)T * C)), *ro = HOLD(hnew((size_t)T * C)), *rr = HOLD(hnew(T));
         cpu->add_rmsnorm_fwd(cpu, rs, ro, rr, x, y, w, T, C, 1e-5f);
@@ -316,9 +320,8 @@ TEST(add_rmsnorm_fwd_matches_cpu_vector_scalar_and_in_place) {
 
 TEST(rmsnorm_fwd_bwd_match_cpu_vector_and_scalar_paths) {
     const int T = 67;
-    const int Cs[2] = {256, 36};
-    for (int ci = 0; ci < 2; ci++) {
-        const int C = Cs[ci];
+    for (int ci = 0; ci < NORM_WIDTHS; ci++) {
+        const int C = norm_widths[ci];
         float *x = HOLD(hrand((size_t)T * C, 2.f)), *w = HOLD(hrand(C, 1.f)), *dy = HOLD(hrand((size_t)T * C, 1.f));
         float *dx0 = HOLD(hrand((size_t)T * C, 1.f)), *dw0 = HOLD(hrand(C, 1.f));
         float *ry = HOLD(hnew((size_t)T * C)), *rr = HOLD(hnew(T));
