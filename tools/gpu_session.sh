@@ -8,7 +8,7 @@
 #          rows-x8-dry bench-accum profile dp-bf16 ab-profile ab-fused ab-head attn-shapes attn-ab attn-parts dp-prio
 #          bench-pair pair-ab norm-blocks cf-side ab-old grad-keep side-ab ncu-step norm-ab side-prio pair-rows
 #          pair-full side-attn gemm-survey attn-hpb side-sms pair-head
-#          lmhead-cluster ncu-lmhead sanitize-lmhead parity-bigvocab ab-old-accum pingpong pingpong-model ncu-attn-src ncu-attn-kernels cf-pp64
+#          lmhead-cluster ncu-lmhead sanitize-lmhead parity-bigvocab ab-old-accum pingpong pingpong-model ncu-attn-src ncu-attn-kernels cf-pp64 ncu-ops
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G=$PWD/.gpucarry
@@ -195,6 +195,22 @@ for part in "$@"; do
             --config $c --layers ${NCU_LAYERS:-4} --seq $sq --batch 1 --grad-accum 2 --modes $md --keep 0.5 \
             --steps 1 --warmup 1 >"$j.csv" 2>"$j.err"
           echo "ncu $c $md rc=$?"; python3 tools/ncu_kernels.py "$j.csv" --top 32 | tee "$j.txt"
+        done
+      done ;;
+    ncu-ops)
+      # per-kernel time and DRAM traffic (ncu) of the kernels whose names match NCU_KERNELS (a regex), in a
+      # short run per model in ACCUM_MODELS (NCU_LAYERS layers, default 4; grad-accum 2; NCU_MODES, default
+      # regular; one warm-up and one timed step), for each of NCU_VARIANTS: old (the carried
+      # centrifuge-cuda-old), new, or VAR=value (this build with that switch); tools/ncu_kernels.py sums them
+      for cs in ${ACCUM_MODELS:-tinyllama-1.1b:4096}; do c=${cs%%:*}; sq=${cs##*:}
+        for va in ${NCU_VARIANTS:-old new}; do
+          b="$CF"; e=""; case $va in old) b="$G/centrifuge-cuda-old" ;; new) ;; *) e=$va ;; esac
+          j="$OUT/ncuops_${c}_${va//=/_}"
+          env $e CF_GEMM_TUNE=0 timeout 200 ncu --clock-control none --csv --print-units base \
+            --kernel-name "regex:${NCU_KERNELS:-.}" --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum \
+            "$b" bench --device cuda --config $c --layers ${NCU_LAYERS:-4} --seq $sq --batch 1 --grad-accum 2 \
+            --modes ${NCU_MODES:-regular} --keep 0.5 --steps 1 --warmup 1 >"$j.csv" 2>"$j.err"
+          echo "ncu $c $va rc=$?"; python3 tools/ncu_kernels.py "$j.csv" --top 24 | tee "$j.txt"
         done
       done ;;
     norm-ab)

@@ -105,7 +105,7 @@ static __global__ void add_rmsnorm_fwd_kernel(bf16 *sum, bf16 *out, float *rstd,
  * floor near 6, a warp waiting on one 16-byte load per lane at a time.
  */
 template <bool ADD, int NP>
-static __global__ void __launch_bounds__(256)
+static __global__ void __launch_bounds__(256, NP <= 8 ? 4 : 2)
     rmsnorm_fwd_regs_kernel(bf16 *sum, bf16 *out, float *rstd, const bf16 *a, const bf16 *c, const bf16 *w, int T,
                             int C, float eps) {
     const int row = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
@@ -141,6 +141,15 @@ static __global__ void __launch_bounds__(256)
         }
     ss = warp_sum(ss);
     const float r = rsqrtf(ss / C + eps);
+    /* Registers decide the waves: 4 blocks of 256 per SM (64 registers)
+     * hold T = 4096 rows in one wave at NP = 8. So w is read after the sum,
+     * not hoisted above it (the memory clobber), and the row is unpacked
+     * again from its packs rather than kept as floats (the packs made opaque). */
+#pragma unroll
+    for (int k = 0; k < NP; k++) {
+        uint32_t *u = reinterpret_cast<uint32_t *>(&xv[k]);
+        asm volatile("" : "+r"(u[0]), "+r"(u[1]), "+r"(u[2]), "+r"(u[3])::"memory");
+    }
 #pragma unroll
     for (int k = 0; k < NP; k++) {
         const int i = lane * 8 + k * 256;
@@ -154,8 +163,17 @@ static __global__ void __launch_bounds__(256)
     }
     if (lane == 0) rstd[row] = r;
 }
-/* packs per lane of the register kernel for width C, 0 where none fits */
-static int rmsnorm_regs_np(int C) { return C <= 512 ? 2 : C <= 2048 ? 8 : C <= 4096 ? 16 : 0; }
+/* packs per lane of the register kernel for width C, 0 where none fits or
+ * CF_RMSNORM_FWD_REGS=0 is in the environment (the two-pass kernels, for
+ * timing; read once) */
+static int rmsnorm_regs_np(int C) {
+    static int on = -1;
+    if (on < 0) {
+        const char *e = getenv("CF_RMSNORM_FWD_REGS");
+        on = !(e && e[0] == '0');
+    }
+    return !on ? 0 : C <= 512 ? 2 : C <= 2048 ? 8 : C <= 4096 ? 16 : 0;
+}
 template <bool ADD>
 static void rmsnorm_fwd_regs(cf_cuda_ctx *ctx, int np, bf16 *sum, bf16 *out, float *rstd, const bf16 *a,
                              const bf16 *c, const bf16 *w, int T, int C, float eps) {
