@@ -362,9 +362,11 @@ for part in "$@"; do
     ncu-attn-src)
       # issue 17: where the Hopper attention backward's main kernel stalls: ncu's warp-state sampling per SASS
       # instruction (SourceCounters) for one launch at S = 4096, D = 128 and D = 64 (bench_attention), kept as
-      # reports plus the source page as CSV; tools/ncu_stalls.py sums the samples per instruction kind
-      for sh in "4096 32 8 128" "4096 32 4 64"; do j="$OUT/ncu_bwd_src_d${sh##* }"
-        timeout 240 ncu --clock-control none --kernel-name regex:attn_bwd_sm90_kernel --launch-skip 2 --launch-count 1 \
+      # reports plus the source page as CSV; tools/ncu_stalls.py sums the samples per instruction kind.
+      # NCU_ATTN=fwd profiles the forward kernel instead
+      k=${NCU_ATTN:-bwd}
+      for sh in "4096 32 8 128" "4096 32 4 64"; do j="$OUT/ncu_${k}_src_d${sh##* }"
+        timeout 240 ncu --clock-control none --kernel-name regex:attn_${k}_sm90_kernel --launch-skip 2 --launch-count 1 \
           --section SourceCounters --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
           -o "$j" "$G/bench_attention" $sh >"$j.log" 2>&1; echo "ncu-attn-src $sh rc=$?"
         ncu -i "$j.ncu-rep" --page source --csv --print-source sass >"$j.sass.csv" 2>"$j.err"
