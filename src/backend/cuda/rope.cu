@@ -37,21 +37,18 @@ __device__ __forceinline__ void rope_angles(float *sn, float *cs, float p, const
     }
     __syncthreads();
 }
-/* V pairs: x1p[0..V) and x2p[0..V) (= x1p + D/2) into registers; V = 8:
- * one 16-byte load each */
-template <int V> __device__ __forceinline__ void rope_load(float *x1, float *x2, const bf16 *x1p, const bf16 *x2p) {
+/* the V pairs at x1p[0..V), x2p[0..V) (= x1p + D/2) rotated by the table's
+ * angles i0..i0+V-1 and stored at o1, o2; V = 8: one 16-byte access each */
+template <int V>
+__device__ __forceinline__ void rope_pairs(bf16 *o1, bf16 *o2, const bf16 *x1p, const bf16 *x2p, const float *sn,
+                                           const float *cs, int i0, bool rotate) {
+    float x1[V], x2[V];
     if (V == 8) {
         unpack8(*(const pack8 *)x1p, x1);
         unpack8(*(const pack8 *)x2p, x2);
     } else {
         for (int k = 0; k < V; k++) x1[k] = __bfloat162float(x1p[k]), x2[k] = __bfloat162float(x2p[k]);
     }
-}
-/* the pairs rotated by the table's angles i0..i0+V-1 (when `rotate`) and
- * stored at o1, o2 */
-template <int V>
-__device__ __forceinline__ void rope_store(bf16 *o1, bf16 *o2, float *x1, float *x2, const float *sn, const float *cs,
-                                           int i0, bool rotate) {
     if (rotate)
         for (int k = 0; k < V; k++) {
             const float s = sn[i0 + k], c = cs[i0 + k], a = x1[k], b = x2[k];
@@ -81,18 +78,12 @@ static __global__ void rope_kernel(rope_part pa, rope_part pb, const float *inv_
     const bool in_b = (int)blockIdx.x >= pa.T;
     const int t = in_b ? (int)blockIdx.x - pa.T : (int)blockIdx.x, nh = in_b ? pb.nh : pa.nh;
     float *sn = rope_tab, *cs = rope_tab + half;
-    bf16 *row = (in_b ? pb.x : pa.x) + (size_t)t * nh * D;
-    auto at = [&](int it) { return row + (size_t)(it / groups) * D + (it % groups) * V; };
-    /* the first item's loads go out before the table is made: their latency
-     * passes under the sincosf and the barrier */
-    float x1[V], x2[V];
-    int it = threadIdx.x;
-    if (it < nh * groups) rope_load<V>(x1, x2, at(it), at(it) + half);
     rope_angles(sn, cs, (float)(in_b ? pb.pos : pa.pos)[t], inv_freq, half, sign);
-    for (; it < nh * groups; it += blockDim.x) {
-        bf16 *x1p = at(it);
-        if (it != (int)threadIdx.x) rope_load<V>(x1, x2, x1p, x1p + half);
-        rope_store<V>(x1p, x1p + half, x1, x2, sn, cs, (it % groups) * V, true);
+    bf16 *row = (in_b ? pb.x : pa.x) + (size_t)t * nh * D;
+    for (int it = threadIdx.x; it < nh * groups; it += blockDim.x) {
+        const int h = it / groups, i0 = (it - h * groups) * V;
+        bf16 *x1p = row + (size_t)h * D + i0;
+        rope_pairs<V>(x1p, x1p + half, x1p, x1p + half, sn, cs, i0, true);
     }
 }
 static void rope(cf_backend *b, rope_part pa, rope_part pb, const float *inv_freq, int D, float sign) {
@@ -141,28 +132,16 @@ static __global__ void qkv_rope_kernel(bf16 *qkv, bf16 *q, bf16 *k, bf16 *v, con
     const int half = D / 2, groups = half / V, nh = Hq + 2 * Hk;
     const size_t t = blockIdx.x;
     float *sn = rope_tab, *cs = rope_tab + half;
-    /* item it = (head h, pairs from i0): its place in the joined rows and in q, k or v */
-    auto joined = [&](int it) { return qkv + (t * nh + it / groups) * D + (it % groups) * V; };
-    auto part = [&](int it) {
-        const int h = it / groups;
-        bf16 *r = h < Hq ? q + (t * Hq + h) * D : h < Hq + Hk ? k + (t * Hk + (h - Hq)) * D : v + (t * Hk + (h - Hq - Hk)) * D;
-        return r + (it % groups) * V;
-    };
-    /* the first item's loads before the table, as in rope_kernel */
-    float x1[V], x2[V];
-    int it = threadIdx.x;
-    if (it < nh * groups) {
-        const bf16 *x1p = JOIN ? part(it) : joined(it);
-        rope_load<V>(x1, x2, x1p, x1p + half);
-    }
     rope_angles(sn, cs, (float)pos[t], inv_freq, half, JOIN ? -1.f : 1.f);
-    for (; it < nh * groups; it += blockDim.x) {
-        if (it != (int)threadIdx.x) {
-            const bf16 *x1p = JOIN ? part(it) : joined(it);
-            rope_load<V>(x1, x2, x1p, x1p + half);
-        }
-        bf16 *o1 = JOIN ? joined(it) : part(it);
-        rope_store<V>(o1, o1 + half, x1, x2, sn, cs, (it % groups) * V, it / groups < Hq + Hk);
+    for (int it = threadIdx.x; it < nh * groups; it += blockDim.x) {
+        const int h = it / groups, i0 = (it - h * groups) * V;
+        bf16 *part = h < Hq        ? q + (t * Hq + h) * D
+                     : h < Hq + Hk ? k + (t * Hk + (h - Hq)) * D
+                                   : v + (t * Hk + (h - Hq - Hk)) * D;
+        bf16 *joined = qkv + (t * nh + h) * D;
+        const bf16 *x1p = (JOIN ? part : joined) + i0;
+        bf16 *o1 = (JOIN ? joined : part) + i0;
+        rope_pairs<V>(o1, o1 + half, x1p, x1p + half, sn, cs, i0, h < Hq + Hk);
     }
 }
 template <bool JOIN>

@@ -7,12 +7,16 @@
  * A block owns BM = 64 * NC queries of one head and one sequence and walks
  * the key tiles (BN keys) they can see:
  *   warpgroup 0 (producer): one thread issues TMA loads of the Q tile once
- *     and of K, V into a ring of KST stages; stage s is refilled after the
- *     consumers released it (mbarrier empty[s]); K and V of a stage
- *     complete on separate mbarriers so that S = Q K^T can start before V
- *     has landed. With a document mask, warp 1 stores the document ids of
- *     the stage's keys (ordinary loads; K's mbarrier also waits for its 32
- *     arrivals). It keeps 40 registers.
+ *     and of K, V into a ring of KST stages. K and V of a stage complete on
+ *     separate mbarriers (full_k, full_v), so that S = Q K^T can start
+ *     before V has landed, and are released separately (empty_k, empty_v):
+ *     K_t as soon as the softmax of S_t is done, V_t after P_t V_t, one
+ *     step later. With one release for both, K_{t+1} could only be loaded
+ *     once P_{t-1} V_{t-1} was done, at the end of step t, and step t + 1
+ *     waited for it: 11-13% of the consumers' stall samples (run 23). With a
+ *     document mask, warp 1 stores the document ids of the stage's keys
+ *     (ordinary loads; K's mbarrier also waits for its 32 arrivals; they
+ *     are read by the softmax, so they go with K). It keeps 40 registers.
  *   warpgroups 1..NC (consumers, 232 registers): warpgroup w owns queries
  *     64w..64w+63 of the block. Per key tile t:
  *       S_t = Q K_t^T          wgmma, A = Q and B = K from shared memory
@@ -40,8 +44,8 @@ template <int D> struct FwdSm90 {
     /* offsets from the 1024-aligned base */
     static constexpr uint32_t OFF_Q = 0, OFF_K = Q_BYTES, OFF_V = OFF_K + KST * KV_BYTES,
                               OFF_DOC = OFF_V + KST * KV_BYTES, OFF_BAR = OFF_DOC + KST * DOC_BYTES;
-    /* barriers: full_q, full_k[KST], full_v[KST], empty[KST] */
-    static constexpr uint32_t SMEM = OFF_BAR + 8 * (1 + 3 * KST) + 1024; /* + alignment slack */
+    /* barriers: full_q, full_k[KST], full_v[KST], empty_k[KST], empty_v[KST] */
+    static constexpr uint32_t SMEM = OFF_BAR + 8 * (1 + 4 * KST) + 1024; /* + alignment slack */
 };
 
 namespace {
@@ -63,7 +67,8 @@ __global__ void __launch_bounds__(FwdSm90<D>::THREADS, 1)
     const uint32_t full_q = bar;
     auto full_k = [&](int s) { return bar + 8 * (1 + s); };
     auto full_v = [&](int s) { return bar + 8 * (1 + KST + s); };
-    auto empty = [&](int s) { return bar + 8 * (1 + 2 * KST + s); };
+    auto empty_k = [&](int s) { return bar + 8 * (1 + 2 * KST + s); };
+    auto empty_v = [&](int s) { return bar + 8 * (1 + 3 * KST + s); };
 
     const int h = blockIdx.x, b = blockIdx.z;
     const int q0 = (gridDim.y - 1 - blockIdx.y) * BM; /* the last tiles (most keys) first */
@@ -79,7 +84,8 @@ __global__ void __launch_bounds__(FwdSm90<D>::THREADS, 1)
         for (int s = 0; s < KST; s++) {
             mbar_init(full_k(s), a.doc ? 1 + 32 : 1); /* + warp 1's arrivals with the doc ids */
             mbar_init(full_v(s), 1);
-            mbar_init(empty(s), 4 * C::NC); /* one arrival per consumer warp */
+            mbar_init(empty_k(s), 4 * C::NC); /* one arrival per consumer warp */
+            mbar_init(empty_v(s), 4 * C::NC);
         }
         mbar_init_fence();
     }
@@ -94,11 +100,12 @@ __global__ void __launch_bounds__(FwdSm90<D>::THREADS, 1)
             for (int cb = 0; cb < DB; cb++) tma_load_3d(sQ + cb * BM * 128, &tmQ, cb * 64, h, qs + q0, full_q);
             for (int t = 0; t < nt; t++) {
                 const int s = t % KST, n = t / KST;
-                if (n > 0) mbar_wait(empty(s), (n - 1) & 1);
+                if (n > 0) mbar_wait(empty_k(s), (n - 1) & 1);
                 const int row = ks + t * BN;
                 mbar_arrive_tx(full_k(s), C::KV_BYTES);
                 for (int cb = 0; cb < DB; cb++)
                     tma_load_3d(sK + s * C::KV_BYTES + cb * BN * 128, &tmK, cb * 64, hk, row, full_k(s));
+                if (n > 0) mbar_wait(empty_v(s), (n - 1) & 1);
                 mbar_arrive_tx(full_v(s), C::KV_BYTES);
                 for (int cb = 0; cb < DB; cb++)
                     tma_load_3d(sV + s * C::KV_BYTES + cb * BN * 128, &tmV, cb * 64, hk, row, full_v(s));
@@ -111,7 +118,7 @@ __global__ void __launch_bounds__(FwdSm90<D>::THREADS, 1)
             int *kd = reinterpret_cast<int *>(sbase + C::OFF_DOC);
             for (int t = 0; t < nt; t++) {
                 const int s = t % KST, n = t / KST;
-                if (n > 0) mbar_wait(empty(s), (n - 1) & 1);
+                if (n > 0) mbar_wait(empty_k(s), (n - 1) & 1);
                 for (int c = lane; c < BN; c += 32) {
                     const int j = t * BN + c;
                     kd[s * BN + c] = j < klen ? a.doc[ks + j] : 0;
@@ -203,6 +210,12 @@ __global__ void __launch_bounds__(FwdSm90<D>::THREADS, 1)
         }
     };
 
+    /* one arrival per warp on a stage's release barrier */
+    auto release = [&](uint32_t empty) {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty);
+    };
+
     /* With PINGPONG the two consumers take turns to issue their products
      * (sm90.cuh: Turns), so one's softmax runs while the other's products
      * keep the tensor cores busy (FlashAttention-3's inter-warpgroup
@@ -220,6 +233,7 @@ __global__ void __launch_bounds__(FwdSm90<D>::THREADS, 1)
     wgmma_wait<0>();
     fence_regs(s);
     softmax(0, 0, alpha);
+    release(empty_k(0));
     pack_p();
     for (int t = 1; t < nt; t++) {
         const int st = t % KST, sp = (t - 1) % KST;
@@ -232,10 +246,10 @@ __global__ void __launch_bounds__(FwdSm90<D>::THREADS, 1)
         wgmma_wait<1>(); /* S_t done, P V may still run */
         fence_regs(s);
         softmax(t, st, alpha);
+        release(empty_k(st));
         wgmma_wait<0>();
         fence_regs(o);
-        __syncwarp();
-        if (lane == 0) mbar_arrive(empty(sp));
+        release(empty_v(sp));
 #pragma unroll
         for (int j = 0; j < D / 8; j++) {
             o[4 * j + 0] *= alpha[0];
