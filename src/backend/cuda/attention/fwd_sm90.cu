@@ -34,11 +34,11 @@
  */
 #include "backend/cuda/attention/sm90.cuh"
 
-template <int D, int KST_> struct FwdSm90 {
+template <int D> struct FwdSm90 {
     static constexpr int NC = 2;         /* consumer warpgroups           */
     static constexpr int BM = 64 * NC;   /* queries per block             */
     static constexpr int BN = 128;       /* keys per tile                 */
-    static constexpr int KST = KST_;     /* stages of the K/V ring        */
+    static constexpr int KST = 2;        /* stages of the K/V ring        */
     static constexpr int THREADS = 128 * (NC + 1);
     static constexpr uint32_t Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2, DOC_BYTES = BN * 4;
     /* offsets from the 1024-aligned base */
@@ -51,12 +51,12 @@ template <int D, int KST_> struct FwdSm90 {
 namespace {
 
 
-template <int D, bool PINGPONG, int KST_>
-__global__ void __launch_bounds__(FwdSm90<D, KST_>::THREADS, 1)
+template <int D, bool PINGPONG>
+__global__ void __launch_bounds__(FwdSm90<D>::THREADS, 1)
     attn_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tmQ, const __grid_constant__ CUtensorMap tmK,
                          const __grid_constant__ CUtensorMap tmV, const AttnArgs a) {
 #if CF_SM90A_PATH
-    using C = FwdSm90<D, KST_>;
+    using C = FwdSm90<D>;
     constexpr int BM = C::BM, BN = C::BN, KST = C::KST, DB = D / 64;
     extern __shared__ unsigned char smem_raw[];
     const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
@@ -300,27 +300,18 @@ static bool fwd_pingpong() {
     return on;
 }
 
-/* Stages of the K/V ring: CF_ATTN_FWD_STAGES=n (2..4 at D = 64, 2..3 at
- * D = 128, where 3 stages take 227 KB of shared memory) replaces the
- * default (for timing; read once) */
-static int fwd_stages(int D, int dflt) {
-    static const int n = attn_env_int("CF_ATTN_FWD_STAGES", 0);
-    return n >= 2 && n <= (D == 64 ? 4 : 3) ? n : dflt;
-}
-
-template <int D, int KST>
+template <int D>
 static int fwd_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a) {
-    using C = FwdSm90<D, KST>;
-    static_assert(C::SMEM <= 232448, "the K/V ring exceeds Hopper's shared memory per block");
+    using C = FwdSm90<D>;
     const int T = a.B * a.S;
     CUtensorMap mq, mk, mv;
     if (!attn_sm90_map_rows(&mq, a.q, T, a.H, D, C::BM) || !attn_sm90_map_rows(&mk, a.k, T, a.Hkv, D, C::BN) ||
         !attn_sm90_map_rows(&mv, a.v, T, a.Hkv, D, C::BN))
         return 0;
-    /* one variant per process (the switches are read once): one attribute
-     * bit per head dim */
-    const void *fn = fwd_pingpong() ? (const void *)attn_fwd_sm90_kernel<D, true, KST>
-                                    : (const void *)attn_fwd_sm90_kernel<D, false, KST>;
+    /* one variant per process (the switch is read once): one attribute bit
+     * per head dim */
+    const void *fn = fwd_pingpong() ? (const void *)attn_fwd_sm90_kernel<D, true>
+                                    : (const void *)attn_fwd_sm90_kernel<D, false>;
     if (!attn_sm90_prepare(ctx, fn, C::SMEM, D == 64 ? 0 : 1)) return -1;
     dim3 grid(a.H, (a.S + C::BM - 1) / C::BM, a.B), block(C::THREADS);
     void *args[] = {(void *)&mq, (void *)&mk, (void *)&mv, (void *)&a};
@@ -329,11 +320,7 @@ static int fwd_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a) {
 
 int attn_fwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D) {
     if (a.qstart || a.kstart || a.qrow || a.krow) return 0; /* all rows only */
-    if (D == 64) {
-        const int st = fwd_stages(64, 2);
-        return st == 4 ? fwd_sm90_launch<64, 4>(ctx, a) : st == 3 ? fwd_sm90_launch<64, 3>(ctx, a)
-                                                                  : fwd_sm90_launch<64, 2>(ctx, a);
-    }
-    if (D == 128) return fwd_stages(128, 2) == 3 ? fwd_sm90_launch<128, 3>(ctx, a) : fwd_sm90_launch<128, 2>(ctx, a);
+    if (D == 64) return fwd_sm90_launch<64>(ctx, a);
+    if (D == 128) return fwd_sm90_launch<128>(ctx, a);
     return 0;
 }
