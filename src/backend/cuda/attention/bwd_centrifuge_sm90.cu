@@ -11,8 +11,7 @@
  * lists them and does the backward's prep. Then a block
  * owns BM = 128 kept queries (two consumer warpgroups of 64) of one head
  * and walks the tiles of BN filtered keys (128 at D = 64, 64 at D = 128)
- * that precede its last query, or one of kparts equal shares of them
- * (small grids, dq_kparts):
+ * that precede its last query:
  *   warpgroup 0: thread 0 loads Q and dO once and K, V per tile (TMA, ring
  *     of KST stages, mbarriers full_k / full_v / empty); warp 1 stores the
  *     original rows and document ids of the tile's keys.
@@ -102,7 +101,7 @@ template <int D, bool PINGPONG>
 __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
     attn_bwd_dq_sm90_kernel(const __grid_constant__ CUtensorMap tmQ, const __grid_constant__ CUtensorMap tmO,
                             const __grid_constant__ CUtensorMap tmK, const __grid_constant__ CUtensorMap tmV,
-                            const AttnArgs a, int tps, int attn_nw, int kparts) {
+                            const AttnArgs a, int tps, int attn_nw) {
 #if CF_SM90A_PATH
     using C = DqSm90<D>;
     constexpr int BM = C::BM, BN = C::BN, KST = C::KST, DB = D / 64;
@@ -116,17 +115,15 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
     auto empty = [&](int s) { return bar + 8 * (1 + 2 * KST + s); };
     auto small = [&](int s) { return reinterpret_cast<int *>(sbase + C::OFF_SMALL + s * C::SMALL_BYTES); };
 
-    const int h = blockIdx.x, b = blockIdx.z, kp = blockIdx.y % kparts;
-    const int q0 = (gridDim.y / kparts - 1 - blockIdx.y / kparts) * BM;
+    const int h = blockIdx.x, b = blockIdx.z;
+    const int q0 = (gridDim.y - 1 - blockIdx.y) * BM;
     const int qs = seq_begin(a.qstart, b, a.S), qlen = seq_begin(a.qstart, b + 1, a.S) - qs;
     if (q0 >= qlen) return;
     const int ks = seq_begin(a.kstart, b, a.S), klen = seq_begin(a.kstart, b + 1, a.S) - ks;
     const int hk = h / (a.H / a.Hkv);
     const int qn = min(BM, qlen - q0);
     const int nkeys = count_le(a.krow, ks, klen, row_of(a.qrow, qs + q0 + qn - 1));
-    /* this block's share [t0, t0 + nt) of the tile's key tiles (kparts
-     * blocks per query tile; the epilogue's atomics add their dQ up) */
-    const int nt_all = (nkeys + BN - 1) / BN, t0 = nt_all * kp / kparts, nt = nt_all * (kp + 1) / kparts - t0;
+    const int nt = (nkeys + BN - 1) / BN;
 
     if (threadIdx.x == 0) {
         mbar_init(full_q, 1);
@@ -150,7 +147,7 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
                 tma_load_3d(sO + cb * BM * 128, &tmO, cb * 64, h, qs + q0, full_q);
             }
             for (int t = 0; t < nt; t++) {
-                const int s = t % KST, n = t / KST, row = ks + (t0 + t) * BN;
+                const int s = t % KST, n = t / KST, row = ks + t * BN;
                 if (n > 0) mbar_wait(empty(s), (n - 1) & 1);
                 mbar_arrive_tx(full_k(s), C::KV_BYTES);
                 for (int cb = 0; cb < DB; cb++)
@@ -168,7 +165,7 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
             auto load = [&](int t) {
 #pragma unroll
                 for (int k = 0; k < PER; k++) {
-                    const int j = (t0 + t) * BN + lane + 32 * k;
+                    const int j = t * BN + lane + 32 * k;
                     row_r[k] = j < klen ? row_of(a.krow, ks + j) : INT_MAX;
                     doc_r[k] = (a.doc && j < klen) ? a.doc[row_r[k]] : 0;
                 }
@@ -304,18 +301,6 @@ static bool dq_pingpong(int D) {
     return forced >= 0 ? forced != 0 : D == 128;
 }
 
-/* Key parts per query tile: a grid of fewer than two blocks per SM has its
- * longest blocks (the last query tiles, which see every filtered key
- * before them) as its critical path, so their keys are shared out among
- * up to 4 blocks: Qwen2.5-1.5B @2048 (12 heads, 8 query tiles of 128 kept
- * rows: 96 blocks) gets 3. CF_ATTN_CF_KPARTS=n forces n (1..8; timing). */
-static int dq_kparts(const cf_cuda_ctx *ctx, int blocks) {
-    static const int forced = attn_env_int("CF_ATTN_CF_KPARTS", 0);
-    if (forced >= 1 && forced <= 8) return forced;
-    const int want = blocks > 0 ? (2 * ctx->sm_count + blocks - 1) / blocks : 1;
-    return want < 1 ? 1 : want > 4 ? 4 : want;
-}
-
 template <int D>
 static int dq_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int nk_rows, int maxlen, int tps,
                           cudaStream_t st) {
@@ -329,10 +314,9 @@ static int dq_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int 
     const void *fn = dq_pingpong(D) ? (const void *)attn_bwd_dq_sm90_kernel<D, true>
                                    : (const void *)attn_bwd_dq_sm90_kernel<D, false>;
     if (!attn_sm90_prepare(ctx, fn, C::SMEM, D == 64 ? 4 : 5)) return -1;
-    const int nq = (maxlen + C::BM - 1) / C::BM;
-    int nw = attn_sm90_bwd_nw(D), kparts = dq_kparts(ctx, a.H * nq * a.B);
-    dim3 grid(a.H, nq * kparts, a.B), block(C::THREADS);
-    void *args[] = {(void *)&mq, (void *)&mo, (void *)&mk, (void *)&mv, (void *)&a, (void *)&tps, (void *)&nw, (void *)&kparts};
+    dim3 grid(a.H, (maxlen + C::BM - 1) / C::BM, a.B), block(C::THREADS);
+    int nw = attn_sm90_bwd_nw(D);
+    void *args[] = {(void *)&mq, (void *)&mo, (void *)&mk, (void *)&mv, (void *)&a, (void *)&tps, (void *)&nw};
     return CF_CK(ctx, cudaLaunchKernel(fn, grid, block, args, C::SMEM, st)) ? 1 : -1;
 }
 
