@@ -389,16 +389,12 @@ __global__ void __launch_bounds__(384, 1)
 }
 
 /* dq (bf16, or fp32 when dqf) from the slot-ordered accumulator. A block
- * of FINISH_THREADS takes one slot (sequence b, head h, 64-row query tile
- * q64): it reads the slot in order as float4s (coalesced) into a
+ * takes one slot (sequence b, head h, 64-row query tile q64): it reads
+ * the slot in order as float4s (coalesced) into a
  * [64][D] shared tile, then writes whole rows (coalesced). Each float4 is
  * rows r, r + 8 and columns c, c + 1 (dq_slot_coords). The tile's rows
  * are padded by 8 floats, so a half-warp's 8-byte stores (4 rows x 4
- * column pairs) hit distinct banks. A thread's 16 D / FINISH_THREADS
- * loads are all issued before any store: with a load, a store and the next
- * load in turn, a block took that many memory round trips, which set the
- * finish's time on small grids (Qwen2.5-1.5B: 16-17 us for 6-12 MB). */
-constexpr int FINISH_THREADS = 256;
+ * column pairs) hit distinct banks. */
 template <int D>
 __device__ __forceinline__ void dq_convert_slot(bf16 *dq, float *dqf, const float *acc, const int *qstart, int S,
                                                 int H, int tps, int nw, int q64, int h, int b) {
@@ -407,21 +403,17 @@ __device__ __forceinline__ void dq_convert_slot(bf16 *dq, float *dqf, const floa
     const int start = qstart ? qstart[b] : b * S, len = qstart ? qstart[b + 1] - start : S;
     if (q64 * 64 >= len) return;
     const float4 *src = reinterpret_cast<const float4 *>(acc + dq_slot_base(b, h, q64, H, D, tps));
-    constexpr int PER = 16 * D / FINISH_THREADS;
-    float4 x[PER];
-#pragma unroll
-    for (int i = 0; i < PER; i++) x[i] = src[threadIdx.x + i * FINISH_THREADS];
-#pragma unroll
-    for (int i = 0; i < PER; i++) {
+    for (int k = threadIdx.x; k < 16 * D; k += blockDim.x) {
+        const float4 x = src[k];
         int r, c;
-        dq_slot_coords(threadIdx.x + i * FINISH_THREADS, nw, &r, &c);
+        dq_slot_coords(k, nw, &r, &c);
         float *p = tile + r * LD + c;
-        *reinterpret_cast<float2 *>(p) = make_float2(x[i].x, x[i].y);
-        *reinterpret_cast<float2 *>(p + 8 * LD) = make_float2(x[i].z, x[i].w);
+        *reinterpret_cast<float2 *>(p) = make_float2(x.x, x.y);
+        *reinterpret_cast<float2 *>(p + 8 * LD) = make_float2(x.z, x.w);
     }
     __syncthreads();
     const int rows = min(64, len - q64 * 64);
-    for (int e = threadIdx.x; e < rows * (D / 4); e += FINISH_THREADS) {
+    for (int e = threadIdx.x; e < rows * (D / 4); e += blockDim.x) {
         const int r = e / (D / 4), c = 4 * (e % (D / 4));
         const float4 x = *reinterpret_cast<const float4 *>(tile + r * LD + c);
         const size_t o = ((size_t)(start + q64 * 64 + r) * H + h) * D + c;
@@ -442,7 +434,7 @@ __device__ __forceinline__ void dq_convert_slot(bf16 *dq, float *dqf, const floa
  * x / (tps H))); the rest, if any, reduce the GQA partials of dk, dv. Two
  * independent jobs in one grid: one launch and one tail instead of two. */
 template <int D>
-__global__ void __launch_bounds__(FINISH_THREADS) bwd_finish_kernel(bf16 *dq, float *dqf, const float *acc, const int *qstart,
+__global__ void __launch_bounds__(256) bwd_finish_kernel(bf16 *dq, float *dqf, const float *acc, const int *qstart,
                                                          int S, int H, int tps, int nw, int nconv, GqaReduce red) {
     const int x = blockIdx.x;
     if (x < nconv) {
@@ -542,6 +534,6 @@ void attn_sm90_bwd_finish(cudaStream_t st, bf16 *dq, float *dqf, const float *ac
     const GqaReduce r = red ? *red : GqaReduce{};
     const unsigned grid = (unsigned)(nconv + nred);
     const int nw = attn_sm90_bwd_nw(D);
-    if (D == 64) bwd_finish_kernel<64><<<grid, FINISH_THREADS, 0, st>>>(dq, dqf, acc, qstart, S, H, tps, nw, (int)nconv, r);
-    else bwd_finish_kernel<128><<<grid, FINISH_THREADS, 0, st>>>(dq, dqf, acc, qstart, S, H, tps, nw, (int)nconv, r);
+    if (D == 64) bwd_finish_kernel<64><<<grid, 256, 0, st>>>(dq, dqf, acc, qstart, S, H, tps, nw, (int)nconv, r);
+    else bwd_finish_kernel<128><<<grid, 256, 0, st>>>(dq, dqf, acc, qstart, S, H, tps, nw, (int)nconv, r);
 }

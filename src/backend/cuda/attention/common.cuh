@@ -271,9 +271,6 @@ __device__ __forceinline__ void gqa_reduce_body(bf16 *dk, bf16 *dv, const float 
         float sk[V], sv[V];
 #pragma unroll
         for (int e = 0; e < V; e++) sk[e] = sv[e] = 0.f;
-        /* unrolled: the partials' loads go out together, not one round
-         * trip per partial */
-#pragma unroll 4
         for (int gi = 0; gi < G; gi++) {
             if constexpr (V == 4) {
                 const float4 a = *reinterpret_cast<const float4 *>(dkx + base + (size_t)gi * D);
