@@ -249,9 +249,10 @@ for part in "$@"; do
           awk '$1 > 0 && $1 < 0.9' | cut -d' ' -f2- | head -40
       done ;;
     attn-hpb)
-      # attention alone at the two default shapes: every forced heads-per-block (1 2 4) x query parts (1 2),
-      # full and centrifuge backward (the rules' choice first)
-      for sh in "4096 32 4 64" "4096 32 8 128"; do
+      # attention alone at the two default shapes (or HPB_SHAPES, "S H Hkv D" separated by '|'): every forced
+      # heads-per-block (1 2 4) x query parts (1 2), full and centrifuge backward (the rules' choice first)
+      IFS='|' read -ra shs <<<"${HPB_SHAPES:-4096 32 4 64|4096 32 8 128}"
+      for sh in "${shs[@]}"; do
         echo "auto, S H Hkv D = $sh"; BENCH_ATTN_PATHS=auto "$G/bench_attention" $sh 2>&1 | grep -E "backward (full|centrifuge)"
         for hpb in 1 2 4; do for sp in 1 2; do
           echo "hpb $hpb split $sp, S H Hkv D = $sh"
