@@ -492,12 +492,17 @@ int attn_sm90_bwd_hpb(const cf_cuda_ctx *ctx, int D, int H, int Hkv, int B, int 
  * average. With 2 parts each block takes half of its key tile's query
  * tiles and writes a dk, dv partial of its own (the caller reduces ns
  * times as many). Rule: sm90.cuh's bwd_query_parts (checked on the CPU by
- * tests/gpu/host_bwd_parts.cu). CF_ATTN_SM90_BWD_SPLIT=n
- * forces n (timing; read once), ctx->attn_bwd_split per context (tests). */
-int attn_sm90_bwd_split(const cf_cuda_ctx *ctx, int D, int H, int hpb, int B, int qmaxlen, int kmaxlen) {
+ * tests/gpu/host_bwd_parts.cu), and 1 when centrifuge's part 2 runs
+ * beside (`beside`): its blocks fill the SMs the uneven grid leaves, and
+ * the parts only added partials and blocks: Qwen2.5-1.5B's centrifuge
+ * attention backward took 0.078 ms with 2 parts, 0.068 with 1 (H100, run
+ * 23 call 10). CF_ATTN_SM90_BWD_SPLIT=n forces n (timing; read once),
+ * ctx->attn_bwd_split per context (tests). */
+int attn_sm90_bwd_split(const cf_cuda_ctx *ctx, int D, int H, int hpb, int B, int qmaxlen, int kmaxlen, bool beside) {
     static const int forced = attn_env_int("CF_ATTN_SM90_BWD_SPLIT", 0);
     const int f = ctx->attn_bwd_split > 0 ? ctx->attn_bwd_split : forced;
     if (f > 0) return f > 2 ? 2 : f;
+    if (beside) return 1;
     return bwd_query_parts(BwdSm90<128, 64>::BN, bwd_bm_for(D), H, hpb, B, qmaxlen, kmaxlen, ctx->sm_count);
 }
 

@@ -420,8 +420,8 @@ int attn_sm90_bwd_hpb(const cf_cuda_ctx *ctx, int D, int H, int Hkv, int B, int 
 /* bwd_sm90.cu: parts (1 or 2) of each key tile's query range, each its own
  * block, for q and k sides of up to qmaxlen and kmaxlen rows per sequence;
  * with ns > 1 dk, dv go to a.dkx, a.dvx as [nk, H/hpb, ns, D] fp32 partials
- * (also without GQA) */
-int attn_sm90_bwd_split(const cf_cuda_ctx *ctx, int D, int H, int hpb, int B, int qmaxlen, int kmaxlen);
+ * (also without GQA); 1 where centrifuge's part 2 runs beside (`beside`) */
+int attn_sm90_bwd_split(const cf_cuda_ctx *ctx, int D, int H, int hpb, int B, int qmaxlen, int kmaxlen, bool beside);
 /* bwd_centrifuge_sm90.cu: centrifuge on Hopper. attn_cf_sm90_prep, one
  * launch on ctx->stream: what attn_bwd_prep does for the n = kept->n query
  * rows (a.Dvec, and acc[0 .. acc_n) zeroed), what attn_filtered_rows does
