@@ -100,9 +100,11 @@ static __global__ void add_rmsnorm_fwd_kernel(bf16 *sum, bf16 *out, float *rstd,
  * lane l owns packs l, l + 32, ... of the row, loads them all before the sum
  * of squares and normalises from registers, so the row is read once and
  * every load of a warp is in flight at once. The sums run in the order of
- * the loops above (same results). Why: the two-pass kernels took 16 us per
- * call at TinyLlama's shape (T = 4096, C = 2048; run 19's ncu) against a
- * floor near 6, a warp waiting on one 16-byte load per lane at a time.
+ * the loops above (same results). Why: the two-pass kernels keep one
+ * 16-byte load per lane in flight; at TinyLlama's shape (T = 4096, C =
+ * 2048) this one took 14.3 us per call against their 16.3, at Qwen2.5-1.5B's
+ * 7.4 against 8.2 (ncu, H100, docs/BENCHMARKS.md run 23; the DRAM floor is
+ * near 5 us at TinyLlama's shape).
  */
 template <bool ADD, int NP>
 static __global__ void __launch_bounds__(256, NP <= 8 ? 4 : 2)

@@ -23,10 +23,12 @@ struct rope_part {
  * A block per token: its sin and cos of the D/2 angles are taken once, into
  * shared memory (rope_angles), then every head of the token is rotated from
  * that table. Why: with a thread per (token, head) the kernel took sincosf
- * per element and head and 64-bit index divisions per item, and ran at a
- * third of the memory speed (qkv split 24.7 us at TinyLlama's shape against
- * a 7 us floor; run 19's ncu). The table holds the same
- * sincosf of the same product, so the results are unchanged bit for bit.
+ * per element and head and 64-bit index divisions per item; the q/k/v
+ * split went from 23.6 to 17.0 us at TinyLlama's shape (the DRAM floor is
+ * near 7) and from 10.6 to 8.8 at Qwen2.5-1.5B's (ncu, H100,
+ * docs/BENCHMARKS.md run 23). Issuing each thread's loads before making the
+ * table measured slower (21-23 us). The table holds the same sincosf of the
+ * same product, so the results are unchanged bit for bit.
  */
 __device__ __forceinline__ void rope_angles(float *sn, float *cs, float p, const float *inv_freq, int half, float sign) {
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
