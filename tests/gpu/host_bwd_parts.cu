@@ -38,7 +38,7 @@ TEST(query_parts_cover_each_tile_once_in_order_and_even) {
  * D = 128, 128 at D = 64; hpb as attn_sm90_bwd_hpb picks it there. */
 TEST(query_parts_split_only_small_uneven_grids) {
     static const struct { const char *what; int BM, H, hpb, B, q, k, want; } cs[] = {
-        {"Qwen2.5-1.5B centrifuge part 1 (96 blocks, 16 vs 6.5 steps)", 64, 12, 1, 1, 1024, 1024, 2},
+        {"Qwen2.5-1.5B centrifuge part 1 without part 2 beside (96 blocks, 16 vs 6.5 steps)", 64, 12, 1, 1, 1024, 1024, 2},
         {"Qwen2.5-1.5B full (192 blocks, 32 vs 24.7 steps: 2 parts were 9% slower)", 64, 12, 1, 1, 2048, 2048, 1},
         {"Llama3.2-3B centrifuge part 1 (192 blocks, 16 vs 13.1 steps)", 64, 24, 1, 1, 1024, 1024, 1},
         {"Llama3.2-3B full", 64, 24, 1, 1, 2048, 2048, 1},
@@ -52,16 +52,27 @@ TEST(query_parts_split_only_small_uneven_grids) {
         {"Qwen2.5-1.5B at keep 0.25 (4 key tiles, 8 vs 2 steps)", 64, 12, 1, 1, 512, 512, 2},
     };
     for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
-        const int got = bwd_query_parts(128, cs[i].BM, cs[i].H, cs[i].hpb, cs[i].B, cs[i].q, cs[i].k, 132);
+        const int got = bwd_query_parts(128, cs[i].BM, cs[i].H, cs[i].hpb, cs[i].B, cs[i].q, cs[i].k, 132, false);
         CHECK_MSG(got == cs[i].want, "%s: %d parts, expected %d", cs[i].what, got, cs[i].want);
     }
 }
 
 TEST(query_parts_are_one_for_empty_or_invalid_shapes) {
-    CHECK(bwd_query_parts(128, 64, 12, 1, 1, 0, 1024, 132) == 1);
-    CHECK(bwd_query_parts(128, 64, 12, 1, 1, 1024, 0, 132) == 1);
-    CHECK(bwd_query_parts(128, 64, 12, 1, 0, 1024, 1024, 132) == 1);
-    CHECK(bwd_query_parts(128, 64, 12, 0, 1, 1024, 1024, 132) == 1);
+    CHECK(bwd_query_parts(128, 64, 12, 1, 1, 0, 1024, 132, false) == 1);
+    CHECK(bwd_query_parts(128, 64, 12, 1, 1, 1024, 0, 132, false) == 1);
+    CHECK(bwd_query_parts(128, 64, 12, 1, 0, 1024, 1024, 132, false) == 1);
+    CHECK(bwd_query_parts(128, 64, 12, 0, 1, 1024, 1024, 132, false) == 1);
+}
+
+/* With centrifuge's part 2 running beside part 1, its blocks fill the SMs
+ * part 1's uneven grid leaves: 1 part where the grid alone would take 2
+ * (Qwen2.5-1.5B's centrifuge attention backward: 0.079 ms with 2 parts,
+ * 0.069 with 1; H100, run 23) */
+TEST(query_parts_are_one_beside_centrifuge_part_2) {
+    CHECK(bwd_query_parts(128, 64, 12, 1, 1, 1024, 1024, 132, false) == 2);
+    CHECK(bwd_query_parts(128, 64, 12, 1, 1, 1024, 1024, 132, true) == 1);
+    CHECK(bwd_query_parts(128, 64, 12, 1, 1, 512, 512, 132, true) == 1);
+    CHECK(bwd_query_parts(128, 64, 1, 1, 1, 100, 100, 132, true) == 1);
 }
 
 /* (D, H, Hkv, B, kmaxlen) -> query heads per block, BN = 128, 132 SMs */
@@ -158,6 +169,7 @@ int main(void) {
     RUN(query_parts_cover_each_tile_once_in_order_and_even);
     RUN(query_parts_split_only_small_uneven_grids);
     RUN(query_parts_are_one_for_empty_or_invalid_shapes);
+    RUN(query_parts_are_one_beside_centrifuge_part_2);
     RUN(heads_per_block_keep_the_grid_full_and_divide_the_group);
     RUN(heads_per_block_is_one_for_empty_or_invalid_shapes);
     RUN(kept_search_finds_the_kept_rows_before_each_filtered_row);

@@ -502,8 +502,7 @@ int attn_sm90_bwd_split(const cf_cuda_ctx *ctx, int D, int H, int hpb, int B, in
     static const int forced = attn_env_int("CF_ATTN_SM90_BWD_SPLIT", 0);
     const int f = ctx->attn_bwd_split > 0 ? ctx->attn_bwd_split : forced;
     if (f > 0) return f > 2 ? 2 : f;
-    if (beside) return 1;
-    return bwd_query_parts(BwdSm90<128, 64>::BN, bwd_bm_for(D), H, hpb, B, qmaxlen, kmaxlen, ctx->sm_count);
+    return bwd_query_parts(BwdSm90<128, 64>::BN, bwd_bm_for(D), H, hpb, B, qmaxlen, kmaxlen, ctx->sm_count, beside);
 }
 
 template <int D, int BM>

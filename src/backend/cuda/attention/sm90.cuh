@@ -395,14 +395,16 @@ __host__ __device__ inline int bwd_heads_per_block(int D, int H, int Hkv, int B,
 /* Parts (1 or 2) of a key tile's query range, each its own block, in the
  * backward (bwd_sm90.cu: attn_sm90_bwd_split, which documents the why):
  * 2 where the first key tile's block, the longest of a causal grid, has
- * more than twice the steps an SM gets on average. Key tiles of BN rows up
- * to kmaxlen per sequence; tile j sees the queries after the fraction
- * j BN / kmaxlen of qmaxlen, in steps of BM per head, hpb heads per
- * block, H / hpb blocks per key tile and sequence, B sequences, sms SMs. */
+ * more than twice the steps an SM gets on average, unless another kernel
+ * runs beside this one (`beside`: centrifuge's part 2), whose blocks fill
+ * the SMs the uneven grid leaves. Key tiles of BN rows up to kmaxlen per
+ * sequence; tile j sees the queries after the fraction j BN / kmaxlen of
+ * qmaxlen, in steps of BM per head, hpb heads per block, H / hpb blocks
+ * per key tile and sequence, B sequences, sms SMs. */
 __host__ __device__ inline int bwd_query_parts(int BN, int BM, int H, int hpb, int B, int qmaxlen, int kmaxlen,
-                                               int sms) {
+                                               int sms, bool beside) {
     const int ktiles = kmaxlen > 0 ? (kmaxlen + BN - 1) / BN : 0;
-    if (ktiles <= 0 || qmaxlen <= 0 || hpb <= 0 || H < hpb || B <= 0) return 1;
+    if (beside || ktiles <= 0 || qmaxlen <= 0 || hpb <= 0 || H < hpb || B <= 0) return 1;
     long long total = 0, first = 0;
     for (int j = 0; j < ktiles; j++) {
         const long long q = (long long)qmaxlen - (long long)qmaxlen * j * BN / kmaxlen;
