@@ -154,19 +154,6 @@ __device__ __forceinline__ float fast_exp2(float x) {
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
     return y;
 }
-/* 2^x for x <= 0 on the FMA pipe instead of the MUFU unit (as in
- * FlashAttention-4, to share the softmax's exponentials between the two):
- * x = r + f with r = round(x) (the 1.5 * 2^23 shift puts it in the low
- * mantissa bits), 2^f by a degree-3 minimax polynomial on [-0.5, 0.5]
- * (relative error below 7.5e-5), r added to the exponent field. 0 below
- * -126, where the exponent field would run out. */
-__device__ __forceinline__ float poly_exp2(float x) {
-    const float xc = fmaxf(x, -126.f);
-    const float t = __fadd_rn(xc, 12582912.f), f = __fsub_rn(xc, __fsub_rn(t, 12582912.f));
-    const float p = fmaf(fmaf(fmaf(0.0551716648f, f, 0.2426111251f), f, 0.6932609677f), f, 0.9999280572f);
-    const float y = __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
-    return x < -126.f ? 0.f : y;
-}
 /*
  * ldmatrix address patterns. For a 16x16 bf16 block at (r0, c0) of a
  * row-major shared array with row stride ld, lane l points at

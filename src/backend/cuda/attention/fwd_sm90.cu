@@ -51,7 +51,7 @@ template <int D> struct FwdSm90 {
 namespace {
 
 
-template <int D, bool PINGPONG, int POLY>
+template <int D, bool PINGPONG>
 __global__ void __launch_bounds__(FwdSm90<D>::THREADS, 1)
     attn_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tmQ, const __grid_constant__ CUtensorMap tmK,
                          const __grid_constant__ CUtensorMap tmV, const AttnArgs a) {
@@ -192,9 +192,7 @@ __global__ void __launch_bounds__(FwdSm90<D>::THREADS, 1)
 #pragma unroll
             for (int j = 0; j < BN / 8; j++) {
                 const float p0 = fast_exp2(fmaf(s[4 * j + 2 * r], a.scale_log2, -mbase));
-                const float x1 = fmaf(s[4 * j + 2 * r + 1], a.scale_log2, -mbase);
-                /* POLY = 2: every second exponential on the FMA pipe; 4: every fourth */
-                const float p1 = (POLY == 2 || (POLY == 4 && j % 2 == 0)) ? poly_exp2(x1) : fast_exp2(x1);
+                const float p1 = fast_exp2(fmaf(s[4 * j + 2 * r + 1], a.scale_log2, -mbase));
                 s[4 * j + 2 * r] = p0;
                 s[4 * j + 2 * r + 1] = p1;
                 sum += p0 + p1;
@@ -302,13 +300,6 @@ static bool fwd_pingpong() {
     return on;
 }
 
-/* CF_ATTN_FWD_POLY=2 or 4: every second or fourth exponential of the
- * softmax by poly_exp2 (timing; read once) */
-static int fwd_poly() {
-    static const int n = attn_env_int("CF_ATTN_FWD_POLY", 0);
-    return n == 2 || n == 4 ? n : 0;
-}
-
 template <int D>
 static int fwd_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a) {
     using C = FwdSm90<D>;
@@ -319,11 +310,8 @@ static int fwd_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a) {
         return 0;
     /* one variant per process (the switch is read once): one attribute bit
      * per head dim */
-    const int poly = fwd_poly();
-    const void *fn = fwd_pingpong() ? (poly == 2   ? (const void *)attn_fwd_sm90_kernel<D, true, 2>
-                                       : poly == 4 ? (const void *)attn_fwd_sm90_kernel<D, true, 4>
-                                                   : (const void *)attn_fwd_sm90_kernel<D, true, 0>)
-                                    : (const void *)attn_fwd_sm90_kernel<D, false, 0>;
+    const void *fn = fwd_pingpong() ? (const void *)attn_fwd_sm90_kernel<D, true>
+                                    : (const void *)attn_fwd_sm90_kernel<D, false>;
     if (!attn_sm90_prepare(ctx, fn, C::SMEM, D == 64 ? 0 : 1)) return -1;
     dim3 grid(a.H, (a.S + C::BM - 1) / C::BM, a.B), block(C::THREADS);
     void *args[] = {(void *)&mq, (void *)&mk, (void *)&mv, (void *)&a};
