@@ -7,13 +7,13 @@ lines, and refuses a file without kernel rows."""
 import os
 import subprocess
 import sys
-import tempfile
 import unittest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import ncu_kernels  # noqa: E402
+from tool_tests import temp_file  # noqa: E402
 
 HEAD = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size",'
         '"Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"\n')
@@ -26,11 +26,7 @@ def row(i, kernel, metric, value):
 
 class NcuKernelsTest(unittest.TestCase):
     def write(self, text):
-        f = tempfile.NamedTemporaryFile("w", suffix=".csv", delete=False)
-        f.write(text)
-        f.close()
-        self.addCleanup(os.unlink, f.name)
-        return f.name
+        return temp_file(self, text, ".csv")
 
     def test_names_keep_templates_and_drop_arguments(self):
         self.assertEqual(ncu_kernels.short_name("void norm_kernel<true, (int)8>(bf16 *, int)"),

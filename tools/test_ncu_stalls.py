@@ -6,24 +6,20 @@ kind and shared out of the total; ncu's log lines are skipped; a file
 without the source table or without samples is refused."""
 import os
 import sys
-import tempfile
 import unittest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import ncu_stalls  # noqa: E402
+from tool_tests import temp_file  # noqa: E402
 
 HEAD = '"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)"\n'
 
 
 class NcuStallsTest(unittest.TestCase):
     def write(self, text):
-        f = tempfile.NamedTemporaryFile("w", suffix=".csv", delete=False)
-        f.write(text)
-        f.close()
-        self.addCleanup(os.unlink, f.name)
-        return f.name
+        return temp_file(self, text, ".csv")
 
     def test_opcode_kind_drops_predicate_and_trailing_modifiers(self):
         self.assertEqual(ncu_stalls.opcode_kind("@!P0 BAR.SYNC.DEFER_BLOCKING R3, R4 ;"), "BAR.SYNC")

@@ -14,6 +14,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import plot_ab  # noqa: E402
+from tool_tests import temp_file  # noqa: E402
 
 try:
     import matplotlib  # noqa: F401
@@ -27,11 +28,7 @@ def rec(model, mode, bwd):
 
 class PlotAbTest(unittest.TestCase):
     def write(self, lines):
-        f = tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False)
-        f.write("\n".join(lines) + "\n")
-        f.close()
-        self.addCleanup(os.unlink, f.name)
-        return f.name
+        return temp_file(self, "\n".join(lines) + "\n", ".jsonl")
 
     def test_medians_per_model_and_label_over_repetitions(self):
         a1 = self.write([rec("m1", "regular", 0.5), rec("m1", "centrifuge", 0.262), rec("m2", "centrifuge", 0.148)])

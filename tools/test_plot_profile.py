@@ -12,6 +12,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import plot_profile  # noqa: E402
+from tool_tests import temp_file  # noqa: E402
 
 try:
     import matplotlib  # noqa: F401
@@ -27,11 +28,7 @@ new       profile centrifuge  gemm 8.19/10.04 attention 1.25/3.53 rope 0.28/0.23
 
 class PlotProfileTest(unittest.TestCase):
     def write(self, text):
-        f = tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False)
-        f.write(text)
-        f.close()
-        self.addCleanup(os.unlink, f.name)
-        return f.name
+        return temp_file(self, text, ".txt")
 
     def test_reads_every_mode_and_category_with_or_without_a_prefix(self):
         rows = plot_profile.parse(self.write(TEXT))
