@@ -8,7 +8,7 @@
 #          rows-x8-dry bench-accum profile dp-bf16 ab-profile ab-fused ab-head attn-shapes attn-ab attn-parts dp-prio
 #          bench-pair pair-ab norm-blocks cf-side ab-old grad-keep side-ab ncu-step norm-ab side-prio pair-rows
 #          pair-full side-attn gemm-survey attn-hpb side-sms pair-head
-#          lmhead-cluster ncu-lmhead sanitize-lmhead parity-bigvocab ab-old-accum pingpong pingpong-model ncu-attn-src ncu-attn-kernels cf-pp64 ncu-ops
+#          lmhead-cluster ncu-lmhead sanitize-lmhead parity-bigvocab ab-old-accum pingpong pingpong-model ncu-attn-src ncu-attn-kernels cf-pp64 ncu-ops hpb-model
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G=$PWD/.gpucarry
@@ -249,12 +249,13 @@ for part in "$@"; do
           awk '$1 > 0 && $1 < 0.9' | cut -d' ' -f2- | head -40
       done ;;
     attn-hpb)
-      # attention alone at the two default shapes (or HPB_SHAPES, "S H Hkv D" separated by '|'): every forced
-      # heads-per-block (1 2 4) x query parts (1 2), full and centrifuge backward (the rules' choice first)
+      # attention alone at the two default shapes (or HPB_SHAPES, "S H Hkv D [B]" separated by '|'): every
+      # forced heads-per-block (HPB_LIST, default 1 2 4; a count that does not divide the group falls to the
+      # next lower divisor) x query parts (1 2), full and centrifuge backward (the rules' choice first)
       IFS='|' read -ra shs <<<"${HPB_SHAPES:-4096 32 4 64|4096 32 8 128}"
       for sh in "${shs[@]}"; do
         echo "auto, S H Hkv D = $sh"; BENCH_ATTN_PATHS=auto "$G/bench_attention" $sh 2>&1 | grep -E "backward (full|centrifuge)"
-        for hpb in 1 2 4; do for sp in 1 2; do
+        for hpb in ${HPB_LIST:-1 2 4}; do for sp in 1 2; do
           echo "hpb $hpb split $sp, S H Hkv D = $sh"
           CF_ATTN_SM90_BWD_HPB=$hpb CF_ATTN_SM90_BWD_SPLIT=$sp BENCH_ATTN_PATHS=auto "$G/bench_attention" $sh 2>&1 |
             grep -E "backward (full|centrifuge)"
@@ -287,6 +288,10 @@ for part in "$@"; do
     side-attn)
       # o's and q/k/v's weight gradients beside the backward (default) against in line (CF_DW_SIDE_ATTN=0)
       env_ab CF_DW_SIDE_ATTN "0 1" regular,centrifuge sattn ;;
+    hpb-model)
+      # the backward's heads-per-block rule (CF_ATTN_SM90_BWD_HPB=0, default) against one head per block (=1,
+      # the rule's choice for groups of 3 before run 24), regular and centrifuge
+      env_ab CF_ATTN_SM90_BWD_HPB "1 0" regular,centrifuge hpb llama3.2-3b:2048 ;;
     side-ab)
       # the paired MLP weight gradients on a side stream (default) against in line (CF_DW_SIDE=0),
       # centrifuge only (pairs are compact-mode only)

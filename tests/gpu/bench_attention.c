@@ -1,7 +1,7 @@
 /*
  * bench_attention.c — times the CUDA attention kernels per mode.
  *
- *   build/cuda/tests/bench_attention [S [H Hkv D]]     (make bench-gpu)
+ *   build/cuda/tests/bench_attention [S [H Hkv D [B]]]     (make bench-gpu)
  *
  * Each attention code path is timed in turn, in one process: the
  * environment variable BENCH_ATTN_PATHS lists them (default "auto
@@ -9,7 +9,7 @@
  * "auto" is the Hopper kernels on an H100/H200).
  *
  * Default shapes: TinyLlama (H=32, Hkv=4, D=64) and a D=128 GQA shape
- * (H=32, Hkv=8), S=4096, B=1. Each figure is the median of 20 runs after 3
+ * (H=32, Hkv=8), S=4096, B=1 (B sequences of S when given). Each figure is the median of 20 runs after 3
  * warm-ups, timed with cudaEvents on the backend's compute stream (its
  * device context, backend/cuda/context.h). FLOPs count the causal half only:
  *   forward  = 4 B H D S(S+1)/2      (QK^T and PV)
@@ -183,6 +183,11 @@ int main(int argc, char **argv) {
     char paths[256];
     snprintf(paths, sizeof paths, "%s", paths_env ? paths_env : "auto portable");
     int S = argc > 1 ? atoi(argv[1]) : 4096;
+    const int B = argc > 5 ? atoi(argv[5]) : 1;
+    if (S < 2 || B < 1 || (argc > 4 && (atoi(argv[2]) < 1 || atoi(argv[3]) < 1 || atoi(argv[4]) < 1))) {
+        fprintf(stderr, "usage: bench_attention [S [H Hkv D [B]]] (S >= 2, the others >= 1)\n");
+        return 2;
+    }
     for (char *save = NULL, *path = strtok_r(paths, " ,", &save); path; path = strtok_r(NULL, " ,", &save)) {
         setenv("CENTRIFUGE_ATTENTION", path, 1);
         gpu = cf_backend_cuda_create(0);
@@ -194,7 +199,7 @@ int main(int argc, char **argv) {
         printf("device: GPU %d, %s (%d SMs); CENTRIFUGE_ATTENTION=%s\n", ctx->device, ctx->device_name,
                ctx->sm_count, path);
         if (argc > 4) {
-            bench(1, S, atoi(argv[2]), atoi(argv[3]), atoi(argv[4]));
+            bench(B, S, atoi(argv[2]), atoi(argv[3]), atoi(argv[4]));
         } else {
             bench(1, S, 32, 4, 64);
             bench(1, S, 32, 8, 128);

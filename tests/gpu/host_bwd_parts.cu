@@ -8,9 +8,10 @@
  * (a tile lost or taken twice is a wrong dk, dv); bwd_query_parts must
  * split where the grid is small and uneven and nowhere else (a split costs
  * partials: fp32 dk, dv traffic), at the model shapes of issue 17 on an
- * H100 (132 SMs). bwd_heads_per_block must pick 4 query heads per block
- * only where the grid stays full with it and the head dim is 64, and only
- * divisors of the GQA group (a non-divisor mixes kv heads in one block).
+ * H100 (132 SMs). bwd_heads_per_block must pick several query heads per
+ * block only where the grid, with its parts, stays full, 4 only at head
+ * dim 64, and only divisors of the GQA group (a non-divisor mixes kv heads
+ * in one block).
  */
 #include "backend/cuda/attention/common.cuh"
 #include "backend/cuda/attention/sm90.cuh"
@@ -50,6 +51,7 @@ TEST(query_parts_split_only_small_uneven_grids) {
         {"one key tile, one head: a lone block", 64, 1, 1, 1, 100, 100, 2},
         {"centrifuge-kv shape: all keys, half the queries (16 vs 12.4 steps)", 64, 12, 1, 1, 1024, 2048, 1},
         {"Qwen2.5-1.5B at keep 0.25 (4 key tiles, 8 vs 2 steps)", 64, 12, 1, 1, 512, 512, 2},
+        {"Llama3.2-3B full, 3 heads per block (96 vs 49.5 steps: 0.279 -> 0.194 ms with 2)", 64, 24, 3, 1, 2048, 2048, 2},
     };
     for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
         const int got = bwd_query_parts(128, cs[i].BM, cs[i].H, cs[i].hpb, cs[i].B, cs[i].q, cs[i].k, 132, false);
@@ -75,34 +77,54 @@ TEST(query_parts_are_one_beside_centrifuge_part_2) {
     CHECK(bwd_query_parts(128, 64, 1, 1, 1, 100, 100, 132, true) == 1);
 }
 
-/* (D, H, Hkv, B, kmaxlen) -> query heads per block, BN = 128, 132 SMs */
+/* (D, H, Hkv, B, qmaxlen, kmaxlen, beside) -> query heads per block,
+ * BN = 128, BM as the kernel's (128 at D = 64, 64 at D = 128), 132 SMs */
+static int hpb_of(int D, int H, int Hkv, int B, int q, int k, bool beside) {
+    return bwd_heads_per_block(D, 128, D == 64 ? 128 : 64, H, Hkv, B, q, k, 132, beside);
+}
+
 TEST(heads_per_block_keep_the_grid_full_and_divide_the_group) {
-    static const struct { const char *what; int D, H, Hkv, B, k, want; } cs[] = {
-        {"TinyLlama full (256 blocks at 4: 0.618 -> 0.601 ms)", 64, 32, 4, 1, 4096, 4},
-        {"TinyLlama centrifuge part 1 (128 blocks at 4 were 0.298 -> 0.401 ms)", 64, 32, 4, 1, 2048, 2},
-        {"TinyLlama centrifuge, 2 sequences (256 blocks at 4)", 64, 32, 4, 2, 2048, 4},
-        {"S=4096 D=128 H=32 Hkv=8 full (4 was 1.095 vs 1.057 ms)", 128, 32, 8, 1, 4096, 2},
-        {"S=4096 D=128 centrifuge part 1", 128, 32, 8, 1, 2048, 2},
-        {"Llama3.2-3B (group of 3)", 128, 24, 8, 1, 2048, 1},
-        {"Qwen2.5-1.5B full (96 blocks at 2)", 128, 12, 2, 1, 2048, 1},
-        {"Qwen2.5-1.5B centrifuge", 128, 12, 2, 1, 1024, 1},
-        {"no GQA", 64, 32, 32, 1, 4096, 1},
-        {"group of 2 at D=64", 64, 32, 16, 1, 4096, 2},
-        {"group of 6 at D=64: 4 does not divide it", 64, 48, 8, 1, 4096, 2},
+    static const struct { const char *what; int D, H, Hkv, B, q, k; bool beside; int want; } cs[] = {
+        {"TinyLlama full (256 blocks at 4: 0.618 -> 0.601 ms)", 64, 32, 4, 1, 4096, 4096, false, 4},
+        {"TinyLlama centrifuge part 1 (128 blocks at 4 were 0.298 -> 0.401 ms)", 64, 32, 4, 1, 2048, 2048, true, 2},
+        {"TinyLlama centrifuge, 2 sequences (256 blocks at 4)", 64, 32, 4, 2, 2048, 2048, true, 4},
+        {"S=4096 D=128 H=32 Hkv=8 full (4 was 1.095 vs 1.057 ms)", 128, 32, 8, 1, 4096, 4096, false, 2},
+        {"S=4096 D=128 centrifuge part 1", 128, 32, 8, 1, 2048, 2048, true, 2},
+        {"Llama3.2-3B full (group of 3; 256 blocks at 3 with 2 parts: 0.214 -> 0.194 ms)", 128, 24, 8, 1, 2048, 2048,
+         false, 3},
+        {"Llama3.2-3B centrifuge part 1 (64 blocks at 3)", 128, 24, 8, 1, 1024, 1024, true, 1},
+        {"Qwen2.5-1.5B full (192 blocks at 2 with 2 parts)", 128, 12, 2, 1, 2048, 2048, false, 1},
+        {"Qwen2.5-1.5B centrifuge part 1", 128, 12, 2, 1, 1024, 1024, true, 1},
+        {"no GQA", 64, 32, 32, 1, 4096, 4096, false, 1},
+        {"group of 2 at D=64", 64, 32, 16, 1, 4096, 4096, false, 2},
+        {"group of 6 at D=64: 4 does not divide it", 64, 48, 8, 1, 4096, 4096, false, 3},
     };
     for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
-        const int got = bwd_heads_per_block(cs[i].D, cs[i].H, cs[i].Hkv, cs[i].B, cs[i].k, 128, 132);
+        const int got = hpb_of(cs[i].D, cs[i].H, cs[i].Hkv, cs[i].B, cs[i].q, cs[i].k, cs[i].beside);
         CHECK_MSG(got == cs[i].want, "%s: %d heads per block, expected %d", cs[i].what, got, cs[i].want);
         CHECK_MSG((cs[i].H / cs[i].Hkv) % got == 0, "%s: %d does not divide the group", cs[i].what, got);
     }
 }
 
+/* 4 heads per block only at D = 64; 3 and 2 at both; never a non-divisor
+ * of the group, whatever the shape */
+TEST(heads_per_block_divide_the_group_and_take_4_only_at_d64) {
+    for (int D = 64; D <= 128; D += 64)
+        for (int Hkv = 1; Hkv <= 8; Hkv++)
+            for (int G = 1; G <= 12; G++)
+                for (int S = 256; S <= 8192; S *= 2) {
+                    const int got = hpb_of(D, G * Hkv, Hkv, 1, S, S, false);
+                    CHECK_MSG(got >= 1 && G % got == 0 && (got <= 3 || D == 64), "D=%d G=%d Hkv=%d S=%d: %d", D, G,
+                              Hkv, S, got);
+                }
+}
+
 TEST(heads_per_block_is_one_for_empty_or_invalid_shapes) {
-    CHECK(bwd_heads_per_block(64, 32, 4, 1, 0, 128, 132) == 1);
-    CHECK(bwd_heads_per_block(64, 32, 4, 0, 4096, 128, 132) == 1);
-    CHECK(bwd_heads_per_block(64, 32, 0, 1, 4096, 128, 132) == 1);
-    CHECK(bwd_heads_per_block(64, 32, 5, 1, 4096, 128, 132) == 1);
-    CHECK(bwd_heads_per_block(64, 0, 4, 1, 4096, 128, 132) == 1);
+    CHECK(hpb_of(64, 32, 4, 1, 4096, 0, false) == 1);
+    CHECK(hpb_of(64, 32, 4, 0, 4096, 4096, false) == 1);
+    CHECK(hpb_of(64, 32, 0, 1, 4096, 4096, false) == 1);
+    CHECK(hpb_of(64, 32, 5, 1, 4096, 4096, false) == 1);
+    CHECK(hpb_of(64, 0, 4, 1, 4096, 4096, false) == 1);
 }
 
 /* The warp's search of centrifuge's prep (kept_search_probe / _narrow),
@@ -171,6 +193,7 @@ int main(void) {
     RUN(query_parts_are_one_for_empty_or_invalid_shapes);
     RUN(query_parts_are_one_beside_centrifuge_part_2);
     RUN(heads_per_block_keep_the_grid_full_and_divide_the_group);
+    RUN(heads_per_block_divide_the_group_and_take_4_only_at_d64);
     RUN(heads_per_block_is_one_for_empty_or_invalid_shapes);
     RUN(kept_search_finds_the_kept_rows_before_each_filtered_row);
     return test_summary();

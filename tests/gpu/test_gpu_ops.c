@@ -1560,24 +1560,27 @@ TEST(attention_hopper_matches_portable_kernels) {
 
 /* The Hopper backward with 1, 2 and 4 query heads per block and 1 and 2
  * parts of each key tile's query range (the grid-size rules pick them by
- * shape; all six forced here through the context; 4 falls back to the
- * largest divisor of a smaller group): each against the CPU, and against
- * hpb = 1 with one part (dk, dv partials of 1, 2 or 4 heads and 1 or 2
- * parts, reduced over H/hpb x ns of them: a layout error or a lost part
- * shows as O(1)), FULL, CENTRIFUGE and CENTRIFUGE_KV, GQA groups of 4 and
- * 8, and no GQA (parts need the partials there too). */
+ * shape; all six forced here through the context; a count that does not
+ * divide the group falls to the next lower divisor: 4 gives 3 in groups
+ * of 3 and 6, 2 gives 1 in a group of 3): each against the CPU, and
+ * against hpb = 1 with one part (dk, dv partials of 1 to 4 heads and 1 or
+ * 2 parts, reduced over H/hpb x ns of them: a layout error or a lost part
+ * shows as O(1)), FULL, CENTRIFUGE and CENTRIFUGE_KV, GQA groups of 3, 4,
+ * 6 and 8, and no GQA (parts need the partials there too). */
 TEST(attention_hopper_bwd_heads_per_block_and_query_parts_match) {
     if (attn_path_of(gpu) != 2) {
         printf("    skipped: the shared context runs the portable kernels\n");
         return;
     }
     cf_cuda_ctx *ctx = gpu->device_context(gpu);
-    const attn_case cc[] = {{2, 300, 8, 2, 64, 3}, {3, 200, 8, 1, 128, 2}, {1, 333, 4, 4, 128, 0}};
+    const attn_case cc[] = {{2, 300, 8, 2, 64, 3},  {3, 200, 8, 1, 128, 2}, {1, 333, 4, 4, 128, 0},
+                            {2, 260, 6, 2, 128, 3}, {1, 300, 12, 2, 64, 0}};
+    const int ncc = (int)(sizeof cc / sizeof cc[0]);
     const cf_attn_bwd_mode modes[3] = {CF_ATTN_BWD_FULL, CF_ATTN_BWD_CENTRIFUGE, CF_ATTN_BWD_CENTRIFUGE_KV};
     static const char *const mname[3] = {"FULL", "CENTRIFUGE", "CENTRIFUGE_KV"};
     static const int cfg[6][2] = {{1, 1}, {2, 1}, {1, 2}, {2, 2}, {4, 1}, {4, 2}}; /* hpb, parts */
     char nm[128], what[256];
-    for (int ci = 0; ci < 3; ci++) {
+    for (int ci = 0; ci < ncc; ci++) {
         attn_problem p;
         attn_setup(&p, cc[ci]);
         const attn_case c = p.c;

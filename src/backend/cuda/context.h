@@ -131,7 +131,7 @@ typedef struct cf_cuda_ctx {
     int attn_path;
     unsigned attn_sm90_attr_done;
     /* query heads per Hopper backward block: 0 = chosen by the grid's size
-     * (attention/bwd_sm90.cu: attn_sm90_bwd_hpb); tests set 1, 2 or 4 */
+     * (attention/bwd_sm90.cu: attn_sm90_bwd_hpb); tests set 1 to 4 */
     int attn_bwd_hpb;
     /* parts of a key tile's query range per Hopper backward block: 0 = by
      * the grid's size (attention/bwd_sm90.cu: attn_sm90_bwd_split); tests

@@ -461,24 +461,30 @@ static int bwd_bm_for(int D) {
  * writes one partial of dk, dv for them: fewer blocks (each one's gather,
  * prologue and epilogue shared by hpb heads) and 1/hpb of the fp32
  * partials to write and reduce. Rule: sm90.cuh's bwd_heads_per_block
- * (checked on the CPU by tests/gpu/host_bwd_parts.cu), the largest of 4
- * (D = 64), 2, 1 that divides H/Hkv and leaves at least 1.5 blocks per SM:
- * on small shapes (Qwen2.5-1.5B: H = 12, 1024 kept keys per sequence: 6 x 8
+ * (checked on the CPU by tests/gpu/host_bwd_parts.cu), the first of 4
+ * (D = 64 only), 3, 2 that divides H/Hkv and, with the query parts
+ * attn_sm90_bwd_split will give it, leaves at least 1.5 blocks per SM: on
+ * small shapes (Qwen2.5-1.5B: H = 12, 1024 kept keys per sequence: 6 x 8
  * blocks at hpb = 2 on 132 SMs) most SMs would idle. Measured on an H100
  * (docs/HOPPER_ATTENTION.md): 2 over 1 at H = 32 with 2048 kept keys (256
  * blocks, centrifuge 4-5% faster); Qwen2.5-1.5B's full backward 0.259 ->
  * 0.172 ms by falling back to 1 (run 13); 4 over 2 on TinyLlama's full
  * backward (D = 64, 256 blocks) 0.618 -> 0.601 ms, but 0.298 -> 0.401 ms
  * on its centrifuge backward (128 blocks, under one wave) and slower at
- * D = 128 on a full grid (1.095 vs 1.057 ms).
+ * D = 128 on a full grid (1.095 vs 1.057 ms); 3 with 2 parts over 1 with
+ * 1 on Llama3.2-3B's full backward (group of 3, 256 blocks) 0.214 -> 0.194
+ * ms (run 23 call 10).
  * (CF_ATTN_SM90_BWD_HPB=n forces n, for timing, read once; ctx->attn_bwd_hpb
- * forces it per context, for tests). */
+ * forces it per context, for tests; a forced n that does not divide the
+ * group falls to the next lower divisor). */
 static_assert(BwdSm90<64, 128>::BN == BwdSm90<128, 64>::BN && BwdSm90<64, 64>::BN == BwdSm90<128, 64>::BN,
               "one key tile for every variant");
-int attn_sm90_bwd_hpb(const cf_cuda_ctx *ctx, int D, int H, int Hkv, int B, int kmaxlen) {
+int attn_sm90_bwd_hpb(const cf_cuda_ctx *ctx, int D, int H, int Hkv, int B, int qmaxlen, int kmaxlen, bool beside) {
     static const int forced = attn_env_int("CF_ATTN_SM90_BWD_HPB", 0);
     int hpb = ctx->attn_bwd_hpb > 0 ? ctx->attn_bwd_hpb : forced;
-    if (hpb < 1) return bwd_heads_per_block(D, H, Hkv, B, kmaxlen, BwdSm90<128, 64>::BN, ctx->sm_count);
+    if (hpb < 1)
+        return bwd_heads_per_block(D, BwdSm90<128, 64>::BN, bwd_bm_for(D), H, Hkv, B, qmaxlen, kmaxlen, ctx->sm_count,
+                                   beside);
     const int G = H / Hkv;
     while (hpb > 1 && G % hpb) hpb--;
     return hpb;

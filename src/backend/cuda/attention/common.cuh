@@ -414,9 +414,10 @@ int attn_fwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D);
  * ns > 1 needs a.dkx, a.dvx) */
 int attn_bwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D, int nq_rows, int kmaxlen, int tps, int hpb, int ns);
 /* bwd_sm90.cu: query heads per block of attn_bwd_sm90 (a divisor of H/Hkv)
- * at head dim D for B sequences of up to kmaxlen k-side rows: with GQA its
- * dk, dv go to a.dkx, a.dvx as [nk, H/hpb, D] fp32 partials */
-int attn_sm90_bwd_hpb(const cf_cuda_ctx *ctx, int D, int H, int Hkv, int B, int kmaxlen);
+ * at head dim D for B sequences of up to qmaxlen q-side and kmaxlen k-side
+ * rows, `beside` as for attn_sm90_bwd_split: with GQA its dk, dv go to
+ * a.dkx, a.dvx as [nk, H/hpb, D] fp32 partials */
+int attn_sm90_bwd_hpb(const cf_cuda_ctx *ctx, int D, int H, int Hkv, int B, int qmaxlen, int kmaxlen, bool beside);
 /* bwd_sm90.cu: parts (1 or 2) of each key tile's query range, each its own
  * block, for q and k sides of up to qmaxlen and kmaxlen rows per sequence;
  * with ns > 1 dk, dv go to a.dkx, a.dvx as [nk, H/hpb, ns, D] fp32 partials

@@ -263,8 +263,8 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
     /* GQA: fp32 partials of dk, dv per group of hpb query heads (1 on the
      * portable path) and part of the query range (ns, Hopper), summed by
      * the GQA reduction; partials also without GQA when ns > 1 */
-    int hpb = try_hopper ? attn_sm90_bwd_hpb(ctx, D, H, Hkv, B, kmaxlen) : 1;
     const bool cf_beside = mode == CF_ATTN_BWD_CENTRIFUGE && T > n && parts_side_by_side(); /* part 2 runs beside */
+    int hpb = try_hopper ? attn_sm90_bwd_hpb(ctx, D, H, Hkv, B, maxlen, kmaxlen, cf_beside) : 1;
     int ns = try_hopper ? attn_sm90_bwd_split(ctx, D, H, hpb, B, maxlen, kmaxlen, cf_beside) : 1;
     const bool partials = H != Hkv || ns > 1;
     if (partials) { /* [nk, H/hpb, ns, D], or [nk, H, D] for a fallback: the larger */

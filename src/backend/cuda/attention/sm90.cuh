@@ -379,28 +379,18 @@ __host__ __device__ __forceinline__ bool kept_search_narrow(int *lo, int *hi, un
     return true;
 }
 
-/* Query heads per block (1, 2 or 4) of the backward (bwd_sm90.cu:
- * attn_sm90_bwd_hpb, which documents the why): the largest that divides
- * the GQA group H / Hkv and still leaves the grid at least 1.5 blocks per
- * SM (H / hpb blocks per key tile of BN keys up to kmaxlen, B sequences,
- * sms SMs); 4 at D = 64 only (at D = 128 it was slower on a full grid). */
-__host__ __device__ inline int bwd_heads_per_block(int D, int H, int Hkv, int B, int kmaxlen, int BN, int sms) {
-    if (H <= 0 || Hkv <= 0 || H % Hkv || B <= 0 || kmaxlen <= 0 || BN <= 0) return 1;
-    const long long ktiles = (kmaxlen + BN - 1) / BN;
-    for (int hpb = D == 64 ? 4 : 2; hpb > 1; hpb /= 2)
-        if ((H / Hkv) % hpb == 0 && 2LL * (H / hpb) * ktiles * B >= 3LL * sms) return hpb;
-    return 1;
-}
-
 /* Parts (1 or 2) of a key tile's query range, each its own block, in the
  * backward (bwd_sm90.cu: attn_sm90_bwd_split, which documents the why):
  * 2 where the first key tile's block, the longest of a causal grid, has
- * more than twice the steps an SM gets on average, unless another kernel
- * runs beside this one (`beside`: centrifuge's part 2), whose blocks fill
- * the SMs the uneven grid leaves. Key tiles of BN rows up to kmaxlen per
- * sequence; tile j sees the queries after the fraction j BN / kmaxlen of
- * qmaxlen, in steps of BM per head, hpb heads per block, H / hpb blocks
- * per key tile and sequence, B sequences, sms SMs. */
+ * more than 1.5 times the steps an SM gets on average, unless another
+ * kernel runs beside this one (`beside`: centrifuge's part 2), whose
+ * blocks fill the SMs the uneven grid leaves. Key tiles of BN rows up to
+ * kmaxlen per sequence; tile j sees the queries after the fraction
+ * j BN / kmaxlen of qmaxlen, in steps of BM per head, hpb heads per block,
+ * H / hpb blocks per key tile and sequence, B sequences, sms SMs. Measured
+ * on an H100: 1.94 times (Llama3.2-3B's full backward, 3 heads per block)
+ * ran 0.279 ms with 1 part, 0.194 with 2; 1.30 times (Qwen2.5-1.5B's, 1
+ * head) 0.115 with 1, 0.134 with 2 (run 23 call 10). */
 __host__ __device__ inline int bwd_query_parts(int BN, int BM, int H, int hpb, int B, int qmaxlen, int kmaxlen,
                                                int sms, bool beside) {
     const int ktiles = kmaxlen > 0 ? (kmaxlen + BN - 1) / BN : 0;
@@ -413,7 +403,24 @@ __host__ __device__ inline int bwd_query_parts(int BN, int BM, int H, int hpb, i
         total += steps;
     }
     total *= (long long)(H / hpb) * B;
-    return first * sms > 2 * total ? 2 : 1;
+    return 2 * first * sms > 3 * total ? 2 : 1;
+}
+
+/* Query heads per block of the backward (bwd_sm90.cu: attn_sm90_bwd_hpb,
+ * which documents the why): the first of 4, 3, 2 (D = 64) or 3, 2
+ * (D = 128; 4 was slower there on a full grid) that divides the GQA group
+ * H / Hkv and, with the parts bwd_query_parts gives it, leaves the grid at
+ * least 1.5 blocks per SM; else 1. Arguments as bwd_query_parts'. */
+__host__ __device__ inline int bwd_heads_per_block(int D, int BN, int BM, int H, int Hkv, int B, int qmaxlen,
+                                                   int kmaxlen, int sms, bool beside) {
+    if (H <= 0 || Hkv <= 0 || H % Hkv || B <= 0 || kmaxlen <= 0 || BN <= 0) return 1;
+    const long long ktiles = (kmaxlen + BN - 1) / BN;
+    for (int hpb = D == 64 ? 4 : 3; hpb > 1; hpb--) {
+        if ((H / Hkv) % hpb) continue;
+        const int ns = bwd_query_parts(BN, BM, H, hpb, B, qmaxlen, kmaxlen, sms, beside);
+        if (2LL * (H / hpb) * ktiles * B * ns >= 3LL * sms) return hpb;
+    }
+    return 1;
 }
 
 /* ---------------------------------------------------------- host side */
