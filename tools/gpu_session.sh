@@ -394,8 +394,10 @@ for part in "$@"; do
       done; done 2>&1 | tee "$OUT/cf_pp64.txt" ;;
     attn-ab)
       # attention alone: the carried bench_attention_old (an earlier build, see gpu_carry.sh) against this
-      # build's, alternated twice per shape (default shapes, then Qwen2.5-1.5B's and Llama3.2-3B's)
-      for sh in "4096 32 4 64" "4096 32 8 128" "2048 12 2 128" "2048 24 8 128"; do for rep in 1 2; do
+      # build's, alternated twice per shape (default shapes, then Qwen2.5-1.5B's and Llama3.2-3B's; or AB_SHAPES,
+      # "S H Hkv D [B]" separated by '|')
+      IFS='|' read -ra shs <<<"${AB_SHAPES:-4096 32 4 64|4096 32 8 128|2048 12 2 128|2048 24 8 128}"
+      for sh in "${shs[@]}"; do for rep in 1 2; do
         for v in old new; do
           b="$G/bench_attention"; [ $v = old ] && b="$G/bench_attention_old"
           [ -x "$b" ] || continue

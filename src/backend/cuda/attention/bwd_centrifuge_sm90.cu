@@ -115,8 +115,8 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
     auto empty = [&](int s) { return bar + 8 * (1 + 2 * KST + s); };
     auto small = [&](int s) { return reinterpret_cast<int *>(sbase + C::OFF_SMALL + s * C::SMALL_BYTES); };
 
-    const int h = blockIdx.x, b = blockIdx.y; /* the last query tiles first, over the batch */
-    const int q0 = (gridDim.z - 1 - blockIdx.z) * BM;
+    const int h = blockIdx.x, b = blockIdx.z;
+    const int q0 = (gridDim.y - 1 - blockIdx.y) * BM;
     const int qs = seq_begin(a.qstart, b, a.S), qlen = seq_begin(a.qstart, b + 1, a.S) - qs;
     if (q0 >= qlen) return;
     const int ks = seq_begin(a.kstart, b, a.S), klen = seq_begin(a.kstart, b + 1, a.S) - ks;
@@ -314,7 +314,7 @@ static int dq_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int 
     const void *fn = dq_pingpong(D) ? (const void *)attn_bwd_dq_sm90_kernel<D, true>
                                    : (const void *)attn_bwd_dq_sm90_kernel<D, false>;
     if (!attn_sm90_prepare(ctx, fn, C::SMEM, D == 64 ? 4 : 5)) return -1;
-    dim3 grid(a.H, a.B, (maxlen + C::BM - 1) / C::BM), block(C::THREADS);
+    dim3 grid(a.H, (maxlen + C::BM - 1) / C::BM, a.B), block(C::THREADS);
     int nw = attn_sm90_bwd_nw(D);
     void *args[] = {(void *)&mq, (void *)&mo, (void *)&mk, (void *)&mv, (void *)&a, (void *)&tps, (void *)&nw};
     return CF_CK(ctx, cudaLaunchKernel(fn, grid, block, args, C::SMEM, st)) ? 1 : -1;

@@ -87,11 +87,8 @@ __global__ void __launch_bounds__(384, 1)
     auto empty = [&](int s) { return bar + 8 * (QST + s); };
     auto small = [&](int s) { return reinterpret_cast<float *>(sbase + C::OFF_SMALL + s * C::SMALL_BYTES); };
 
-    /* the first key tiles (most queries) first, of every head group and
-     * sequence: the grid's slowest index is the tile, so the blocks start
-     * longest first across the whole batch, not sequence by sequence */
-    const int h0 = blockIdx.x * hpb, b = blockIdx.y; /* query heads h0 .. h0+hpb-1 */
-    const int split = blockIdx.z % ns, k0 = blockIdx.z / ns * BN; /* part split of key tile k0 */
+    const int h0 = blockIdx.x * hpb, b = blockIdx.z; /* query heads h0 .. h0+hpb-1 */
+    const int split = blockIdx.y % ns, k0 = blockIdx.y / ns * BN; /* part split of key tile k0 */
     const int ks = seq_begin(a.kstart, b, a.S), klen = seq_begin(a.kstart, b + 1, a.S) - ks;
     if (k0 >= klen) return;
     const int qs = seq_begin(a.qstart, b, a.S), qlen = seq_begin(a.qstart, b + 1, a.S) - qs;
@@ -522,7 +519,7 @@ static int bwd_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int
         return 0;
     const void *fn = (const void *)attn_bwd_sm90_kernel<D, BM>;
     if (!attn_sm90_prepare(ctx, fn, C::SMEM, D == 128 ? 2 : BM == 64 ? 3 : 6)) return -1;
-    dim3 grid(a.H / hpb, a.B, (kmaxlen + C::BN - 1) / C::BN * ns), block(C::THREADS);
+    dim3 grid(a.H / hpb, (kmaxlen + C::BN - 1) / C::BN * ns, a.B), block(C::THREADS);
     void *args[] = {(void *)&mq, (void *)&mo, (void *)&a, (void *)&tps, (void *)&hpb, (void *)&ns};
     return CF_CK(ctx, cudaLaunchKernel(fn, grid, block, args, C::SMEM, ctx->stream)) ? 1 : -1;
 }

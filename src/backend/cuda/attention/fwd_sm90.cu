@@ -71,11 +71,8 @@ __global__ void __launch_bounds__(FwdSm90<D>::THREADS, 1)
     auto empty_k = [&](int s) { return bar + 8 * (1 + 2 * KST + s); };
     auto empty_v = [&](int s) { return bar + 8 * (1 + 3 * KST + s); };
 
-    /* the last query tiles (most keys) first, of every head and sequence:
-     * the grid's slowest index is the tile, so the blocks start longest
-     * first across the whole batch, not sequence by sequence */
-    const int h = blockIdx.x, b = blockIdx.y;
-    const int q0 = (gridDim.z - 1 - blockIdx.z) * BM;
+    const int h = blockIdx.x, b = blockIdx.z;
+    const int q0 = (gridDim.y - 1 - blockIdx.y) * BM; /* the last tiles (most keys) first */
     const int qs = b * a.S, qlen = a.S, ks = qs, klen = a.S;
     if (q0 >= qlen) return;
     const int hk = h / (a.H / a.Hkv);
@@ -317,7 +314,7 @@ static int fwd_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a) {
     const void *fn = fwd_pingpong() ? (const void *)attn_fwd_sm90_kernel<D, true>
                                     : (const void *)attn_fwd_sm90_kernel<D, false>;
     if (!attn_sm90_prepare(ctx, fn, C::SMEM, D == 64 ? 0 : 1)) return -1;
-    dim3 grid(a.H, a.B, (a.S + C::BM - 1) / C::BM), block(C::THREADS);
+    dim3 grid(a.H, (a.S + C::BM - 1) / C::BM, a.B), block(C::THREADS);
     void *args[] = {(void *)&mq, (void *)&mk, (void *)&mv, (void *)&a};
     return CF_CK(ctx, cudaLaunchKernel(fn, grid, block, args, C::SMEM, ctx->stream)) ? 1 : -1;
 }
