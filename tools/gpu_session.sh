@@ -405,7 +405,7 @@ for part in "$@"; do
         done; done; done 2>&1 | tee "$OUT/attn_ab.txt" ;;
     attn-parts)
       # attention alone: the carried bench_attention_old (an earlier build), this build with one part per key
-      # tile (CF_ATTN_SM90_BWD_SPLIT=1) and with the automatic parts (bwd_query_parts), alternated twice per shape
+      # tile (CF_ATTN_SM90_BWD_SPLIT=1) and with the planned parts (bwd_plan), alternated twice per shape
       for sh in "4096 32 4 64" "4096 32 8 128" "2048 12 2 128" "2048 24 8 128"; do for rep in 1 2; do
         for v in old one auto; do
           b="$G/bench_attention"; [ $v = old ] && b="$G/bench_attention_old"

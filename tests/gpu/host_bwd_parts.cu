@@ -1,18 +1,19 @@
 /*
- * host_bwd_parts.cu — the Hopper backward's query-range parts
- * (attention/sm90.cuh: query_part, bwd_query_parts), checked on the CPU:
- * nvcc compiles it and it runs without a GPU (`make test-cuda-host`, which
- * CI runs).
+ * host_bwd_parts.cu — the Hopper backward's launch plan
+ * (attention/sm90.cuh: query_part, bwd_grid_cost, bwd_plan), checked on
+ * the CPU: nvcc compiles it and it runs without a GPU (`make
+ * test-cuda-host`, which CI runs).
  *
  * query_part must hand every query tile of a key tile to exactly one block
- * (a tile lost or taken twice is a wrong dk, dv); bwd_query_parts must
- * split where the grid is small and uneven and nowhere else (a split costs
- * partials: fp32 dk, dv traffic), at the model shapes of issue 17 on an
- * H100 (132 SMs). bwd_heads_per_block must pick several query heads per
- * block only where the grid, with its parts, stays full, 4 only at head
- * dim 64, and only divisors of the GQA group (a non-divisor mixes kv heads
- * in one block).
+ * (a tile lost or taken twice is a wrong dk, dv). bwd_grid_cost must play
+ * the block schedule it claims to (hand-counted grids). bwd_plan must pick,
+ * at the shapes timed on an H100 (132 SMs), the plan that was fastest or
+ * within noise of it; only divisors of the GQA group (a non-divisor mixes
+ * kv heads in one block), 4 heads only at head dim 64, one part beside
+ * centrifuge's part 2, and what a test or timing run forces.
  */
+#include <math.h>
+
 #include "backend/cuda/attention/common.cuh"
 #include "backend/cuda/attention/sm90.cuh"
 #include "test.h"
@@ -35,96 +36,111 @@ TEST(query_parts_cover_each_tile_once_in_order_and_even) {
         }
 }
 
-/* (BN, BM, H, hpb, B, qmaxlen, kmaxlen) -> parts, 132 SMs. BM = 64 at
- * D = 128, 128 at D = 64; hpb as attn_sm90_bwd_hpb picks it there. */
-TEST(query_parts_split_only_small_uneven_grids) {
-    static const struct { const char *what; int BM, H, hpb, B, q, k, want; } cs[] = {
-        {"Qwen2.5-1.5B centrifuge part 1 without part 2 beside (96 blocks, 16 vs 6.5 steps)", 64, 12, 1, 1, 1024, 1024, 2},
-        {"Qwen2.5-1.5B full (192 blocks, 32 vs 24.7 steps: 2 parts were 9% slower)", 64, 12, 1, 1, 2048, 2048, 1},
-        {"Llama3.2-3B centrifuge part 1 (192 blocks, 16 vs 13.1 steps)", 64, 24, 1, 1, 1024, 1024, 1},
-        {"Llama3.2-3B full", 64, 24, 1, 1, 2048, 2048, 1},
-        {"S=4096 D=128 H=32 full, hpb 2", 64, 32, 2, 1, 4096, 4096, 1},
-        {"S=4096 D=128 H=32 centrifuge part 1, hpb 2", 64, 32, 2, 1, 2048, 2048, 1},
-        {"TinyLlama full (D=64, hpb 4)", 128, 32, 4, 1, 4096, 4096, 1},
-        {"TinyLlama centrifuge part 1", 128, 32, 2, 1, 2048, 2048, 1},
-        {"Qwen2.5-1.5B centrifuge, 2 sequences (192 blocks)", 64, 12, 1, 2, 1024, 1024, 1},
-        {"one key tile, one head: a lone block", 64, 1, 1, 1, 100, 100, 2},
-        {"centrifuge-kv shape: all keys, half the queries (16 vs 12.4 steps)", 64, 12, 1, 1, 1024, 2048, 1},
-        {"Qwen2.5-1.5B at keep 0.25 (4 key tiles, 8 vs 2 steps)", 64, 12, 1, 1, 512, 512, 2},
-        {"Llama3.2-3B full, 3 heads per block (96 vs 49.5 steps: 0.279 -> 0.194 ms with 2)", 64, 24, 3, 1, 2048, 2048, 2},
+/* An H100's plan (132 SMs, BN = 128, BM = 128 at D = 64 and 64 at D = 128,
+ * as the kernel's), nothing forced */
+static BwdPlan plan_of(int D, int H, int Hkv, int B, int q, int k, bool beside) {
+    return bwd_plan(D, 128, D == 64 ? 128 : 64, H, Hkv, B, q, k, 132, beside, 0, 0);
+}
+
+/* Hand-counted grids, no partials (H == Hkv, one part): 132 equal blocks
+ * of one step on 132 SMs end together; 133 take two rounds; and in launch
+ * order the longest blocks start first */
+TEST(grid_cost_plays_the_block_schedule) {
+    const double blk = BWD_COST_BLOCK;
+    /* one key tile of 64 queries (one BM = 64 step) per head, 132 heads */
+    CHECK(fabs(bwd_grid_cost(128, 64, 132, 132, 128, 1, 64, 64, 1, 1, 132) - (1 + blk)) < 1e-9);
+    CHECK(fabs(bwd_grid_cost(128, 64, 133, 133, 128, 1, 64, 64, 1, 1, 132) - 2 * (1 + blk)) < 1e-9);
+    /* 2 key tiles of 128 on 256 queries, 1 head, 2 SMs: tile 0 sees 4
+     * steps, tile 1 sees 2; each on its own SM */
+    CHECK(fabs(bwd_grid_cost(128, 64, 1, 1, 128, 1, 256, 256, 1, 1, 2) - (4 + blk)) < 1e-9);
+    /* the same on one SM: one after the other */
+    CHECK(fabs(bwd_grid_cost(128, 64, 1, 1, 128, 1, 256, 256, 1, 1, 1) - (6 + 2 * blk)) < 1e-9);
+    /* 2 parts on 4 SMs: tile 0's 4 steps as 2 + 2, tile 1's 2 as 1 + 1;
+     * partials now (ns > 1): 256 keys x 1 x 2 x 128 x 8 bytes */
+    const double part = BWD_COST_MB * 256.0 * 2 * 128 * 8 / 1e6;
+    CHECK(fabs(bwd_grid_cost(128, 64, 1, 1, 128, 1, 256, 256, 1, 2, 4) - (2 + blk + part)) < 1e-9);
+    /* GQA partials with one part: [nk, H/hpb, D] for dk and dv */
+    const double gqa = BWD_COST_MB * 256.0 * 2 * 1 * 128 * 8 / 1e6;
+    CHECK(fabs(bwd_grid_cost(128, 64, 2, 1, 128, 1, 256, 256, 1, 1, 4) - (4 + blk + gqa)) < 1e-9);
+    /* more SMs never cost more */
+    for (int sms = 1; sms < 200; sms++)
+        CHECK(bwd_grid_cost(128, 64, 24, 8, 128, 2, 2048, 2048, 3, 2, sms + 1) <=
+              bwd_grid_cost(128, 64, 24, 8, 128, 2, 2048, 2048, 3, 2, sms) + 1e-9);
+}
+
+/* (D, H, Hkv, B, qmaxlen, kmaxlen, beside) -> heads per block x parts;
+ * times are ms of the full backward (or centrifuge, beside), H100 */
+TEST(plan_picks_the_fastest_timed_plan) {
+    static const struct { const char *what; int D, H, Hkv, B, q, k; bool beside; int hpb, ns; } cs[] = {
+        {"Llama3.2-3B (group of 3): 3 x 2 0.191, 1 x 1 0.212 (run 24)", 128, 24, 8, 1, 2048, 2048, false, 3, 2},
+        {"Llama3.2-3B, 4 sequences: 3 x 1 0.671, 3 x 2 0.704, 1 x 1 0.763", 128, 24, 8, 4, 2048, 2048, false, 3, 1},
+        {"Llama3.2-3B @1024: 1 x 1 0.081, 3 x 2 0.095", 128, 24, 8, 1, 1024, 1024, false, 1, 1},
+        {"Qwen2.5-1.5B, 4 sequences: 3 x 2 0.360, 2 x 1 0.385, 3 x 1 0.436", 128, 12, 2, 4, 2048, 2048, false, 3, 2},
+        {"Qwen2.5-1.5B @4096: 3 x 2 0.292, 1 x 1 0.329", 128, 12, 2, 1, 4096, 4096, false, 3, 2},
+        {"S=4096 D=128 H=32 Hkv=8: 2 x 1 0.751, 2 x 2 0.816", 128, 32, 8, 1, 4096, 4096, false, 2, 1},
+        {"TinyLlama: 4 x 1 0.426, 4 x 2 0.448 (run 22)", 64, 32, 4, 1, 4096, 4096, false, 4, 1},
+        {"TinyLlama, 2 sequences: 4 x 1 0.261, 2 x 1 0.276", 64, 32, 4, 2, 2048, 2048, false, 4, 1},
+        {"group of 3 at D=64: 3 x 1 0.324, 1 x 1 0.359", 64, 24, 8, 1, 4096, 4096, false, 3, 1},
+        {"group of 6 at D=64: 3 x 1 0.637, 2 x 1 0.664", 64, 48, 8, 1, 4096, 4096, false, 3, 1},
+        {"no GQA at D=64: 1 x 1", 64, 32, 32, 1, 4096, 4096, false, 1, 1},
+        {"TinyLlama centrifuge part 1: 2 0.220, 4 0.284", 64, 32, 4, 1, 2048, 2048, true, 2, 1},
+        {"TinyLlama centrifuge, 2 sequences (256 blocks at 4)", 64, 32, 4, 2, 2048, 2048, true, 4, 1},
+        {"S=4096 D=128 centrifuge part 1: 2 0.373, 1 0.414", 128, 32, 8, 1, 2048, 2048, true, 2, 1},
+        {"Llama3.2-3B centrifuge part 1: 1 0.124, 3 0.156", 128, 24, 8, 1, 1024, 1024, true, 1, 1},
+        {"Llama3.2-3B centrifuge, 4 sequences: 3 0.429, 1 0.457", 128, 24, 8, 4, 1024, 1024, true, 3, 1},
+        {"Qwen2.5-1.5B centrifuge part 1: 1 x 1 0.068, 1 x 2 0.078 (run 23)", 128, 12, 2, 1, 1024, 1024, true, 1, 1},
     };
     for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
-        const int got = bwd_query_parts(128, cs[i].BM, cs[i].H, cs[i].hpb, cs[i].B, cs[i].q, cs[i].k, 132, false);
-        CHECK_MSG(got == cs[i].want, "%s: %d parts, expected %d", cs[i].what, got, cs[i].want);
+        const BwdPlan p = plan_of(cs[i].D, cs[i].H, cs[i].Hkv, cs[i].B, cs[i].q, cs[i].k, cs[i].beside);
+        CHECK_MSG(p.hpb == cs[i].hpb && p.ns == cs[i].ns, "%s: %d x %d, expected %d x %d", cs[i].what, p.hpb, p.ns,
+                  cs[i].hpb, cs[i].ns);
     }
+    /* Qwen2.5-1.5B full: 1 x 1 0.115 and 2 x 2 0.113 are equals; 1 x 2
+     * (0.134) and 2 x 1 (0.179) are not */
+    const BwdPlan q = plan_of(128, 12, 2, 1, 2048, 2048, false);
+    CHECK_MSG(q.hpb == q.ns && q.hpb <= 2, "Qwen2.5-1.5B full: %d x %d", q.hpb, q.ns);
 }
 
-TEST(query_parts_are_one_for_empty_or_invalid_shapes) {
-    CHECK(bwd_query_parts(128, 64, 12, 1, 1, 0, 1024, 132, false) == 1);
-    CHECK(bwd_query_parts(128, 64, 12, 1, 1, 1024, 0, 132, false) == 1);
-    CHECK(bwd_query_parts(128, 64, 12, 1, 0, 1024, 1024, 132, false) == 1);
-    CHECK(bwd_query_parts(128, 64, 12, 0, 1, 1024, 1024, 132, false) == 1);
-}
-
-/* With centrifuge's part 2 running beside part 1, its blocks fill the SMs
- * part 1's uneven grid leaves: 1 part where the grid alone would take 2
- * (Qwen2.5-1.5B's centrifuge attention backward: 0.079 ms with 2 parts,
- * 0.069 with 1; H100, run 23) */
-TEST(query_parts_are_one_beside_centrifuge_part_2) {
-    CHECK(bwd_query_parts(128, 64, 12, 1, 1, 1024, 1024, 132, false) == 2);
-    CHECK(bwd_query_parts(128, 64, 12, 1, 1, 1024, 1024, 132, true) == 1);
-    CHECK(bwd_query_parts(128, 64, 12, 1, 1, 512, 512, 132, true) == 1);
-    CHECK(bwd_query_parts(128, 64, 1, 1, 1, 100, 100, 132, true) == 1);
-}
-
-/* (D, H, Hkv, B, qmaxlen, kmaxlen, beside) -> query heads per block,
- * BN = 128, BM as the kernel's (128 at D = 64, 64 at D = 128), 132 SMs */
-static int hpb_of(int D, int H, int Hkv, int B, int q, int k, bool beside) {
-    return bwd_heads_per_block(D, 128, D == 64 ? 128 : 64, H, Hkv, B, q, k, 132, beside);
-}
-
-TEST(heads_per_block_keep_the_grid_full_and_divide_the_group) {
-    static const struct { const char *what; int D, H, Hkv, B, q, k; bool beside; int want; } cs[] = {
-        {"TinyLlama full (256 blocks at 4: 0.618 -> 0.601 ms)", 64, 32, 4, 1, 4096, 4096, false, 4},
-        {"TinyLlama centrifuge part 1 (128 blocks at 4 were 0.298 -> 0.401 ms)", 64, 32, 4, 1, 2048, 2048, true, 2},
-        {"TinyLlama centrifuge, 2 sequences (256 blocks at 4)", 64, 32, 4, 2, 2048, 2048, true, 4},
-        {"S=4096 D=128 H=32 Hkv=8 full (4 was 1.095 vs 1.057 ms)", 128, 32, 8, 1, 4096, 4096, false, 2},
-        {"S=4096 D=128 centrifuge part 1", 128, 32, 8, 1, 2048, 2048, true, 2},
-        {"Llama3.2-3B full (group of 3; 256 blocks at 3 with 2 parts: 0.214 -> 0.194 ms)", 128, 24, 8, 1, 2048, 2048,
-         false, 3},
-        {"Llama3.2-3B centrifuge part 1 (64 blocks at 3)", 128, 24, 8, 1, 1024, 1024, true, 1},
-        {"Qwen2.5-1.5B full (192 blocks at 2 with 2 parts)", 128, 12, 2, 1, 2048, 2048, false, 1},
-        {"Qwen2.5-1.5B centrifuge part 1", 128, 12, 2, 1, 1024, 1024, true, 1},
-        {"no GQA", 64, 32, 32, 1, 4096, 4096, false, 1},
-        {"group of 2 at D=64", 64, 32, 16, 1, 4096, 4096, false, 2},
-        {"group of 6 at D=64: 4 does not divide it", 64, 48, 8, 1, 4096, 4096, false, 3},
-    };
-    for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
-        const int got = hpb_of(cs[i].D, cs[i].H, cs[i].Hkv, cs[i].B, cs[i].q, cs[i].k, cs[i].beside);
-        CHECK_MSG(got == cs[i].want, "%s: %d heads per block, expected %d", cs[i].what, got, cs[i].want);
-        CHECK_MSG((cs[i].H / cs[i].Hkv) % got == 0, "%s: %d does not divide the group", cs[i].what, got);
-    }
-}
-
-/* 4 heads per block only at D = 64; 3 and 2 at both; never a non-divisor
- * of the group, whatever the shape */
-TEST(heads_per_block_divide_the_group_and_take_4_only_at_d64) {
+/* Whatever the shape: hpb divides the group, 4 only at D = 64, 1 or 2
+ * parts, 1 beside */
+TEST(plan_divides_the_group_and_keeps_its_limits) {
     for (int D = 64; D <= 128; D += 64)
         for (int Hkv = 1; Hkv <= 8; Hkv++)
             for (int G = 1; G <= 12; G++)
-                for (int S = 256; S <= 8192; S *= 2) {
-                    const int got = hpb_of(D, G * Hkv, Hkv, 1, S, S, false);
-                    CHECK_MSG(got >= 1 && G % got == 0 && (got <= 3 || D == 64), "D=%d G=%d Hkv=%d S=%d: %d", D, G,
-                              Hkv, S, got);
-                }
+                for (int S = 256; S <= 8192; S *= 4)
+                    for (int B = 1; B <= 4; B *= 2)
+                        for (int beside = 0; beside < 2; beside++) {
+                            const BwdPlan p = plan_of(D, G * Hkv, Hkv, B, S, S, beside);
+                            CHECK_MSG(p.hpb >= 1 && G % p.hpb == 0 && (p.hpb <= 3 || D == 64) && p.ns >= 1 &&
+                                          p.ns <= 2 && (!beside || p.ns == 1),
+                                      "D=%d G=%d Hkv=%d S=%d B=%d beside=%d: %d x %d", D, G, Hkv, S, B, beside, p.hpb,
+                                      p.ns);
+                        }
 }
 
-TEST(heads_per_block_is_one_for_empty_or_invalid_shapes) {
-    CHECK(hpb_of(64, 32, 4, 1, 4096, 0, false) == 1);
-    CHECK(hpb_of(64, 32, 4, 0, 4096, 4096, false) == 1);
-    CHECK(hpb_of(64, 32, 0, 1, 4096, 4096, false) == 1);
-    CHECK(hpb_of(64, 32, 5, 1, 4096, 4096, false) == 1);
-    CHECK(hpb_of(64, 0, 4, 1, 4096, 4096, false) == 1);
+/* Forced through the context or the environment: hpb falls to the next
+ * lower divisor of the group (4 -> 3 in a group of 3, 2 -> 1), 4 is
+ * allowed at D = 128 when asked for, parts are capped at 2 */
+TEST(plan_takes_what_is_forced) {
+    BwdPlan p = bwd_plan(128, 128, 64, 24, 8, 1, 2048, 2048, 132, false, 4, 1);
+    CHECK(p.hpb == 3 && p.ns == 1);
+    p = bwd_plan(128, 128, 64, 24, 8, 1, 2048, 2048, 132, false, 2, 2);
+    CHECK(p.hpb == 1 && p.ns == 2);
+    p = bwd_plan(128, 128, 64, 32, 8, 1, 4096, 4096, 132, false, 4, 0);
+    CHECK(p.hpb == 4 && (p.ns == 1 || p.ns == 2));
+    p = bwd_plan(64, 128, 128, 32, 4, 1, 4096, 4096, 132, true, 0, 3);
+    CHECK(p.ns == 2);
+    p = bwd_plan(64, 128, 128, 32, 4, 1, 4096, 4096, 132, false, 9, 0);
+    CHECK(p.hpb == 8);
+}
+
+TEST(plan_is_one_by_one_for_empty_or_invalid_shapes) {
+    static const int bad[][6] = {{32, 4, 1, 4096, 0}, {32, 4, 0, 4096, 4096}, {32, 0, 1, 4096, 4096},
+                                 {32, 5, 1, 4096, 4096}, {0, 4, 1, 4096, 4096}, {32, 4, 1, 0, 4096}};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        const BwdPlan p = plan_of(64, bad[i][0], bad[i][1], bad[i][2], bad[i][3], bad[i][4], false);
+        CHECK_MSG(p.hpb == 1 && p.ns == 1, "case %zu: %d x %d", i, p.hpb, p.ns);
+    }
 }
 
 /* The warp's search of centrifuge's prep (kept_search_probe / _narrow),
@@ -189,12 +205,11 @@ TEST(kept_search_finds_the_kept_rows_before_each_filtered_row) {
 
 int main(void) {
     RUN(query_parts_cover_each_tile_once_in_order_and_even);
-    RUN(query_parts_split_only_small_uneven_grids);
-    RUN(query_parts_are_one_for_empty_or_invalid_shapes);
-    RUN(query_parts_are_one_beside_centrifuge_part_2);
-    RUN(heads_per_block_keep_the_grid_full_and_divide_the_group);
-    RUN(heads_per_block_divide_the_group_and_take_4_only_at_d64);
-    RUN(heads_per_block_is_one_for_empty_or_invalid_shapes);
+    RUN(grid_cost_plays_the_block_schedule);
+    RUN(plan_picks_the_fastest_timed_plan);
+    RUN(plan_divides_the_group_and_keeps_its_limits);
+    RUN(plan_takes_what_is_forced);
+    RUN(plan_is_one_by_one_for_empty_or_invalid_shapes);
     RUN(kept_search_finds_the_kept_rows_before_each_filtered_row);
     return test_summary();
 }

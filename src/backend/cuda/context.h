@@ -76,6 +76,8 @@ typedef struct {
     int choice, candidates;
 } cf_gemm_plan;
 #define CF_GEMM_CACHE 256
+#define CF_ATTN_PLANS 4    /* attention backward plans kept (attn_plans) */
+#define CF_ATTN_PLAN_KEY 9 /* ints in a plan's key */
 
 typedef struct cf_cuda_ctx {
     /* the device */
@@ -130,13 +132,18 @@ typedef struct cf_cuda_ctx {
      * bit per Hopper kernel whose shared-memory limit has been raised */
     int attn_path;
     unsigned attn_sm90_attr_done;
-    /* query heads per Hopper backward block: 0 = chosen by the grid's size
-     * (attention/bwd_sm90.cu: attn_sm90_bwd_hpb); tests set 1 to 4 */
+    /* query heads per Hopper backward block and parts of a key tile's
+     * query range: 0 = chosen by the plan (attention/bwd_sm90.cu:
+     * attn_sm90_bwd_plan); tests set 1 to 4 heads, 1 or 2 parts */
     int attn_bwd_hpb;
-    /* parts of a key tile's query range per Hopper backward block: 0 = by
-     * the grid's size (attention/bwd_sm90.cu: attn_sm90_bwd_split); tests
-     * set 1 or 2 */
     int attn_bwd_split;
+    /* the plans of the last CF_ATTN_PLANS shapes (attn_sm90_bwd_plan):
+     * key = D, H, Hkv, B, q and k max lengths, beside, forced hpb, ns */
+    struct {
+        int key[CF_ATTN_PLAN_KEY];
+        int hpb, ns; /* hpb 0: empty */
+    } attn_plans[CF_ATTN_PLANS];
+    int attn_plan_next;
     /* the LM head's cluster kernel (lmhead.cu: lmhead_cluster_plan): the
      * vocabulary size last planned for (0: none yet) and its cluster size
      * (0: the one-block kernel), so the attribute and placement queries run

@@ -7,7 +7,7 @@
  *
  * A block owns BN = 128 keys (k side, any index space) of hpb query heads
  * and one sequence, and the queries of one of ns parts of the key tile's
- * query range (ns = 2 on small grids, attn_sm90_bwd_split):
+ * query range (hpb and ns: attn_sm90_bwd_plan):
  *   warpgroup 0 (producer, 24 registers): thread 0 streams the Q and dO
  *     tiles (BM = 64 q-side rows; the q side is always contiguous rows, so
  *     TMA) into a ring of QST stages; warp 1 fills the per-query vectors of
@@ -456,59 +456,56 @@ static int bwd_bm_for(int D) {
     return D == 64 ? bm64 : 64;
 }
 
-/* Query heads per block: with GQA, a block walks the query tiles of hpb
- * heads of one group in turn with the same K, V tile (loaded once) and
- * writes one partial of dk, dv for them: fewer blocks (each one's gather,
- * prologue and epilogue shared by hpb heads) and 1/hpb of the fp32
- * partials to write and reduce. Rule: sm90.cuh's bwd_heads_per_block
- * (checked on the CPU by tests/gpu/host_bwd_parts.cu), the first of 4
- * (D = 64 only), 3, 2 that divides H/Hkv and, with the query parts
- * attn_sm90_bwd_split will give it, leaves at least 1.5 blocks per SM: on
- * small shapes (Qwen2.5-1.5B: H = 12, 1024 kept keys per sequence: 6 x 8
- * blocks at hpb = 2 on 132 SMs) most SMs would idle. Measured on an H100
- * (docs/HOPPER_ATTENTION.md): 2 over 1 at H = 32 with 2048 kept keys (256
- * blocks, centrifuge 4-5% faster); Qwen2.5-1.5B's full backward 0.259 ->
- * 0.172 ms by falling back to 1 (run 13); 4 over 2 on TinyLlama's full
- * backward (D = 64, 256 blocks) 0.618 -> 0.601 ms, but 0.298 -> 0.401 ms
- * on its centrifuge backward (128 blocks, under one wave) and slower at
- * D = 128 on a full grid (1.095 vs 1.057 ms); 3 with 2 parts over 1 with
- * 1 on Llama3.2-3B's full backward (group of 3, 256 blocks) 0.214 -> 0.194
- * ms (run 23 call 10).
- * (CF_ATTN_SM90_BWD_HPB=n forces n, for timing, read once; ctx->attn_bwd_hpb
- * forces it per context, for tests; a forced n that does not divide the
- * group falls to the next lower divisor). */
+/* The launch plan: hpb query heads per block and ns parts per key tile.
+ * With GQA a block walks the query tiles of hpb heads of one group in turn
+ * with the same K, V tile (loaded once) and writes one partial of dk, dv
+ * for them: fewer blocks (each one's gather, prologue and epilogue shared
+ * by hpb heads) and 1/hpb of the fp32 partials to write and reduce. With 2
+ * parts each block takes half of its key tile's query tiles and writes a
+ * partial of its own: causal blocks are uneven (the first key tile of a
+ * sequence sees every query tile, the last one a few), and where the grid
+ * is small the longest block sets the kernel's time while most SMs idle.
+ * The two pull against each other (more heads make longer blocks; parts
+ * shorter ones, and more partials), and the block scheduler hands blocks
+ * out in launch order, sequence by sequence, so the plan is chosen by
+ * sm90.cuh's bwd_plan, which plays that schedule with a cost per step,
+ * block and MB of partials (checked on the CPU by
+ * tests/gpu/host_bwd_parts.cu). Measured on an H100 (run 24 call 1, full
+ * backward, ms, the plan's choice against the best of up to 8 plans):
+ * Llama3.2-3B (group of 3) 3 heads x 2 parts 0.191, where one head per
+ * block, the old rule's, took 0.212; 4 sequences 3 x 1 0.671 (0.763
+ * before); Qwen2.5-1.5B x 4 sequences 3 x 2 0.360 (0.385 before); the
+ * largest miss is Llama3.2-3B at S = 4096, 3 x 1 at 0.59-0.63 (three
+ * timings) against 0.577-0.578 for 3 x 2. Beside centrifuge's part 2 one part and the largest hpb that
+ * leaves 1.5 blocks per SM (bwd_plan says why): Qwen2.5-1.5B's centrifuge
+ * attention backward took 0.078 ms with 2 parts, 0.068 with 1 (run 23).
+ * CF_ATTN_SM90_BWD_HPB=n and CF_ATTN_SM90_BWD_SPLIT=n force them (timing,
+ * read once), ctx->attn_bwd_hpb and ctx->attn_bwd_split per context
+ * (tests). Plans are kept per context for the last few shapes: a model
+ * asks for the same shape in every layer. */
 static_assert(BwdSm90<64, 128>::BN == BwdSm90<128, 64>::BN && BwdSm90<64, 64>::BN == BwdSm90<128, 64>::BN,
               "one key tile for every variant");
-int attn_sm90_bwd_hpb(const cf_cuda_ctx *ctx, int D, int H, int Hkv, int B, int qmaxlen, int kmaxlen, bool beside) {
-    static const int forced = attn_env_int("CF_ATTN_SM90_BWD_HPB", 0);
-    int hpb = ctx->attn_bwd_hpb > 0 ? ctx->attn_bwd_hpb : forced;
-    if (hpb < 1)
-        return bwd_heads_per_block(D, BwdSm90<128, 64>::BN, bwd_bm_for(D), H, Hkv, B, qmaxlen, kmaxlen, ctx->sm_count,
-                                   beside);
-    const int G = H / Hkv;
-    while (hpb > 1 && G % hpb) hpb--;
-    return hpb;
-}
-
-/* Parts per key tile's query range (1 or 2): causal blocks are uneven (the
- * first key tile of a sequence sees every query tile, the last one a few),
- * and where the grid is small the longest block sets the kernel's time
- * while most SMs idle: Qwen2.5-1.5B's centrifuge part 1 (H = 12, 1024 kept
- * keys) is 96 blocks of 2 to 16 steps on 132 SMs, 6.5 steps per SM on
- * average. With 2 parts each block takes half of its key tile's query
- * tiles and writes a dk, dv partial of its own (the caller reduces ns
- * times as many). Rule: sm90.cuh's bwd_query_parts (checked on the CPU by
- * tests/gpu/host_bwd_parts.cu), and 1 when centrifuge's part 2 runs
- * beside (`beside`): its blocks fill the SMs the uneven grid leaves, and
- * the parts only added partials and blocks: Qwen2.5-1.5B's centrifuge
- * attention backward took 0.078 ms with 2 parts, 0.068 with 1 (H100, run
- * 23 call 10). CF_ATTN_SM90_BWD_SPLIT=n forces n (timing; read once),
- * ctx->attn_bwd_split per context (tests). */
-int attn_sm90_bwd_split(const cf_cuda_ctx *ctx, int D, int H, int hpb, int B, int qmaxlen, int kmaxlen, bool beside) {
-    static const int forced = attn_env_int("CF_ATTN_SM90_BWD_SPLIT", 0);
-    const int f = ctx->attn_bwd_split > 0 ? ctx->attn_bwd_split : forced;
-    if (f > 0) return f > 2 ? 2 : f;
-    return bwd_query_parts(BwdSm90<128, 64>::BN, bwd_bm_for(D), H, hpb, B, qmaxlen, kmaxlen, ctx->sm_count, beside);
+void attn_sm90_bwd_plan(cf_cuda_ctx *ctx, int D, int H, int Hkv, int B, int qmaxlen, int kmaxlen, bool beside,
+                        int *hpb, int *ns) {
+    static const int env_hpb = attn_env_int("CF_ATTN_SM90_BWD_HPB", 0), env_ns = attn_env_int("CF_ATTN_SM90_BWD_SPLIT", 0);
+    const int fh = ctx->attn_bwd_hpb > 0 ? ctx->attn_bwd_hpb : env_hpb;
+    const int fs = ctx->attn_bwd_split > 0 ? ctx->attn_bwd_split : env_ns;
+    const int key[CF_ATTN_PLAN_KEY] = {D, H, Hkv, B, qmaxlen, kmaxlen, beside, fh, fs};
+    for (int i = 0; i < CF_ATTN_PLANS; i++)
+        if (ctx->attn_plans[i].hpb > 0 && !memcmp(ctx->attn_plans[i].key, key, sizeof key)) {
+            *hpb = ctx->attn_plans[i].hpb;
+            *ns = ctx->attn_plans[i].ns;
+            return;
+        }
+    const BwdPlan p = bwd_plan(D, BwdSm90<128, 64>::BN, bwd_bm_for(D), H, Hkv, B, qmaxlen, kmaxlen, ctx->sm_count,
+                               beside, fh, fs);
+    const int slot = ctx->attn_plan_next;
+    ctx->attn_plan_next = (slot + 1) % CF_ATTN_PLANS;
+    memcpy(ctx->attn_plans[slot].key, key, sizeof key);
+    ctx->attn_plans[slot].hpb = p.hpb;
+    ctx->attn_plans[slot].ns = p.ns;
+    *hpb = p.hpb;
+    *ns = p.ns;
 }
 
 template <int D, int BM>

@@ -408,21 +408,19 @@ int attn_fwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D);
 /* bwd_sm90.cu: the main backward kernel (as bwd.cu's) over k-side tiles of
  * up to kmaxlen rows per sequence, q side of nq_rows rows in all; dq goes
  * to a.dq_acc in slot order with tps query tiles (64 rows) per sequence,
- * tps even (sm90.cuh: dq_slot_base); hpb query heads per block, from
- * attn_sm90_bwd_hpb, and ns parts of each key tile's query range, from
- * attn_sm90_bwd_split (the caller sizes and reduces the partials with them;
- * ns > 1 needs a.dkx, a.dvx) */
+ * tps even (sm90.cuh: dq_slot_base); hpb query heads per block and ns
+ * parts of each key tile's query range, from attn_sm90_bwd_plan (the
+ * caller sizes and reduces the partials with them; ns > 1 needs a.dkx,
+ * a.dvx) */
 int attn_bwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D, int nq_rows, int kmaxlen, int tps, int hpb, int ns);
-/* bwd_sm90.cu: query heads per block of attn_bwd_sm90 (a divisor of H/Hkv)
- * at head dim D for B sequences of up to qmaxlen q-side and kmaxlen k-side
- * rows, `beside` as for attn_sm90_bwd_split: with GQA its dk, dv go to
- * a.dkx, a.dvx as [nk, H/hpb, D] fp32 partials */
-int attn_sm90_bwd_hpb(const cf_cuda_ctx *ctx, int D, int H, int Hkv, int B, int qmaxlen, int kmaxlen, bool beside);
-/* bwd_sm90.cu: parts (1 or 2) of each key tile's query range, each its own
- * block, for q and k sides of up to qmaxlen and kmaxlen rows per sequence;
- * with ns > 1 dk, dv go to a.dkx, a.dvx as [nk, H/hpb, ns, D] fp32 partials
- * (also without GQA); 1 where centrifuge's part 2 runs beside (`beside`) */
-int attn_sm90_bwd_split(const cf_cuda_ctx *ctx, int D, int H, int hpb, int B, int qmaxlen, int kmaxlen, bool beside);
+/* bwd_sm90.cu: the launch plan of attn_bwd_sm90 at head dim D for B
+ * sequences of up to qmaxlen q-side and kmaxlen k-side rows: *hpb query
+ * heads per block (a divisor of H/Hkv) and *ns parts (1 or 2) of each key
+ * tile's query range, each its own block; 1 part where centrifuge's part 2
+ * runs beside (`beside`). With GQA or ns > 1 dk, dv go to a.dkx, a.dvx as
+ * [nk, H/hpb, ns, D] fp32 partials */
+void attn_sm90_bwd_plan(cf_cuda_ctx *ctx, int D, int H, int Hkv, int B, int qmaxlen, int kmaxlen, bool beside,
+                        int *hpb, int *ns);
 /* bwd_centrifuge_sm90.cu: centrifuge on Hopper. attn_cf_sm90_prep, one
  * launch on ctx->stream: what attn_bwd_prep does for the n = kept->n query
  * rows (a.Dvec, and acc[0 .. acc_n) zeroed), what attn_filtered_rows does

@@ -264,8 +264,8 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
      * portable path) and part of the query range (ns, Hopper), summed by
      * the GQA reduction; partials also without GQA when ns > 1 */
     const bool cf_beside = mode == CF_ATTN_BWD_CENTRIFUGE && T > n && parts_side_by_side(); /* part 2 runs beside */
-    int hpb = try_hopper ? attn_sm90_bwd_hpb(ctx, D, H, Hkv, B, maxlen, kmaxlen, cf_beside) : 1;
-    int ns = try_hopper ? attn_sm90_bwd_split(ctx, D, H, hpb, B, maxlen, kmaxlen, cf_beside) : 1;
+    int hpb = 1, ns = 1;
+    if (try_hopper) attn_sm90_bwd_plan(ctx, D, H, Hkv, B, maxlen, kmaxlen, cf_beside, &hpb, &ns);
     const bool partials = H != Hkv || ns > 1;
     if (partials) { /* [nk, H/hpb, ns, D], or [nk, H, D] for a fallback: the larger */
         const size_t np = (size_t)nk * H * D * (ns > hpb ? ns / hpb : 1);

@@ -379,48 +379,110 @@ __host__ __device__ __forceinline__ bool kept_search_narrow(int *lo, int *hi, un
     return true;
 }
 
-/* Parts (1 or 2) of a key tile's query range, each its own block, in the
- * backward (bwd_sm90.cu: attn_sm90_bwd_split, which documents the why):
- * 2 where the first key tile's block, the longest of a causal grid, has
- * more than 1.5 times the steps an SM gets on average, unless another
- * kernel runs beside this one (`beside`: centrifuge's part 2), whose
- * blocks fill the SMs the uneven grid leaves. Key tiles of BN rows up to
- * kmaxlen per sequence; tile j sees the queries after the fraction
- * j BN / kmaxlen of qmaxlen, in steps of BM per head, hpb heads per block,
- * H / hpb blocks per key tile and sequence, B sequences, sms SMs. Measured
- * on an H100: 1.94 times (Llama3.2-3B's full backward, 3 heads per block)
- * ran 0.279 ms with 1 part, 0.194 with 2; 1.30 times (Qwen2.5-1.5B's, 1
- * head) 0.115 with 1, 0.134 with 2 (run 23 call 10). */
-__host__ __device__ inline int bwd_query_parts(int BN, int BM, int H, int hpb, int B, int qmaxlen, int kmaxlen,
-                                               int sms, bool beside) {
-    const int ktiles = kmaxlen > 0 ? (kmaxlen + BN - 1) / BN : 0;
-    if (beside || ktiles <= 0 || qmaxlen <= 0 || hpb <= 0 || H < hpb || B <= 0) return 1;
-    long long total = 0, first = 0;
-    for (int j = 0; j < ktiles; j++) {
-        const long long q = (long long)qmaxlen - (long long)qmaxlen * j * BN / kmaxlen;
-        const long long steps = (long long)hpb * ((q + BM - 1) / BM);
-        if (j == 0) first = steps;
-        total += steps;
-    }
-    total *= (long long)(H / hpb) * B;
-    return 2 * first * sms > 3 * total ? 2 : 1;
+/* ---------------------------------------- the backward's launch plan
+ * (bwd_sm90.cu: attn_sm90_bwd_plan, which documents the why). hpb query
+ * heads of one kv group per block, and ns parts of each key tile's query
+ * range, each its own block. Host only. */
+struct BwdPlan {
+    int hpb, ns;
+};
+
+/* The plan's cost model, in units of one step (BM queries x BN keys, five
+ * products; about 2 us on an H100): a block costs BWD_COST_BLOCK plus one
+ * per step, and each MB of fp32 dk, dv partials (written by the kernel,
+ * read by the reduction) BWD_COST_MB. Fitted to 12 shapes x up to 8
+ * plans timed on an H100 (runs 22-24, docs/HOPPER_ATTENTION.md); the plans
+ * at those shapes stay the same for any block cost in 1 .. 4 steps and
+ * 0.15 .. 0.35 steps per MB (tests/gpu/host_bwd_parts.cu). */
+#define BWD_COST_BLOCK 2.25
+#define BWD_COST_MB 0.25
+#define BWD_COST_MAX_SMS 1024
+
+/* The estimated time of the main backward kernel's grid with hpb heads per
+ * block and ns parts: its blocks, in launch order (head groups fastest,
+ * then key tiles and their parts, then sequences), each go to the SM that
+ * frees first (a min-heap of the SMs' finishing times), as the block
+ * scheduler hands them out; plus the partials (when H != Hkv or ns > 1).
+ * Key tiles of BN rows up to kmaxlen per sequence; tile j sees the query
+ * tiles (BM rows) after the fraction j BN / kmaxlen of qmaxlen (exact for
+ * the causal full backward, the mean for kept lists). */
+inline double bwd_grid_cost(int BN, int BM, int H, int Hkv, int D, int B, int qmaxlen, int kmaxlen, int hpb, int ns,
+                            int sms) {
+    double heap[BWD_COST_MAX_SMS];
+    const int m = sms < 1 ? 1 : sms > BWD_COST_MAX_SMS ? BWD_COST_MAX_SMS : sms;
+    for (int i = 0; i < m; i++) heap[i] = 0.0;
+    const int ktiles = (kmaxlen + BN - 1) / BN, qtiles = (qmaxlen + BM - 1) / BM;
+    for (int b = 0; b < B; b++)
+        for (int j = 0; j < ktiles; j++) {
+            const int n = qtiles - (int)((long long)qmaxlen * j * BN / kmaxlen / BM);
+            for (int sp = 0; sp < ns; sp++) {
+                int begin, len;
+                query_part(n, sp, ns, &begin, &len);
+                const double dur = (double)hpb * len + BWD_COST_BLOCK;
+                for (int x = 0; x < H / hpb; x++) {
+                    /* the SM that frees first takes the block: its time
+                     * grows, sift it down */
+                    double v = heap[0] + dur;
+                    int i = 0;
+                    for (;;) {
+                        int c = 2 * i + 1;
+                        if (c >= m) break;
+                        if (c + 1 < m && heap[c + 1] < heap[c]) c++;
+                        if (heap[c] >= v) break;
+                        heap[i] = heap[c];
+                        i = c;
+                    }
+                    heap[i] = v;
+                }
+            }
+        }
+    double span = 0.0;
+    for (int i = 0; i < m; i++) span = heap[i] > span ? heap[i] : span;
+    if (H != Hkv || ns > 1) span += BWD_COST_MB * ((double)B * kmaxlen * (H / hpb) * ns * D * 8) / 1e6;
+    return span;
 }
 
-/* Query heads per block of the backward (bwd_sm90.cu: attn_sm90_bwd_hpb,
- * which documents the why): the first of 4, 3, 2 (D = 64) or 3, 2
- * (D = 128; 4 was slower there on a full grid) that divides the GQA group
- * H / Hkv and, with the parts bwd_query_parts gives it, leaves the grid at
- * least 1.5 blocks per SM; else 1. Arguments as bwd_query_parts'. */
-__host__ __device__ inline int bwd_heads_per_block(int D, int BN, int BM, int H, int Hkv, int B, int qmaxlen,
-                                                   int kmaxlen, int sms, bool beside) {
-    if (H <= 0 || Hkv <= 0 || H % Hkv || B <= 0 || kmaxlen <= 0 || BN <= 0) return 1;
-    const long long ktiles = (kmaxlen + BN - 1) / BN;
-    for (int hpb = D == 64 ? 4 : 3; hpb > 1; hpb--) {
-        if ((H / Hkv) % hpb) continue;
-        const int ns = bwd_query_parts(BN, BM, H, hpb, B, qmaxlen, kmaxlen, sms, beside);
-        if (2LL * (H / hpb) * ktiles * B * ns >= 3LL * sms) return hpb;
+/* The plan (bwd_sm90.cu: attn_sm90_bwd_plan). Candidates: hpb of 4 (head
+ * dim 64 only: slower at 128 on a full grid), 3, 2 and 1 that divide the
+ * GQA group H / Hkv, ns of 1 and 2; the cheapest by bwd_grid_cost, the
+ * first of equals (more heads, fewer parts). `beside` (centrifuge's part 2
+ * runs beside this kernel and fills the SMs its uneven grid leaves): one
+ * part, and the first hpb whose grid has at least 1.5 blocks per SM (the
+ * model, which sees this kernel alone, overrates short blocks there).
+ * hpb_forced / ns_forced > 0 force them (a forced hpb falls to the next
+ * lower divisor of the group; ns at most 2); arguments as bwd_grid_cost's. */
+inline BwdPlan bwd_plan(int D, int BN, int BM, int H, int Hkv, int B, int qmaxlen, int kmaxlen, int sms, bool beside,
+                        int hpb_forced, int ns_forced) {
+    BwdPlan best = {1, 1};
+    if (H <= 0 || Hkv <= 0 || H % Hkv || B <= 0 || qmaxlen <= 0 || kmaxlen <= 0 || BN <= 0 || BM <= 0) return best;
+    const int G = H / Hkv, ktiles = (kmaxlen + BN - 1) / BN;
+    int hmax = D == 64 ? 4 : 3, hmin = 1;
+    if (hpb_forced > 0) {
+        hmax = hpb_forced < G ? hpb_forced : G;
+        while (hmax > 1 && G % hmax) hmax--;
+        hmin = hmax;
     }
-    return 1;
+    const int nmin = ns_forced > 0 ? (ns_forced > 2 ? 2 : ns_forced) : 1;
+    const int nmax = ns_forced > 0 ? nmin : beside ? 1 : 2;
+    if (beside && hpb_forced <= 0) {
+        for (int hpb = hmax; hpb > 1; hpb--)
+            if (G % hpb == 0 && 2LL * (H / hpb) * ktiles * B * nmin >= 3LL * sms) return BwdPlan{hpb, nmin};
+        return BwdPlan{1, nmin};
+    }
+    double cost = 0.0;
+    bool any = false;
+    for (int hpb = hmax; hpb >= hmin; hpb--) {
+        if (G % hpb) continue;
+        for (int ns = nmin; ns <= nmax; ns++) {
+            const double c = bwd_grid_cost(BN, BM, H, Hkv, D, B, qmaxlen, kmaxlen, hpb, ns, sms);
+            if (!any || c < cost) {
+                best = BwdPlan{hpb, ns};
+                cost = c;
+                any = true;
+            }
+        }
+    }
+    return best;
 }
 
 /* ---------------------------------------------------------- host side */
