@@ -327,8 +327,7 @@ cf_cuda_ctx *cf_cuda_ctx_create(int device) {
              CF_CK(ctx, cudaEventCreateWithFlags(&ctx->ev_compute, cudaEventDisableTiming)) &&
              CF_CK(ctx, cudaEventCreateWithFlags(&ctx->ev_comm, cudaEventDisableTiming)) &&
              CF_CK(ctx, cudaEventCreateWithFlags(&ctx->ev_staging, cudaEventDisableTiming)) &&
-             CF_CK(ctx, cudaStreamCreateWithPriority(&ctx->aux_stream, cudaStreamNonBlocking,
-                                                     getenv("CF_ATTN_AUX_HIGH") ? hi_prio : main_prio)) && /* EXPERIMENT */
+             CF_CK(ctx, cudaStreamCreateWithPriority(&ctx->aux_stream, cudaStreamNonBlocking, main_prio)) &&
              CF_CK(ctx, cudaEventCreateWithFlags(&ctx->ev_fork, cudaEventDisableTiming)) &&
              CF_CK(ctx, cudaEventCreateWithFlags(&ctx->ev_join, cudaEventDisableTiming)) &&
              CF_LT(ctx, cublasLtCreate(&ctx->lt));

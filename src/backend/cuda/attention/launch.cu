@@ -302,15 +302,6 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
         }
     }
     if (prepared && parts_side_by_side() && !CF_CK(ctx, cudaEventRecord(ctx->ev_fork, ctx->stream))) return;
-    /* EXPERIMENT: part 2 launched before part 1 (CF_ATTN_CF_PART2_FIRST=1) */
-    static const int p2_first_env = attn_env_int("CF_ATTN_CF_PART2_FIRST", 0);
-    const bool p2_first = cf && prepared && try_hopper && parts_side_by_side() && p2_first_env == 1;
-    int r = 0;
-    if (p2_first) {
-        if (!CF_CK(ctx, cudaStreamWaitEvent(ctx->aux_stream, ctx->ev_fork, 0))) return;
-        r = attn_bwd_dq_sm90(ctx, p2, D, n, nf, maxlen, tps, ctx->aux_stream);
-        if (!CF_CK(ctx, cudaEventRecord(ctx->ev_join, ctx->aux_stream)) || r < 0) return;
-    }
     /* part 1 / the whole backward: dk, dv, and dq over the k side; on
      * Hopper into a dq accumulator of its own layout (bwd_sm90.cu) */
     int hopper = 0;
@@ -322,10 +313,6 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
         a.dq_acc = acc;
     }
     if (ctx->failed) return;
-    if (p2_first) {
-        if (!CF_CK(ctx, cudaStreamWaitEvent(ctx->stream, ctx->ev_join, 0))) return;
-        if (!hopper) r = 0; /* the portable part 2 runs after the portable part 1 */
-    }
     if (!hopper) {
         if (try_hopper) { /* the Hopper kernel declined (tensor maps): the portable one */
             hpb = ns = 1;
@@ -340,7 +327,8 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
      * stream beside part 1, into the same accumulator, converted once both
      * are done; else the portable kernel after part 1 (it adds dq_acc
      * [n, H, D] fp32 and writes bf16) */
-    if (cf && hopper && prepared && !p2_first) {
+    int r = 0;
+    if (cf && hopper && prepared) {
         const bool side = parts_side_by_side();
         cudaStream_t st = side ? ctx->aux_stream : ctx->stream;
         if (side && !CF_CK(ctx, cudaStreamWaitEvent(st, ctx->ev_fork, 0))) return;
