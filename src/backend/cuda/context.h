@@ -61,7 +61,6 @@ typedef enum {
     CF_SCR_ATTN_SM90_DQ,   /*   Hopper backward: dq accumulator in slot order          */
     CF_SCR_ATTN_SM90_KF,   /*   Hopper centrifuge: K rows of the filtered keys         */
     CF_SCR_ATTN_SM90_VF,   /*   Hopper centrifuge: V rows of the filtered keys         */
-    CF_SCR_ATTN_SM90_COUNT, /*  Hopper backward: GQA reduction counters (zeroed)       */
     CF_SCR_COUNT
 } cf_cuda_scratch_id;
 
@@ -145,11 +144,6 @@ typedef struct cf_cuda_ctx {
         int hpb, ns; /* hpb 0: empty */
     } attn_plans[CF_ATTN_PLANS];
     int attn_plan_next;
-    /* the in-kernel GQA reduction's counters (attention/bwd_sm90.cu:
-     * attn_sm90_gqa_counts): the scratch capacity last zeroed; tests set
-     * attn_gqa_unfused to leave the reduction to the finish kernel */
-    size_t attn_counts_zeroed;
-    int attn_gqa_unfused;
     /* the LM head's cluster kernel (lmhead.cu: lmhead_cluster_plan): the
      * vocabulary size last planned for (0: none yet) and its cluster size
      * (0: the one-block kernel), so the attribute and placement queries run

@@ -64,9 +64,8 @@ template <int D, int BM_> struct BwdSm90 {
     static constexpr uint32_t SMALL_BYTES = 4 * BM * 4; /* lse, D, row, doc of a stage */
     static constexpr uint32_t OFF_K = 0, OFF_V = KT_BYTES, OFF_Q = 2 * KT_BYTES, OFF_DO = OFF_Q + QST * QT_BYTES,
                               OFF_DS = OFF_DO + QST * QT_BYTES, OFF_DQ = OFF_DS + 2 * DS_BYTES,
-                              OFF_SMALL = OFF_DQ + DQ_BYTES, OFF_BAR = OFF_SMALL + QST * SMALL_BYTES,
-                              OFF_FLAG = OFF_BAR + 16 * QST; /* the GQA reduction's "last block" flag */
-    static constexpr uint32_t SMEM = OFF_FLAG + 16 + 1024;
+                              OFF_SMALL = OFF_DQ + DQ_BYTES, OFF_BAR = OFF_SMALL + QST * SMALL_BYTES;
+    static constexpr uint32_t SMEM = OFF_BAR + 16 * QST + 1024;
 };
 
 namespace {
@@ -74,7 +73,7 @@ namespace {
 template <int D, int BM_>
 __global__ void __launch_bounds__(384, 1)
     attn_bwd_sm90_kernel(const __grid_constant__ CUtensorMap tmQ, const __grid_constant__ CUtensorMap tmO,
-                         const AttnArgs a, int tps, int hpb, int ns, int *counts) {
+                         const AttnArgs a, int tps, int hpb, int ns) {
 #if CF_SM90A_PATH
     using C = BwdSm90<D, BM_>;
     constexpr int BN = C::BN, BM = C::BM, QST = C::QST, NW = C::NW, DB = D / 64;
@@ -386,50 +385,6 @@ __global__ void __launch_bounds__(384, 1)
             }
         }
     }
-
-    /* The GQA reduction of this key tile and kv head, by the last of its P
-     * = G/hpb x ns blocks to finish (counts != NULL; the threadfence
-     * reduction): each block counts itself in once its partial is
-     * written; the last sums the P partials in index order from 0, as
-     * gqa_reduce_body does (the same bits), and writes dk, dv. The
-     * partials are then read from L2 right after they were written, and
-     * the finish kernel only converts dq. The count goes back to 0 for
-     * the next launch. */
-    if (a.dkx && counts) {
-        volatile int *flag = reinterpret_cast<volatile int *>(sbase + C::OFF_FLAG);
-        const int P = a.H / a.Hkv / hpb * ns;
-        int *cnt = counts + ((size_t)b * (gridDim.y / ns) + blockIdx.y / ns) * a.Hkv + hk;
-        __threadfence();
-        named_barrier(1, 256); /* every consumer's partial is written and fenced */
-        if (ctid == 0) {
-            const int last = atomicAdd(cnt, 1) == P - 1;
-            if (last) *cnt = 0;
-            *flag = last;
-        }
-        named_barrier(1, 256);
-        if (*flag) {
-            __threadfence();
-#pragma unroll
-            for (int r = 0; r < 2; r++) {
-                const int j = k0 + 64 * w + 16 * v + g + 8 * r;
-                if (j >= klen) continue;
-                const size_t idx = (size_t)(ks + j), base = (idx * a.Hkv + hk) * P * D + 2 * t4;
-                bf16 *dkp = a.dk + idx * kstr + (size_t)hk * D + 2 * t4;
-                bf16 *dvp = a.dv + idx * kstr + (size_t)hk * D + 2 * t4;
-#pragma unroll 4
-                for (int n = 0; n < D / 8; n++) {
-                    float2 sk = make_float2(0.f, 0.f), sv = make_float2(0.f, 0.f);
-                    for (int p = 0; p < P; p++) {
-                        const float2 x = __ldcg(reinterpret_cast<const float2 *>(a.dkx + base + (size_t)p * D + 8 * n));
-                        const float2 y = __ldcg(reinterpret_cast<const float2 *>(a.dvx + base + (size_t)p * D + 8 * n));
-                        sk.x += x.x, sk.y += x.y, sv.x += y.x, sv.y += y.y;
-                    }
-                    *reinterpret_cast<__nv_bfloat162 *>(dkp + 8 * n) = __floats2bfloat162_rn(sk.x, sk.y);
-                    *reinterpret_cast<__nv_bfloat162 *>(dvp + 8 * n) = __floats2bfloat162_rn(sv.x, sv.y);
-                }
-            }
-        }
-    }
 #endif
 }
 
@@ -554,8 +509,7 @@ void attn_sm90_bwd_plan(cf_cuda_ctx *ctx, int D, int H, int Hkv, int B, int qmax
 }
 
 template <int D, int BM>
-static int bwd_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int kmaxlen, int tps, int hpb, int ns,
-                           int *counts) {
+static int bwd_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int kmaxlen, int tps, int hpb, int ns) {
     using C = BwdSm90<D, BM>;
     CUtensorMap mq, mo;
     if (!attn_sm90_map_rows(&mq, a.q, nq_rows, a.H, D, C::BM) || !attn_sm90_map_rows(&mo, a.dout, nq_rows, a.H, D, C::BM))
@@ -563,41 +517,19 @@ static int bwd_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int
     const void *fn = (const void *)attn_bwd_sm90_kernel<D, BM>;
     if (!attn_sm90_prepare(ctx, fn, C::SMEM, D == 128 ? 2 : BM == 64 ? 3 : 6)) return -1;
     dim3 grid(a.H / hpb, (kmaxlen + C::BN - 1) / C::BN * ns, a.B), block(C::THREADS);
-    void *args[] = {(void *)&mq, (void *)&mo, (void *)&a, (void *)&tps, (void *)&hpb, (void *)&ns, (void *)&counts};
+    void *args[] = {(void *)&mq, (void *)&mo, (void *)&a, (void *)&tps, (void *)&hpb, (void *)&ns};
     return CF_CK(ctx, cudaLaunchKernel(fn, grid, block, args, C::SMEM, ctx->stream)) ? 1 : -1;
 }
 
 int attn_sm90_bwd_nw(int D) { return bwd_bm_for(D) == 64 ? D / 2 : D; }
 
-int attn_bwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D, int nq_rows, int kmaxlen, int tps, int hpb, int ns,
-                  int *counts) {
+int attn_bwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D, int nq_rows, int kmaxlen, int tps, int hpb, int ns) {
     if (kmaxlen <= 0) return 1;
     if (ns > 1 && !a.dkx) return 0; /* parts need the partials */
-    if (counts && (!a.dkx || !a.dk || !a.dv)) return 0;
-    if (D == 64)
-        return bwd_bm_for(64) == 128 ? bwd_sm90_launch<64, 128>(ctx, a, nq_rows, kmaxlen, tps, hpb, ns, counts)
-                                     : bwd_sm90_launch<64, 64>(ctx, a, nq_rows, kmaxlen, tps, hpb, ns, counts);
-    if (D == 128) return bwd_sm90_launch<128, 64>(ctx, a, nq_rows, kmaxlen, tps, hpb, ns, counts);
+    if (D == 64) return bwd_bm_for(64) == 128 ? bwd_sm90_launch<64, 128>(ctx, a, nq_rows, kmaxlen, tps, hpb, ns)
+                                              : bwd_sm90_launch<64, 64>(ctx, a, nq_rows, kmaxlen, tps, hpb, ns);
+    if (D == 128) return bwd_sm90_launch<128, 64>(ctx, a, nq_rows, kmaxlen, tps, hpb, ns);
     return 0;
-}
-
-/* The GQA reduction in the backward's blocks (attn_bwd_sm90's counts): on
- * unless CF_ATTN_SM90_GQA_FUSED=0 (timing; read once) or
- * ctx->attn_gqa_unfused (tests), which leave it to the finish kernel. One
- * int per (sequence, key tile, kv head), zero between launches (the last
- * block of each resets its own); zeroed when the buffer is (re)allocated. */
-int *attn_sm90_gqa_counts(cf_cuda_ctx *ctx, int B, int kmaxlen, int Hkv) {
-    static const int fused = attn_env_int("CF_ATTN_SM90_GQA_FUSED", 1);
-    if (!fused || ctx->attn_gqa_unfused || B <= 0 || kmaxlen <= 0 || Hkv <= 0) return NULL;
-    const size_t n = (size_t)B * ((kmaxlen + BwdSm90<128, 64>::BN - 1) / BwdSm90<128, 64>::BN) * Hkv;
-    int *p = (int *)cf_cuda_scratch(ctx, CF_SCR_ATTN_SM90_COUNT, n * sizeof(int));
-    if (!p) return NULL;
-    const size_t cap = ctx->scratch[CF_SCR_ATTN_SM90_COUNT].cap;
-    if (cap != ctx->attn_counts_zeroed) {
-        if (!CF_CK(ctx, cudaMemsetAsync(p, 0, cap, ctx->stream))) return NULL;
-        ctx->attn_counts_zeroed = cap;
-    }
-    return p;
 }
 
 void attn_sm90_bwd_finish(cudaStream_t st, bf16 *dq, float *dqf, const float *acc, const int *qstart, int B, int S,

@@ -410,16 +410,9 @@ int attn_fwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D);
  * to a.dq_acc in slot order with tps query tiles (64 rows) per sequence,
  * tps even (sm90.cuh: dq_slot_base); hpb query heads per block and ns
  * parts of each key tile's query range, from attn_sm90_bwd_plan (the
- * caller sizes the partials with them; ns > 1 needs a.dkx, a.dvx). With
- * counts (attn_sm90_gqa_counts) the kernel also reduces the partials into
- * a.dk, a.dv (bf16); else the caller does (attn_sm90_bwd_finish) */
-int attn_bwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D, int nq_rows, int kmaxlen, int tps, int hpb, int ns,
-                  int *counts);
-/* bwd_sm90.cu: the zeroed counters for attn_bwd_sm90's in-kernel GQA
- * reduction for B sequences of up to kmaxlen k-side rows, Hkv kv heads; NULL
- * when it is switched off (CF_ATTN_SM90_GQA_FUSED=0, ctx->attn_gqa_unfused)
- * or on a failure (recorded in ctx) */
-int *attn_sm90_gqa_counts(cf_cuda_ctx *ctx, int B, int kmaxlen, int Hkv);
+ * caller sizes and reduces the partials with them; ns > 1 needs a.dkx,
+ * a.dvx) */
+int attn_bwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D, int nq_rows, int kmaxlen, int tps, int hpb, int ns);
 /* bwd_sm90.cu: the launch plan of attn_bwd_sm90 at head dim D for B
  * sequences of up to qmaxlen q-side and kmaxlen k-side rows: *hpb query
  * heads per block (a divisor of H/Hkv) and *ns parts (1 or 2) of each key

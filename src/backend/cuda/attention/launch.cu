@@ -305,17 +305,10 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
     /* part 1 / the whole backward: dk, dv, and dq over the k side; on
      * Hopper into a dq accumulator of its own layout (bwd_sm90.cu) */
     int hopper = 0;
-    int *counts = NULL; /* the GQA reduction in part 1's blocks (bwd_sm90.cu) */
     if (try_hopper) {
         AttnArgs h = a;
         h.dq_acc = acc;
-        if (partials) {
-            h.dk = (bf16 *)dk;
-            h.dv = (bf16 *)dv;
-            counts = attn_sm90_gqa_counts(ctx, B, kmaxlen, Hkv);
-            if (ctx->failed) return;
-        }
-        hopper = attn_bwd_sm90(ctx, h, D, n, kmaxlen, tps, hpb, ns, counts);
+        hopper = attn_bwd_sm90(ctx, h, D, n, kmaxlen, tps, hpb, ns);
         if (hopper < 0) return;
         a.dq_acc = acc;
     }
@@ -350,7 +343,7 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
          * and the GQA reduction in one grid */
         const bool dq_final = !cf || r;
         attn_sm90_bwd_finish(ctx->stream, dq_final ? (bf16 *)dq : NULL, dq_final ? NULL : dq_acc, a.dq_acc, a.qstart,
-                             B, S, H, D, tps, partials && !counts ? &red : NULL);
+                             B, S, H, D, tps, partials ? &red : NULL);
         if (!CF_CK_LAUNCH(ctx, "attention sm90 backward finish")) return;
     } else if (!cf) {
         attn_dq_to_bf16(ctx->stream, (bf16 *)dq, dq_acc, (size_t)n * H * D);
