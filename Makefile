@@ -39,7 +39,7 @@ TEST_SRC := $(wildcard tests/test_*.c)
 TEST_BIN := $(patsubst tests/%.c,$(BUILD)/tests/%,$(TEST_SRC))
 DEPS_STAMP := $(BUILD)/.deps-ok
 
-.PHONY: all test test-unit test-cli test-example deps clean demo cuda test-gpu test-asan fuzz install lib
+.PHONY: all test test-unit test-cli test-example test-tools deps clean demo cuda test-gpu test-asan fuzz install lib
 
 all: $(BIN) lib
 
@@ -81,13 +81,21 @@ $(BUILD)/tests/%: tests/%.c $(wildcard tests/*.h) $(TEST_LINK)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) $< $(TEST_LINK) -o $@ $(LDLIBS)
 
-test: test-unit test-cli test-example
+test: test-unit test-cli test-example test-tools
 
 test-unit: $(TEST_BIN)
 	@set -e; for t in $(TEST_BIN); do echo "== $$t"; OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-passive} $$t; done
 
 test-cli: $(BIN)
 	@set -e; for t in tests/cli_*.sh; do [ -f "$$t" ] || continue; echo "== $$t"; bash $$t ./$(BIN); done
+
+# the Python tools' tests (tools/test_*.py; each skips what needs a package
+# that is not installed, such as matplotlib or tokenizers). The tokenizer
+# parity check against Hugging Face packages is run by hand (tools/README.md).
+test-tools:
+	@if command -v python3 >/dev/null 2>&1; then set -e; \
+	  for t in tools/test_*.py; do [ "$$t" = tools/test_tokenizer_parity.py ] && continue; echo "== $$t"; python3 $$t; done; \
+	else echo "test-tools: skipped, no python3"; fi
 
 demo: centrifuge
 	./centrifuge demo
