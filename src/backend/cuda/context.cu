@@ -55,7 +55,7 @@ int cf_cuda_ctx_check(cf_cuda_ctx *ctx) {
 int cf_cuda_ctx_synchronize(cf_cuda_ctx *ctx) {
     if (cf_cuda_ctx_use(ctx) != 0) return cf_fail("%s", ctx->error);
     if (!CF_CK(ctx, cudaStreamSynchronize(ctx->stream)) || !CF_CK(ctx, cudaStreamSynchronize(ctx->comm_stream)) ||
-        !CF_CK(ctx, cudaStreamSynchronize(ctx->aux_stream)) || !CF_CK(ctx, cudaStreamSynchronize(ctx->aux1_stream)) ||
+        !CF_CK(ctx, cudaStreamSynchronize(ctx->aux_stream)) ||
         (ctx->side_stream && !CF_CK(ctx, cudaStreamSynchronize(ctx->side_stream))))
         return -1;
     size_t free_b = 0, total_b = 0;
@@ -171,7 +171,6 @@ void cf_cuda_ctx_destroy(cf_cuda_ctx *ctx) {
     if (ctx->stream) cudaStreamSynchronize(ctx->stream);
     if (ctx->comm_stream) cudaStreamSynchronize(ctx->comm_stream);
     if (ctx->aux_stream) cudaStreamSynchronize(ctx->aux_stream);
-    if (ctx->aux1_stream) cudaStreamSynchronize(ctx->aux1_stream);
     if (ctx->side_stream) cudaStreamSynchronize(ctx->side_stream);
     if (ctx->side_open) {
         ctx->stream = ctx->side_main;
@@ -189,7 +188,6 @@ void cf_cuda_ctx_destroy(cf_cuda_ctx *ctx) {
     if (ctx->ev_staging) cudaEventDestroy(ctx->ev_staging);
     if (ctx->ev_fork) cudaEventDestroy(ctx->ev_fork);
     if (ctx->ev_join) cudaEventDestroy(ctx->ev_join);
-    if (ctx->ev_join1) cudaEventDestroy(ctx->ev_join1);
     if (ctx->ev_side_fork) cudaEventDestroy(ctx->ev_side_fork);
     if (ctx->ev_side_done) cudaEventDestroy(ctx->ev_side_done);
     for (int i = 0; i < CF_CUDA_MARKS; i++)
@@ -197,7 +195,6 @@ void cf_cuda_ctx_destroy(cf_cuda_ctx *ctx) {
     if (ctx->stream) cudaStreamDestroy(ctx->stream);
     if (ctx->comm_stream) cudaStreamDestroy(ctx->comm_stream);
     if (ctx->aux_stream) cudaStreamDestroy(ctx->aux_stream);
-    if (ctx->aux1_stream) cudaStreamDestroy(ctx->aux1_stream);
     if (ctx->side_stream) cudaStreamDestroy(ctx->side_stream);
     cudaGetLastError();
     free(ctx);
@@ -333,9 +330,6 @@ cf_cuda_ctx *cf_cuda_ctx_create(int device) {
              CF_CK(ctx, cudaStreamCreateWithPriority(&ctx->aux_stream, cudaStreamNonBlocking, main_prio)) &&
              CF_CK(ctx, cudaEventCreateWithFlags(&ctx->ev_fork, cudaEventDisableTiming)) &&
              CF_CK(ctx, cudaEventCreateWithFlags(&ctx->ev_join, cudaEventDisableTiming)) &&
-             CF_CK(ctx, cudaStreamCreateWithPriority(&ctx->aux1_stream, cudaStreamNonBlocking,
-                                                     main_prio - 1 >= hi_prio ? main_prio - 1 : main_prio)) &&
-             CF_CK(ctx, cudaEventCreateWithFlags(&ctx->ev_join1, cudaEventDisableTiming)) &&
              CF_LT(ctx, cublasLtCreate(&ctx->lt));
     if (ok) {
         e = cudaMalloc(&ctx->workspace, ctx->workspace_size);

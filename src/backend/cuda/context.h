@@ -98,10 +98,6 @@ typedef struct cf_cuda_ctx {
      * and joined back into `stream` within the op */
     cudaStream_t aux_stream;
     cudaEvent_t ev_fork, ev_join;
-    /* EXPERIMENT: centrifuge part 1 on a stream one priority above the
-     * compute stream, so its blocks are dispatched before part 2's */
-    cudaStream_t aux1_stream;
-    cudaEvent_t ev_join1;
     /* side sections (backend.h: side_begin): weight-gradient GEMMs and
      * squared norms on a stream of their own with a cuBLASLt workspace of
      * their own (sumsq's scratch is used by nothing else), created

@@ -509,8 +509,7 @@ void attn_sm90_bwd_plan(cf_cuda_ctx *ctx, int D, int H, int Hkv, int B, int qmax
 }
 
 template <int D, int BM>
-static int bwd_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int kmaxlen, int tps, int hpb, int ns,
-                           cudaStream_t st) {
+static int bwd_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int kmaxlen, int tps, int hpb, int ns) {
     using C = BwdSm90<D, BM>;
     CUtensorMap mq, mo;
     if (!attn_sm90_map_rows(&mq, a.q, nq_rows, a.H, D, C::BM) || !attn_sm90_map_rows(&mo, a.dout, nq_rows, a.H, D, C::BM))
@@ -519,19 +518,17 @@ static int bwd_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int
     if (!attn_sm90_prepare(ctx, fn, C::SMEM, D == 128 ? 2 : BM == 64 ? 3 : 6)) return -1;
     dim3 grid(a.H / hpb, (kmaxlen + C::BN - 1) / C::BN * ns, a.B), block(C::THREADS);
     void *args[] = {(void *)&mq, (void *)&mo, (void *)&a, (void *)&tps, (void *)&hpb, (void *)&ns};
-    return CF_CK(ctx, cudaLaunchKernel(fn, grid, block, args, C::SMEM, st)) ? 1 : -1;
+    return CF_CK(ctx, cudaLaunchKernel(fn, grid, block, args, C::SMEM, ctx->stream)) ? 1 : -1;
 }
 
 int attn_sm90_bwd_nw(int D) { return bwd_bm_for(D) == 64 ? D / 2 : D; }
 
-int attn_bwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D, int nq_rows, int kmaxlen, int tps, int hpb, int ns,
-                  cudaStream_t st) {
+int attn_bwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D, int nq_rows, int kmaxlen, int tps, int hpb, int ns) {
     if (kmaxlen <= 0) return 1;
     if (ns > 1 && !a.dkx) return 0; /* parts need the partials */
-    if (D == 64)
-        return bwd_bm_for(64) == 128 ? bwd_sm90_launch<64, 128>(ctx, a, nq_rows, kmaxlen, tps, hpb, ns, st)
-                                     : bwd_sm90_launch<64, 64>(ctx, a, nq_rows, kmaxlen, tps, hpb, ns, st);
-    if (D == 128) return bwd_sm90_launch<128, 64>(ctx, a, nq_rows, kmaxlen, tps, hpb, ns, st);
+    if (D == 64) return bwd_bm_for(64) == 128 ? bwd_sm90_launch<64, 128>(ctx, a, nq_rows, kmaxlen, tps, hpb, ns)
+                                              : bwd_sm90_launch<64, 64>(ctx, a, nq_rows, kmaxlen, tps, hpb, ns);
+    if (D == 128) return bwd_sm90_launch<128, 64>(ctx, a, nq_rows, kmaxlen, tps, hpb, ns);
     return 0;
 }
 

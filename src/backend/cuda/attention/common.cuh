@@ -412,8 +412,7 @@ int attn_fwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D);
  * parts of each key tile's query range, from attn_sm90_bwd_plan (the
  * caller sizes and reduces the partials with them; ns > 1 needs a.dkx,
  * a.dvx) */
-int attn_bwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D, int nq_rows, int kmaxlen, int tps, int hpb, int ns,
-                  cudaStream_t st);
+int attn_bwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D, int nq_rows, int kmaxlen, int tps, int hpb, int ns);
 /* bwd_sm90.cu: the launch plan of attn_bwd_sm90 at head dim D for B
  * sequences of up to qmaxlen q-side and kmaxlen k-side rows: *hpb query
  * heads per block (a divisor of H/Hkv) and *ns parts (1 or 2) of each key

@@ -264,12 +264,8 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
      * portable path) and part of the query range (ns, Hopper), summed by
      * the GQA reduction; partials also without GQA when ns > 1 */
     const bool cf_beside = mode == CF_ATTN_BWD_CENTRIFUGE && T > n && parts_side_by_side(); /* part 2 runs beside */
-    /* EXPERIMENT (CF_ATTN_CF_ORDERED=1): part 1 on a stream above part 2's,
-     * so its blocks go first, with the plan of part 1 alone */
-    static const int ordered_env = attn_env_int("CF_ATTN_CF_ORDERED", 0);
-    const bool ordered = cf_beside && ordered_env == 1;
     int hpb = 1, ns = 1;
-    if (try_hopper) attn_sm90_bwd_plan(ctx, D, H, Hkv, B, maxlen, kmaxlen, cf_beside && !ordered, &hpb, &ns);
+    if (try_hopper) attn_sm90_bwd_plan(ctx, D, H, Hkv, B, maxlen, kmaxlen, cf_beside, &hpb, &ns);
     const bool partials = H != Hkv || ns > 1;
     if (partials) { /* [nk, H/hpb, ns, D], or [nk, H, D] for a fallback: the larger */
         const size_t np = (size_t)nk * H * D * (ns > hpb ? ns / hpb : 1);
@@ -309,15 +305,10 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
     /* part 1 / the whole backward: dk, dv, and dq over the k side; on
      * Hopper into a dq accumulator of its own layout (bwd_sm90.cu) */
     int hopper = 0;
-    const bool p1_aux = ordered && prepared;
     if (try_hopper) {
         AttnArgs h = a;
         h.dq_acc = acc;
-        if (p1_aux && !CF_CK(ctx, cudaStreamWaitEvent(ctx->aux1_stream, ctx->ev_fork, 0))) return;
-        hopper = attn_bwd_sm90(ctx, h, D, n, kmaxlen, tps, hpb, ns, p1_aux ? ctx->aux1_stream : ctx->stream);
-        if (p1_aux && (!CF_CK(ctx, cudaEventRecord(ctx->ev_join1, ctx->aux1_stream)) ||
-                       !CF_CK(ctx, cudaStreamWaitEvent(ctx->stream, ctx->ev_join1, 0))))
-            return;
+        hopper = attn_bwd_sm90(ctx, h, D, n, kmaxlen, tps, hpb, ns);
         if (hopper < 0) return;
         a.dq_acc = acc;
     }
