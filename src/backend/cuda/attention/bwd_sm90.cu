@@ -476,9 +476,10 @@ static int bwd_bm_for(int D) {
  * block, the old rule's, took 0.212; 4 sequences 3 x 1 0.671 (0.763
  * before); Qwen2.5-1.5B x 4 sequences 3 x 2 0.360 (0.385 before); the
  * largest miss is Llama3.2-3B at S = 4096, 3 x 1 at 0.59-0.63 (three
- * timings) against 0.577-0.578 for 3 x 2. Beside centrifuge's part 2 one part and the largest hpb that
- * leaves 1.5 blocks per SM (bwd_plan says why): Qwen2.5-1.5B's centrifuge
- * attention backward took 0.078 ms with 2 parts, 0.068 with 1 (run 23).
+ * timings) against 0.577-0.578 for 3 x 2. Beside centrifuge's part 2: one
+ * part and the largest hpb that leaves 1.5 blocks per SM (bwd_plan says
+ * why): Qwen2.5-1.5B's centrifuge attention backward took 0.078 ms with 2
+ * parts, 0.068 with 1 (run 23).
  * CF_ATTN_SM90_BWD_HPB=n and CF_ATTN_SM90_BWD_SPLIT=n force them (timing,
  * read once), ctx->attn_bwd_hpb and ctx->attn_bwd_split per context
  * (tests). Plans are kept per context for the last few shapes: a model
