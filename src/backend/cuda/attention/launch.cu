@@ -268,7 +268,8 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
     if (try_hopper) attn_sm90_bwd_plan(ctx, D, H, Hkv, B, maxlen, kmaxlen, cf_beside, &hpb, &ns);
     const bool partials = H != Hkv || ns > 1;
     if (partials) { /* [nk, H/hpb, ns, D], or [nk, H, D] for a fallback: the larger */
-        const size_t np = (size_t)nk * H * D * (ns > hpb ? ns / hpb : 1);
+        const size_t per_row = (size_t)H / hpb * ns > (size_t)H ? (size_t)H / hpb * ns : (size_t)H;
+        const size_t np = (size_t)nk * per_row * D;
         a.dkx = (float *)cf_cuda_scratch(ctx, CF_SCR_ATTN_DKX, np * sizeof(float));
         a.dvx = (float *)cf_cuda_scratch(ctx, CF_SCR_ATTN_DVX, np * sizeof(float));
         if (!a.dkx || !a.dvx) return;
