@@ -18,7 +18,8 @@
  *   - a step with no backward since the last one sees a zero gradient;
  *   - held dwpair rows over stale gradients are written by the flush; one
  *     GEMM over a STALE and a LIVE gradient (fused gate/up) zeroes the
- *     STALE one first; CF_GRAD_KEEP=0 at open turns the whole thing off.
+ *     STALE one first; CF_GRAD_KEEP=0 at open turns the whole thing off;
+ *   - AdamW in one call over every segment gives the per-segment steps.
  */
 #include <math.h>
 #include <stdint.h>
@@ -357,6 +358,45 @@ TEST(one_gemm_over_a_stale_and_a_live_gradient_zeroes_the_stale_one_first) {
     cf_model_free(m);
 }
 
+/* AdamW in one backend call over every segment (cf_optim.one_pass, the
+ * backend's adamw_segments) gives bitwise the steps of a call per segment
+ * (CF_ADAMW_ONE_PASS=0 at open): losses, norms, weights, moments and the
+ * gradient states, with stale and zeroed gradients side by side (qwen2's
+ * biases), a frozen layer, and LoRA (only the adapters train). */
+TEST(adamw_in_one_call_gives_bitwise_the_per_segment_steps) {
+    static const struct { const char *name, *freeze; unsigned lora; } cs[] = {
+        {"tiny-qwen2", NULL, 0}, {"tiny-llama", "layers.1.", 0}, {"tiny-llama", NULL, CF_LORA_Q | CF_LORA_DOWN}};
+    for (size_t ci = 0; ci < sizeof cs / sizeof cs[0]; ci++) {
+        cf_model *on = open_model(cs[ci].name, 130 + ci, cs[ci].freeze, cs[ci].lora);
+        setenv("CF_ADAMW_ONE_PASS", "0", 1);
+        cf_model *off = open_model(cs[ci].name, 130 + ci, cs[ci].freeze, cs[ci].lora);
+        unsetenv("CF_ADAMW_ONE_PASS");
+        if (!on || !off) { CHECK(0); cf_model_free(on); cf_model_free(off); return; }
+        CHECK_MSG(on->opt.one_pass == 1 && off->opt.one_pass == 0, "%s: one_pass %d, off %d", cs[ci].name,
+                  on->opt.one_pass, off->opt.one_pass);
+        cf_train_opts o = opts(CF_MODE_CENTRIFUGE, 2);
+        cf_trainer *ton = cf_trainer_create(on, &o), *toff = cf_trainer_create(off, &o);
+        CHECK(ton && toff);
+        int32_t tok[MAXMB * (S + 1)];
+        for (int step = 0; step < STEPS && ton && toff; step++) {
+            random_tokens(tok, MAXMB * (S + 1), cf_model_config(on)->vocab_size, 140 + step);
+            cf_micro_batch mbs[2] = {{tok, NULL}, {tok + S + 1, NULL}};
+            cf_step_stats son, soff;
+            CHECK(cf_trainer_step(ton, mbs, 1e-2f, &son) == 0 && cf_trainer_step(toff, mbs, 1e-2f, &soff) == 0);
+            CHECK_MSG(son.loss == soff.loss && son.grad_norm == soff.grad_norm && son.grad_norm > 0,
+                      "%s step %d: loss %.9g vs %.9g, norm %.9g vs %.9g", cs[ci].name, step, son.loss, soff.loss,
+                      son.grad_norm, soff.grad_norm);
+            CHECK_MSG(same_state(on, off), "%s step %d: weights or moments differ", cs[ci].name, step);
+            const char *bad = "";
+            CHECK_MSG(states_after_step(on, 1, &bad), "%s step %d: %s not in a step's state", cs[ci].name, step, bad);
+        }
+        cf_trainer_free(ton);
+        cf_trainer_free(toff);
+        cf_model_free(on);
+        cf_model_free(off);
+    }
+}
+
 /* CF_GRAD_KEEP=0 at open: every gradient is zeroed by the step (ZERO). */
 TEST(grad_keep_0_in_the_environment_turns_stale_gradients_off) {
     setenv("CF_GRAD_KEEP", "0", 1);
@@ -386,5 +426,6 @@ int main(void) {
     RUN(held_dwpair_rows_over_stale_gradients_are_written_by_the_flush);
     RUN(one_gemm_over_a_stale_and_a_live_gradient_zeroes_the_stale_one_first);
     RUN(grad_keep_0_in_the_environment_turns_stale_gradients_off);
+    RUN(adamw_in_one_call_gives_bitwise_the_per_segment_steps);
     return test_summary();
 }

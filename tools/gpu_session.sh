@@ -9,6 +9,7 @@
 #          bench-pair pair-ab norm-blocks cf-side ab-old grad-keep side-ab ncu-step norm-ab side-prio pair-rows
 #          pair-full side-attn gemm-survey attn-hpb side-sms pair-head
 #          lmhead-cluster ncu-lmhead sanitize-lmhead parity-bigvocab ab-old-accum pingpong pingpong-model ncu-attn-src ncu-attn-kernels cf-pp64 ncu-ops hpb-model
+#          adamw-ab
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G=$PWD/.gpucarry
@@ -296,6 +297,10 @@ for part in "$@"; do
       # the paired MLP weight gradients on a side stream (default) against in line (CF_DW_SIDE=0),
       # centrifuge only (pairs are compact-mode only)
       env_ab CF_DW_SIDE "0 1" centrifuge side ;;
+    adamw-ab)
+      # AdamW as one launch over every tensor (default) against a launch per tensor (CF_ADAMW_ONE_PASS=0),
+      # regular only: the optimizer column
+      env_ab CF_ADAMW_ONE_PASS "0 1" regular adamw tinyllama-1.1b:4096 ;;
     grad-keep)
       # AdamW leaving the set-only gradients stale (default) against zeroing every gradient (CF_GRAD_KEEP=0),
       # regular only: the optimizer column

@@ -41,6 +41,15 @@ typedef struct cf_backend cf_backend;
 #define CF_ADAMW_KEEP_GRAD 1 /* leave g as it is (the caller's next writer of g
                                 overwrites it): g is read, not zeroed           */
 
+/* One tensor's piece of a multi-segment AdamW pass (adamw_segments): n
+ * elements at p + poff, m + poff, v + poff (the optimizer state), g + goff
+ * (the gradient) and w + woff (the compute copy), offsets in elements. */
+typedef struct {
+    size_t poff, goff, woff, n;
+    float wd;  /* this tensor's weight decay (0 for norms and biases) */
+    int flags; /* CF_ADAMW_KEEP_GRAD or 0, as adamw's */
+} cf_adamw_seg;
+
 /* Attention problem description. Rows are b*S + s. */
 typedef struct {
     int B, S;       /* sequences, positions per sequence             */
@@ -313,6 +322,11 @@ struct cf_backend {
      * backend memory of T bytes. */
     void (*select_topk)(cf_backend *b, uint8_t *keep, const float *losses, const float *ref, int T, int group,
                         int k);
+    /* adamw on every segment of segs[0..nseg) (a host array), the same
+     * arithmetic bit for bit, in one pass over the buffers instead of one
+     * call per tensor; w NULL or w == p: no compute copy. */
+    void (*adamw_segments)(cf_backend *b, float *p, void *w, float *g, float *m, float *v, const cf_adamw_seg *segs,
+                           int nseg, float lr, float beta1, float beta2, float eps, float grad_scale, int t);
     /* Peak bytes of device memory allocated through this backend. */
     size_t (*memory_peak)(cf_backend *b);
     /* Free and total bytes of the device's memory (for memory estimates). */

@@ -188,6 +188,12 @@ typedef struct {
     int pre_ok, pre_on, pre_layers;
     size_t *layer_lo, *layer_hi;
     int64_t pre_steps;
+    /* The step's AdamW as one backend call over every segment (the
+     * backend's adamw_segments) where nothing waits for single segments
+     * (no segment_updated hook); one_pass 0 (CF_ADAMW_ONE_PASS=0 at open):
+     * a call per segment. aseg: the table, [lay.nseg]. */
+    int one_pass;
+    cf_adamw_seg *aseg;
 } cf_optim;
 
 /* The state of a trainable tensor's fp32 gradient (cf_optim.gstate). A

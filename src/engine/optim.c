@@ -167,6 +167,13 @@ static int keep_stale_env(void) {
     return !(e && *e == '0');
 }
 
+/* 0 when CF_ADAMW_ONE_PASS=0 is in the environment: a backend call per
+ * segment (A/B timing, cross-checks). */
+static int one_pass_env(void) {
+    const char *e = getenv("CF_ADAMW_ONE_PASS");
+    return !(e && *e == '0');
+}
+
 int cf_optim_init(cf_model *m, cf_optim_layout *lay) {
     cf_backend *b = m->b;
     cf_optim *o = &m->opt;
@@ -208,6 +215,9 @@ int cf_optim_init(cf_model *m, cf_optim_layout *lay) {
     mark_set_only(m);
     o->keep_stale = keep_stale_env() && cf_grad_set_env();
     o->pre_ok = plan_norm_pre(m);
+    o->one_pass = one_pass_env() && b->adamw_segments != NULL;
+    o->aseg = cf_calloc((size_t)CF_MAX(o->lay.nseg, 1), sizeof(cf_adamw_seg));
+    if (!o->aseg) return -1;
     b->memzero(b, o->adam_m, o->lay.nlocal * sizeof(float));
     b->memzero(b, o->adam_v, o->lay.nlocal * sizeof(float));
     if (!in_place) b->memzero(b, o->master, o->lay.nlocal * sizeof(float));
@@ -226,6 +236,8 @@ void cf_optim_free(cf_model *m) {
     free(o->layer_lo);
     free(o->layer_hi);
     o->layer_lo = o->layer_hi = NULL;
+    free(o->aseg);
+    o->aseg = NULL;
     cf_optim_layout_free(&o->lay);
     o->master = o->grad = o->adam_m = o->adam_v = NULL;
 }
@@ -365,21 +377,31 @@ int cf_step_ex(cf_model *m, const cf_adamw_params *hp, float *grad_norm, double 
     float scale = 1.0f;
     if (hp->grad_clip > 0 && norm > hp->grad_clip) scale = (float)(hp->grad_clip / norm);
     o->step++;
+    /* Per segment: update, refresh the compute copy, zero the grad; not the
+     * grad of a set-only tensor, whose next writer overwrites it anyway (4
+     * bytes per element fewer). All segments in one backend call where no
+     * hook waits for single segments (data parallel's all-gathers do). */
+    const int one_pass = o->one_pass && !o->sync.segment_updated;
     for (int s = 0; s < o->lay.nseg; s++) {
         const cf_segment *g = &o->lay.seg[s];
         const cf_param *p = &m->params[g->tensor];
-        /* one pass per segment: update, refresh the compute copy, zero the
-         * grad; not the grad of a set-only tensor, whose next writer
-         * overwrites it anyway (4 bytes per element fewer) */
         const int stale = may_leave_stale(m, g);
-        b->adamw(b, o->master + g->loff, (char *)m->w + g->woff * b->act_size, o->grad + g->goff,
-                 o->adam_m + g->loff, o->adam_v + g->loff, g->len, hp->lr, hp->beta1, hp->beta2, hp->eps,
-                 p->decay ? hp->weight_decay : 0.0f, scale, (int)o->step, stale ? CF_ADAMW_KEEP_GRAD : 0);
+        const float wd = p->decay ? hp->weight_decay : 0.0f;
+        const int flags = stale ? CF_ADAMW_KEEP_GRAD : 0;
+        if (one_pass)
+            o->aseg[s] = (cf_adamw_seg){g->loff, g->goff, g->woff, g->len, wd, flags};
+        else
+            b->adamw(b, o->master + g->loff, (char *)m->w + g->woff * b->act_size, o->grad + g->goff,
+                     o->adam_m + g->loff, o->adam_v + g->loff, g->len, hp->lr, hp->beta1, hp->beta2, hp->eps, wd,
+                     scale, (int)o->step, flags);
         /* a tensor the segment holds whole holds zeros now, or is STALE */
         if (stale) o->gstate[g->tensor] = CF_GRAD_STALE;
         else if (segment_whole(m, g)) o->gstate[g->tensor] = CF_GRAD_ZERO;
         if (o->sync.segment_updated && o->sync.segment_updated(o->sync.ctx, s) != 0) return -1;
     }
+    if (one_pass)
+        b->adamw_segments(b, o->master, m->w, o->grad, o->adam_m, o->adam_v, o->aseg, o->lay.nseg, hp->lr, hp->beta1,
+                          hp->beta2, hp->eps, scale, (int)o->step);
     if (o->sync.weights_updated) {
         /* the non-local parts of the gradient were reduced elsewhere: they
          * are zero already, or zeroed here */

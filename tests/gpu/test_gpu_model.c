@@ -477,6 +477,19 @@ TEST(gpu_early_gradient_norm_gives_the_whole_buffer_steps) {
     }
 }
 
+/* AdamW as one launch over every tensor (optim.c: one_pass, the backend's
+ * adamw_segments) gives the steps of a launch per tensor (CF_ADAMW_ONE_PASS=0
+ * at open) (lockstep_steps), on Qwen2 (q/k/v biases: segments with and
+ * without weight decay, zeroed and stale gradients side by side). */
+TEST(gpu_adamw_in_one_launch_gives_the_per_tensor_steps) {
+    cf_model *on, *off;
+    if (switch_lockstep("adamw one pass", "tiny-qwen2", 83, "CF_ADAMW_ONE_PASS", CF_MODE_REGULAR, 96, &on, &off))
+        CHECK_MSG(on->opt.one_pass == 1 && off->opt.one_pass == 0, "one_pass %d on, %d off", on->opt.one_pass,
+                  off->opt.one_pass);
+    cf_model_free(on);
+    cf_model_free(off);
+}
+
 /* fills model m's STALE gradients with NaN; all of its set-only gradients
  * (the 7 linear weights of each layer) must be STALE after a step */
 static void poison_stale(const char *what, cf_model *m, int step) {
@@ -713,6 +726,7 @@ int main(void) {
     RUN(gpu_paired_gradients_on_the_side_stream_give_the_in_line_steps);
     RUN(gpu_attention_weight_gradients_beside_give_the_in_line_steps);
     RUN(gpu_early_gradient_norm_gives_the_whole_buffer_steps);
+    RUN(gpu_adamw_in_one_launch_gives_the_per_tensor_steps);
     RUN(gpu_stale_gradients_give_the_zeroing_steps_even_when_poisoned);
     return test_summary();
 }

@@ -907,6 +907,59 @@ TEST(adamw_two_steps_and_weights_from_master_match_cpu_and_keep_grad_leaves_g) {
     free_all();
 }
 
+/* adamw_segments: one launch over a table of segments gives the bits of a
+ * per-segment adamw each (p, m, v, g, the bf16 compute copy), and the CPU's
+ * per-segment passes within 1e-6. The table mixes what the kernel must
+ * tell apart: a segment of several chunks (20000 elements, its last chunk
+ * partial), lengths that are not multiples of 4, offsets that are not
+ * (its scalar path), an empty segment, weight decay 0 and not, kept and
+ * zeroed gradients, and the order of the buffers' pieces (g and w in
+ * another order than p, m, v; gaps between segments left untouched). */
+TEST(adamw_segments_in_one_launch_give_the_per_segment_bits_and_match_cpu) {
+    const cf_adamw_seg segs[] = {
+        {0, 30016, 12, 20000, 0.1f, CF_ADAMW_KEEP_GRAD},  /* several chunks; w elsewhere */
+        {20008, 0, 20032, 1005, 0.f, 0},                  /* a tail of 1 after the float4s */
+        {21016, 1008, 21048, 0, 0.1f, 0},                 /* empty */
+        {21016, 1008, 21048, 3, 0.1f, 0},                 /* shorter than a float4 */
+        {21021, 1013, 21053, 777, 0.1f, CF_ADAMW_KEEP_GRAD}, /* odd offsets: scalar */
+        {21800, 1792, 21832, 4096, 0.f, 0},               /* exactly one chunk */
+    };
+    const int ns = (int)(sizeof segs / sizeof segs[0]);
+    const size_t N = 60000; /* covers every offset + n above */
+    float *p = HOLD(hrand(N, 1.f)), *g = HOLD(hrand(N, 1.f)), *m = HOLD(hrand(N, 0.1f)), *v = HOLD(hnew(N));
+    for (size_t i = 0; i < N; i++) v[i] = 0.01f * fabsf(m[i]) + 1e-4f;
+    /* the same buffers three times: one launch, per segment (GPU), per segment (CPU) */
+    void *op = gf32(p, N), *og = gf32(g, N), *om = gf32(m, N), *ov = gf32(v, N), *ow = gact_nan(N);
+    void *sp = gf32(p, N), *sg = gf32(g, N), *sm = gf32(m, N), *sv = gf32(v, N), *sw = gact_nan(N);
+    float *cp = HOLD(hcopy(p, N)), *cg = HOLD(hcopy(g, N)), *cm = HOLD(hcopy(m, N)), *cv = HOLD(hcopy(v, N));
+    for (int t = 1; t <= 2; t++) {
+        gpu->adamw_segments(gpu, op, ow, og, om, ov, segs, ns, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.5f, t);
+        for (int k = 0; k < ns; k++) {
+            const cf_adamw_seg *q = &segs[k];
+            gpu->adamw(gpu, (float *)sp + q->poff, (char *)sw + q->woff * gpu->act_size, (float *)sg + q->goff,
+                       (float *)sm + q->poff, (float *)sv + q->poff, q->n, 1e-3f, 0.9f, 0.95f, 1e-8f, q->wd, 0.5f, t,
+                       q->flags);
+        }
+        cpu->adamw_segments(cpu, cp, NULL, cg, cm, cv, segs, ns, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.5f, t);
+    }
+    CHECK_MSG(bitwise_equal(get_f32(op, N), get_f32(sp, N), N), "adamw_segments: p differs from per-segment adamw");
+    CHECK_MSG(bitwise_equal(get_f32(om, N), get_f32(sm, N), N), "adamw_segments: m differs");
+    CHECK_MSG(bitwise_equal(get_f32(ov, N), get_f32(sv, N), N), "adamw_segments: v differs");
+    CHECK_MSG(bitwise_equal(get_f32(og, N), get_f32(sg, N), N), "adamw_segments: g differs (zeroed or kept)");
+    float *wo = get_act(ow, N), *ws = get_act(sw, N);
+    int wsame = 1;
+    for (size_t i = 0; i < N; i++) wsame &= (isnan(wo[i]) && isnan(ws[i])) || wo[i] == ws[i];
+    CHECK_MSG(wsame, "adamw_segments: the compute copy differs (or a gap was written)");
+    cmp("adamw_segments p vs cpu", get_f32(op, N), cp, N, 1e-6);
+    cmp("adamw_segments m vs cpu", get_f32(om, N), cm, N, 1e-6);
+    cmp("adamw_segments v vs cpu", get_f32(ov, N), cv, N, 1e-6);
+    cmp("adamw_segments g vs cpu", get_f32(og, N), cg, N, 0);
+    /* the update did something: p moved where a segment is, not elsewhere */
+    float *po = get_f32(op, N);
+    CHECK_MSG(po[5] != p[5] && po[20010] != p[20010] && po[30000] == p[30000], "adamw_segments: p not updated where expected");
+    free_all();
+}
+
 /* LM head: logits fp32 from bf16 x, W (same inputs on both), so losses
  * differ by accumulation order only: 1e-3 of max |loss|. dx is bf16 through
  * a bf16 dlogits: 2e-2; dW fp32 accumulated from bf16 dlogits: 2e-2. Rows
@@ -1777,6 +1830,7 @@ int main(void) {
     RUN_IF(keep_to_rows_matches_cpu_exactly);
     RUN_IF(fill_dloss_and_loss_sum_match_cpu);
     RUN_IF(adamw_two_steps_and_weights_from_master_match_cpu_and_keep_grad_leaves_g);
+    RUN_IF(adamw_segments_in_one_launch_give_the_per_segment_bits_and_match_cpu);
     RUN_IF(lmhead_loss_fwd_bwd_match_cpu_with_zero_dloss_rows);
     RUN_IF(lmhead_saved_grad_fwd_bwd_match_cpu_with_zero_dloss_rows);
     RUN_IF(lmhead_cluster_rows_of_two_and_four_blocks_match_cpu);

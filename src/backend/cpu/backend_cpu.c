@@ -755,6 +755,17 @@ static void cpu_adamw(cf_backend *b, float *p, void *w_, float *g, float *m, flo
     }
 }
 
+/* adamw on each segment in turn (the CPU has no launches to save) */
+static void cpu_adamw_segments(cf_backend *b, float *p, void *w_, float *g, float *m, float *v, const cf_adamw_seg *segs,
+                               int nseg, float lr, float beta1, float beta2, float eps, float grad_scale, int t) {
+    float *w = w_;
+    for (int s = 0; s < nseg; s++) {
+        const cf_adamw_seg *q = &segs[s];
+        cpu_adamw(b, p + q->poff, w && w != p ? w + q->woff : p + q->poff, g + q->goff, m + q->poff, v + q->poff, q->n,
+                  lr, beta1, beta2, eps, q->wd, grad_scale, t, q->flags);
+    }
+}
+
 /* --------------------------------------------------- selection bookkeeping */
 
 /* rows[] = the kept rows (keep[t] != 0) ascending; seq_start[b] = number of
@@ -843,6 +854,7 @@ cf_backend *cf_backend_cpu_create(void) {
     b->gather_rows = cpu_gather_rows;
     b->sumsq = cpu_sumsq;
     b->adamw = cpu_adamw;
+    b->adamw_segments = cpu_adamw_segments;
 
     b->keep_to_rows = cpu_keep_to_rows;
     b->fill_dloss = cpu_fill_dloss;

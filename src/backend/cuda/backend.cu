@@ -130,6 +130,7 @@ extern "C" cf_backend *cf_backend_cuda_create(int device) {
     b->gather_rows = cf_cuda_gather_rows;
     b->sumsq = cf_cuda_sumsq;
     b->adamw = cf_cuda_adamw;
+    b->adamw_segments = cf_cuda_adamw_segments;
 
     b->keep_to_rows = cf_cuda_keep_to_rows;
     b->fill_dloss = cf_cuda_fill_dloss;

@@ -195,6 +195,8 @@ void cf_cuda_gather_rows_multi(cf_backend *b, int count, void *const *dst, const
 void cf_cuda_sumsq(cf_backend *b, double *acc, const float *g, size_t n);
 void cf_cuda_adamw(cf_backend *b, float *p, void *w, float *g, float *m, float *v, size_t n, float lr, float beta1,
                    float beta2, float eps, float wd, float grad_scale, int t, int flags);
+void cf_cuda_adamw_segments(cf_backend *b, float *p, void *w, float *g, float *m, float *v, const cf_adamw_seg *segs,
+                            int nseg, float lr, float beta1, float beta2, float eps, float grad_scale, int t);
 /* attention/launch.cu */
 void cf_cuda_attention_fwd(cf_backend *b, void *out, float *lse, const void *q, const void *k, const void *v,
                            const cf_attn_shape *s);

@@ -20,73 +20,137 @@ struct rope_part {
  *   x1' = x1 cos - x2 sin,  x2' = x2 cos + x1 sin     (x1 = x[i], x2 = x[i + D/2])
  * and its transpose (sign = -1: angle -> -angle) for the backward.
  *
- * A block per token: its sin and cos of the D/2 angles are taken once, into
- * shared memory (rope_angles), then every head of the token is rotated from
- * that table. Why: with a thread per (token, head) the kernel took sincosf
- * per element and head and 64-bit index divisions per item; the q/k/v
- * split went from 23.6 to 17.0 us at TinyLlama's shape (the DRAM floor is
- * near 7) and from 10.6 to 8.8 at Qwen2.5-1.5B's (ncu, H100,
- * docs/BENCHMARKS.md run 23). Issuing each thread's loads before making the
- * table measured slower (21-23 us). The table holds the same sincosf of the
- * same product, so the results are unchanged bit for bit.
+ * A block per `tpb` consecutive tokens: the sin and cos of their D/2 angles
+ * are taken once, into shared memory (rope_angles), then every head of the
+ * tokens is rotated from that table, each thread taking up to ROPE_U items
+ * (head, V consecutive i) with all their loads issued before the
+ * arithmetic. Why: with a thread per (token, head) the kernel took sincosf
+ * per element and head (23.6 us for TinyLlama's q/k/v split, ncu, H100,
+ * docs/BENCHMARKS.md run 23); with a block per token and an item per
+ * thread, 17.0 us against a DRAM floor near 7: 4096 short blocks, each
+ * waiting for its table before its single load. tpb (rope_tokens_per_block)
+ * gives a block about ROPE_U x 256 items, so a layer's tokens take about
+ * one wave. The table holds the same sincosf of the same product, so the
+ * results are unchanged bit for bit.
  */
-__device__ __forceinline__ void rope_angles(float *sn, float *cs, float p, const float *inv_freq, int half, float sign) {
-    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+#define ROPE_THREADS 256
+#define ROPE_U 4
+__device__ __forceinline__ void rope_angles(float *sn, float *cs, const int *pos, int nt, const float *inv_freq,
+                                            int half, float sign) {
+    for (int e = threadIdx.x; e < nt * half; e += blockDim.x) {
+        const int j = e / half, i = e - j * half;
         float s, c;
-        sincosf(p * inv_freq[i], &s, &c);
-        sn[i] = s * sign;
-        cs[i] = c;
+        sincosf((float)pos[j] * inv_freq[i], &s, &c);
+        sn[e] = s * sign;
+        cs[e] = c;
     }
     __syncthreads();
 }
-/* the V pairs at x1p[0..V), x2p[0..V) (= x1p + D/2) rotated by the table's
- * angles i0..i0+V-1 and stored at o1, o2; V = 8: one 16-byte access each */
+/* V pairs at x1p[0..V), x2p[0..V) (= x1p + D/2), loaded (as bf16: V = 8
+ * is one 16-byte access each, kept packed until the arithmetic), then
+ * rotated by the angles sn[0..V), cs[0..V) (or copied) and stored at o1, o2 */
 template <int V>
-__device__ __forceinline__ void rope_pairs(bf16 *o1, bf16 *o2, const bf16 *x1p, const bf16 *x2p, const float *sn,
-                                           const float *cs, int i0, bool rotate) {
-    float x1[V], x2[V];
-    if (V == 8) {
-        unpack8(*(const pack8 *)x1p, x1);
-        unpack8(*(const pack8 *)x2p, x2);
-    } else {
-        for (int k = 0; k < V; k++) x1[k] = __bfloat162float(x1p[k]), x2[k] = __bfloat162float(x2p[k]);
-    }
-    if (rotate)
-        for (int k = 0; k < V; k++) {
-            const float s = sn[i0 + k], c = cs[i0 + k], a = x1[k], b = x2[k];
-            x1[k] = a * c - b * s;
-            x2[k] = b * c + a * s;
+struct rope_load {
+    pack8 p1, p2;         /* V == 8 */
+    bf16 h1[V], h2[V];    /* V < 8 */
+    __device__ __forceinline__ void load(const bf16 *x1p, const bf16 *x2p) {
+        if (V == 8) {
+            p1 = *(const pack8 *)x1p;
+            p2 = *(const pack8 *)x2p;
+        } else {
+            for (int k = 0; k < V; k++) h1[k] = x1p[k], h2[k] = x2p[k];
         }
-    if (V == 8) {
-        *(pack8 *)o1 = pack8_from(x1);
-        *(pack8 *)o2 = pack8_from(x2);
-    } else {
-        for (int k = 0; k < V; k++) o1[k] = __float2bfloat16_rn(x1[k]), o2[k] = __float2bfloat16_rn(x2[k]);
+    }
+    __device__ __forceinline__ void store(bf16 *o1, bf16 *o2, const float *sn, const float *cs, bool rotate) {
+        float x1[V], x2[V];
+        if (V == 8) {
+            unpack8(p1, x1);
+            unpack8(p2, x2);
+        } else {
+            for (int k = 0; k < V; k++) x1[k] = __bfloat162float(h1[k]), x2[k] = __bfloat162float(h2[k]);
+        }
+        if (rotate)
+            for (int k = 0; k < V; k++) {
+                const float s = sn[k], c = cs[k], a = x1[k], b = x2[k];
+                x1[k] = a * c - b * s;
+                x2[k] = b * c + a * s;
+            }
+        if (V == 8) {
+            *(pack8 *)o1 = pack8_from(x1);
+            *(pack8 *)o2 = pack8_from(x2);
+        } else {
+            for (int k = 0; k < V; k++) o1[k] = __float2bfloat16_rn(x1[k]), o2[k] = __float2bfloat16_rn(x2[k]);
+        }
+    }
+};
+/* The block's items, ROPE_U per thread per round: item = (token j, head h,
+ * pairs i0..i0+V-1), per_tok = heads x D/(2V) items per token. at(j, h, i0,
+ * &src, &dst) gives the first element of the item's x1 to read and to write
+ * and whether to rotate it (else it is copied). */
+template <int V, class At>
+__device__ __forceinline__ void rope_items(int nt, int per_tok, int groups, const float *sn, const float *cs, int half,
+                                           At at) {
+    const int total = nt * per_tok;
+    for (int base = 0; base < total; base += ROPE_U * blockDim.x) {
+        rope_load<V> ld[ROPE_U];
+        bf16 *dst[ROPE_U];
+        int tab[ROPE_U];
+        bool rot[ROPE_U];
+#pragma unroll
+        for (int u = 0; u < ROPE_U; u++) {
+            const int it = base + u * (int)blockDim.x + (int)threadIdx.x;
+            dst[u] = NULL;
+            if (it >= total) continue;
+            const int j = it / per_tok, r = it - j * per_tok, h = r / groups, i0 = (r - h * groups) * V;
+            const bf16 *src;
+            rot[u] = at(j, h, i0, &src, &dst[u]);
+            tab[u] = j * half + i0;
+            ld[u].load(src, src + half);
+        }
+#pragma unroll
+        for (int u = 0; u < ROPE_U; u++)
+            if (dst[u]) ld[u].store(dst[u], dst[u] + half, sn + tab[u], cs + tab[u], rot[u]);
     }
 }
-/* threads for a block that rotates `items` groups: whole warps, 32..256 */
+/* tokens per block for per_tok items a token: about ROPE_U x ROPE_THREADS
+ * items a block, at most 64 and a table of at most 32 KB (D floats a
+ * token); CF_ROPE_TOKENS=n forces n (1: a block per token, as before; for
+ * timing; read once) */
+static int rope_tokens_per_block(int per_tok, int D) {
+    static const int forced = [] {
+        const char *e = getenv("CF_ROPE_TOKENS");
+        const int n = e ? atoi(e) : 0;
+        return n > 0 && n <= 64 ? n : 0;
+    }();
+    int t = forced ? forced : ROPE_U * ROPE_THREADS / (per_tok > 0 ? per_tok : 1);
+    if (t > 64) t = 64;
+    while (t > 1 && (size_t)t * D * sizeof(float) > 32768) t /= 2;
+    return t < 1 ? 1 : t;
+}
 static int rope_threads(int items) {
     const int t = (items + 31) / 32 * 32;
-    return t < 32 ? 32 : t > 256 ? 256 : t;
+    return t < 32 ? 32 : t > ROPE_THREADS ? ROPE_THREADS : t;
 }
 
-/* In place on part a's tokens (blocks [0, Ta)) then part b's (q and k of a
- * layer: one launch); thread item = (head, V consecutive i). Dynamic shared
- * memory: 2 D/2 floats. */
+/* In place on part a's tokens (blocks [0, ba)) then part b's (q and k of a
+ * layer: one launch), tpb tokens a block. Dynamic shared memory: tpb x D
+ * floats (sin, cos). */
 template <int V>
-static __global__ void rope_kernel(rope_part pa, rope_part pb, const float *inv_freq, int D, float sign) {
+static __global__ void __launch_bounds__(ROPE_THREADS, 3) rope_kernel(rope_part pa, rope_part pb, const float *inv_freq, int D, float sign, int tpb) {
     extern __shared__ float rope_tab[];
-    const int half = D / 2, groups = half / V;
-    const bool in_b = (int)blockIdx.x >= pa.T;
-    const int t = in_b ? (int)blockIdx.x - pa.T : (int)blockIdx.x, nh = in_b ? pb.nh : pa.nh;
-    float *sn = rope_tab, *cs = rope_tab + half;
-    rope_angles(sn, cs, (float)(in_b ? pb.pos : pa.pos)[t], inv_freq, half, sign);
-    bf16 *row = (in_b ? pb.x : pa.x) + (size_t)t * nh * D;
-    for (int it = threadIdx.x; it < nh * groups; it += blockDim.x) {
-        const int h = it / groups, i0 = (it - h * groups) * V;
-        bf16 *x1p = row + (size_t)h * D + i0;
-        rope_pairs<V>(x1p, x1p + half, x1p, x1p + half, sn, cs, i0, true);
-    }
+    const int half = D / 2, groups = half / V, ba = (pa.T + tpb - 1) / tpb;
+    const bool in_b = (int)blockIdx.x >= ba;
+    const rope_part pt = in_b ? pb : pa;
+    const int t0 = ((int)blockIdx.x - (in_b ? ba : 0)) * tpb, nt = min(tpb, pt.T - t0);
+    float *sn = rope_tab, *cs = rope_tab + tpb * half;
+    rope_angles(sn, cs, pt.pos + t0, nt, inv_freq, half, sign);
+    bf16 *rows = pt.x + (size_t)t0 * pt.nh * D;
+    rope_items<V>(nt, pt.nh * groups, groups, sn, cs, half, [&](int j, int h, int i0, const bf16 **src, bf16 **dst) {
+        bf16 *x = rows + ((size_t)j * pt.nh + h) * D + i0;
+        *src = x;
+        *dst = x;
+        return true;
+    });
 }
 static void rope(cf_backend *b, rope_part pa, rope_part pb, const float *inv_freq, int D, float sign) {
     cf_cuda_ctx *ctx = cf_cuda_enter(b);
@@ -95,13 +159,14 @@ static void rope(cf_backend *b, rope_part pa, rope_part pb, const float *inv_fre
     if (pb.T < 0 || pb.nh <= 0) pb.T = 0;
     const size_t rows = (size_t)pa.T * pa.nh + (size_t)pb.T * pb.nh;
     if (rows == 0) return;
-    const int nh = pa.nh > pb.nh ? pa.nh : pb.nh, blocks = pa.T + pb.T;
-    const size_t smem = sizeof(float) * (size_t)D; /* sin and cos of D/2 angles */
+    const int nh = pa.nh > pb.nh ? pa.nh : pb.nh;
     /* the 16-byte path where both parts' rows are 16-byte aligned */
-    if ((D / 2) % 8 == 0 && (!pa.T || cf_aligned16(pa.x)) && (!pb.T || cf_aligned16(pb.x)))
-        rope_kernel<8><<<blocks, rope_threads(nh * (D / 16)), smem, ctx->stream>>>(pa, pb, inv_freq, D, sign);
-    else
-        rope_kernel<1><<<blocks, rope_threads(nh * (D / 2)), smem, ctx->stream>>>(pa, pb, inv_freq, D, sign);
+    const int V = (D / 2) % 8 == 0 && (!pa.T || cf_aligned16(pa.x)) && (!pb.T || cf_aligned16(pb.x)) ? 8 : 1;
+    const int per_tok = nh * (D / 2 / V), tpb = rope_tokens_per_block(per_tok, D);
+    const int blocks = (pa.T + tpb - 1) / tpb + (pb.T + tpb - 1) / tpb, threads = rope_threads(tpb * per_tok);
+    const size_t smem = sizeof(float) * (size_t)D * tpb; /* sin and cos of D/2 angles per token */
+    if (V == 8) rope_kernel<8><<<blocks, threads, smem, ctx->stream>>>(pa, pb, inv_freq, D, sign, tpb);
+    else rope_kernel<1><<<blocks, threads, smem, ctx->stream>>>(pa, pb, inv_freq, D, sign, tpb);
     CF_CK_LAUNCH(ctx, "rope");
 }
 void cf_cuda_rope_fwd(cf_backend *b, void *x, const int *pos, const float *inv_freq, int T, int nh, int D) {
@@ -128,23 +193,23 @@ void cf_cuda_rope_qk(cf_backend *b, void *q, const int *qpos, int Tq, int Hq, vo
  * V = 8: 16-byte loads and stores.
  */
 template <int V, bool JOIN>
-static __global__ void qkv_rope_kernel(bf16 *qkv, bf16 *q, bf16 *k, bf16 *v, const int *pos, int Hq, int Hk,
-                                       const float *inv_freq, int D) {
+static __global__ void __launch_bounds__(ROPE_THREADS, 3) qkv_rope_kernel(bf16 *qkv, bf16 *q, bf16 *k, bf16 *v, const int *pos, int T, int Hq, int Hk,
+                                       const float *inv_freq, int D, int tpb) {
     extern __shared__ float rope_tab[];
     const int half = D / 2, groups = half / V, nh = Hq + 2 * Hk;
-    const size_t t = blockIdx.x;
-    float *sn = rope_tab, *cs = rope_tab + half;
-    rope_angles(sn, cs, (float)pos[t], inv_freq, half, JOIN ? -1.f : 1.f);
-    for (int it = threadIdx.x; it < nh * groups; it += blockDim.x) {
-        const int h = it / groups, i0 = (it - h * groups) * V;
+    const int t0 = (int)blockIdx.x * tpb, nt = min(tpb, T - t0);
+    float *sn = rope_tab, *cs = rope_tab + tpb * half;
+    rope_angles(sn, cs, pos + t0, nt, inv_freq, half, JOIN ? -1.f : 1.f);
+    rope_items<V>(nt, nh * groups, groups, sn, cs, half, [&](int j, int h, int i0, const bf16 **src, bf16 **dst) {
+        const size_t t = (size_t)t0 + j;
         bf16 *part = h < Hq        ? q + (t * Hq + h) * D
                      : h < Hq + Hk ? k + (t * Hk + (h - Hq)) * D
                                    : v + (t * Hk + (h - Hq - Hk)) * D;
         bf16 *joined = qkv + (t * nh + h) * D;
-        const bf16 *x1p = (JOIN ? part : joined) + i0;
-        bf16 *o1 = (JOIN ? joined : part) + i0;
-        rope_pairs<V>(o1, o1 + half, x1p, x1p + half, sn, cs, i0, h < Hq + Hk);
-    }
+        *src = (JOIN ? part : joined) + i0;
+        *dst = (JOIN ? joined : part) + i0;
+        return h < Hq + Hk;
+    });
 }
 template <bool JOIN>
 static void qkv_rope(cf_backend *b, bf16 *qkv, bf16 *q, bf16 *k, bf16 *v, const int *pos, int T, int Hq, int Hk,
@@ -152,15 +217,16 @@ static void qkv_rope(cf_backend *b, bf16 *qkv, bf16 *q, bf16 *k, bf16 *v, const 
     cf_cuda_ctx *ctx = cf_cuda_enter(b);
     if (!ctx || T <= 0 || D < 2 || Hq < 0 || Hk < 0 || Hq + 2 * Hk == 0) return;
     const int nh = Hq + 2 * Hk;
-    const size_t smem = sizeof(float) * (size_t)D; /* sin and cos of D/2 angles */
     /* 16-byte path: every head's halves start 16-byte aligned (D/2 % 8 == 0
      * and aligned bases); else scalar */
-    if ((D / 2) % 8 == 0 && cf_aligned16(q) && cf_aligned16(k) && cf_aligned16(v) && cf_aligned16(qkv))
-        qkv_rope_kernel<8, JOIN><<<T, rope_threads(nh * (D / 16)), smem, ctx->stream>>>(qkv, q, k, v, pos, Hq, Hk,
-                                                                                       inv_freq, D);
+    const int V = (D / 2) % 8 == 0 && cf_aligned16(q) && cf_aligned16(k) && cf_aligned16(v) && cf_aligned16(qkv) ? 8 : 1;
+    const int per_tok = nh * (D / 2 / V), tpb = rope_tokens_per_block(per_tok, D);
+    const int blocks = (T + tpb - 1) / tpb, threads = rope_threads(tpb * per_tok);
+    const size_t smem = sizeof(float) * (size_t)D * tpb; /* sin and cos of D/2 angles per token */
+    if (V == 8)
+        qkv_rope_kernel<8, JOIN><<<blocks, threads, smem, ctx->stream>>>(qkv, q, k, v, pos, T, Hq, Hk, inv_freq, D, tpb);
     else
-        qkv_rope_kernel<1, JOIN><<<T, rope_threads(nh * (D / 2)), smem, ctx->stream>>>(qkv, q, k, v, pos, Hq, Hk,
-                                                                                      inv_freq, D);
+        qkv_rope_kernel<1, JOIN><<<blocks, threads, smem, ctx->stream>>>(qkv, q, k, v, pos, T, Hq, Hk, inv_freq, D, tpb);
     if (JOIN) CF_CK_LAUNCH(ctx, "qkv_join_rope_bwd");
     else CF_CK_LAUNCH(ctx, "qkv_split_rope");
 }
