@@ -9,7 +9,7 @@
 #          bench-pair pair-ab norm-blocks cf-side ab-old grad-keep side-ab ncu-step norm-ab side-prio pair-rows
 #          pair-full side-attn gemm-survey attn-hpb side-sms pair-head
 #          lmhead-cluster ncu-lmhead sanitize-lmhead parity-bigvocab ab-old-accum pingpong pingpong-model ncu-attn-src ncu-attn-kernels cf-pp64 ncu-ops hpb-model
-#          adamw-ab
+#          adamw-ab attn-in-model
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G=$PWD/.gpucarry
@@ -297,6 +297,27 @@ for part in "$@"; do
       # the paired MLP weight gradients on a side stream (default) against in line (CF_DW_SIDE=0),
       # centrifuge only (pairs are compact-mode only)
       env_ab CF_DW_SIDE "0 1" centrifuge side ;;
+    attn-in-model)
+      # why attention takes longer in the model than alone: (1) the SM clock and power, sampled every 50 ms by
+      # nvidia-smi, during bench_attention at TinyLlama's shape and during TinyLlama's regular step (1 x 8);
+      # (2) the attention kernels' time by ncu without cache flushes (--cache-control none), in the model (4
+      # layers) and alone, so the two differ only in their inputs and neighbours
+      smi() { nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+                --format=csv,noheader -lms 50 >"$OUT/clocks_$1.csv" & echo $!; }
+      p=$(smi attn); "$G/bench_attention" 4096 32 4 64 >"$OUT/attn_alone.txt" 2>&1; kill $p
+      p=$(smi model); "$CF" bench --device cuda --config tinyllama-1.1b --seq 4096 --batch 1 --grad-accum 8 --modes regular \
+        --keep 0.5 --steps 4 --warmup 1 >"$OUT/model.txt" 2>&1; kill $p
+      for k in attn model; do python3 tools/clock_summary.py "$OUT/clocks_$k.csv" "$k"; done
+      grep -E "bwd|fwd" "$OUT/attn_alone.txt" | head -8; grep -E "regular" "$OUT/model.txt"
+      k='regex:attn_|bwd_finish|attn_bwd_prep'
+      timeout 200 ncu --clock-control none --cache-control none --csv --print-units base --kernel-name "$k" \
+        --metrics gpu__time_duration.sum "$CF" bench --device cuda --config tinyllama-1.1b --layers 4 --seq 4096 \
+        --batch 1 --grad-accum 2 --modes regular --keep 0.5 --steps 1 --warmup 1 >"$OUT/ncu_model.csv" 2>"$OUT/ncu_model.err"
+      python3 tools/ncu_kernels.py "$OUT/ncu_model.csv" --top 8 | tee "$OUT/ncu_model.txt"
+      BENCH_ATTN_PATHS=auto timeout 200 ncu --clock-control none --cache-control none --csv --print-units base \
+        --kernel-name "$k" --metrics gpu__time_duration.sum "$G/bench_attention" 4096 32 4 64 >"$OUT/ncu_alone.csv" \
+        2>"$OUT/ncu_alone.err"
+      python3 tools/ncu_kernels.py "$OUT/ncu_alone.csv" --top 8 | tee "$OUT/ncu_alone.txt" ;;
     adamw-ab)
       # AdamW as one launch over every tensor (default) against a launch per tensor (CF_ADAMW_ONE_PASS=0),
       # regular only: the optimizer column

@@ -27,11 +27,9 @@ struct rope_part {
  * arithmetic. Why: with a thread per (token, head) the kernel took sincosf
  * per element and head (23.6 us for TinyLlama's q/k/v split, ncu, H100,
  * docs/BENCHMARKS.md run 23); with a block per token and an item per
- * thread, 17.0 us against a DRAM floor near 7: 4096 short blocks, each
- * waiting for its table before its single load. tpb (rope_tokens_per_block)
- * gives a block about ROPE_U x 256 items, so a layer's tokens take about
- * one wave. The table holds the same sincosf of the same product, so the
- * results are unchanged bit for bit.
+ * thread, 17-22 us against a DRAM floor near 7; with a few tokens a block
+ * about 10% less (rope_tokens_per_block). The table holds the same sincosf
+ * of the same product, so the results are unchanged bit for bit.
  */
 #define ROPE_THREADS 256
 #define ROPE_U 4
@@ -112,17 +110,18 @@ __device__ __forceinline__ void rope_items(int nt, int per_tok, int groups, cons
             if (dst[u]) ld[u].store(dst[u], dst[u] + half, sn + tab[u], cs + tab[u], rot[u]);
     }
 }
-/* tokens per block for per_tok items a token: about ROPE_U x ROPE_THREADS
- * items a block, at most 64 and a table of at most 32 KB (D floats a
- * token); CF_ROPE_TOKENS=n forces n (1: a block per token, as before; for
- * timing; read once) */
+/* tokens per block for per_tok items a token: about 2 x ROPE_THREADS items
+ * a block (ncu, H100, TinyLlama's q/k/v split: 19.0 us at 3 tokens against
+ * 21.0-22.1 at 1, 2 and 6; docs/BENCHMARKS.md run 25), at most 64 and a
+ * table of at most 32 KB (D floats a token); CF_ROPE_TOKENS=n forces n (1:
+ * a block per token, as before; for timing; read once) */
 static int rope_tokens_per_block(int per_tok, int D) {
     static const int forced = [] {
         const char *e = getenv("CF_ROPE_TOKENS");
         const int n = e ? atoi(e) : 0;
         return n > 0 && n <= 64 ? n : 0;
     }();
-    int t = forced ? forced : ROPE_U * ROPE_THREADS / (per_tok > 0 ? per_tok : 1);
+    int t = forced ? forced : ROPE_THREADS * 2 / (per_tok > 0 ? per_tok : 1);
     if (t > 64) t = 64;
     while (t > 1 && (size_t)t * D * sizeof(float) > 32768) t /= 2;
     return t < 1 ? 1 : t;
