@@ -14,8 +14,9 @@ nvidia-smi's bits; sw-power-cap is the usual one under load)."""
 import statistics
 import sys
 
-REASONS = {0x1: "idle", 0x2: "sw-power-cap", 0x4: "app-clocks", 0x8: "hw-slowdown", 0x20: "sw-thermal",
-           0x40: "hw-thermal", 0x80: "hw-power-brake", 0x100: "display-clocks"}
+# nvidia-smi -q's "Clocks Event Reasons" bits (nvmlClocksEventReason*)
+REASONS = {0x1: "idle", 0x2: "app-clocks", 0x4: "sw-power-cap", 0x8: "hw-slowdown", 0x10: "sync-boost",
+           0x20: "sw-thermal", 0x40: "hw-thermal", 0x80: "hw-power-brake", 0x100: "display-clocks"}
 
 
 def number(field):

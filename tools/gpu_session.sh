@@ -23,6 +23,12 @@ CF="$G/centrifuge-cuda"
 need_peft() { python3 -c 'import peft' 2>/dev/null || pip install -q --no-index --no-deps .gpucarry-whl/peft-*.whl 2>&1 | tail -1; }
 # the commit of the carried binaries, for tools/bench_pytorch.py's records (this copy has no .git)
 CF_COMMIT=$(head -c 7 "$G/commit.txt" 2>/dev/null); export CF_COMMIT
+# smi_start FILE: samples the SM clock, power and throttle reasons every 50 ms into FILE in the
+# background (tools/clock_summary.py reads it); prints the sampler's pid for kill
+smi_start() {
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+    --format=csv,noheader -lms 50 >"$1" 2>/dev/null & echo $!
+}
 # env_ab VAR "VALUES" MODES TAG [DEFAULT_MODEL]: one environment switch A/B, alternated twice per model
 # in ACCUM_MODELS (default DEFAULT_MODEL) at 1 x 8, the bench rows of MODES; records
 # $OUT/TAG<value>_<model>_r<rep>.jsonl (.txt), lines prefixed "VAR=value rep N"
@@ -120,11 +126,16 @@ for part in "$@"; do
       for cs in ${ACCUM_MODELS:-tinyllama-1.1b:4096}; do for ba in ${ACCUM_SHAPES:-1:8}; do
         c=${cs%%:*}; sq=${cs##*:}; bb=${ba%%:*}; aa=${ba##*:}; j="$OUT/bench_accum${aa}_${c}_$sq"
         [ "$bb" != 1 ] && j="$OUT/bench_b${bb}_accum${aa}_${c}_$sq"
+        # the SM clock and power of each side's run (nvidia-smi every 50 ms; tools/clock_summary.py)
+        p=$(smi_start "${j}_clocks.csv")
         "$CF" bench --device cuda --config $c --seq $sq --batch $bb --grad-accum $aa \
           --modes regular,loss-only,centrifuge --keep 0.5 --steps ${ACCUM_STEPS:-10} --warmup 2 --json "$j.jsonl" 2>&1 | tee "$j.txt"
+        kill $p; python3 tools/clock_summary.py "${j}_clocks.csv" "ours $c" | tee -a "$OUT/clocks.txt"
+        p=$(smi_start "${j}_pt_clocks.csv")
         python3 tools/bench_pytorch.py --config $c --seq $sq --batch $bb --grad-accum $aa \
           --modes regular,loss-only --keep 0.5 --steps ${ACCUM_STEPS:-10} --warmup 2 --json "${j}_pt.jsonl" \
           --centrifuge-json "$j.jsonl" 2>&1 | tee "${j}_pt.txt" | tail -12
+        kill $p; python3 tools/clock_summary.py "${j}_pt_clocks.csv" "PyTorch $c" | tee -a "$OUT/clocks.txt"
       done; done ;;
     ab-fused)
       # issue 17 part 2: the per-op profile of the carried earlier build (old), this build with the fused
@@ -302,10 +313,8 @@ for part in "$@"; do
       # nvidia-smi, during bench_attention at TinyLlama's shape and during TinyLlama's regular step (1 x 8);
       # (2) the attention kernels' time by ncu without cache flushes (--cache-control none), in the model (4
       # layers) and alone, so the two differ only in their inputs and neighbours
-      smi() { nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
-                --format=csv,noheader -lms 50 >"$OUT/clocks_$1.csv" & echo $!; }
-      p=$(smi attn); "$G/bench_attention" 4096 32 4 64 >"$OUT/attn_alone.txt" 2>&1; kill $p
-      p=$(smi model); "$CF" bench --device cuda --config tinyllama-1.1b --seq 4096 --batch 1 --grad-accum 8 --modes regular \
+      p=$(smi_start "$OUT/clocks_attn.csv"); "$G/bench_attention" 4096 32 4 64 >"$OUT/attn_alone.txt" 2>&1; kill $p
+      p=$(smi_start "$OUT/clocks_model.csv"); "$CF" bench --device cuda --config tinyllama-1.1b --seq 4096 --batch 1 --grad-accum 8 --modes regular \
         --keep 0.5 --steps 4 --warmup 1 >"$OUT/model.txt" 2>&1; kill $p
       for k in attn model; do python3 tools/clock_summary.py "$OUT/clocks_$k.csv" "$k"; done
       grep -E "bwd|fwd" "$OUT/attn_alone.txt" | head -8; grep -E "regular" "$OUT/model.txt"

@@ -110,21 +110,30 @@ __device__ __forceinline__ void rope_items(int nt, int per_tok, int groups, cons
             if (dst[u]) ld[u].store(dst[u], dst[u] + half, sn + tab[u], cs + tab[u], rot[u]);
     }
 }
-/* tokens per block for per_tok items a token: about 2 x ROPE_THREADS items
- * a block (ncu, H100, TinyLlama's q/k/v split: 19.0 us at 3 tokens against
- * 21.0-22.1 at 1, 2 and 6; docs/BENCHMARKS.md run 25), at most 64 and a
- * table of at most 32 KB (D floats a token); CF_ROPE_TOKENS=n forces n (1:
- * a block per token, as before; for timing; read once) */
-static int rope_tokens_per_block(int per_tok, int D) {
+/* Tokens per block for T tokens of per_tok items: about 2 x ROPE_THREADS
+ * items a block, then doubled while the grid is between one and two waves
+ * of the 3 blocks an SM holds (launch bounds): a second wave that is mostly
+ * empty costs more than longer blocks. ncu, H100 (docs/BENCHMARKS.md run
+ * 25), TinyLlama's q/k/v split (T = 4096, 160 items a token): 19.0 us at 3
+ * tokens, 21.0-22.1 at 1, 2 and 6; Qwen2.5-1.5B's (T = 2048, 128 items):
+ * 9.3 at 8, 9.8 at 1, 10.5 at 4. At most 64 tokens and a table of 32 KB
+ * (D floats a token). CF_ROPE_TOKENS=n forces n (1: a block per token, as
+ * before; for timing; read once). */
+static int rope_tokens_per_block(int T, int per_tok, int D, int sm_count) {
     static const int forced = [] {
         const char *e = getenv("CF_ROPE_TOKENS");
         const int n = e ? atoi(e) : 0;
         return n > 0 && n <= 64 ? n : 0;
     }();
     int t = forced ? forced : ROPE_THREADS * 2 / (per_tok > 0 ? per_tok : 1);
+    if (t < 1) t = 1;
+    const long wave = 3L * sm_count;
+    for (long blocks = ((long)T + t - 1) / t; !forced && t < 64 && blocks > wave && blocks < 2 * wave;
+         blocks = ((long)T + t - 1) / t)
+        t *= 2;
     if (t > 64) t = 64;
     while (t > 1 && (size_t)t * D * sizeof(float) > 32768) t /= 2;
-    return t < 1 ? 1 : t;
+    return t;
 }
 static int rope_threads(int items) {
     const int t = (items + 31) / 32 * 32;
@@ -161,7 +170,7 @@ static void rope(cf_backend *b, rope_part pa, rope_part pb, const float *inv_fre
     const int nh = pa.nh > pb.nh ? pa.nh : pb.nh;
     /* the 16-byte path where both parts' rows are 16-byte aligned */
     const int V = (D / 2) % 8 == 0 && (!pa.T || cf_aligned16(pa.x)) && (!pb.T || cf_aligned16(pb.x)) ? 8 : 1;
-    const int per_tok = nh * (D / 2 / V), tpb = rope_tokens_per_block(per_tok, D);
+    const int per_tok = nh * (D / 2 / V), tpb = rope_tokens_per_block(pa.T + pb.T, per_tok, D, ctx->sm_count);
     const int blocks = (pa.T + tpb - 1) / tpb + (pb.T + tpb - 1) / tpb, threads = rope_threads(tpb * per_tok);
     const size_t smem = sizeof(float) * (size_t)D * tpb; /* sin and cos of D/2 angles per token */
     if (V == 8) rope_kernel<8><<<blocks, threads, smem, ctx->stream>>>(pa, pb, inv_freq, D, sign, tpb);
@@ -219,7 +228,7 @@ static void qkv_rope(cf_backend *b, bf16 *qkv, bf16 *q, bf16 *k, bf16 *v, const 
     /* 16-byte path: every head's halves start 16-byte aligned (D/2 % 8 == 0
      * and aligned bases); else scalar */
     const int V = (D / 2) % 8 == 0 && cf_aligned16(q) && cf_aligned16(k) && cf_aligned16(v) && cf_aligned16(qkv) ? 8 : 1;
-    const int per_tok = nh * (D / 2 / V), tpb = rope_tokens_per_block(per_tok, D);
+    const int per_tok = nh * (D / 2 / V), tpb = rope_tokens_per_block(T, per_tok, D, ctx->sm_count);
     const int blocks = (T + tpb - 1) / tpb, threads = rope_threads(tpb * per_tok);
     const size_t smem = sizeof(float) * (size_t)D * tpb; /* sin and cos of D/2 angles per token */
     if (V == 8)
