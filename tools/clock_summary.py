@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Summarises the SM clock and power that nvidia-smi sampled during a run.
 
-Usage: clock_summary.py SAMPLES.csv [LABEL]
+Usage: clock_summary.py SAMPLES.csv[.gz] [LABEL]
 
 SAMPLES.csv: lines of
   nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,
@@ -11,6 +11,7 @@ quarter of the largest sample: the run itself, not the start and the exit)
 the median, lowest and highest SM clock, the median power and temperature,
 and the share of busy samples with each active throttle reason (REASONS:
 nvidia-smi's bits; sw-power-cap is the usual one under load)."""
+import gzip
 import statistics
 import sys
 
@@ -77,7 +78,7 @@ def main(argv):
         print(__doc__.strip().splitlines()[2], file=sys.stderr)
         return 2
     try:
-        with open(argv[1]) as f:
+        with (gzip.open(argv[1], "rt") if argv[1].endswith(".gz") else open(argv[1])) as f:
             s = summary(parse(f))
     except OSError as e:
         print(f"clock_summary: {e}", file=sys.stderr)

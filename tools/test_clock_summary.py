@@ -4,6 +4,7 @@
 Samples are parsed from nvidia-smi's CSV (units and [N/A] fields
 tolerated), idle samples at the start and end are left out by power, and
 the throttle reasons are counted per bit."""
+import gzip
 import os
 import sys
 import unittest
@@ -42,6 +43,11 @@ class ClockSummaryTest(unittest.TestCase):
         self.assertEqual(clock_summary.main(["x", good, "attn"]), 0)
         self.assertEqual(clock_summary.main(["x", empty]), 1)
         self.assertEqual(clock_summary.main(["x"]), 2)
+        gz = good + ".gz"
+        with gzip.open(gz, "wt") as f:
+            f.write(smi(1980, 600.0))
+        self.addCleanup(os.unlink, gz)
+        self.assertEqual(clock_summary.main(["x", gz, "gz"]), 0)
         self.assertIn("SM clock median 1980 MHz", clock_summary.line("a", clock_summary.summary(
             clock_summary.parse([smi(1980, 600.0)]))))
 
