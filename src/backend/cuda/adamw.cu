@@ -163,17 +163,12 @@ void cf_cuda_adamw(cf_backend *b, float *p, void *w_, float *g, float *m, float 
 #define ADAMW_THREADS 256
 #define ADAMW_PER 4 /* float4 per thread per chunk */
 #define ADAMW_CHUNK (ADAMW_THREADS * ADAMW_PER * 4)
-template <bool CS> __device__ __forceinline__ float4 ld4(const float4 *p) { return CS ? __ldcs(p) : *p; }
-template <bool CS> __device__ __forceinline__ void st4(float4 *p, float4 v) {
-    if (CS) __stcs(p, v);
-    else *p = v;
-}
 struct adamw_seg_dev {
     size_t poff, goff, woff, n, chunk0;
     float wd;
     int clear;
 };
-template <bool HAS_W, bool CS>
+template <bool HAS_W>
 static __global__ void __launch_bounds__(ADAMW_THREADS)
     adamw_segments_kernel(float *p, bf16 *w, float *g, float *m, float *v, const adamw_seg_dev *seg, int nseg,
                           size_t nchunks, float lr, float b1, float b2, float eps, float gs, float bc1, float bc2) {
@@ -197,10 +192,10 @@ static __global__ void __launch_bounds__(ADAMW_THREADS)
             for (int k = 0; k < ADAMW_PER; k++) {
                 const size_t i = i0 + threadIdx.x + (size_t)k * ADAMW_THREADS;
                 if (i < i1) {
-                    pv[k] = ld4<CS>((const float4 *)ps + i);
-                    gv[k] = ld4<CS>((const float4 *)gp + i);
-                    mv[k] = ld4<CS>((const float4 *)ms + i);
-                    vv[k] = ld4<CS>((const float4 *)vs + i);
+                    pv[k] = __ldcs((const float4 *)ps + i);
+                    gv[k] = __ldcs((const float4 *)gp + i);
+                    mv[k] = __ldcs((const float4 *)ms + i);
+                    vv[k] = __ldcs((const float4 *)vs + i);
                 }
             }
 #pragma unroll
@@ -212,17 +207,16 @@ static __global__ void __launch_bounds__(ADAMW_THREADS)
                 adamw_one(pi.y, gi.y, mi.y, vi.y, lr, b1, b2, eps, sd.wd, gs, bc1, bc2);
                 adamw_one(pi.z, gi.z, mi.z, vi.z, lr, b1, b2, eps, sd.wd, gs, bc1, bc2);
                 adamw_one(pi.w, gi.w, mi.w, vi.w, lr, b1, b2, eps, sd.wd, gs, bc1, bc2);
-                st4<CS>((float4 *)ps + i, pi);
-                st4<CS>((float4 *)ms + i, mi);
-                st4<CS>((float4 *)vs + i, vi);
-                if (sd.clear) st4<CS>((float4 *)gp + i, make_float4(0.f, 0.f, 0.f, 0.f));
+                __stcs((float4 *)ps + i, pi);
+                __stcs((float4 *)ms + i, mi);
+                __stcs((float4 *)vs + i, vi);
+                if (sd.clear) __stcs((float4 *)gp + i, make_float4(0.f, 0.f, 0.f, 0.f));
                 if (HAS_W) {
                     const __nv_bfloat162 lo2 = __floats2bfloat162_rn(pi.x, pi.y), hi2 = __floats2bfloat162_rn(pi.z, pi.w);
                     uint2 u;
                     u.x = *reinterpret_cast<const uint32_t *>(&lo2);
                     u.y = *reinterpret_cast<const uint32_t *>(&hi2);
-                    if (CS) __stcs((uint2 *)(ws + 4 * i), u);
-                    else *(uint2 *)(ws + 4 * i) = u;
+                    __stcs((uint2 *)(ws + 4 * i), u);
                 }
             }
             /* the segment's last 1 to 3 elements (its last chunk only) */
@@ -285,20 +279,16 @@ void cf_cuda_adamw_segments(cf_backend *b, float *p, void *w_, float *g, float *
      * the grid-stride chunks are dealt out evenly, not in queued waves */
     static int per_sm = 0;
     if (!per_sm && (!CF_CK(ctx, cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-                                    &per_sm, adamw_segments_kernel<true, true>, ADAMW_THREADS, 0)) ||
+                                    &per_sm, adamw_segments_kernel<true>, ADAMW_THREADS, 0)) ||
                     per_sm < 1))
         per_sm = 1;
     const size_t cap = (size_t)ctx->sm_count * per_sm;
     const unsigned grid = (unsigned)(chunks < cap ? chunks : cap);
-    static const int cs = [] { const char *e = getenv("CF_ADAMW_STREAMING"); return !(e && *e == '0'); }();
-    if (w && cs)
-        adamw_segments_kernel<true, true><<<grid, ADAMW_THREADS, 0, ctx->stream>>>(p, w, g, m, v, dev, nseg, chunks, lr,
-                                                                                  beta1, beta2, eps, grad_scale, bc1, bc2);
-    else if (w)
-        adamw_segments_kernel<true, false><<<grid, ADAMW_THREADS, 0, ctx->stream>>>(p, w, g, m, v, dev, nseg, chunks, lr,
-                                                                                   beta1, beta2, eps, grad_scale, bc1, bc2);
+    if (w)
+        adamw_segments_kernel<true><<<grid, ADAMW_THREADS, 0, ctx->stream>>>(p, w, g, m, v, dev, nseg, chunks, lr, beta1,
+                                                                            beta2, eps, grad_scale, bc1, bc2);
     else
-        adamw_segments_kernel<false, true><<<grid, ADAMW_THREADS, 0, ctx->stream>>>(p, NULL, g, m, v, dev, nseg, chunks,
-                                                                                   lr, beta1, beta2, eps, grad_scale, bc1, bc2);
+        adamw_segments_kernel<false><<<grid, ADAMW_THREADS, 0, ctx->stream>>>(p, NULL, g, m, v, dev, nseg, chunks, lr,
+                                                                             beta1, beta2, eps, grad_scale, bc1, bc2);
     CF_CK_LAUNCH(ctx, "adamw_segments");
 }
