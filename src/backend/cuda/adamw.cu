@@ -184,7 +184,10 @@ static __global__ void __launch_bounds__(ADAMW_THREADS)
         float *ps = p + sd.poff, *gp = g + sd.goff, *ms = m + sd.poff, *vs = v + sd.poff;
         bf16 *ws = HAS_W ? w + sd.woff : NULL;
         /* 16-byte accesses where every buffer's piece starts 16-byte aligned
-         * (the bases are, checked by the host; w then 8-byte) */
+         * (the bases are, checked by the host; w then 8-byte); the scalar
+         * loop takes what is left: the segment's last 1 to 3 elements, or
+         * all of a misaligned piece */
+        size_t s0 = e0;
         if (((sd.poff | sd.goff | sd.woff) & 3) == 0) {
             const size_t i0 = e0 / 4, i1 = e1 / 4; /* whole float4s; e0 is a multiple of 4 */
             float4 pv[ADAMW_PER], gv[ADAMW_PER], mv[ADAMW_PER], vv[ADAMW_PER];
@@ -219,26 +222,16 @@ static __global__ void __launch_bounds__(ADAMW_THREADS)
                     __stcs((uint2 *)(ws + 4 * i), u);
                 }
             }
-            /* the segment's last 1 to 3 elements (its last chunk only) */
-            for (size_t e = 4 * i1 + threadIdx.x; e < e1; e += ADAMW_THREADS) {
-                float pi = ps[e], mi = ms[e], vi = vs[e];
-                adamw_one(pi, gp[e], mi, vi, lr, b1, b2, eps, sd.wd, gs, bc1, bc2);
-                ps[e] = pi;
-                ms[e] = mi;
-                vs[e] = vi;
-                if (sd.clear) gp[e] = 0.f;
-                if (HAS_W) ws[e] = __float2bfloat16_rn(pi);
-            }
-        } else {
-            for (size_t e = e0 + threadIdx.x; e < e1; e += ADAMW_THREADS) {
-                float pi = ps[e], mi = ms[e], vi = vs[e];
-                adamw_one(pi, gp[e], mi, vi, lr, b1, b2, eps, sd.wd, gs, bc1, bc2);
-                ps[e] = pi;
-                ms[e] = mi;
-                vs[e] = vi;
-                if (sd.clear) gp[e] = 0.f;
-                if (HAS_W) ws[e] = __float2bfloat16_rn(pi);
-            }
+            s0 = 4 * i1;
+        }
+        for (size_t e = s0 + threadIdx.x; e < e1; e += ADAMW_THREADS) {
+            float pi = ps[e], mi = ms[e], vi = vs[e];
+            adamw_one(pi, gp[e], mi, vi, lr, b1, b2, eps, sd.wd, gs, bc1, bc2);
+            ps[e] = pi;
+            ms[e] = mi;
+            vs[e] = vi;
+            if (sd.clear) gp[e] = 0.f;
+            if (HAS_W) ws[e] = __float2bfloat16_rn(pi);
         }
     }
 }
