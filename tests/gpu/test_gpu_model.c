@@ -709,24 +709,30 @@ TEST(gpu_lora_losses_and_adapter_gradients_match_cpu) {
     cf_model_free(mg);
 }
 
+/* CF_TEST_ONLY=word runs the tests whose name contains word (e.g. under
+ * compute-sanitizer), as test_gpu_ops does. */
+static const char *only;
+#define RUN_IF(name) do { if (!only || strstr(#name, only)) RUN(name); } while (0)
+
 int main(void) {
-    RUN(gpu_swiglu_bwd_rows_matches_cpu);
-    RUN(gpu_selection_equals_cpu_selection_with_ties_and_nan);
-    RUN(gpu_attention_fwd_matches_cpu_at_model_test_shapes);
-    RUN(gpu_adamw_refreshes_bf16_weights_and_zeroes_gradients_in_one_pass_unless_kept);
-    RUN(gpu_batched_filter_gather_equals_per_tensor_gather);
-    RUN(gpu_model_losses_and_gradients_match_cpu_in_every_mode);
-    RUN(gpu_model_with_unfused_projections_matches_cpu_in_every_mode);
-    RUN(gpu_model_recomputing_the_lm_head_logits_matches_cpu_in_every_mode);
-    RUN(gpu_model_matches_cpu_over_several_attention_tiles_with_uneven_kept_counts);
-    RUN(gpu_lora_losses_and_adapter_gradients_match_cpu);
-    RUN(gpu_equivalences_of_design_section_1_hold_with_bf16_tolerances);
-    RUN(gpu_paired_mlp_weight_gradients_give_the_unpaired_steps);
-    RUN(gpu_paired_lm_head_weight_gradients_give_the_unpaired_steps);
-    RUN(gpu_paired_gradients_on_the_side_stream_give_the_in_line_steps);
-    RUN(gpu_attention_weight_gradients_beside_give_the_in_line_steps);
-    RUN(gpu_early_gradient_norm_gives_the_whole_buffer_steps);
-    RUN(gpu_adamw_in_one_launch_gives_the_per_tensor_steps);
-    RUN(gpu_stale_gradients_give_the_zeroing_steps_even_when_poisoned);
+    only = getenv("CF_TEST_ONLY");
+    RUN_IF(gpu_swiglu_bwd_rows_matches_cpu);
+    RUN_IF(gpu_selection_equals_cpu_selection_with_ties_and_nan);
+    RUN_IF(gpu_attention_fwd_matches_cpu_at_model_test_shapes);
+    RUN_IF(gpu_adamw_refreshes_bf16_weights_and_zeroes_gradients_in_one_pass_unless_kept);
+    RUN_IF(gpu_batched_filter_gather_equals_per_tensor_gather);
+    RUN_IF(gpu_model_losses_and_gradients_match_cpu_in_every_mode);
+    RUN_IF(gpu_model_with_unfused_projections_matches_cpu_in_every_mode);
+    RUN_IF(gpu_model_recomputing_the_lm_head_logits_matches_cpu_in_every_mode);
+    RUN_IF(gpu_model_matches_cpu_over_several_attention_tiles_with_uneven_kept_counts);
+    RUN_IF(gpu_lora_losses_and_adapter_gradients_match_cpu);
+    RUN_IF(gpu_equivalences_of_design_section_1_hold_with_bf16_tolerances);
+    RUN_IF(gpu_paired_mlp_weight_gradients_give_the_unpaired_steps);
+    RUN_IF(gpu_paired_lm_head_weight_gradients_give_the_unpaired_steps);
+    RUN_IF(gpu_paired_gradients_on_the_side_stream_give_the_in_line_steps);
+    RUN_IF(gpu_attention_weight_gradients_beside_give_the_in_line_steps);
+    RUN_IF(gpu_early_gradient_norm_gives_the_whole_buffer_steps);
+    RUN_IF(gpu_adamw_in_one_launch_gives_the_per_tensor_steps);
+    RUN_IF(gpu_stale_gradients_give_the_zeroing_steps_even_when_poisoned);
     return test_summary();
 }
