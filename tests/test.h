@@ -37,7 +37,9 @@ static const char *t_current = "";
 
 static inline int test_summary(void) {
     printf("%d tests, %d checks, %d failed tests\n", t_tests, t_checks, t_failed_tests);
-    return t_failed_tests ? 1 : 0;
+    /* no test run at all (a CF_TEST_ONLY that matches nothing) is not a pass */
+    if (t_tests == 0) printf("no test ran\n");
+    return t_failed_tests || t_tests == 0 ? 1 : 0;
 }
 
 /* max |a-b| / max(max|b|, tiny) over n elements */
