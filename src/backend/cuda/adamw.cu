@@ -215,7 +215,8 @@ static __global__ void __launch_bounds__(ADAMW_THREADS)
                 __stcs((float4 *)vs + i, vi);
                 if (sd.clear) __stcs((float4 *)gp + i, make_float4(0.f, 0.f, 0.f, 0.f));
                 if (HAS_W) {
-                    const __nv_bfloat162 lo2 = __floats2bfloat162_rn(pi.x, pi.y), hi2 = __floats2bfloat162_rn(pi.z, pi.w);
+                    const __nv_bfloat162 lo2 = __floats2bfloat162_rn(pi.x, pi.y);
+                    const __nv_bfloat162 hi2 = __floats2bfloat162_rn(pi.z, pi.w);
                     uint2 u;
                     u.x = *reinterpret_cast<const uint32_t *>(&lo2);
                     u.y = *reinterpret_cast<const uint32_t *>(&hi2);
@@ -278,8 +279,8 @@ void cf_cuda_adamw_segments(cf_backend *b, float *p, void *w_, float *g, float *
     const size_t cap = (size_t)ctx->sm_count * per_sm;
     const unsigned grid = (unsigned)(chunks < cap ? chunks : cap);
     if (w)
-        adamw_segments_kernel<true><<<grid, ADAMW_THREADS, 0, ctx->stream>>>(p, w, g, m, v, dev, nseg, chunks, lr, beta1,
-                                                                            beta2, eps, grad_scale, bc1, bc2);
+        adamw_segments_kernel<true><<<grid, ADAMW_THREADS, 0, ctx->stream>>>(p, w, g, m, v, dev, nseg, chunks, lr,
+                                                                            beta1, beta2, eps, grad_scale, bc1, bc2);
     else
         adamw_segments_kernel<false><<<grid, ADAMW_THREADS, 0, ctx->stream>>>(p, NULL, g, m, v, dev, nseg, chunks, lr,
                                                                              beta1, beta2, eps, grad_scale, bc1, bc2);

@@ -128,23 +128,31 @@ static int rope_tokens_per_block(int T, int per_tok, int D, int sm_count) {
     int t = forced ? forced : ROPE_THREADS * 2 / (per_tok > 0 ? per_tok : 1);
     if (t < 1) t = 1;
     const long wave = 3L * sm_count;
-    for (long blocks = ((long)T + t - 1) / t; !forced && t < 64 && blocks > wave && blocks < 2 * wave;
-         blocks = ((long)T + t - 1) / t)
-        t *= 2;
+    auto blocks = [&] { return ((long)T + t - 1) / t; };
+    while (!forced && t < 64 && blocks() > wave && blocks() < 2 * wave) t *= 2;
     if (t > 64) t = 64;
     while (t > 1 && (size_t)t * D * sizeof(float) > 32768) t /= 2;
     return t;
 }
-static int rope_threads(int items) {
-    const int t = (items + 31) / 32 * 32;
-    return t < 32 ? 32 : t > ROPE_THREADS ? ROPE_THREADS : t;
+/* A launch's shape for T tokens of nh heads: V pairs an item (8: the
+ * 16-byte path), tpb tokens a block, whole warps up to ROPE_THREADS, and
+ * the table's shared memory (sin and cos of D/2 angles a token). */
+struct rope_shape {
+    int tpb, threads;
+    size_t smem;
+};
+static rope_shape rope_shape_for(const cf_cuda_ctx *ctx, int T, int nh, int D, int V) {
+    const int per_tok = nh * (D / 2 / V), tpb = rope_tokens_per_block(T, per_tok, D, ctx->sm_count);
+    const int items = tpb * per_tok, threads = (items + 31) / 32 * 32;
+    return {tpb, threads < 32 ? 32 : threads > ROPE_THREADS ? ROPE_THREADS : threads, sizeof(float) * (size_t)D * tpb};
 }
 
 /* In place on part a's tokens (blocks [0, ba)) then part b's (q and k of a
  * layer: one launch), tpb tokens a block. Dynamic shared memory: tpb x D
  * floats (sin, cos). */
 template <int V>
-static __global__ void __launch_bounds__(ROPE_THREADS, 3) rope_kernel(rope_part pa, rope_part pb, const float *inv_freq, int D, float sign, int tpb) {
+static __global__ void __launch_bounds__(ROPE_THREADS, 3)
+    rope_kernel(rope_part pa, rope_part pb, const float *inv_freq, int D, float sign, int tpb) {
     extern __shared__ float rope_tab[];
     const int half = D / 2, groups = half / V, ba = (pa.T + tpb - 1) / tpb;
     const bool in_b = (int)blockIdx.x >= ba;
@@ -170,11 +178,10 @@ static void rope(cf_backend *b, rope_part pa, rope_part pb, const float *inv_fre
     const int nh = pa.nh > pb.nh ? pa.nh : pb.nh;
     /* the 16-byte path where both parts' rows are 16-byte aligned */
     const int V = (D / 2) % 8 == 0 && (!pa.T || cf_aligned16(pa.x)) && (!pb.T || cf_aligned16(pb.x)) ? 8 : 1;
-    const int per_tok = nh * (D / 2 / V), tpb = rope_tokens_per_block(pa.T + pb.T, per_tok, D, ctx->sm_count);
-    const int blocks = (pa.T + tpb - 1) / tpb + (pb.T + tpb - 1) / tpb, threads = rope_threads(tpb * per_tok);
-    const size_t smem = sizeof(float) * (size_t)D * tpb; /* sin and cos of D/2 angles per token */
-    if (V == 8) rope_kernel<8><<<blocks, threads, smem, ctx->stream>>>(pa, pb, inv_freq, D, sign, tpb);
-    else rope_kernel<1><<<blocks, threads, smem, ctx->stream>>>(pa, pb, inv_freq, D, sign, tpb);
+    const rope_shape sh = rope_shape_for(ctx, pa.T + pb.T, nh, D, V);
+    const int blocks = (pa.T + sh.tpb - 1) / sh.tpb + (pb.T + sh.tpb - 1) / sh.tpb;
+    if (V == 8) rope_kernel<8><<<blocks, sh.threads, sh.smem, ctx->stream>>>(pa, pb, inv_freq, D, sign, sh.tpb);
+    else rope_kernel<1><<<blocks, sh.threads, sh.smem, ctx->stream>>>(pa, pb, inv_freq, D, sign, sh.tpb);
     CF_CK_LAUNCH(ctx, "rope");
 }
 void cf_cuda_rope_fwd(cf_backend *b, void *x, const int *pos, const float *inv_freq, int T, int nh, int D) {
@@ -201,8 +208,9 @@ void cf_cuda_rope_qk(cf_backend *b, void *q, const int *qpos, int Tq, int Hq, vo
  * V = 8: 16-byte loads and stores.
  */
 template <int V, bool JOIN>
-static __global__ void __launch_bounds__(ROPE_THREADS, 3) qkv_rope_kernel(bf16 *qkv, bf16 *q, bf16 *k, bf16 *v, const int *pos, int T, int Hq, int Hk,
-                                       const float *inv_freq, int D, int tpb) {
+static __global__ void __launch_bounds__(ROPE_THREADS, 3)
+    qkv_rope_kernel(bf16 *qkv, bf16 *q, bf16 *k, bf16 *v, const int *pos, int T, int Hq, int Hk, const float *inv_freq,
+                    int D, int tpb) {
     extern __shared__ float rope_tab[];
     const int half = D / 2, groups = half / V, nh = Hq + 2 * Hk;
     const int t0 = (int)blockIdx.x * tpb, nt = min(tpb, T - t0);
@@ -227,14 +235,16 @@ static void qkv_rope(cf_backend *b, bf16 *qkv, bf16 *q, bf16 *k, bf16 *v, const 
     const int nh = Hq + 2 * Hk;
     /* 16-byte path: every head's halves start 16-byte aligned (D/2 % 8 == 0
      * and aligned bases); else scalar */
-    const int V = (D / 2) % 8 == 0 && cf_aligned16(q) && cf_aligned16(k) && cf_aligned16(v) && cf_aligned16(qkv) ? 8 : 1;
-    const int per_tok = nh * (D / 2 / V), tpb = rope_tokens_per_block(T, per_tok, D, ctx->sm_count);
-    const int blocks = (T + tpb - 1) / tpb, threads = rope_threads(tpb * per_tok);
-    const size_t smem = sizeof(float) * (size_t)D * tpb; /* sin and cos of D/2 angles per token */
+    const bool a16 = cf_aligned16(q) && cf_aligned16(k) && cf_aligned16(v) && cf_aligned16(qkv);
+    const int V = (D / 2) % 8 == 0 && a16 ? 8 : 1;
+    const rope_shape sh = rope_shape_for(ctx, T, nh, D, V);
+    const int blocks = (T + sh.tpb - 1) / sh.tpb;
     if (V == 8)
-        qkv_rope_kernel<8, JOIN><<<blocks, threads, smem, ctx->stream>>>(qkv, q, k, v, pos, T, Hq, Hk, inv_freq, D, tpb);
+        qkv_rope_kernel<8, JOIN><<<blocks, sh.threads, sh.smem, ctx->stream>>>(qkv, q, k, v, pos, T, Hq, Hk, inv_freq,
+                                                                              D, sh.tpb);
     else
-        qkv_rope_kernel<1, JOIN><<<blocks, threads, smem, ctx->stream>>>(qkv, q, k, v, pos, T, Hq, Hk, inv_freq, D, tpb);
+        qkv_rope_kernel<1, JOIN><<<blocks, sh.threads, sh.smem, ctx->stream>>>(qkv, q, k, v, pos, T, Hq, Hk, inv_freq,
+                                                                              D, sh.tpb);
     if (JOIN) CF_CK_LAUNCH(ctx, "qkv_join_rope_bwd");
     else CF_CK_LAUNCH(ctx, "qkv_split_rope");
 }
