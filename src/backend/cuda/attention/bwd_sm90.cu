@@ -177,68 +177,69 @@ __global__ void __launch_bounds__(384, 1)
              * order, written to shared memory by the consumers) into the
              * accumulator with bulk copies, off the consumers' path. A
              * slot's first contribution is stored, the others added (slot
-             * states: sm90.cuh). The claims of a step's slots are made one
-             * step ahead, and a store is released after the hand-back,
-             * while the consumers work: on the path between the consumers'
-             * hand-over and the hand-back there is no round trip to L2
-             * unless a slot is contended. A claim made ahead is held only
-             * while this block waits for its own consumers; before waiting
-             * for another block's store the writer completes and releases
-             * its own, so no wait is part of a cycle. */
+             * states: sm90.cuh); this block's stores are released after
+             * the hand-back, while the consumers work. The next step's
+             * states are read ahead: STORED stays so for the launch, and
+             * then the step needs no claim. */
             constexpr int SL = BM / 64; /* slots a step covers */
             constexpr uint32_t SLOT_BYTES = 64 * D * 4;
-            unsigned seen[SL];          /* the step's claims: EMPTY = this block's */
-            auto slots = [&](int i) { return dq_slot_id(b, h0 + i / nq, (qt_begin + i % nq) * SL, a.H, tps); };
-            if (lane == 0 && nsteps > 0) {
-#pragma unroll
-                for (int u = 0; u < SL; u++) seen[u] = slot_claim(a.dq_state + slots(0) + u);
-            }
+            bool next_stored = false;
             for (int i = 0; i < nsteps; i++) {
                 named_barrier(2, 256 + 32); /* the consumers' dQ of step i is in shared memory */
                 unsigned *st = nullptr, mine = 0; /* mine: slots of the step this block stores */
                 if (lane == 0) {
-                    const size_t id = slots(i);
+                    const size_t id = dq_slot_id(b, h0 + i / nq, (qt_begin + i % nq) * SL, a.H, tps);
                     st = a.dq_state + id;
                     float *dst = a.dq_acc + id * (64 * D);
-                    bool all_mine = true, none_mine = true, contended = false;
+                    /* claims in slot order, none after a CLAIMED one */
+                    unsigned seen[SL];
+                    int nseen = 0;
+                    bool contended = false;
 #pragma unroll
                     for (int u = 0; u < SL; u++) {
-                        all_mine = all_mine && seen[u] == SLOT_EMPTY;
-                        none_mine = none_mine && seen[u] != SLOT_EMPTY;
-                        contended = contended || seen[u] == SLOT_CLAIMED;
+                        if (contended) break;
+                        seen[u] = next_stored ? SLOT_STORED : slot_claim(st + u);
+                        contended = seen[u] == SLOT_CLAIMED;
+                        nseen = u + 1;
                     }
-                    if (all_mine) { /* the usual cases: one bulk copy */
-                        bulk_store_f32(dst, base + C::OFF_DQ, C::DQ_BYTES);
-                        mine = (1u << SL) - 1;
-                    } else if (none_mine && !contended) {
-                        fence_async_global(); /* the acquires of STORED before the additions */
-                        bulk_reduce_add_f32(dst, base + C::OFF_DQ, C::DQ_BYTES);
-                    } else {
-                        /* this block's slots first, completed and released;
-                         * then the others, waiting where another block
-                         * still stores */
+                    bool same = !contended;
 #pragma unroll
-                        for (int u = 0; u < SL; u++)
-                            if (seen[u] == SLOT_EMPTY) {
+                    for (int u = 1; u < SL; u++) same = same && (seen[u] == SLOT_EMPTY) == (seen[0] == SLOT_EMPTY);
+                    if (same) { /* the usual case: one bulk copy */
+                        if (seen[0] == SLOT_EMPTY) {
+                            bulk_store_f32(dst, base + C::OFF_DQ, C::DQ_BYTES);
+                            mine = (1u << SL) - 1;
+                        } else {
+                            fence_async_global(); /* the acquire of STORED before the additions */
+                            bulk_reduce_add_f32(dst, base + C::OFF_DQ, C::DQ_BYTES);
+                        }
+                    } else {
+#pragma unroll
+                        for (int u = 0; u < SL; u++) {
+                            unsigned s = u < nseen ? seen[u] : slot_claim(st + u);
+                            if (s == SLOT_CLAIMED) {
+                                /* another block is storing it: first complete and
+                                 * release this one's stores, then wait */
+                                if (mine) {
+                                    bulk_commit();
+                                    bulk_wait_all();
+                                    fence_async_global();
+#pragma unroll
+                                    for (int x = 0; x < SL; x++)
+                                        if (mine >> x & 1) slot_release(st + x);
+                                    mine = 0;
+                                }
+                                slot_wait_stored(st + u);
+                                s = SLOT_STORED;
+                            }
+                            if (s == SLOT_EMPTY) {
                                 bulk_store_f32(dst + u * 64 * D, base + C::OFF_DQ + u * SLOT_BYTES, SLOT_BYTES);
                                 mine |= 1u << u;
-                            }
-                        if (mine) {
-                            bulk_commit();
-                            bulk_wait_all();
-                            fence_async_global();
-#pragma unroll
-                            for (int u = 0; u < SL; u++)
-                                if (mine >> u & 1) slot_release(st + u);
-                            mine = 0;
-                        }
-#pragma unroll
-                        for (int u = 0; u < SL; u++)
-                            if (seen[u] != SLOT_EMPTY) {
-                                if (seen[u] == SLOT_CLAIMED) slot_wait_stored(st + u);
+                            } else {
                                 fence_async_global();
                                 bulk_reduce_add_f32(dst + u * 64 * D, base + C::OFF_DQ + u * SLOT_BYTES, SLOT_BYTES);
                             }
+                        }
                     }
                     bulk_commit();
                     bulk_wait_read();
@@ -246,16 +247,20 @@ __global__ void __launch_bounds__(384, 1)
                 __syncwarp();
                 if (i + 1 < nsteps) named_barrier_arrive(3, 256 + 32); /* the buffer may be rewritten */
                 if (lane == 0) {
-                    if (i + 1 < nsteps) { /* the next step's claims, while this step's stores complete */
-#pragma unroll
-                        for (int u = 0; u < SL; u++) seen[u] = slot_claim(a.dq_state + slots(i + 1) + u);
-                    }
                     if (mine) { /* complete, then visible to the others' acquire */
                         bulk_wait_all();
                         fence_async_global();
 #pragma unroll
                         for (int u = 0; u < SL; u++)
                             if (mine >> u & 1) slot_release(st + u);
+                    }
+                    next_stored = false;
+                    if (i + 1 < nsteps) {
+                        const unsigned *nx =
+                            a.dq_state + dq_slot_id(b, h0 + (i + 1) / nq, (qt_begin + (i + 1) % nq) * SL, a.H, tps);
+                        next_stored = true;
+#pragma unroll
+                        for (int u = 0; u < SL; u++) next_stored = next_stored && slot_state(nx + u) == SLOT_STORED;
                     }
                 }
             }
