@@ -21,8 +21,7 @@
  *     dQ += dS K                             wgmma, A = dS from registers,
  *                                            B = K MN-major
  * and the epilogue adds scale dQ to bwd_sm90.cu's dq accumulator (slot
- * order) by float2 atomics, or stores it where it is the slot's first
- * contribution (slot states, sm90.cuh); the caller converts it to bf16 once part 1 has
+ * order) by float2 atomics; the caller converts it to bf16 once part 1 has
  * added its terms too. The two parts are independent, so the caller runs
  * this one on a second stream beside part 1 (launch.cu): each fills the
  * SMs the other's uneven causal grid leaves idle.
@@ -35,10 +34,8 @@ template <int D> struct DqSm90 {
     static constexpr uint32_t Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2, SMALL_BYTES = 2 * BN * 4;
     static constexpr uint32_t OFF_Q = 0, OFF_DO = Q_BYTES, OFF_K = 2 * Q_BYTES, OFF_V = OFF_K + KST * KV_BYTES,
                               OFF_SMALL = OFF_V + KST * KV_BYTES, OFF_BAR = OFF_SMALL + KST * SMALL_BYTES;
-    /* barriers: full_q, full_k[KST], full_v[KST], empty[KST]; then a word per
-     * consumer (its slot's state, for the epilogue) */
-    static constexpr uint32_t OFF_CLAIM = OFF_BAR + 8 * (1 + 3 * KST);
-    static constexpr uint32_t SMEM = OFF_CLAIM + 4 * NC + 1024;
+    /* barriers: full_q, full_k[KST], full_v[KST], empty[KST] */
+    static constexpr uint32_t SMEM = OFF_BAR + 8 * (1 + 3 * KST) + 1024;
 };
 
 namespace {
@@ -64,12 +61,12 @@ __device__ __forceinline__ int kept_before_filtered(const int *rows, int n, int 
  *     copy engine; block 0 also writes fstart[b] = b S - seq_start[b]
  *     (filtered rows before sequence b). First in the grid, so the
  *     searches' latency passes while the prep blocks run;
- *   blocks [nr, nr + np): D_i of the n kept query rows x H heads
- *     (common.cuh: attn_prep_body; the slot-order dq accumulator needs no
- *     zeros). */
+ *   blocks [nr, nr + np): D_i of the n kept query rows x H heads and the
+ *     zeroing of the dq accumulator (common.cuh: attn_prep_body). */
 struct CfPrep {
     const bf16 *dout, *o;
-    float *Dvec;
+    float *Dvec, *zero;
+    size_t nzero;
     int nrows, D, rpw, nr;       /* prep: rows (q rows x heads), head dim, rows per warp; blocks of the first range */
     const int *rows, *seq_start; /* the kept rows, ascending */
     int n, nf, B, S;
@@ -81,7 +78,7 @@ struct CfPrep {
 
 __global__ void __launch_bounds__(256) cf_prep_kernel(const CfPrep p) {
     if ((int)blockIdx.x >= p.nr) {
-        attn_prep_body(p.dout, p.o, p.Dvec, NULL, 0, p.nrows, p.D, p.rpw, blockIdx.x - p.nr, gridDim.x - p.nr);
+        attn_prep_body(p.dout, p.o, p.Dvec, p.zero, p.nzero, p.nrows, p.D, p.rpw, blockIdx.x - p.nr, gridDim.x - p.nr);
         return;
     }
     if (blockIdx.x == 0)
@@ -272,46 +269,18 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
     }
     if (nt > 0) turn.close();
 
-    /* acc += scale * dQ (slot order; c even: (c, c + 1) are adjacent): this
-     * warpgroup's 64 rows are one slot. Stored if this is the slot's first
-     * contribution, else added (slot states, sm90.cuh); thread 0 claims and
-     * tells the others through shared memory (named barrier 6 + w). */
+    /* acc += scale * dQ (slot order; c even: (c, c + 1) are adjacent) */
     if (nt == 0) return;
-    const size_t id = dq_slot_id(b, h, (q0 >> 6) + w, a.H, tps);
-    float *acc = a.dq_acc + id * (64 * D);
-    volatile unsigned *claim = reinterpret_cast<unsigned *>(sbase + C::OFF_CLAIM) + w;
-    if (tid == 0) {
-        unsigned s0 = slot_claim(a.dq_state + id);
-        if (s0 == SLOT_CLAIMED) {
-            slot_wait_stored(a.dq_state + id);
-            s0 = SLOT_STORED;
-        }
-        *claim = s0;
-    }
-    named_barrier(6 + w, 128);
-    const bool first = *claim == SLOT_EMPTY;
+    float *acc = a.dq_acc + dq_slot_base(b, h, (q0 >> 6) + w, a.H, D, tps);
     const int nw = attn_nw;
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         if (qi[r] >= qlen) continue;
         const int rr = 16 * v + g + 8 * r;
-        if (first) {
 #pragma unroll
-            for (int j = 0; j < D / 8; j++)
-                *reinterpret_cast<float2 *>(acc + dq_slot_index(rr, 8 * j + 2 * t4, nw)) =
-                    make_float2(a.scale * dq[4 * j + 2 * r], a.scale * dq[4 * j + 2 * r + 1]);
-        } else {
-#pragma unroll
-            for (int j = 0; j < D / 8; j++)
-                atomic_add_f2(acc + dq_slot_index(rr, 8 * j + 2 * t4, nw), a.scale * dq[4 * j + 2 * r],
-                              a.scale * dq[4 * j + 2 * r + 1]);
-        }
-    }
-    if (first) {
-        named_barrier(6 + w, 128); /* every thread's stores done */
-        if (tid == 0) {
-            __threadfence();
-            slot_release(a.dq_state + id);
+        for (int j = 0; j < D / 8; j++) {
+            const int c = 8 * j + 2 * t4;
+            atomic_add_f2(acc + dq_slot_index(rr, c, nw), a.scale * dq[4 * j + 2 * r], a.scale * dq[4 * j + 2 * r + 1]);
         }
     }
 #endif
@@ -351,7 +320,7 @@ static int dq_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int 
     return CF_CK(ctx, cudaLaunchKernel(fn, grid, block, args, C::SMEM, st)) ? 1 : -1;
 }
 
-int attn_cf_sm90_prep(cf_cuda_ctx *ctx, const AttnArgs &a, int D, const cf_rows *kept, float *acc, unsigned *state,
+int attn_cf_sm90_prep(cf_cuda_ctx *ctx, const AttnArgs &a, int D, const cf_rows *kept, float *acc, size_t acc_n,
                       int *filt, int *fstart, AttnArgs *p2) {
     if (D != 64 && D != 128) return 0;
     const int n = kept->n, T = a.B * a.S, nf = T - n;
@@ -366,6 +335,8 @@ int attn_cf_sm90_prep(cf_cuda_ctx *ctx, const AttnArgs &a, int D, const cf_rows 
     p.dout = a.dout;
     p.o = a.o;
     p.Dvec = (float *)a.Dvec;
+    p.zero = acc;
+    p.nzero = acc_n;
     p.nrows = n * a.H;
     p.D = D;
     p.nr = (int)(((size_t)(nf > 0 ? nf : 1) * 32 + 255) / 256); /* a warp per filtered row; one block at least (fstart) */
@@ -390,7 +361,6 @@ int attn_cf_sm90_prep(cf_cuda_ctx *ctx, const AttnArgs &a, int D, const cf_rows 
     p2->kstart = fstart;
     p2->krow = filt;
     p2->dq_acc = acc;
-    p2->dq_state = state;
     if (nf > 0) {
         p2->k = kf;
         p2->v = vf;

@@ -34,17 +34,15 @@
  *     BM = 128: rows 64w.. with all D columns. Each stores its part of dQ
  *     (fp32) to shared memory; warp 2 of the producer adds the BM x D tile
  *     to the accumulator with one bulk reduction (cp.reduce.async.bulk
- *     .add.f32), or stores it (cp.async.bulk) where it is a slot's first
- *     contribution (slot states, sm90.cuh: the accumulator is not zeroed
- *     beforehand), while the consumers go on (named barriers 2 and 3 hand
- *     the buffer back and forth).
+ *     .add.f32) while the consumers go on (named barriers 2 and 3 hand the
+ *     buffer back and forth).
  * BM = 128 halves the per-step costs (barriers, hand-offs, waits) for the
  * same work but needs twice the score registers: D = 64 only.
  *
  * dq accumulator layout ("slot order"). Per (sequence b, head h, 64-row
  * query tile q64) a slot of 64 x D floats at ((b H + h) TPS + q64) 64 D
  * (TPS: tiles per sequence, from the longest one, even), so a step's
- * BM x D tile is contiguous (one bulk copy). A slot is D/NW blocks
+ * BM x D tile is contiguous (one bulk reduction). A slot is D/NW blocks
  * of 64 x NW floats, NW = the dQ product's N (D/2 or D), one per
  * warpgroup's product; inside a block, float4 number (j 128 + thread)
  * holds accumulators 4j..4j+3 of that thread, so a warp's 16-byte stores
@@ -173,96 +171,21 @@ __global__ void __launch_bounds__(384, 1)
                 if (i + 1 < nsteps) load(i + 1);
             }
         } else if (warp == 2) {
-            /* the dq writer: puts each step's dQ tile (BM x D fp32 in slot
-             * order, written to shared memory by the consumers) into the
-             * accumulator with bulk copies, off the consumers' path. A
-             * slot's first contribution is stored, the others added (slot
-             * states: sm90.cuh); this block's stores are released after
-             * the hand-back, while the consumers work. The next step's
-             * states are read ahead: STORED stays so for the launch, and
-             * then the step needs no claim. */
-            constexpr int SL = BM / 64; /* slots a step covers */
-            constexpr uint32_t SLOT_BYTES = 64 * D * 4;
-            bool next_stored = false;
+            /* the dq writer: adds each step's dQ tile (BM x D fp32 in slot
+             * order, written to shared memory by the consumers) to the
+             * accumulator with one bulk reduction, off the consumers' path */
             for (int i = 0; i < nsteps; i++) {
                 named_barrier(2, 256 + 32); /* the consumers' dQ of step i is in shared memory */
-                unsigned *st = nullptr, mine = 0; /* mine: slots of the step this block stores */
                 if (lane == 0) {
-                    const size_t id = dq_slot_id(b, h0 + i / nq, (qt_begin + i % nq) * SL, a.H, tps);
-                    st = a.dq_state + id;
-                    float *dst = a.dq_acc + id * (64 * D);
-                    /* claims in slot order, none after a CLAIMED one */
-                    unsigned seen[SL];
-                    int nseen = 0;
-                    bool contended = false;
-#pragma unroll
-                    for (int u = 0; u < SL; u++) {
-                        if (contended) break;
-                        seen[u] = next_stored ? SLOT_STORED : slot_claim(st + u);
-                        contended = seen[u] == SLOT_CLAIMED;
-                        nseen = u + 1;
-                    }
-                    bool same = !contended;
-#pragma unroll
-                    for (int u = 1; u < SL; u++) same = same && (seen[u] == SLOT_EMPTY) == (seen[0] == SLOT_EMPTY);
-                    if (same) { /* the usual case: one bulk copy */
-                        if (seen[0] == SLOT_EMPTY) {
-                            bulk_store_f32(dst, base + C::OFF_DQ, C::DQ_BYTES);
-                            mine = (1u << SL) - 1;
-                        } else {
-                            fence_async_global(); /* the acquire of STORED before the additions */
-                            bulk_reduce_add_f32(dst, base + C::OFF_DQ, C::DQ_BYTES);
-                        }
-                    } else {
-#pragma unroll
-                        for (int u = 0; u < SL; u++) {
-                            unsigned s = u < nseen ? seen[u] : slot_claim(st + u);
-                            if (s == SLOT_CLAIMED) {
-                                /* another block is storing it: first complete and
-                                 * release this one's stores, then wait */
-                                if (mine) {
-                                    bulk_commit();
-                                    bulk_wait_all();
-                                    fence_async_global();
-#pragma unroll
-                                    for (int x = 0; x < SL; x++)
-                                        if (mine >> x & 1) slot_release(st + x);
-                                    mine = 0;
-                                }
-                                slot_wait_stored(st + u);
-                                s = SLOT_STORED;
-                            }
-                            if (s == SLOT_EMPTY) {
-                                bulk_store_f32(dst + u * 64 * D, base + C::OFF_DQ + u * SLOT_BYTES, SLOT_BYTES);
-                                mine |= 1u << u;
-                            } else {
-                                fence_async_global();
-                                bulk_reduce_add_f32(dst + u * 64 * D, base + C::OFF_DQ + u * SLOT_BYTES, SLOT_BYTES);
-                            }
-                        }
-                    }
+                    /* slots of (b, h): 64-row tiles, a step covers BM / 64 of them */
+                    float *dst = a.dq_acc + dq_slot_base(b, h0 + i / nq, 0, a.H, D, tps) +
+                                 (size_t)(qt_begin + i % nq) * (BM * D);
+                    bulk_reduce_add_f32(dst, base + C::OFF_DQ, C::DQ_BYTES);
                     bulk_commit();
                     bulk_wait_read();
                 }
                 __syncwarp();
                 if (i + 1 < nsteps) named_barrier_arrive(3, 256 + 32); /* the buffer may be rewritten */
-                if (lane == 0) {
-                    if (mine) { /* complete, then visible to the others' acquire */
-                        bulk_wait_all();
-                        fence_async_global();
-#pragma unroll
-                        for (int u = 0; u < SL; u++)
-                            if (mine >> u & 1) slot_release(st + u);
-                    }
-                    next_stored = false;
-                    if (i + 1 < nsteps) {
-                        const unsigned *nx =
-                            a.dq_state + dq_slot_id(b, h0 + (i + 1) / nq, (qt_begin + (i + 1) % nq) * SL, a.H, tps);
-                        next_stored = true;
-#pragma unroll
-                        for (int u = 0; u < SL; u++) next_stored = next_stored && slot_state(nx + u) == SLOT_STORED;
-                    }
-                }
             }
             if (lane == 0) bulk_wait_all();
         }
@@ -473,23 +396,15 @@ __global__ void __launch_bounds__(384, 1)
  * are padded by 8 floats, so a half-warp's 8-byte stores (4 rows x 4
  * column pairs) hit distinct banks. */
 template <int D>
-__device__ __forceinline__ void dq_convert_slot(bf16 *dq, float *dqf, const float *acc, unsigned *state,
-                                                const int *qstart, int S, int H, int tps, int nw, int q64, int h,
-                                                int b) {
+__device__ __forceinline__ void dq_convert_slot(bf16 *dq, float *dqf, const float *acc, const int *qstart, int S,
+                                                int H, int tps, int nw, int q64, int h, int b) {
     constexpr int LD = D + 8;
     __shared__ float tile[64 * LD];
-    const size_t id = dq_slot_id(b, h, q64, H, tps);
     const int start = qstart ? qstart[b] : b * S, len = qstart ? qstart[b + 1] - start : S;
-    /* every state back to EMPTY for the next call, once all threads read it
-     * (a step of 128 queries may have stored a slot past the sequence) */
-    const bool filled = state[id] != SLOT_EMPTY;
-    if (q64 * 64 >= len) {
-        if (threadIdx.x == 0) state[id] = SLOT_EMPTY;
-        return;
-    }
-    const float4 *src = reinterpret_cast<const float4 *>(acc + id * (64 * D));
+    if (q64 * 64 >= len) return;
+    const float4 *src = reinterpret_cast<const float4 *>(acc + dq_slot_base(b, h, q64, H, D, tps));
     for (int k = threadIdx.x; k < 16 * D; k += blockDim.x) {
-        const float4 x = filled ? src[k] : make_float4(0.f, 0.f, 0.f, 0.f); /* EMPTY: no term, zeros */
+        const float4 x = src[k];
         int r, c;
         dq_slot_coords(k, nw, &r, &c);
         float *p = tile + r * LD + c;
@@ -497,7 +412,6 @@ __device__ __forceinline__ void dq_convert_slot(bf16 *dq, float *dqf, const floa
         *reinterpret_cast<float2 *>(p + 8 * LD) = make_float2(x.z, x.w);
     }
     __syncthreads();
-    if (threadIdx.x == 0) state[id] = SLOT_EMPTY;
     const int rows = min(64, len - q64 * 64);
     for (int e = threadIdx.x; e < rows * (D / 4); e += blockDim.x) {
         const int r = e / (D / 4), c = 4 * (e % (D / 4));
@@ -520,12 +434,11 @@ __device__ __forceinline__ void dq_convert_slot(bf16 *dq, float *dqf, const floa
  * x / (tps H))); the rest, if any, reduce the GQA partials of dk, dv. Two
  * independent jobs in one grid: one launch and one tail instead of two. */
 template <int D>
-__global__ void __launch_bounds__(256) bwd_finish_kernel(bf16 *dq, float *dqf, const float *acc, unsigned *state,
-                                                         const int *qstart, int S, int H, int tps, int nw, int nconv,
-                                                         GqaReduce red) {
+__global__ void __launch_bounds__(256) bwd_finish_kernel(bf16 *dq, float *dqf, const float *acc, const int *qstart,
+                                                         int S, int H, int tps, int nw, int nconv, GqaReduce red) {
     const int x = blockIdx.x;
     if (x < nconv) {
-        dq_convert_slot<D>(dq, dqf, acc, state, qstart, S, H, tps, nw, x % tps, x / tps % H, x / (tps * H));
+        dq_convert_slot<D>(dq, dqf, acc, qstart, S, H, tps, nw, x % tps, x / tps % H, x / (tps * H));
         return;
     }
     gqa_reduce_body<4>(red.dk, red.dv, red.dkx, red.dvx, red.nk, red.Hkv, red.G, D, x - nconv, gridDim.x - nconv);
@@ -620,8 +533,8 @@ int attn_bwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D, int nq_rows, int k
     return 0;
 }
 
-void attn_sm90_bwd_finish(cudaStream_t st, bf16 *dq, float *dqf, const float *acc, unsigned *state,
-                          const int *qstart, int B, int S, int H, int D, int tps, const GqaReduce *red) {
+void attn_sm90_bwd_finish(cudaStream_t st, bf16 *dq, float *dqf, const float *acc, const int *qstart, int B, int S,
+                          int H, int D, int tps, const GqaReduce *red) {
     if (B <= 0 || tps <= 0 || (D != 64 && D != 128)) return;
     const long long nconv = (long long)tps * H * B;
     /* the reduction: 4 columns per thread, grid-stride past 65536 blocks */
@@ -629,6 +542,6 @@ void attn_sm90_bwd_finish(cudaStream_t st, bf16 *dq, float *dqf, const float *ac
     const GqaReduce r = red ? *red : GqaReduce{};
     const unsigned grid = (unsigned)(nconv + nred);
     const int nw = attn_sm90_bwd_nw(D);
-    if (D == 64) bwd_finish_kernel<64><<<grid, 256, 0, st>>>(dq, dqf, acc, state, qstart, S, H, tps, nw, (int)nconv, r);
-    else bwd_finish_kernel<128><<<grid, 256, 0, st>>>(dq, dqf, acc, state, qstart, S, H, tps, nw, (int)nconv, r);
+    if (D == 64) bwd_finish_kernel<64><<<grid, 256, 0, st>>>(dq, dqf, acc, qstart, S, H, tps, nw, (int)nconv, r);
+    else bwd_finish_kernel<128><<<grid, 256, 0, st>>>(dq, dqf, acc, qstart, S, H, tps, nw, (int)nconv, r);
 }

@@ -97,7 +97,6 @@ struct AttnArgs {
     const float *lse;     /* bwd: lse used to form P          */
     const float *Dvec;    /* bwd: D_i per (q index, head)     */
     float *dq_acc;        /* bwd: fp32 dq accumulator [nq,H,D] */
-    unsigned *dq_state;   /* bwd, Hopper: its slot states (sm90.cuh) */
     bf16 *dq;             /* bwd_dq: final dq                 */
     const int *qstart, *qrow;
     /* k side */
@@ -424,16 +423,15 @@ void attn_sm90_bwd_plan(cf_cuda_ctx *ctx, int D, int H, int Hkv, int B, int qmax
                         int *hpb, int *ns);
 /* bwd_centrifuge_sm90.cu: centrifuge on Hopper. attn_cf_sm90_prep, one
  * launch on ctx->stream: what attn_bwd_prep does for the n = kept->n query
- * rows (a.Dvec; the slot-order accumulator needs no zeros), what
- * attn_filtered_rows does (filt, fstart), and the filtered rows' K and V
- * compacted for part 2; *p2 = a with the filtered rows as its k side,
- * reading the compact copies, and acc with its slot states as its dq
- * accumulator (1;
+ * rows (a.Dvec, and acc[0 .. acc_n) zeroed), what attn_filtered_rows does
+ * (filt, fstart), and the filtered rows' K and V compacted for part 2; *p2
+ * = a with the filtered rows as its k side, reading the compact copies, and
+ * acc as its dq accumulator (1;
  * 0: no Hopper kernel for D; -1 on an error). attn_bwd_dq_sm90: part 2 on
  * stream st, adding the filtered keys' dq terms to the slot-order
  * accumulator p.dq_acc (1; 0: the driver refused a tensor map, nothing
  * launched; -1 on an error) */
-int attn_cf_sm90_prep(cf_cuda_ctx *ctx, const AttnArgs &a, int D, const cf_rows *kept, float *acc, unsigned *state,
+int attn_cf_sm90_prep(cf_cuda_ctx *ctx, const AttnArgs &a, int D, const cf_rows *kept, float *acc, size_t acc_n,
                       int *filt, int *fstart, AttnArgs *p2);
 int attn_bwd_dq_sm90(cf_cuda_ctx *ctx, const AttnArgs &p, int D, int nq_rows, int nf, int maxlen, int tps,
                      cudaStream_t st);
@@ -449,12 +447,10 @@ struct GqaReduce {
 };
 /* bwd_sm90.cu: the Hopper backward's last launch. dq of the q-side rows
  * (sequence starts qstart, B + 1 of them; NULL = b*S) from the
- * slot-ordered accumulator (a slot whose state is EMPTY reads as zeros;
- * every state of the B tps H slots is left EMPTY), bf16 into dq or fp32
- * into dqf, and, in the same grid, the GQA reduction red (none when NULL);
- * D = 64 or 128 */
-void attn_sm90_bwd_finish(cudaStream_t st, bf16 *dq, float *dqf, const float *acc, unsigned *state,
-                          const int *qstart, int B, int S, int H, int D, int tps, const GqaReduce *red);
+ * slot-ordered accumulator, bf16 into dq or fp32 into dqf, and, in the same
+ * grid, the GQA reduction red (none when NULL); D = 64 or 128 */
+void attn_sm90_bwd_finish(cudaStream_t st, bf16 *dq, float *dqf, const float *acc, const int *qstart, int B, int S,
+                          int H, int D, int tps, const GqaReduce *red);
 
 /* ----------------------------------------- small kernels, by file */
 
