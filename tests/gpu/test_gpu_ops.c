@@ -1663,6 +1663,57 @@ TEST(attention_hopper_bwd_heads_per_block_and_query_parts_match) {
     }
 }
 
+/* Where a kv head's dk, dv have exactly two partials (two groups of query
+ * heads, or one group in two parts), pairs of blocks (clusters of two) sum
+ * them between themselves instead of writing fp32 partials for the finish
+ * launch (bwd_sm90.cu). The sum of two terms does not depend on their
+ * order, so the bits must be the partials path's, in every mode; dq is the
+ * same computation in both (up to the order of its fp32 additions). */
+TEST(attention_hopper_bwd_pairs_give_the_partials_bits) {
+    if (attn_path_of(gpu) != 2) {
+        printf("    skipped: the shared context runs the portable kernels\n");
+        return;
+    }
+    cf_cuda_ctx *ctx = gpu->device_context(gpu);
+    /* hpb, parts: two groups of heads (G = 4 and 8), or two parts (G = 1 and 2) */
+    const struct { attn_case c; int hpb, ns; } cc[] = {
+        {{2, 300, 8, 2, 64, 3}, 2, 1}, {{3, 200, 8, 1, 128, 2}, 4, 1}, {{1, 333, 4, 4, 128, 0}, 1, 2},
+        {{2, 260, 4, 2, 64, 0}, 2, 2}, {{1, 520, 4, 2, 128, 0}, 1, 1}};
+    const cf_attn_bwd_mode modes[3] = {CF_ATTN_BWD_FULL, CF_ATTN_BWD_CENTRIFUGE, CF_ATTN_BWD_CENTRIFUGE_KV};
+    static const char *const mname[3] = {"FULL", "CENTRIFUGE", "CENTRIFUGE_KV"};
+    char nm[128], what[256];
+    for (int ci = 0; ci < (int)(sizeof cc / sizeof cc[0]); ci++) {
+        attn_problem p;
+        attn_setup(&p, cc[ci].c);
+        const attn_case c = p.c;
+        case_name(c, nm, sizeof nm);
+        int *rows, n, *ss = HOLD(inew(c.B + 1));
+        make_kept(c, &rows, ss, &n, 0.5);
+        for (int m = 0; m < 3; m++) {
+            grads g[2];
+            for (int k = 0; k < 2; k++) {
+                ctx->attn_bwd_hpb = cc[ci].hpb;
+                ctx->attn_bwd_split = cc[ci].ns;
+                ctx->attn_bwd_nopair = k == 0;
+                snprintf(what, sizeof what, "%s hpb=%d parts=%d %s %s", mname[m], cc[ci].hpb, cc[ci].ns,
+                         k ? "pairs" : "partials", nm);
+                g[k] = attn_bwd_both(&p, modes[m], rows, ss, n, what, TOL_GRAD, 1);
+            }
+            ctx->attn_bwd_hpb = ctx->attn_bwd_split = ctx->attn_bwd_nopair = 0;
+            const size_t nq = m == 0 ? p.T : (size_t)n, nkr = m == 1 ? (size_t)n : p.T;
+            snprintf(what, sizeof what, "%s pairs vs partials dk, dv bitwise %s", mname[m], nm);
+            CHECK_MSG(bitwise_equal(g[0].dk, g[1].dk, nkr * c.Hkv * c.D) &&
+                          bitwise_equal(g[0].dv, g[1].dv, nkr * c.Hkv * c.D),
+                      "%s: differ", what);
+            snprintf(what, sizeof what, "%s pairs vs partials dq %s", mname[m], nm);
+            cmp(what, g[0].dq, g[1].dq, nq * c.H * c.D, TOL_BF16);
+        }
+        free_all();
+    }
+    /* the pairs ran: their clusters fit on this GPU */
+    CHECK_MSG(ctx->attn_pair_ok != 0, "no Hopper backward kernel ran in clusters of two");
+}
+
 /* ================================================= contexts and errors */
 
 /* An op that fails leaves its context failed: check, synchronize, upload and
@@ -1846,6 +1897,7 @@ int main(void) {
     RUN_IF(attention_path_is_hopper_on_sm90);
     RUN_IF(attention_hopper_matches_portable_kernels);
     RUN_IF(attention_hopper_bwd_heads_per_block_and_query_parts_match);
+    RUN_IF(attention_hopper_bwd_pairs_give_the_partials_bits);
     RUN_IF(errors_are_sticky_and_a_second_context_is_independent);
     RUN_IF(two_contexts_interleaved_give_the_same_results);
     CHECK_MSG(gpu->check(gpu) == 0, "the shared GPU backend failed: %s", cf_last_error());

@@ -138,6 +138,11 @@ typedef struct cf_cuda_ctx {
      * attn_sm90_bwd_plan); tests set 1 to 4 heads, 1 or 2 parts */
     int attn_bwd_hpb;
     int attn_bwd_split;
+    /* 1: no pairs of blocks for the dk, dv partials (attention/bwd_sm90.cu:
+     * attn_sm90_bwd_pair; tests); and per Hopper backward kernel, whether
+     * its clusters of two were asked about and fit */
+    int attn_bwd_nopair;
+    unsigned attn_pair_checked, attn_pair_ok;
     /* the plans of the last CF_ATTN_PLANS shapes (attn_sm90_bwd_plan):
      * key = D, H, Hkv, B, q and k max lengths, beside, forced hpb, ns */
     struct {

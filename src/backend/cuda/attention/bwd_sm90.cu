@@ -38,6 +38,9 @@
  *     buffer back and forth).
  * BM = 128 halves the per-step costs (barriers, hand-offs, waits) for the
  * same work but needs twice the score registers: D = 64 only.
+ * dk, dv: bf16 rows where a block holds all of a key's terms; else fp32
+ * partials for the finish launch's GQA reduction, except where there are
+ * exactly two (pairs: clusters of two blocks sum them on chip, epilogue).
  *
  * dq accumulator layout ("slot order"). Per (sequence b, head h, 64-row
  * query tile q64) a slot of 64 x D floats at ((b H + h) TPS + q64) 64 D
@@ -65,7 +68,12 @@ template <int D, int BM_> struct BwdSm90 {
     static constexpr uint32_t OFF_K = 0, OFF_V = KT_BYTES, OFF_Q = 2 * KT_BYTES, OFF_DO = OFF_Q + QST * QT_BYTES,
                               OFF_DS = OFF_DO + QST * QT_BYTES, OFF_DQ = OFF_DS + 2 * DS_BYTES,
                               OFF_SMALL = OFF_DQ + DQ_BYTES, OFF_BAR = OFF_SMALL + QST * SMALL_BYTES;
-    static constexpr uint32_t SMEM = OFF_BAR + 16 * QST + 1024;
+    /* barriers: full[QST], empty[QST], then (pairs) xready, xdone */
+    static constexpr uint32_t SMEM = OFF_BAR + 16 * QST + 16 + 1024;
+    /* pairs: the fp32 dk or dv handed to the other block, [D/8][2][256]
+     * float2, in the Q/dO ring (free after the last step) */
+    static constexpr uint32_t GIVE_BYTES = 128 * D * 4;
+    static_assert(GIVE_BYTES <= 2 * QST * QT_BYTES, "the handed-over tile fits the Q/dO ring");
 };
 
 namespace {
@@ -73,7 +81,7 @@ namespace {
 template <int D, int BM_>
 __global__ void __launch_bounds__(384, 1)
     attn_bwd_sm90_kernel(const __grid_constant__ CUtensorMap tmQ, const __grid_constant__ CUtensorMap tmO,
-                         const AttnArgs a, int tps, int hpb, int ns) {
+                         const AttnArgs a, int tps, int hpb, int ns, int pair) {
 #if CF_SM90A_PATH
     using C = BwdSm90<D, BM_>;
     constexpr int BN = C::BN, BM = C::BM, QST = C::QST, NW = C::NW, DB = D / 64;
@@ -85,6 +93,7 @@ __global__ void __launch_bounds__(384, 1)
     const uint32_t bar = base + C::OFF_BAR;
     auto full = [&](int s) { return bar + 8 * s; };
     auto empty = [&](int s) { return bar + 8 * (QST + s); };
+    const uint32_t xready = bar + 16 * QST, xdone = xready + 8; /* pairs */
     auto small = [&](int s) { return reinterpret_cast<float *>(sbase + C::OFF_SMALL + s * C::SMALL_BYTES); };
 
     const int h0 = blockIdx.x * hpb, b = blockIdx.z; /* query heads h0 .. h0+hpb-1 */
@@ -109,9 +118,16 @@ __global__ void __launch_bounds__(384, 1)
             mbar_init(full(s), 1 + 32);
             mbar_init(empty(s), 8); /* one arrival per consumer warp */
         }
+        if (pair) {
+            mbar_init(xready, 256); /* every consumer thread of the other block */
+            mbar_init(xdone, 256);
+        }
         mbar_init_fence();
     }
-    __syncthreads();
+    /* pairs: both blocks' barriers are initialised before either arrives at
+     * the other's (the two blocks of a pair share k0 and b: both are here) */
+    if (pair) cluster_sync();
+    else __syncthreads();
 
     const int wg = threadIdx.x >> 7;
     if (wg == 0) {
@@ -358,6 +374,48 @@ __global__ void __launch_bounds__(384, 1)
         if (lane == 0) mbar_arrive(empty(s));
     }
 
+    if (pair) {
+        /* The pair's two blocks hold the two partial sums of the same dk, dv
+         * rows (two groups of query heads, or two parts of the query range):
+         * rank 0 finishes dk, rank 1 dv. Each hands the other its fp32
+         * terms through shared memory (distributed: the cluster), adds the
+         * other's to its own and writes bf16: no partials in global memory
+         * and no reduction in the finish launch. (0 + mine) + theirs gives
+         * the finish launch's bits for two partials, in either order (IEEE
+         * addition commutes; 0 + x only turns -0 into +0). */
+        const uint32_t rank = cluster_rank(), other = rank ^ 1u;
+        named_barrier(1, 256); /* both consumers are past their last products: the ring is free */
+        float2 *give = reinterpret_cast<float2 *>(sbase + C::OFF_Q);
+#pragma unroll
+        for (int n = 0; n < D / 8; n++)
+#pragma unroll
+            for (int r = 0; r < 2; r++)
+                give[(n * 2 + r) * 256 + ctid] =
+                    rank == 0 ? make_float2(dv[4 * n + 2 * r], dv[4 * n + 2 * r + 1])
+                              : make_float2(__fmul_rn(dk[4 * n + 2 * r], a.scale), __fmul_rn(dk[4 * n + 2 * r + 1], a.scale));
+        mbar_arrive_peer(peer_smem(xready, other));
+        mbar_wait_cluster(xready, 0);
+        const uint32_t theirs = peer_smem(base + C::OFF_Q, other);
+        bf16 *out = rank == 0 ? a.dk : a.dv;
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            const int j = k0 + 64 * w + 16 * v + g + 8 * r;
+            if (j >= klen) continue;
+            bf16 *op = out + (size_t)(ks + j) * kstr + (size_t)hk * D + 2 * t4;
+#pragma unroll
+            for (int n = 0; n < D / 8; n++) {
+                const float2 t = ld_peer_f2(theirs + 8u * ((n * 2 + r) * 256 + ctid));
+                const float m0 = rank == 0 ? __fmul_rn(dk[4 * n + 2 * r], a.scale) : dv[4 * n + 2 * r];
+                const float m1 = rank == 0 ? __fmul_rn(dk[4 * n + 2 * r + 1], a.scale) : dv[4 * n + 2 * r + 1];
+                *reinterpret_cast<__nv_bfloat162 *>(op + 8 * n) = __floats2bfloat162_rn(
+                    __fadd_rn(__fadd_rn(0.f, m0), t.x), __fadd_rn(__fadd_rn(0.f, m1), t.y));
+            }
+        }
+        /* this block may not exit while the other still reads its tile */
+        mbar_arrive_peer(peer_smem(xdone, other));
+        mbar_wait_cluster(xdone, 0);
+        return;
+    }
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         const int j = k0 + 64 * w + 16 * v + g + 8 * r;
@@ -510,26 +568,83 @@ void attn_sm90_bwd_plan(cf_cuda_ctx *ctx, int D, int H, int Hkv, int B, int qmax
 }
 
 template <int D, int BM>
-static int bwd_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int kmaxlen, int tps, int hpb, int ns) {
+static int bwd_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int kmaxlen, int tps, int hpb, int ns,
+                           int pair) {
     using C = BwdSm90<D, BM>;
     CUtensorMap mq, mo;
     if (!attn_sm90_map_rows(&mq, a.q, nq_rows, a.H, D, C::BM) || !attn_sm90_map_rows(&mo, a.dout, nq_rows, a.H, D, C::BM))
         return 0;
     const void *fn = (const void *)attn_bwd_sm90_kernel<D, BM>;
     if (!attn_sm90_prepare(ctx, fn, C::SMEM, D == 128 ? 2 : BM == 64 ? 3 : 6)) return -1;
-    dim3 grid(a.H / hpb, (kmaxlen + C::BN - 1) / C::BN * ns, a.B), block(C::THREADS);
-    void *args[] = {(void *)&mq, (void *)&mo, (void *)&a, (void *)&tps, (void *)&hpb, (void *)&ns};
-    return CF_CK(ctx, cudaLaunchKernel(fn, grid, block, args, C::SMEM, ctx->stream)) ? 1 : -1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(a.H / hpb, (kmaxlen + C::BN - 1) / C::BN * ns, a.B);
+    cfg.blockDim = dim3(C::THREADS);
+    cfg.dynamicSmemBytes = C::SMEM;
+    cfg.stream = ctx->stream;
+    cudaLaunchAttribute cl[1];
+    cl[0].id = cudaLaunchAttributeClusterDimension;
+    cl[0].val.clusterDim.x = pair == CF_PAIR_HEADS ? 2 : 1;
+    cl[0].val.clusterDim.y = pair == CF_PAIR_PARTS ? 2 : 1;
+    cl[0].val.clusterDim.z = 1;
+    cfg.attrs = cl;
+    cfg.numAttrs = pair ? 1 : 0;
+    const int on = pair != 0;
+    void *args[] = {(void *)&mq, (void *)&mo, (void *)&a, (void *)&tps, (void *)&hpb, (void *)&ns, (void *)&on};
+    return CF_CK(ctx, cudaLaunchKernelExC(&cfg, fn, args)) ? 1 : -1;
+}
+
+/* Whether the kernel of head dim D runs in clusters of two blocks on this
+ * device at one block per SM (asked once per variant; a refusal is not an
+ * error: the partials path stays). */
+template <int D, int BM> static bool pairs_fit(cf_cuda_ctx *ctx) {
+    using C = BwdSm90<D, BM>;
+    const int which = D == 128 ? 2 : BM == 64 ? 3 : 6;
+    if (ctx->attn_pair_checked >> which & 1) return ctx->attn_pair_ok >> which & 1;
+    const void *fn = (const void *)attn_bwd_sm90_kernel<D, BM>;
+    if (!attn_sm90_prepare(ctx, fn, C::SMEM, which)) return false;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(2, 1, 1);
+    cfg.blockDim = dim3(C::THREADS);
+    cfg.dynamicSmemBytes = C::SMEM;
+    cudaLaunchAttribute cl[1];
+    cl[0].id = cudaLaunchAttributeClusterDimension;
+    cl[0].val.clusterDim.x = 2;
+    cl[0].val.clusterDim.y = cl[0].val.clusterDim.z = 1;
+    cfg.attrs = cl;
+    cfg.numAttrs = 1;
+    int n = 0;
+    const bool ok = cudaOccupancyMaxActiveClusters(&n, fn, &cfg) == cudaSuccess && n > 0;
+    cudaGetLastError();
+    ctx->attn_pair_checked |= 1u << which;
+    if (ok) ctx->attn_pair_ok |= 1u << which;
+    return ok;
+}
+
+/* Pairs (see the kernel's epilogue) where a kv head's dk, dv have exactly
+ * two partials: two groups of query heads in one part, or one group in
+ * two parts. CF_ATTN_SM90_BWD_PAIR=0 (read once) or ctx->attn_bwd_nopair
+ * keeps the partials, for timing and tests. */
+int attn_sm90_bwd_pair(cf_cuda_ctx *ctx, int D, int H, int Hkv, int hpb, int ns) {
+    static const int env = attn_env_int("CF_ATTN_SM90_BWD_PAIR", 1);
+    if (!env || ctx->attn_bwd_nopair || hpb <= 0 || Hkv <= 0 || H % Hkv || (H / Hkv) % hpb) return CF_PAIR_NONE;
+    const int groups = H / Hkv / hpb;
+    const int axis = groups == 2 && ns == 1 ? CF_PAIR_HEADS : groups == 1 && ns == 2 ? CF_PAIR_PARTS : CF_PAIR_NONE;
+    if (!axis) return CF_PAIR_NONE;
+    bool fits = false;
+    if (D == 64) fits = bwd_bm_for(64) == 128 ? pairs_fit<64, 128>(ctx) : pairs_fit<64, 64>(ctx);
+    else if (D == 128) fits = pairs_fit<128, 64>(ctx);
+    return fits ? axis : CF_PAIR_NONE;
 }
 
 int attn_sm90_bwd_nw(int D) { return bwd_bm_for(D) == 64 ? D / 2 : D; }
 
-int attn_bwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D, int nq_rows, int kmaxlen, int tps, int hpb, int ns) {
+int attn_bwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D, int nq_rows, int kmaxlen, int tps, int hpb, int ns,
+                  int pair) {
     if (kmaxlen <= 0) return 1;
-    if (ns > 1 && !a.dkx) return 0; /* parts need the partials */
-    if (D == 64) return bwd_bm_for(64) == 128 ? bwd_sm90_launch<64, 128>(ctx, a, nq_rows, kmaxlen, tps, hpb, ns)
-                                              : bwd_sm90_launch<64, 64>(ctx, a, nq_rows, kmaxlen, tps, hpb, ns);
-    if (D == 128) return bwd_sm90_launch<128, 64>(ctx, a, nq_rows, kmaxlen, tps, hpb, ns);
+    if (ns > 1 && !a.dkx && !pair) return 0; /* parts need the partials, or a pair */
+    if (D == 64) return bwd_bm_for(64) == 128 ? bwd_sm90_launch<64, 128>(ctx, a, nq_rows, kmaxlen, tps, hpb, ns, pair)
+                                              : bwd_sm90_launch<64, 64>(ctx, a, nq_rows, kmaxlen, tps, hpb, ns, pair);
+    if (D == 128) return bwd_sm90_launch<128, 64>(ctx, a, nq_rows, kmaxlen, tps, hpb, ns, pair);
     return 0;
 }
 

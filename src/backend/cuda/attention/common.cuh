@@ -411,8 +411,15 @@ int attn_fwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D);
  * tps even (sm90.cuh: dq_slot_base); hpb query heads per block and ns
  * parts of each key tile's query range, from attn_sm90_bwd_plan (the
  * caller sizes and reduces the partials with them; ns > 1 needs a.dkx,
- * a.dvx) */
-int attn_bwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D, int nq_rows, int kmaxlen, int tps, int hpb, int ns);
+ * a.dvx), unless `pair` (attn_sm90_bwd_pair): then dk, dv go to a.dk, a.dv
+ * as bf16 */
+int attn_bwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D, int nq_rows, int kmaxlen, int tps, int hpb, int ns,
+                  int pair);
+/* bwd_sm90.cu: pairs of blocks that sum a kv head's two dk, dv partials
+ * between them (clusters of two along the heads or the parts: the
+ * kernel's epilogue), or CF_PAIR_NONE: the partials path */
+enum { CF_PAIR_NONE = 0, CF_PAIR_HEADS = 1, CF_PAIR_PARTS = 2 };
+int attn_sm90_bwd_pair(cf_cuda_ctx *ctx, int D, int H, int Hkv, int hpb, int ns);
 /* bwd_sm90.cu: the launch plan of attn_bwd_sm90 at head dim D for B
  * sequences of up to qmaxlen q-side and kmaxlen k-side rows: *hpb query
  * heads per block (a divisor of H/Hkv) and *ns parts (1 or 2) of each key

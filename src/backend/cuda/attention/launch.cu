@@ -264,15 +264,23 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
      * portable path) and part of the query range (ns, Hopper), summed by
      * the GQA reduction; partials also without GQA when ns > 1 */
     const bool cf_beside = mode == CF_ATTN_BWD_CENTRIFUGE && T > n && parts_side_by_side(); /* part 2 runs beside */
-    int hpb = 1, ns = 1;
-    if (try_hopper) attn_sm90_bwd_plan(ctx, D, H, Hkv, B, maxlen, kmaxlen, cf_beside, &hpb, &ns);
-    const bool partials = H != Hkv || ns > 1;
-    if (partials) { /* [nk, H/hpb, ns, D], or [nk, H, D] for a fallback: the larger */
+    int hpb = 1, ns = 1, pair = CF_PAIR_NONE;
+    if (try_hopper) {
+        attn_sm90_bwd_plan(ctx, D, H, Hkv, B, maxlen, kmaxlen, cf_beside, &hpb, &ns);
+        pair = attn_sm90_bwd_pair(ctx, D, H, Hkv, hpb, ns); /* two partials: summed by pairs of blocks */
+        if (ctx->failed) return;
+    }
+    /* [nk, H/hpb, ns, D], or [nk, H, D] for a fallback: the larger */
+    auto alloc_partials = [&]() {
         const size_t per_row = (size_t)H / hpb * ns > (size_t)H ? (size_t)H / hpb * ns : (size_t)H;
         const size_t np = (size_t)nk * per_row * D;
         a.dkx = (float *)cf_cuda_scratch(ctx, CF_SCR_ATTN_DKX, np * sizeof(float));
         a.dvx = (float *)cf_cuda_scratch(ctx, CF_SCR_ATTN_DVX, np * sizeof(float));
-        if (!a.dkx || !a.dvx) return;
+        return a.dkx && a.dvx;
+    };
+    bool partials = (H != Hkv || ns > 1) && !pair;
+    if (partials) {
+        if (!alloc_partials()) return;
     } else {
         a.dk = (bf16 *)dk;
         a.dv = (bf16 *)dv;
@@ -309,7 +317,7 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
     if (try_hopper) {
         AttnArgs h = a;
         h.dq_acc = acc;
-        hopper = attn_bwd_sm90(ctx, h, D, n, kmaxlen, tps, hpb, ns);
+        hopper = attn_bwd_sm90(ctx, h, D, n, kmaxlen, tps, hpb, ns, pair);
         if (hopper < 0) return;
         a.dq_acc = acc;
     }
@@ -317,6 +325,12 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
     if (!hopper) {
         if (try_hopper) { /* the Hopper kernel declined (tensor maps): the portable one */
             hpb = ns = 1;
+            if (pair && H != Hkv) { /* the portable kernel writes per-head partials */
+                pair = CF_PAIR_NONE;
+                partials = true;
+                a.dk = a.dv = NULL;
+                if (!alloc_partials()) return;
+            }
             if (!CF_CK(ctx, cudaMemsetAsync(dq_acc, 0, (size_t)n * H * D * sizeof(float), ctx->stream))) return;
         }
         a.dq_acc = dq_acc;

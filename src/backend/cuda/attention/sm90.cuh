@@ -281,6 +281,46 @@ __device__ __forceinline__ void bulk_wait_read() { CF_SM90_ASM("cp.async.bulk.wa
 /* waits until they have completed */
 __device__ __forceinline__ void bulk_wait_all() { CF_SM90_ASM("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
+/* --------------------------------------------- clusters of two blocks */
+
+/* this block's rank in its cluster */
+__device__ __forceinline__ uint32_t cluster_rank() {
+    uint32_t r = 0;
+    CF_SM90_ASM("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return r;
+}
+/* every thread of every block of the cluster (release, then acquire) */
+__device__ __forceinline__ void cluster_sync() {
+    CF_SM90_ASM("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+/* the address of the same shared-memory byte in block `rank` of the cluster */
+__device__ __forceinline__ uint32_t peer_smem(uint32_t saddr, uint32_t rank) {
+    uint32_t r = 0;
+    CF_SM90_ASM("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(saddr), "r"(rank));
+    return r;
+}
+/* an arrival at another block's mbarrier (an address from peer_smem),
+ * releasing this thread's earlier writes to the cluster */
+__device__ __forceinline__ void mbar_arrive_peer(uint32_t bar) {
+    CF_SM90_ASM("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+/* mbar_wait, acquiring what the cluster's arrivals released */
+__device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, int parity) {
+    CF_SM90_ASM(
+        "{\n.reg .pred done;\n"
+        "LAB_WAITC:\n"
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra LAB_WAITC;\n}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+/* two floats from another block's shared memory (an address from peer_smem) */
+__device__ __forceinline__ float2 ld_peer_f2(uint32_t addr) {
+    float2 v = make_float2(0.f, 0.f);
+    CF_SM90_ASM("ld.shared::cluster.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr) : "memory");
+    return v;
+}
+
 /* --------------------------------------------------- warps, registers */
 
 /* barrier `id` (1..15) among `count` threads (whole warps) */
