@@ -59,7 +59,6 @@ typedef enum {
     CF_SCR_ATTN_PAD_DK,
     CF_SCR_ATTN_PAD_DV,
     CF_SCR_ATTN_SM90_DQ,   /*   Hopper backward: dq accumulator in slot order          */
-    CF_SCR_ATTN_SM90_DQ_STATE, /* its slot states (zero between calls)                 */
     CF_SCR_ATTN_SM90_KF,   /*   Hopper centrifuge: K rows of the filtered keys         */
     CF_SCR_ATTN_SM90_VF,   /*   Hopper centrifuge: V rows of the filtered keys         */
     CF_SCR_ADAMW_SEGS,     /* adamw_segments: the segment table             adamw.cu   */

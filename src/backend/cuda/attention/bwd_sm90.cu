@@ -34,10 +34,8 @@
  *     BM = 128: rows 64w.. with all D columns. Each stores its part of dQ
  *     (fp32) to shared memory; warp 2 of the producer adds the BM x D tile
  *     to the accumulator with one bulk reduction (cp.reduce.async.bulk
- *     .add.f32), or stores it (cp.async.bulk) where it is a slot's first
- *     contribution (slot states, sm90.cuh: then the accumulator is not
- *     zeroed beforehand; all but centrifuge), while the consumers go on
- *     (named barriers 2 and 3 hand the buffer back and forth).
+ *     .add.f32) while the consumers go on (named barriers 2 and 3 hand the
+ *     buffer back and forth).
  * BM = 128 halves the per-step costs (barriers, hand-offs, waits) for the
  * same work but needs twice the score registers: D = 64 only.
  * dk, dv: bf16 rows where a block holds all of a key's terms; else fp32
@@ -47,7 +45,7 @@
  * dq accumulator layout ("slot order"). Per (sequence b, head h, 64-row
  * query tile q64) a slot of 64 x D floats at ((b H + h) TPS + q64) 64 D
  * (TPS: tiles per sequence, from the longest one, even), so a step's
- * BM x D tile is contiguous (one bulk copy). A slot is D/NW blocks
+ * BM x D tile is contiguous (one bulk reduction). A slot is D/NW blocks
  * of 64 x NW floats, NW = the dQ product's N (D/2 or D), one per
  * warpgroup's product; inside a block, float4 number (j 128 + thread)
  * holds accumulators 4j..4j+3 of that thread, so a warp's 16-byte stores
@@ -189,92 +187,21 @@ __global__ void __launch_bounds__(384, 1)
                 if (i + 1 < nsteps) load(i + 1);
             }
         } else if (warp == 2) {
-            /* the dq writer: puts each step's dQ tile (BM x D fp32 in slot
-             * order, written to shared memory by the consumers) into the
-             * accumulator with bulk copies, off the consumers' path. A
-             * slot's first contribution is stored, the others added (slot
-             * states: sm90.cuh). The claims of a step's slots are made one
-             * step ahead, and a store is released after the hand-back,
-             * while the consumers work: on the path between the consumers'
-             * hand-over and the hand-back there is no round trip to L2
-             * unless a slot is contended. A claim made ahead is held only
-             * while this block waits for its own consumers; before waiting
-             * for another block's store the writer completes and releases
-             * its own, so no wait is part of a cycle. Without slot states
-             * (a.dq_state NULL: the caller zeroed the accumulator, as for
-             * centrifuge, whose part 2 adds to it too) every step adds. */
-            constexpr int SL = BM / 64; /* slots a step covers */
-            constexpr uint32_t SLOT_BYTES = 64 * D * 4;
-            const bool claims = a.dq_state != nullptr;
-            unsigned seen[SL];          /* the step's claims: EMPTY = this block's */
-            auto slots = [&](int i) { return dq_slot_id(b, h0 + i / nq, (qt_begin + i % nq) * SL, a.H, tps); };
-            auto claim = [&](int i) {
-#pragma unroll
-                for (int u = 0; u < SL; u++) seen[u] = claims ? slot_claim(a.dq_state + slots(i) + u) : SLOT_STORED;
-            };
-            if (lane == 0 && nsteps > 0) claim(0);
+            /* the dq writer: adds each step's dQ tile (BM x D fp32 in slot
+             * order, written to shared memory by the consumers) to the
+             * accumulator with one bulk reduction, off the consumers' path */
             for (int i = 0; i < nsteps; i++) {
                 named_barrier(2, 256 + 32); /* the consumers' dQ of step i is in shared memory */
-                unsigned *st = nullptr, mine = 0; /* mine: slots of the step this block stores */
                 if (lane == 0) {
-                    const size_t id = slots(i);
-                    st = claims ? a.dq_state + id : nullptr;
-                    float *dst = a.dq_acc + id * (64 * D);
-                    bool all_mine = true, none_mine = true, contended = false;
-#pragma unroll
-                    for (int u = 0; u < SL; u++) {
-                        all_mine = all_mine && seen[u] == SLOT_EMPTY;
-                        none_mine = none_mine && seen[u] != SLOT_EMPTY;
-                        contended = contended || seen[u] == SLOT_CLAIMED;
-                    }
-                    if (all_mine) { /* the usual cases: one bulk copy */
-                        bulk_store_f32(dst, base + C::OFF_DQ, C::DQ_BYTES);
-                        mine = (1u << SL) - 1;
-                    } else if (none_mine && !contended) {
-                        if (claims) fence_async_global(); /* the acquires of STORED before the additions */
-                        bulk_reduce_add_f32(dst, base + C::OFF_DQ, C::DQ_BYTES);
-                    } else {
-                        /* this block's slots first, completed and released;
-                         * then the others, waiting where another block
-                         * still stores */
-#pragma unroll
-                        for (int u = 0; u < SL; u++)
-                            if (seen[u] == SLOT_EMPTY) {
-                                bulk_store_f32(dst + u * 64 * D, base + C::OFF_DQ + u * SLOT_BYTES, SLOT_BYTES);
-                                mine |= 1u << u;
-                            }
-                        if (mine) {
-                            bulk_commit();
-                            bulk_wait_all();
-                            fence_async_global();
-#pragma unroll
-                            for (int u = 0; u < SL; u++)
-                                if (mine >> u & 1) slot_release(st + u);
-                            mine = 0;
-                        }
-#pragma unroll
-                        for (int u = 0; u < SL; u++)
-                            if (seen[u] != SLOT_EMPTY) {
-                                if (seen[u] == SLOT_CLAIMED) slot_wait_stored(st + u);
-                                fence_async_global();
-                                bulk_reduce_add_f32(dst + u * 64 * D, base + C::OFF_DQ + u * SLOT_BYTES, SLOT_BYTES);
-                            }
-                    }
+                    /* slots of (b, h): 64-row tiles, a step covers BM / 64 of them */
+                    float *dst = a.dq_acc + dq_slot_base(b, h0 + i / nq, 0, a.H, D, tps) +
+                                 (size_t)(qt_begin + i % nq) * (BM * D);
+                    bulk_reduce_add_f32(dst, base + C::OFF_DQ, C::DQ_BYTES);
                     bulk_commit();
                     bulk_wait_read();
                 }
                 __syncwarp();
                 if (i + 1 < nsteps) named_barrier_arrive(3, 256 + 32); /* the buffer may be rewritten */
-                if (lane == 0) {
-                    if (i + 1 < nsteps) claim(i + 1); /* while this step's stores complete */
-                    if (mine) { /* complete, then visible to the others' acquire */
-                        bulk_wait_all();
-                        fence_async_global();
-#pragma unroll
-                        for (int u = 0; u < SL; u++)
-                            if (mine >> u & 1) slot_release(st + u);
-                    }
-                }
             }
             if (lane == 0) bulk_wait_all();
         }
@@ -527,23 +454,15 @@ __global__ void __launch_bounds__(384, 1)
  * are padded by 8 floats, so a half-warp's 8-byte stores (4 rows x 4
  * column pairs) hit distinct banks. */
 template <int D>
-__device__ __forceinline__ void dq_convert_slot(bf16 *dq, float *dqf, const float *acc, unsigned *state,
-                                                const int *qstart, int S, int H, int tps, int nw, int q64, int h,
-                                                int b) {
+__device__ __forceinline__ void dq_convert_slot(bf16 *dq, float *dqf, const float *acc, const int *qstart, int S,
+                                                int H, int tps, int nw, int q64, int h, int b) {
     constexpr int LD = D + 8;
     __shared__ float tile[64 * LD];
-    const size_t id = dq_slot_id(b, h, q64, H, tps);
     const int start = qstart ? qstart[b] : b * S, len = qstart ? qstart[b + 1] - start : S;
-    /* every state back to EMPTY for the next call, once all threads read it
-     * (a step of 128 queries may have stored a slot past the sequence) */
-    const bool filled = !state || state[id] != SLOT_EMPTY;
-    if (q64 * 64 >= len) {
-        if (state && threadIdx.x == 0) state[id] = SLOT_EMPTY;
-        return;
-    }
-    const float4 *src = reinterpret_cast<const float4 *>(acc + id * (64 * D));
+    if (q64 * 64 >= len) return;
+    const float4 *src = reinterpret_cast<const float4 *>(acc + dq_slot_base(b, h, q64, H, D, tps));
     for (int k = threadIdx.x; k < 16 * D; k += blockDim.x) {
-        const float4 x = filled ? src[k] : make_float4(0.f, 0.f, 0.f, 0.f); /* EMPTY: no term, zeros */
+        const float4 x = src[k];
         int r, c;
         dq_slot_coords(k, nw, &r, &c);
         float *p = tile + r * LD + c;
@@ -551,7 +470,6 @@ __device__ __forceinline__ void dq_convert_slot(bf16 *dq, float *dqf, const floa
         *reinterpret_cast<float2 *>(p + 8 * LD) = make_float2(x.z, x.w);
     }
     __syncthreads();
-    if (state && threadIdx.x == 0) state[id] = SLOT_EMPTY;
     const int rows = min(64, len - q64 * 64);
     for (int e = threadIdx.x; e < rows * (D / 4); e += blockDim.x) {
         const int r = e / (D / 4), c = 4 * (e % (D / 4));
@@ -574,12 +492,11 @@ __device__ __forceinline__ void dq_convert_slot(bf16 *dq, float *dqf, const floa
  * x / (tps H))); the rest, if any, reduce the GQA partials of dk, dv. Two
  * independent jobs in one grid: one launch and one tail instead of two. */
 template <int D>
-__global__ void __launch_bounds__(256) bwd_finish_kernel(bf16 *dq, float *dqf, const float *acc, unsigned *state,
-                                                         const int *qstart, int S, int H, int tps, int nw, int nconv,
-                                                         GqaReduce red) {
+__global__ void __launch_bounds__(256) bwd_finish_kernel(bf16 *dq, float *dqf, const float *acc, const int *qstart,
+                                                         int S, int H, int tps, int nw, int nconv, GqaReduce red) {
     const int x = blockIdx.x;
     if (x < nconv) {
-        dq_convert_slot<D>(dq, dqf, acc, state, qstart, S, H, tps, nw, x % tps, x / tps % H, x / (tps * H));
+        dq_convert_slot<D>(dq, dqf, acc, qstart, S, H, tps, nw, x % tps, x / tps % H, x / (tps * H));
         return;
     }
     gqa_reduce_body<4>(red.dk, red.dv, red.dkx, red.dvx, red.nk, red.Hkv, red.G, D, x - nconv, gridDim.x - nconv);
@@ -731,8 +648,8 @@ int attn_bwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D, int nq_rows, int k
     return 0;
 }
 
-void attn_sm90_bwd_finish(cudaStream_t st, bf16 *dq, float *dqf, const float *acc, unsigned *state,
-                          const int *qstart, int B, int S, int H, int D, int tps, const GqaReduce *red) {
+void attn_sm90_bwd_finish(cudaStream_t st, bf16 *dq, float *dqf, const float *acc, const int *qstart, int B, int S,
+                          int H, int D, int tps, const GqaReduce *red) {
     if (B <= 0 || tps <= 0 || (D != 64 && D != 128)) return;
     const long long nconv = (long long)tps * H * B;
     /* the reduction: 4 columns per thread, grid-stride past 65536 blocks */
@@ -740,6 +657,6 @@ void attn_sm90_bwd_finish(cudaStream_t st, bf16 *dq, float *dqf, const float *ac
     const GqaReduce r = red ? *red : GqaReduce{};
     const unsigned grid = (unsigned)(nconv + nred);
     const int nw = attn_sm90_bwd_nw(D);
-    if (D == 64) bwd_finish_kernel<64><<<grid, 256, 0, st>>>(dq, dqf, acc, state, qstart, S, H, tps, nw, (int)nconv, r);
-    else bwd_finish_kernel<128><<<grid, 256, 0, st>>>(dq, dqf, acc, state, qstart, S, H, tps, nw, (int)nconv, r);
+    if (D == 64) bwd_finish_kernel<64><<<grid, 256, 0, st>>>(dq, dqf, acc, qstart, S, H, tps, nw, (int)nconv, r);
+    else bwd_finish_kernel<128><<<grid, 256, 0, st>>>(dq, dqf, acc, qstart, S, H, tps, nw, (int)nconv, r);
 }

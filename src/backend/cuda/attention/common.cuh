@@ -97,7 +97,6 @@ struct AttnArgs {
     const float *lse;     /* bwd: lse used to form P          */
     const float *Dvec;    /* bwd: D_i per (q index, head)     */
     float *dq_acc;        /* bwd: fp32 dq accumulator [nq,H,D] */
-    unsigned *dq_state;   /* bwd, Hopper: its slot states (sm90.cuh) */
     bf16 *dq;             /* bwd_dq: final dq                 */
     const int *qstart, *qrow;
     /* k side */
@@ -455,13 +454,10 @@ struct GqaReduce {
 };
 /* bwd_sm90.cu: the Hopper backward's last launch. dq of the q-side rows
  * (sequence starts qstart, B + 1 of them; NULL = b*S) from the
- * slot-ordered accumulator (with slot states: a slot whose state is EMPTY
- * reads as zeros, and every state of the B tps H slots is left EMPTY;
- * state NULL: every slot is read), bf16 into dq or fp32
- * into dqf, and, in the same grid, the GQA reduction red (none when NULL);
- * D = 64 or 128 */
-void attn_sm90_bwd_finish(cudaStream_t st, bf16 *dq, float *dqf, const float *acc, unsigned *state,
-                          const int *qstart, int B, int S, int H, int D, int tps, const GqaReduce *red);
+ * slot-ordered accumulator, bf16 into dq or fp32 into dqf, and, in the same
+ * grid, the GQA reduction red (none when NULL); D = 64 or 128 */
+void attn_sm90_bwd_finish(cudaStream_t st, bf16 *dq, float *dqf, const float *acc, const int *qstart, int B, int S,
+                          int H, int D, int tps, const GqaReduce *red);
 
 /* ----------------------------------------- small kernels, by file */
 

@@ -163,19 +163,6 @@ static bool parts_side_by_side(void) {
     return on != 0;
 }
 
-/* The Hopper dq accumulator's slot states (sm90.cuh), n of them. Each
- * backward's finish launch leaves its states EMPTY (0), so only a fresh
- * array needs zeroing: when the scratch grew (a larger capacity is a new
- * allocation). */
-static unsigned *slot_states(cf_cuda_ctx *ctx, size_t n) {
-    const size_t cap = ctx->scratch[CF_SCR_ATTN_SM90_DQ_STATE].cap;
-    unsigned *p = (unsigned *)cf_cuda_scratch(ctx, CF_SCR_ATTN_SM90_DQ_STATE, n * sizeof(unsigned));
-    if (p && ctx->scratch[CF_SCR_ATTN_SM90_DQ_STATE].cap != cap &&
-        !CF_CK(ctx, cudaMemsetAsync(p, 0, ctx->scratch[CF_SCR_ATTN_SM90_DQ_STATE].cap, ctx->stream)))
-        return NULL;
-    return p;
-}
-
 static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void *dout, const void *q, const void *k,
                      const void *v, const void *out, const float *lse, const cf_attn_shape *s, const cf_rows *kept,
                      cf_attn_bwd_mode mode) {
@@ -272,12 +259,7 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
     const int tps = try_hopper ? 2 * ((maxlen + 127) / 128) : 0;
     const size_t acc_n = (size_t)B * tps * 64 * H * D;
     float *acc = try_hopper ? (float *)cf_cuda_scratch(ctx, CF_SCR_ATTN_SM90_DQ, acc_n * sizeof(float)) : NULL;
-    /* slot states (sm90.cuh: the first contribution is stored), except
-     * for centrifuge, whose part 2 adds to the accumulator too (its
-     * epilogue taking part in the claims cost more than the zeros: run 26) */
-    const bool cf_mode = mode == CF_ATTN_BWD_CENTRIFUGE;
-    unsigned *dq_state = try_hopper && !cf_mode ? slot_states(ctx, (size_t)B * tps * H) : NULL;
-    if (try_hopper && (!acc || (!cf_mode && !dq_state))) return;
+    if (try_hopper && !acc) return;
     /* GQA: fp32 partials of dk, dv per group of hpb query heads (1 on the
      * portable path) and part of the query range (ns, Hopper), summed by
      * the GQA reduction; partials also without GQA when ns > 1 */
@@ -303,9 +285,8 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
         a.dk = (bf16 *)dk;
         a.dv = (bf16 *)dv;
     }
-    /* D_i, the accumulator the backward adds dq to set to zero (not the
-     * Hopper one with slot states: its first contributions are stored),
-     * and for centrifuge the filtered rows (part 2's k side). On Hopper centrifuge
+    /* D_i, the accumulator the backward adds dq to set to zero, and for
+     * centrifuge the filtered rows (part 2's k side). On Hopper centrifuge
      * does all that in one launch, with the filtered rows' K and V
      * gathered for part 2: the two parts are then independent and run side
      * by side */
@@ -318,12 +299,11 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
         filt = (int *)cf_cuda_scratch(ctx, CF_SCR_ATTN_FILT, (size_t)(nf > 0 ? nf : 1) * sizeof(int));
         fstart = (int *)cf_cuda_scratch(ctx, CF_SCR_ATTN_FSTART, (size_t)(B + 1) * sizeof(int));
         if (!filt || !fstart) return;
-        if (try_hopper && (prepared = attn_cf_sm90_prep(ctx, a, D, kept, acc, acc_n, filt, fstart, &p2)) < 0)
-            return;
+        if (try_hopper && (prepared = attn_cf_sm90_prep(ctx, a, D, kept, acc, acc_n, filt, fstart, &p2)) < 0) return;
     }
     if (!prepared) {
-        float *zero = try_hopper ? (dq_state ? NULL : acc) : dq_acc;
-        attn_bwd_prep(ctx->stream, a.dout, a.o, Dvec, zero, try_hopper ? acc_n : (size_t)n * H * D, n * H, D);
+        attn_bwd_prep(ctx->stream, a.dout, a.o, Dvec, try_hopper ? acc : dq_acc, try_hopper ? acc_n : (size_t)n * H * D,
+                      n * H, D);
         if (!CF_CK_LAUNCH(ctx, "attention bwd prep")) return;
         if (cf) {
             attn_filtered_rows(ctx->stream, filt, fstart, kept->rows, kept->seq_start, n, B, S);
@@ -337,7 +317,6 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
     if (try_hopper) {
         AttnArgs h = a;
         h.dq_acc = acc;
-        h.dq_state = dq_state;
         hopper = attn_bwd_sm90(ctx, h, D, n, kmaxlen, tps, hpb, ns, pair);
         if (hopper < 0) return;
         a.dq_acc = acc;
@@ -378,8 +357,8 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
         /* the last launch: dq (bf16; fp32 for a portable part 2 to add to)
          * and the GQA reduction in one grid */
         const bool dq_final = !cf || r;
-        attn_sm90_bwd_finish(ctx->stream, dq_final ? (bf16 *)dq : NULL, dq_final ? NULL : dq_acc, a.dq_acc, dq_state,
-                             a.qstart, B, S, H, D, tps, partials ? &red : NULL);
+        attn_sm90_bwd_finish(ctx->stream, dq_final ? (bf16 *)dq : NULL, dq_final ? NULL : dq_acc, a.dq_acc, a.qstart,
+                             B, S, H, D, tps, partials ? &red : NULL);
         if (!CF_CK_LAUNCH(ctx, "attention sm90 backward finish")) return;
     } else if (!cf) {
         attn_dq_to_bf16(ctx->stream, (bf16 *)dq, dq_acc, (size_t)n * H * D);

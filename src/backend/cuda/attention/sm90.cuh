@@ -280,15 +280,6 @@ __device__ __forceinline__ void bulk_commit() { CF_SM90_ASM("cp.async.bulk.commi
 __device__ __forceinline__ void bulk_wait_read() { CF_SM90_ASM("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 /* waits until they have completed */
 __device__ __forceinline__ void bulk_wait_all() { CF_SM90_ASM("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
-/* bulk copy: dst[0 .. bytes/4) = src[...] (global <- shared), issued by one
- * thread; both addresses 16-byte aligned */
-__device__ __forceinline__ void bulk_store_f32(float *dst, uint32_t src, uint32_t bytes) {
-    CF_SM90_ASM("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(src), "r"(bytes)
-                : "memory");
-}
-/* orders this thread's ordinary accesses to global memory with its bulk
- * (async proxy) ones, both ways */
-__device__ __forceinline__ void fence_async_global() { CF_SM90_ASM("fence.proxy.async.global;\n" ::: "memory"); }
 
 /* --------------------------------------------- clusters of two blocks */
 
@@ -374,11 +365,8 @@ template <int N> __device__ __forceinline__ void setmaxnreg_dec() {
  * (bwd_sm90.cu): the start of the slot of (sequence b, head h, 64-row
  * query tile q64), and the position of element (r, c) in it when the dQ
  * products are nw columns wide */
-__host__ __device__ __forceinline__ size_t dq_slot_id(int b, int h, int q64, int H, int tps) {
-    return ((size_t)b * H + h) * tps + q64;
-}
 __host__ __device__ __forceinline__ size_t dq_slot_base(int b, int h, int q64, int H, int D, int tps) {
-    return dq_slot_id(b, h, q64, H, tps) * (64 * (size_t)D);
+    return (((size_t)b * H + h) * tps + q64) * (64 * (size_t)D);
 }
 __host__ __device__ __forceinline__ int dq_slot_index(int r, int c, int nw) {
     const int cc = c % nw, j = cc >> 3, t = (cc & 7) >> 1;
@@ -393,56 +381,6 @@ __host__ __device__ __forceinline__ void dq_slot_coords(int k, int nw, int *r, i
     *r = 16 * ((F >> 5) & 3) + ((F >> 2) & 7);
     *c = blk * nw + 8 * (F >> 7) + 2 * (F & 3);
 }
-
-/* Slot states (one unsigned per slot, by dq_slot_id). The accumulator is
- * never zeroed: the first contribution to a slot is stored, the later ones
- * are added. That saves writing 4 bytes of zeros per dq element before
- * every backward, and the first contribution is a store, not a
- * read-modify-write in L2.
- *   SLOT_EMPTY    no contribution yet; the finish launch reads the slot as
- *                 zeros (its floats are whatever was there)
- *   SLOT_CLAIMED  a contributor won slot_claim and is storing
- *   SLOT_STORED   stored and released: the others add
- * A contributor claims (EMPTY -> CLAIMED). The winner stores, waits for its
- * store to complete, then releases (STORED). A loser that saw CLAIMED waits
- * for STORED. A winner waits for nothing between its claim and its release,
- * and a contributor holds no unreleased claim while it waits, so every wait
- * ends. The finish launch sets the states of the call back to EMPTY, so
- * every call starts from zeros (and a fresh state array is zeroed once:
- * launch.cu). Used where only the main kernel adds to the accumulator: the
- * centrifuge backward zeroes it, since its part 2 adds too and taking part
- * in the claims at the end of its short blocks cost more than the zeros
- * (docs/HOPPER_ATTENTION.md, run 26). */
-enum : unsigned { SLOT_EMPTY = 0u, SLOT_CLAIMED = 1u, SLOT_STORED = 2u };
-#if CF_SM90A_PATH
-/* the previous state, with acquire semantics; EMPTY means this thread won */
-__device__ __forceinline__ unsigned slot_claim(unsigned *st) {
-    unsigned old;
-    asm volatile("atom.acquire.gpu.global.cas.b32 %0, [%1], %2, %3;\n"
-                 : "=r"(old)
-                 : "l"(st), "r"(SLOT_EMPTY), "r"(SLOT_CLAIMED)
-                 : "memory");
-    return old;
-}
-__device__ __forceinline__ unsigned slot_state(const unsigned *st) {
-    unsigned v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(st) : "memory");
-    return v;
-}
-__device__ __forceinline__ void slot_release(unsigned *st) {
-    asm volatile("st.release.gpu.global.u32 [%0], %1;\n" ::"l"(st), "r"(SLOT_STORED) : "memory");
-}
-/* waits for another contributor's release (bounded: a state that never
- * becomes STORED is a bug, and a trap fails the launch instead of hanging).
- * Not inlined: inlined, the trap made ptxas spill centrifuge part 2's
- * registers at D = 64 (280 bytes); the call is taken only when contended. */
-static __device__ __noinline__ void slot_wait_stored(const unsigned *st) {
-    for (unsigned n = 0; slot_state(st) != SLOT_STORED; n++) {
-        if (n == (1u << 24)) asm volatile("trap;"); /* some seconds */
-        __nanosleep(100);
-    }
-}
-#endif
 
 /* Part `part` of ns of a key tile's n query tiles: tiles [*begin, *begin +
  * *len) counted from the first; the parts cover the n tiles once, in order,
