@@ -365,7 +365,7 @@ static int backward_body(cf_model *m, cf_mode mode, const cf_kept *kept, float t
     if (cf_dwpair_begin(m, mlp_pairs(m, sg), n) != 0) return -1;
     const int pair = m->dwp.phase, r0 = pair == CF_PAIR_JOIN ? m->dwp.held : 0;
     /* o's and q/k/v's weight gradients beside the chain (dwside.c), or in line */
-    const int aside = cf_dwside_begin(m, attn_side(m, kv_all, sg));
+    const int aside = cf_dwside_begin(m, attn_side(m, kv_all, sg), compact);
     /* the forward's row of each backward row, for LoRA dropout's mask */
     m->lora_rows = compact ? m->rows : NULL;
     const uint8_t *keep = mode == CF_MODE_REGULAR ? NULL : m->keep_dev;

@@ -12,6 +12,13 @@
  * priority) they fill the SMs that the chain leaves idle: attention's
  * small and uneven grids, the norm and element-wise kernels.
  *
+ * Where. In the compact backwards only (kept rows: attention's grids are
+ * halved and leave SMs idle). In a full backward attention's grids fill
+ * the GPU, which runs at its power cap (BENCHMARKS.md run 25), so side GEMMs
+ * only contend: in line, its steps were 0.3% faster (TinyLlama, Llama3.2-3B;
+ * Qwen2.5-1.5B the same), while Qwen2.5-1.5B's centrifuge steps were 2%
+ * faster beside and the others' the same (H200, run 26).
+ *
  * How. A side GEMM's inputs must stay as they are until the backward's end,
  * where backward.c joins the side work. att and ln1 are saved activations,
  * left alone until the next forward. [dq dk dv] is written by the joined
@@ -27,7 +34,8 @@
  * gradients stay in line for the model. CF_DW_SIDE_ATTN=0 at open keeps
  * them in line (A/B timing); so do --profile (per-op times) and CF_DW_SIDE=0.
  * A backend without side sections (the CPU) keeps them in line too, unless
- * CF_DW_SIDE_ATTN=1 (tests: this path's buffers, in issue order).
+ * CF_DW_SIDE_ATTN=1 (tests: this path's buffers, in issue order), which
+ * also takes the full backwards beside.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -72,11 +80,13 @@ static int ensure_buffers(cf_model *m) {
     return 0;
 }
 
-int cf_dwside_begin(cf_model *m, int eligible) {
+int cf_dwside_begin(cf_model *m, int eligible, int compact) {
     cf_dwside *d = &m->dws;
     /* a backend without side sections runs them in line: only through the
-     * buffers when forced (CF_DW_SIDE_ATTN=1, the CPU tests of this path) */
-    d->on = eligible && !d->off && !m->profile && (m->b->side_begin || d->force) && ensure_buffers(m) == 0;
+     * buffers when forced (CF_DW_SIDE_ATTN=1, the CPU tests of this path);
+     * so does a full backward unless forced (see the top of the file) */
+    d->on = eligible && !d->off && (compact || d->force) && !m->profile && (m->b->side_begin || d->force) &&
+            ensure_buffers(m) == 0;
     if (d->on) d->backwards++;
     return d->on;
 }

@@ -249,7 +249,8 @@ typedef struct {
 /* dwside.c: the attention projections' weight gradients beside the backward */
 typedef struct {
     int off;            /* CF_DW_SIDE_ATTN=0 or CF_DW_SIDE=0 at open, or no memory */
-    int force;          /* CF_DW_SIDE_ATTN=1: also without side sections (tests) */
+    int force;          /* CF_DW_SIDE_ATTN=1: also without side sections, and in
+                         * full backwards (tests, timing) */
     int on;             /* in the backward in flight */
     int cap;            /* rows per layer in the buffers */
     void *buf;          /* backend memory: L buffers of layer_bytes */
@@ -474,7 +475,7 @@ void cf_dwside_init(cf_model *m);
 void cf_dwside_free(cf_model *m);
 /* whether this backward runs o's and q/k/v's weight gradients beside
  * (eligible: backward.c's conditions), taking the buffers if needed */
-int cf_dwside_begin(cf_model *m, int eligible);
+int cf_dwside_begin(cf_model *m, int eligible, int compact);
 void *cf_dwside_dres(cf_model *m, int l); /* [cap, C]: o's dY */
 void *cf_dwside_dqkv(cf_model *m, int l); /* [cap, qd + 2 kd]: [dq dk dv] */
 

@@ -439,19 +439,29 @@ TEST(gpu_paired_gradients_on_the_side_stream_give_the_in_line_steps) {
  * section per GEMM, from per-layer copies of their dY) give the steps with
  * them in line (CF_DW_SIDE_ATTN=0 at open) (lockstep_steps), regular and
  * centrifuge, on Llama and on Qwen2 (q/k/v biases, whose gradient stays in
- * line), four micro-batches (the MLP's pairs beside too); the path ran in
- * every backward from the second step, in the one model only. */
+ * line), four micro-batches (the MLP's pairs beside too). By default the
+ * path runs in every compact backward from the second step and in no full
+ * one; forced (CF_DW_SIDE_ATTN=1, against CF_DW_SIDE=0) in the full ones
+ * too; never in the model opened with it off. */
 TEST(gpu_attention_weight_gradients_beside_give_the_in_line_steps) {
     static const char *const names[] = {"tiny-llama", "tiny-qwen2"};
-    const cf_mode modes[] = {CF_MODE_REGULAR, CF_MODE_CENTRIFUGE};
-    char what[96];
+    /* mode, forced, backwards beside expected */
+    static const struct { cf_mode mode; int forced; long long beside; } cases[] = {
+        {CF_MODE_REGULAR, 0, 0}, {CF_MODE_REGULAR, 1, 8}, {CF_MODE_CENTRIFUGE, 0, 8}};
+    char what[128];
     for (int ni = 0; ni < 2; ni++)
-        for (int mi = 0; mi < 2; mi++) {
+        for (int ci = 0; ci < 3; ci++) {
             cf_model *on, *off;
-            snprintf(what, sizeof what, "attention beside, %s %s", names[ni], cf_mode_name(modes[mi]));
-            if (switch_lockstep(what, names[ni], 87 + ni, "CF_DW_SIDE_ATTN", modes[mi], 99, &on, &off))
-                CHECK_MSG(on->dws.backwards == 8 && off->dws.backwards == 0, "%s: %lld backwards beside (expected 8), %lld",
-                          what, (long long)on->dws.backwards, (long long)off->dws.backwards);
+            snprintf(what, sizeof what, "attention beside, %s %s%s", names[ni], cf_mode_name(cases[ci].mode),
+                     cases[ci].forced ? " (forced)" : "");
+            if (cases[ci].forced) setenv("CF_DW_SIDE_ATTN", "1", 1);
+            const int ok = switch_lockstep(what, names[ni], 87 + ni, cases[ci].forced ? "CF_DW_SIDE" : "CF_DW_SIDE_ATTN",
+                                           cases[ci].mode, 99, &on, &off);
+            unsetenv("CF_DW_SIDE_ATTN");
+            if (ok)
+                CHECK_MSG(on->dws.backwards == cases[ci].beside && off->dws.backwards == 0,
+                          "%s: %lld backwards beside (expected %lld), %lld in the model without", what,
+                          (long long)on->dws.backwards, cases[ci].beside, (long long)off->dws.backwards);
             cf_model_free(on);
             cf_model_free(off);
         }
