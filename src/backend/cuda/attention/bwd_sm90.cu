@@ -170,6 +170,7 @@ __global__ void __launch_bounds__(384, 1)
                     doc_r[k] = (ok && a.doc) ? a.doc[row_r[k]] : 0;
                 }
             };
+            griddep_wait(); /* D_i: the prep launch before this one */
             if (nsteps > 0) load(0);
             for (int i = 0; i < nsteps; i++) {
                 const int s = i % QST, n = i / QST;
@@ -190,6 +191,7 @@ __global__ void __launch_bounds__(384, 1)
             /* the dq writer: adds each step's dQ tile (BM x D fp32 in slot
              * order, written to shared memory by the consumers) to the
              * accumulator with one bulk reduction, off the consumers' path */
+            griddep_wait(); /* the accumulator's zeros: the prep launch */
             for (int i = 0; i < nsteps; i++) {
                 named_barrier(2, 256 + 32); /* the consumers' dQ of step i is in shared memory */
                 if (lane == 0) {
@@ -494,6 +496,7 @@ __device__ __forceinline__ void dq_convert_slot(bf16 *dq, float *dqf, const floa
 template <int D>
 __global__ void __launch_bounds__(256) bwd_finish_kernel(bf16 *dq, float *dqf, const float *acc, const int *qstart,
                                                          int S, int H, int tps, int nw, int nconv, GqaReduce red) {
+    griddep_wait(); /* the main kernel's dq and partials (launched as its dependent) */
     const int x = blockIdx.x;
     if (x < nconv) {
         dq_convert_slot<D>(dq, dqf, acc, qstart, S, H, tps, nw, x % tps, x / tps % H, x / (tps * H));
@@ -567,6 +570,15 @@ void attn_sm90_bwd_plan(cf_cuda_ctx *ctx, int D, int H, int Hkv, int B, int qmax
     *ns = p.ns;
 }
 
+/* Programmatic dependent launch of the main kernel after the prep and of
+ * the finish after the main kernel (common.cuh: griddep_*), so a launch's
+ * start overlaps the end of the one before. CF_ATTN_PDL=0 (read once)
+ * launches them plainly, for timing. */
+static bool bwd_pdl(void) {
+    static const int on = attn_env_int("CF_ATTN_PDL", 1);
+    return on != 0;
+}
+
 template <int D, int BM>
 static int bwd_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int kmaxlen, int tps, int hpb, int ns,
                            int pair) {
@@ -581,13 +593,20 @@ static int bwd_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int
     cfg.blockDim = dim3(C::THREADS);
     cfg.dynamicSmemBytes = C::SMEM;
     cfg.stream = ctx->stream;
-    cudaLaunchAttribute cl[1];
-    cl[0].id = cudaLaunchAttributeClusterDimension;
-    cl[0].val.clusterDim.x = pair == CF_PAIR_HEADS ? 2 : 1;
-    cl[0].val.clusterDim.y = pair == CF_PAIR_PARTS ? 2 : 1;
-    cl[0].val.clusterDim.z = 1;
-    cfg.attrs = cl;
-    cfg.numAttrs = pair ? 1 : 0;
+    cudaLaunchAttribute at[2];
+    unsigned nat = 0;
+    if (pair) {
+        at[nat].id = cudaLaunchAttributeClusterDimension;
+        at[nat].val.clusterDim.x = pair == CF_PAIR_HEADS ? 2 : 1;
+        at[nat].val.clusterDim.y = pair == CF_PAIR_PARTS ? 2 : 1;
+        at[nat++].val.clusterDim.z = 1;
+    }
+    if (bwd_pdl()) { /* its prologue while the prep launch ends (it waits before reading D_i, zeros) */
+        at[nat].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        at[nat++].val.programmaticStreamSerializationAllowed = 1;
+    }
+    cfg.attrs = at;
+    cfg.numAttrs = nat;
     const int on = pair != 0;
     void *args[] = {(void *)&mq, (void *)&mo, (void *)&a, (void *)&tps, (void *)&hpb, (void *)&ns, (void *)&on};
     return CF_CK(ctx, cudaLaunchKernelExC(&cfg, fn, args)) ? 1 : -1;
@@ -649,14 +668,25 @@ int attn_bwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D, int nq_rows, int k
 }
 
 void attn_sm90_bwd_finish(cudaStream_t st, bf16 *dq, float *dqf, const float *acc, const int *qstart, int B, int S,
-                          int H, int D, int tps, const GqaReduce *red) {
+                          int H, int D, int tps, const GqaReduce *red, bool after_main) {
     if (B <= 0 || tps <= 0 || (D != 64 && D != 128)) return;
     const long long nconv = (long long)tps * H * B;
     /* the reduction: 4 columns per thread, grid-stride past 65536 blocks */
     const int nred = red ? attn_grid_for(red->nk * red->Hkv * D / 4) : 0;
     const GqaReduce r = red ? *red : GqaReduce{};
     const unsigned grid = (unsigned)(nconv + nred);
-    const int nw = attn_sm90_bwd_nw(D);
-    if (D == 64) bwd_finish_kernel<64><<<grid, 256, 0, st>>>(dq, dqf, acc, qstart, S, H, tps, nw, (int)nconv, r);
-    else bwd_finish_kernel<128><<<grid, 256, 0, st>>>(dq, dqf, acc, qstart, S, H, tps, nw, (int)nconv, r);
+    int nw = attn_sm90_bwd_nw(D), nc = (int)nconv;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(grid);
+    cfg.blockDim = dim3(256);
+    cfg.stream = st;
+    cudaLaunchAttribute at[1];
+    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    at[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = at;
+    cfg.numAttrs = after_main && bwd_pdl() ? 1 : 0;
+    void *args[] = {(void *)&dq, (void *)&dqf, (void *)&acc, (void *)&qstart, (void *)&S, (void *)&H, (void *)&tps,
+                    (void *)&nw, (void *)&nc, (void *)&r};
+    const void *fn = D == 64 ? (const void *)bwd_finish_kernel<64> : (const void *)bwd_finish_kernel<128>;
+    cudaLaunchKernelExC(&cfg, fn, args); /* an error shows in the caller's launch check */
 }

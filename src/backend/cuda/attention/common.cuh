@@ -198,6 +198,22 @@ __device__ __forceinline__ void atomic_add_f2(float *dst, float x, float y) {
 #endif
 }
 
+/* Programmatic dependent launch (sm_90; launch_sm90.cu: attn_pdl). A kernel
+ * launched with it may start while the kernel before it in the stream
+ * still runs, once every block of that one has called griddep_trigger()
+ * (or exited): griddep_wait() then waits until it has completed and its
+ * writes are visible. Both are no-ops below sm_90 and without it. */
+__device__ __forceinline__ void griddep_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void griddep_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 /* ------------------------------------------- bodies of the small kernels
  * (bwd.cu's own kernels, and the one-launch variants of the Hopper path in
  * bwd_sm90.cu and bwd_centrifuge_sm90.cu, which run several of them as
@@ -455,9 +471,11 @@ struct GqaReduce {
 /* bwd_sm90.cu: the Hopper backward's last launch. dq of the q-side rows
  * (sequence starts qstart, B + 1 of them; NULL = b*S) from the
  * slot-ordered accumulator, bf16 into dq or fp32 into dqf, and, in the same
- * grid, the GQA reduction red (none when NULL); D = 64 or 128 */
+ * grid, the GQA reduction red (none when NULL); D = 64 or 128. after_main:
+ * it follows the main kernel directly in the stream (then a programmatic
+ * dependent launch; not after another stream's event) */
 void attn_sm90_bwd_finish(cudaStream_t st, bf16 *dq, float *dqf, const float *acc, const int *qstart, int B, int S,
-                          int H, int D, int tps, const GqaReduce *red);
+                          int H, int D, int tps, const GqaReduce *red, bool after_main);
 
 /* ----------------------------------------- small kernels, by file */
 

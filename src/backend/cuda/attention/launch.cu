@@ -358,7 +358,7 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
          * and the GQA reduction in one grid */
         const bool dq_final = !cf || r;
         attn_sm90_bwd_finish(ctx->stream, dq_final ? (bf16 *)dq : NULL, dq_final ? NULL : dq_acc, a.dq_acc, a.qstart,
-                             B, S, H, D, tps, partials ? &red : NULL);
+                             B, S, H, D, tps, partials ? &red : NULL, !cf);
         if (!CF_CK_LAUNCH(ctx, "attention sm90 backward finish")) return;
     } else if (!cf) {
         attn_dq_to_bf16(ctx->stream, (bf16 *)dq, dq_acc, (size_t)n * H * D);
