@@ -240,15 +240,15 @@ __device__ __forceinline__ void mbar_arrive_tx(uint32_t bar, uint32_t bytes) {
                 "r"(bytes)
                 : "memory");
 }
+/* the try_wait loop of mbar_wait and mbar_wait_cluster; SEM: the ordering qualifiers */
+#define CF_MBAR_WAIT_LOOP(SEM)                                                                                         \
+    "{\n.reg .pred done;\n"                                                                                         \
+    "LAB_WAIT:\n"                                                                                                     \
+    "mbarrier.try_wait.parity" SEM ".shared::cta.b64 done, [%0], %1;\n"                                              \
+    "@!done bra LAB_WAIT;\n}\n"
 /* waits until the phase of the given parity has completed */
 __device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
-    CF_SM90_ASM(
-        "{\n.reg .pred done;\n"
-        "LAB_WAIT:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-        "@!done bra LAB_WAIT;\n}\n" ::"r"(bar),
-        "r"(parity)
-        : "memory");
+    CF_SM90_ASM(CF_MBAR_WAIT_LOOP("") ::"r"(bar), "r"(parity) : "memory");
 }
 /* TMA: a box of a 3-D tensor map at coordinates (c0, c1, c2), innermost
  * first, into shared memory, completing `bytes` on mbarrier bar */
@@ -306,13 +306,7 @@ __device__ __forceinline__ void mbar_arrive_peer(uint32_t bar) {
 }
 /* mbar_wait, acquiring what the cluster's arrivals released */
 __device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, int parity) {
-    CF_SM90_ASM(
-        "{\n.reg .pred done;\n"
-        "LAB_WAITC:\n"
-        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
-        "@!done bra LAB_WAITC;\n}\n" ::"r"(bar),
-        "r"(parity)
-        : "memory");
+    CF_SM90_ASM(CF_MBAR_WAIT_LOOP(".acquire.cluster") ::"r"(bar), "r"(parity) : "memory");
 }
 /* two floats from another block's shared memory (an address from peer_smem) */
 __device__ __forceinline__ float2 ld_peer_f2(uint32_t addr) {
