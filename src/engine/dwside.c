@@ -12,12 +12,14 @@
  * priority) they fill the SMs that the chain leaves idle: attention's
  * small and uneven grids, the norm and element-wise kernels.
  *
- * Where. In the compact backwards only (kept rows: attention's grids are
- * halved and leave SMs idle). In a full backward attention's grids fill
- * the GPU, which runs at its power cap (BENCHMARKS.md run 25), so side GEMMs
- * only contend: in line, its steps were 0.3% faster (TinyLlama, Llama3.2-3B;
- * Qwen2.5-1.5B the same), while Qwen2.5-1.5B's centrifuge steps were 2%
- * faster beside and the others' the same (H200, run 26).
+ * Where. In the compact backwards (kept rows: attention's grids are halved
+ * and leave SMs idle), and in the full ones whose attention runs as one
+ * wave of blocks (backend.h: attention_bwd_one_wave). Where attention's
+ * grid fills the GPU, which runs at its power cap (BENCHMARKS.md run 25),
+ * side GEMMs only contend (H200, run 26): TinyLlama's and Llama3.2-3B's
+ * regular steps (two waves) were 0.3% faster in line, Qwen2.5-1.5B's (one
+ * wave) 0.2-0.7% faster beside; in the centrifuge steps beside was 2%
+ * faster at Qwen2.5-1.5B and the same at the others.
  *
  * How. A side GEMM's inputs must stay as they are until the backward's end,
  * where backward.c joins the side work. att and ln1 are saved activations,
@@ -80,13 +82,22 @@ static int ensure_buffers(cf_model *m) {
     return 0;
 }
 
+/* Whether a full backward's attention leaves SMs idle all through it (the
+ * backend's answer for this forward's shape; 0 where it has none) */
+static int full_leaves_sms(cf_model *m) {
+    if (!m->b->attention_bwd_one_wave) return 0;
+    const cf_attn_shape s = cf_model_attn_shape(m);
+    return m->b->attention_bwd_one_wave(m->b, &s);
+}
+
 int cf_dwside_begin(cf_model *m, int eligible, int compact) {
     cf_dwside *d = &m->dws;
     /* a backend without side sections runs them in line: only through the
      * buffers when forced (CF_DW_SIDE_ATTN=1, the CPU tests of this path);
-     * so does a full backward unless forced (see the top of the file) */
-    d->on = eligible && !d->off && (compact || d->force) && !m->profile && (m->b->side_begin || d->force) &&
-            ensure_buffers(m) == 0;
+     * so does a full backward whose attention fills the GPU, unless forced
+     * (see the top of the file) */
+    d->on = eligible && !d->off && (compact || d->force || full_leaves_sms(m)) && !m->profile &&
+            (m->b->side_begin || d->force) && ensure_buffers(m) == 0;
     if (d->on) d->backwards++;
     return d->on;
 }

@@ -440,14 +440,16 @@ TEST(gpu_paired_gradients_on_the_side_stream_give_the_in_line_steps) {
  * them in line (CF_DW_SIDE_ATTN=0 at open) (lockstep_steps), regular and
  * centrifuge, on Llama and on Qwen2 (q/k/v biases, whose gradient stays in
  * line), four micro-batches (the MLP's pairs beside too). By default the
- * path runs in every compact backward from the second step and in no full
- * one; forced (CF_DW_SIDE_ATTN=1, against CF_DW_SIDE=0) in the full ones
- * too; never in the model opened with it off. */
+ * path runs in every compact backward from the second step, and in the
+ * full ones here too: these models' attention is one wave of blocks
+ * (test_gpu_ops: attention_bwd_one_wave_where_the_plan_fits_the_sms has
+ * the shapes that fill the GPU); forced (CF_DW_SIDE_ATTN=1, against
+ * CF_DW_SIDE=0) in every backward; never in the model opened with it off. */
 TEST(gpu_attention_weight_gradients_beside_give_the_in_line_steps) {
     static const char *const names[] = {"tiny-llama", "tiny-qwen2"};
     /* mode, forced, backwards beside expected */
     static const struct { cf_mode mode; int forced; long long beside; } cases[] = {
-        {CF_MODE_REGULAR, 0, 0}, {CF_MODE_REGULAR, 1, 8}, {CF_MODE_CENTRIFUGE, 0, 8}};
+        {CF_MODE_REGULAR, 0, 8}, {CF_MODE_REGULAR, 1, 8}, {CF_MODE_CENTRIFUGE, 0, 8}};
     char what[128];
     for (int ni = 0; ni < 2; ni++)
         for (int ci = 0; ci < 3; ci++) {

@@ -385,3 +385,21 @@ void cf_cuda_attention_bwd(cf_backend *b, void *dq, void *dk, void *dv, const vo
     if (!ctx) return;
     attn_bwd(ctx, dq, dk, dv, dout, q, k, v, out, lse, s, kept, mode);
 }
+
+/* The full backward's main grid at shape s against the SMs: the Hopper
+ * plan's blocks (H/hpb x key tiles x parts x B, the plan the backward
+ * itself will take and keep), or the portable kernel's (H x 64-key tiles x
+ * B). TinyLlama @4096 plans 256 blocks and Llama3.2-3B @2048 256, two waves
+ * on 132 SMs; Qwen2.5-1.5B @2048 128, one (run 26). */
+int cf_cuda_attention_bwd_one_wave(cf_backend *b, const cf_attn_shape *s) {
+    cf_cuda_ctx *ctx = cf_cuda_enter(b);
+    if (!ctx || s->B <= 0 || s->S <= 0 || s->H <= 0 || s->Hkv <= 0 || s->H % s->Hkv) return 0;
+    const int D = kernel_dim(s->D);
+    long long blocks = (long long)s->H * ((s->S + TILE - 1) / TILE) * s->B;
+    if ((D == 64 || D == 128) && attn_sm90_enabled(ctx)) {
+        int hpb = 1, ns = 1;
+        attn_sm90_bwd_plan(ctx, D, s->H, s->Hkv, s->B, s->S, s->S, false, &hpb, &ns);
+        blocks = (long long)(s->H / hpb) * ((s->S + 127) / 128) * ns * s->B;
+    }
+    return !ctx->failed && blocks <= ctx->sm_count;
+}
