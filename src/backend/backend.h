@@ -129,10 +129,11 @@ struct cf_backend {
     void (*side_end)(cf_backend *b);
     void (*side_join)(cf_backend *b);
     /* Optional (NULL: 0). 1 where the full attention backward of shape s
-     * runs as at most one wave of blocks, so SMs idle all through it
-     * (CUDA: the Hopper plan's grid against the SMs); the engine then runs
-     * weight gradients beside it in full backwards too (dwside.c). */
-    int (*attention_bwd_one_wave)(cf_backend *b, const cf_attn_shape *s);
+     * leaves many SMs idle: its grid is under one and a half waves, so its
+     * last wave fills at most half the device (CUDA: the Hopper plan's
+     * blocks against the SMs); the engine then runs weight gradients
+     * beside it in full backwards too (dwside.c). */
+    int (*attention_bwd_leaves_idle)(cf_backend *b, const cf_attn_shape *s);
 
     /* ---- ops ---- */
     /* out[t,:] = wte[tokens[t] - vstart,:] for tokens in [vstart, vstart+vlen),

@@ -13,13 +13,14 @@
  * small and uneven grids, the norm and element-wise kernels.
  *
  * Where. In the compact backwards (kept rows: attention's grids are halved
- * and leave SMs idle), and in the full ones whose attention runs as one
- * wave of blocks (backend.h: attention_bwd_one_wave). Where attention's
- * grid fills the GPU, which runs at its power cap (BENCHMARKS.md run 25),
- * side GEMMs only contend (H200, run 26): TinyLlama's and Llama3.2-3B's
- * regular steps (two waves) were 0.3% faster in line, Qwen2.5-1.5B's (one
- * wave) 0.2-0.7% faster beside; in the centrifuge steps beside was 2%
- * faster at Qwen2.5-1.5B and the same at the others.
+ * and leave SMs idle), and in the full ones whose attention grid is under
+ * one and a half waves (backend.h: attention_bwd_leaves_idle). Where
+ * attention's grid fills the GPU, which runs at its power cap
+ * (BENCHMARKS.md run 25), side GEMMs only contend (H200, run 26):
+ * TinyLlama's and Llama3.2-3B's regular steps (1.94 waves) were 0.3%
+ * faster in line, Qwen2.5-1.5B's (1.45 waves) 0.2-0.7% faster beside; in
+ * the centrifuge steps beside was 2% faster at Qwen2.5-1.5B and the same
+ * at the others.
  *
  * How. A side GEMM's inputs must stay as they are until the backward's end,
  * where backward.c joins the side work. att and ln1 are saved activations,
@@ -85,9 +86,9 @@ static int ensure_buffers(cf_model *m) {
 /* Whether a full backward's attention leaves SMs idle all through it (the
  * backend's answer for this forward's shape; 0 where it has none) */
 static int full_leaves_sms(cf_model *m) {
-    if (!m->b->attention_bwd_one_wave) return 0;
+    if (!m->b->attention_bwd_leaves_idle) return 0;
     const cf_attn_shape s = cf_model_attn_shape(m);
-    return m->b->attention_bwd_one_wave(m->b, &s);
+    return m->b->attention_bwd_leaves_idle(m->b, &s);
 }
 
 int cf_dwside_begin(cf_model *m, int eligible, int compact) {

@@ -441,8 +441,8 @@ TEST(gpu_paired_gradients_on_the_side_stream_give_the_in_line_steps) {
  * centrifuge, on Llama and on Qwen2 (q/k/v biases, whose gradient stays in
  * line), four micro-batches (the MLP's pairs beside too). By default the
  * path runs in every compact backward from the second step, and in the
- * full ones here too: these models' attention is one wave of blocks
- * (test_gpu_ops: attention_bwd_one_wave_where_the_plan_fits_the_sms has
+ * full ones here too: these models' attention grid is under 1.5 waves
+ * (test_gpu_ops: attention_bwd_leaves_idle_where_the_plan_is_under_one_and_a_half_waves has
  * the shapes that fill the GPU); forced (CF_DW_SIDE_ATTN=1, against
  * CF_DW_SIDE=0) in every backward; never in the model opened with it off. */
 TEST(gpu_attention_weight_gradients_beside_give_the_in_line_steps) {

@@ -1714,23 +1714,23 @@ TEST(attention_hopper_bwd_pairs_give_the_partials_bits) {
     CHECK_MSG(ctx->attn_pair_ok != 0, "no Hopper backward kernel ran in clusters of two");
 }
 
-/* attention_bwd_one_wave (dwside.c runs weight gradients beside full
- * backwards it says yes to): a small shape is one wave, four sequences of
- * TinyLlama's are many; on a 132-SM GPU with the Hopper path, TinyLlama
- * @4096 (256 blocks) and Llama3.2-3B @2048 (256) are not, Qwen2.5-1.5B
- * @2048 (128) is (the plans of bwd_plan, run 24). */
-TEST(attention_bwd_one_wave_where_the_plan_fits_the_sms) {
+/* attention_bwd_leaves_idle (dwside.c runs weight gradients beside full
+ * backwards it says yes to: grids under 1.5 waves): a small shape is, four
+ * sequences of TinyLlama's are not; on a 132-SM GPU with the Hopper path,
+ * TinyLlama @4096 (256 blocks) and Llama3.2-3B @2048 (256) are not,
+ * Qwen2.5-1.5B @2048 (192) is (the plans of bwd_plan, run 24). */
+TEST(attention_bwd_leaves_idle_where_the_plan_is_under_one_and_a_half_waves) {
     const cf_cuda_ctx *ctx = gpu->device_context(gpu);
-    CHECK(gpu->attention_bwd_one_wave != NULL);
-    if (!gpu->attention_bwd_one_wave) return;
+    CHECK(gpu->attention_bwd_leaves_idle != NULL);
+    if (!gpu->attention_bwd_leaves_idle) return;
     const cf_attn_shape small = {1, 64, 4, 2, 64, 0.125f, NULL}, many = {4, 4096, 32, 4, 64, 0.125f, NULL};
     const cf_attn_shape tiny_llama = {1, 4096, 32, 4, 64, 0.125f, NULL}, llama3b = {1, 2048, 24, 8, 128, 0.0884f, NULL};
     const cf_attn_shape qwen = {1, 2048, 12, 2, 128, 0.0884f, NULL};
-    CHECK(gpu->attention_bwd_one_wave(gpu, &small) == 1);
-    CHECK(gpu->attention_bwd_one_wave(gpu, &many) == 0);
-    const int t = gpu->attention_bwd_one_wave(gpu, &tiny_llama), l = gpu->attention_bwd_one_wave(gpu, &llama3b),
-              q = gpu->attention_bwd_one_wave(gpu, &qwen);
-    printf("    %d SMs, %s path: one wave at TinyLlama %d, Llama3.2-3B %d, Qwen2.5-1.5B %d\n", ctx->sm_count,
+    CHECK(gpu->attention_bwd_leaves_idle(gpu, &small) == 1);
+    CHECK(gpu->attention_bwd_leaves_idle(gpu, &many) == 0);
+    const int t = gpu->attention_bwd_leaves_idle(gpu, &tiny_llama), l = gpu->attention_bwd_leaves_idle(gpu, &llama3b),
+              q = gpu->attention_bwd_leaves_idle(gpu, &qwen);
+    printf("    %d SMs, %s path: leaves SMs idle at TinyLlama %d, Llama3.2-3B %d, Qwen2.5-1.5B %d\n", ctx->sm_count,
            attn_path_of(gpu) == 2 ? "hopper" : "portable", t, l, q);
     if (ctx->sm_count == 132 && attn_path_of(gpu) == 2) CHECK(t == 0 && l == 0 && q == 1);
     CHECK(gpu->check(gpu) == 0);
@@ -1920,7 +1920,7 @@ int main(void) {
     RUN_IF(attention_hopper_matches_portable_kernels);
     RUN_IF(attention_hopper_bwd_heads_per_block_and_query_parts_match);
     RUN_IF(attention_hopper_bwd_pairs_give_the_partials_bits);
-    RUN_IF(attention_bwd_one_wave_where_the_plan_fits_the_sms);
+    RUN_IF(attention_bwd_leaves_idle_where_the_plan_is_under_one_and_a_half_waves);
     RUN_IF(errors_are_sticky_and_a_second_context_is_independent);
     RUN_IF(two_contexts_interleaved_give_the_same_results);
     CHECK_MSG(gpu->check(gpu) == 0, "the shared GPU backend failed: %s", cf_last_error());

@@ -121,7 +121,7 @@ extern "C" cf_backend *cf_backend_cuda_create(int device) {
     b->dropout = cf_cuda_dropout;
     b->attention_fwd = cf_cuda_attention_fwd;
     b->attention_bwd = cf_cuda_attention_bwd;
-    b->attention_bwd_one_wave = cf_cuda_attention_bwd_one_wave;
+    b->attention_bwd_leaves_idle = cf_cuda_attention_bwd_leaves_idle;
     b->lmhead_loss_fwd = cf_cuda_lmhead_loss_fwd;
     b->lmhead_loss_bwd = cf_cuda_lmhead_loss_bwd;
     b->lmhead_loss_fwd_grad = cf_cuda_lmhead_loss_fwd_grad;

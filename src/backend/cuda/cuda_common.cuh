@@ -203,6 +203,6 @@ void cf_cuda_attention_fwd(cf_backend *b, void *out, float *lse, const void *q, 
 void cf_cuda_attention_bwd(cf_backend *b, void *dq, void *dk, void *dv, const void *dout, const void *q,
                            const void *k, const void *v, const void *out, const float *lse, const cf_attn_shape *s,
                            const cf_rows *kept, cf_attn_bwd_mode mode);
-int cf_cuda_attention_bwd_one_wave(cf_backend *b, const cf_attn_shape *s);
+int cf_cuda_attention_bwd_leaves_idle(cf_backend *b, const cf_attn_shape *s);
 
 #endif /* CF_CUDA_COMMON_CUH */
