@@ -579,6 +579,19 @@ static bool bwd_pdl(void) {
     return on != 0;
 }
 
+/* the bit of each main-kernel variant in ctx->attn_sm90_attr_done and in
+ * the pairs' checked/ok masks */
+template <int D, int BM> static constexpr int bwd_variant_bit() { return D == 128 ? 2 : BM == 64 ? 3 : 6; }
+
+/* *at = clusters of two along the axis of `pair` (CF_PAIR_HEADS: x, the
+ * head groups; CF_PAIR_PARTS: y, the parts of a key tile) */
+static void pair_cluster_attr(cudaLaunchAttribute *at, int pair) {
+    at->id = cudaLaunchAttributeClusterDimension;
+    at->val.clusterDim.x = pair == CF_PAIR_HEADS ? 2 : 1;
+    at->val.clusterDim.y = pair == CF_PAIR_PARTS ? 2 : 1;
+    at->val.clusterDim.z = 1;
+}
+
 template <int D, int BM>
 static int bwd_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int kmaxlen, int tps, int hpb, int ns,
                            int pair) {
@@ -587,7 +600,7 @@ static int bwd_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int
     if (!attn_sm90_map_rows(&mq, a.q, nq_rows, a.H, D, C::BM) || !attn_sm90_map_rows(&mo, a.dout, nq_rows, a.H, D, C::BM))
         return 0;
     const void *fn = (const void *)attn_bwd_sm90_kernel<D, BM>;
-    if (!attn_sm90_prepare(ctx, fn, C::SMEM, D == 128 ? 2 : BM == 64 ? 3 : 6)) return -1;
+    if (!attn_sm90_prepare(ctx, fn, C::SMEM, bwd_variant_bit<D, BM>())) return -1;
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(a.H / hpb, (kmaxlen + C::BN - 1) / C::BN * ns, a.B);
     cfg.blockDim = dim3(C::THREADS);
@@ -595,12 +608,7 @@ static int bwd_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int
     cfg.stream = ctx->stream;
     cudaLaunchAttribute at[2];
     unsigned nat = 0;
-    if (pair) {
-        at[nat].id = cudaLaunchAttributeClusterDimension;
-        at[nat].val.clusterDim.x = pair == CF_PAIR_HEADS ? 2 : 1;
-        at[nat].val.clusterDim.y = pair == CF_PAIR_PARTS ? 2 : 1;
-        at[nat++].val.clusterDim.z = 1;
-    }
+    if (pair) pair_cluster_attr(&at[nat++], pair);
     if (bwd_pdl()) { /* its prologue while the prep launch ends (it waits before reading D_i, zeros) */
         at[nat].id = cudaLaunchAttributeProgrammaticStreamSerialization;
         at[nat++].val.programmaticStreamSerializationAllowed = 1;
@@ -617,7 +625,7 @@ static int bwd_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int
  * error: the partials path stays). */
 template <int D, int BM> static bool pairs_fit(cf_cuda_ctx *ctx) {
     using C = BwdSm90<D, BM>;
-    const int which = D == 128 ? 2 : BM == 64 ? 3 : 6;
+    const int which = bwd_variant_bit<D, BM>();
     if (ctx->attn_pair_checked >> which & 1) return ctx->attn_pair_ok >> which & 1;
     const void *fn = (const void *)attn_bwd_sm90_kernel<D, BM>;
     if (!attn_sm90_prepare(ctx, fn, C::SMEM, which)) return false;
@@ -626,9 +634,7 @@ template <int D, int BM> static bool pairs_fit(cf_cuda_ctx *ctx) {
     cfg.blockDim = dim3(C::THREADS);
     cfg.dynamicSmemBytes = C::SMEM;
     cudaLaunchAttribute cl[1];
-    cl[0].id = cudaLaunchAttributeClusterDimension;
-    cl[0].val.clusterDim.x = 2;
-    cl[0].val.clusterDim.y = cl[0].val.clusterDim.z = 1;
+    pair_cluster_attr(&cl[0], CF_PAIR_HEADS);
     cfg.attrs = cl;
     cfg.numAttrs = 1;
     int n = 0;

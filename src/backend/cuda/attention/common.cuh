@@ -198,7 +198,7 @@ __device__ __forceinline__ void atomic_add_f2(float *dst, float x, float y) {
 #endif
 }
 
-/* Programmatic dependent launch (sm_90; launch_sm90.cu: attn_pdl). A kernel
+/* Programmatic dependent launch (sm_90; bwd_sm90.cu: bwd_pdl). A kernel
  * launched with it may start while the kernel before it in the stream
  * still runs, once every block of that one has called griddep_trigger()
  * (or exited): griddep_wait() then waits until it has completed and its
