@@ -101,11 +101,13 @@ __device__ __forceinline__ void griddep_trigger() {
 /* The first statement of every kernel launched by cf_launch: nothing of
  * the kernel touches global memory before the kernel ahead of it in the
  * stream has completed (a read would see old data, a write could race with
- * its reads). No early trigger: the kernel after this one may launch as
- * this one's blocks exit, so its blocks never stand waiting on SMs while
- * this one still works (measured in run 27: triggering right after the
- * wait made TinyLlama's regular step 1% slower at the power cap). */
-__device__ __forceinline__ void cf_pdl_start() { griddep_wait(); }
+ * its reads). The trigger comes after the wait, so at most two kernels
+ * stand on an SM's resources at once: this one and its dependent, which
+ * may start once all of this kernel's blocks have started. */
+__device__ __forceinline__ void cf_pdl_start() {
+    griddep_wait();
+    griddep_trigger();
+}
 
 /* kernel<<<grid, block, smem, ctx->stream>>>(args...), as a programmatic
  * dependent launch where ctx->pdl (sm_90, and not CF_PDL=0 at context

@@ -61,8 +61,7 @@ constexpr size_t bwd_smem_bytes() {
  * spread over the whole grid, so the backward needs no memset of its own */
 static __global__ void attn_bwd_prep_kernel(const bf16 *dout, const bf16 *o, float *Dvec, float *zero, size_t nzero,
                                             int nrows, int D, int rpw) {
-    cf_pdl_start();
-    griddep_trigger(); /* the main kernel may start its prologue (it waits before reading D_i) */
+    cf_pdl_start(); /* then the main kernel may start its prologue (it waits before reading D_i) */
     attn_prep_body(dout, o, Dvec, zero, nzero, nrows, D, rpw, blockIdx.x, gridDim.x);
 }
 

@@ -77,8 +77,7 @@ struct CfPrep {
 };
 
 __global__ void __launch_bounds__(256) cf_prep_kernel(const CfPrep p) {
-    cf_pdl_start();
-    griddep_trigger(); /* part 1 may start its prologue (it waits before reading D_i) */
+    cf_pdl_start(); /* then part 1 may start its prologue (it waits before reading D_i) */
     if ((int)blockIdx.x >= p.nr) {
         attn_prep_body(p.dout, p.o, p.Dvec, p.zero, p.nzero, p.nrows, p.D, p.rpw, blockIdx.x - p.nr, gridDim.x - p.nr);
         return;
