@@ -502,31 +502,6 @@ TEST(gpu_adamw_in_one_launch_gives_the_per_tensor_steps) {
     cf_model_free(off);
 }
 
-/* cf_launch's programmatic dependent launches (cuda_common.cuh: the norms,
- * RoPE, SwiGLU, embedding, LM-head rows, selection and gather kernels, the
- * attention forward and the backward's prep begin while the kernel ahead
- * of them ends, and wait for it inside) give the steps of plain launches
- * (CF_PDL=0 at open) (lockstep_steps): a kernel that read its input before
- * the kernel writing it had finished would move the losses and weights far
- * past the tolerance. cpu-20m (head dim 64: the Hopper attention kernels
- * at sm_90) regular, tiny-qwen2 centrifuge (selection, gathers, biases).
- * On in the one context where the device has them (sm_90), off in the
- * other. */
-TEST(gpu_programmatic_dependent_launches_give_the_plain_launch_steps) {
-    static const struct { const char *what, *name; cf_mode mode; } run[] = {
-        {"pdl regular", "cpu-20m", CF_MODE_REGULAR}, {"pdl centrifuge", "tiny-qwen2", CF_MODE_CENTRIFUGE}};
-    for (int i = 0; i < 2; i++) {
-        cf_model *on, *off;
-        if (switch_lockstep(run[i].what, run[i].name, 71 + i, "CF_PDL", run[i].mode, 101 + i, &on, &off)) {
-            const cf_cuda_ctx *con = (const cf_cuda_ctx *)on->b->state, *coff = (const cf_cuda_ctx *)off->b->state;
-            CHECK_MSG(con->pdl == (con->cc_major >= 9) && coff->pdl == 0, "%s: pdl %d on (sm_%d%d), %d off",
-                      run[i].what, con->pdl, con->cc_major, con->cc_minor, coff->pdl);
-        }
-        cf_model_free(on);
-        cf_model_free(off);
-    }
-}
-
 /* fills model m's STALE gradients with NaN; all of its set-only gradients
  * (the 7 linear weights of each layer) must be STALE after a step */
 static void poison_stale(const char *what, cf_model *m, int step) {
@@ -771,6 +746,5 @@ int main(void) {
     RUN_IF(gpu_early_gradient_norm_gives_the_whole_buffer_steps);
     RUN_IF(gpu_adamw_in_one_launch_gives_the_per_tensor_steps);
     RUN_IF(gpu_stale_gradients_give_the_zeroing_steps_even_when_poisoned);
-    RUN_IF(gpu_programmatic_dependent_launches_give_the_plain_launch_steps);
     return test_summary();
 }

@@ -305,15 +305,6 @@ cf_cuda_ctx *cf_cuda_ctx_create(int device) {
      * work; the communication stream stays level with compute (or at the
      * top with CF_COMM_PRIORITY=high). CF_SIDE_PRIORITY=normal: all level
      * (A/B timing). */
-    /* CF_PDL=0: every kernel launched plainly (A/B timing of cf_launch's
-     * programmatic dependent launches, cuda_common.cuh) */
-    const char *pd = getenv("CF_PDL");
-    if (pd && *pd && strcmp(pd, "0") != 0 && strcmp(pd, "1") != 0) {
-        free(ctx);
-        cf_fail("CF_PDL=%s: expected 0 or 1", pd);
-        return NULL;
-    }
-    ctx->pdl = prop.major >= 9 && !(pd && strcmp(pd, "0") == 0);
     const char *se = getenv("CF_SIDE_PRIORITY");
     if (se && *se && strcmp(se, "low") != 0 && strcmp(se, "normal") != 0) {
         free(ctx);

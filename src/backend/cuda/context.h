@@ -87,8 +87,6 @@ typedef struct cf_cuda_ctx {
     int cc_major, cc_minor;     /* compute capability                      */
     int sm_count;
     size_t smem_optin;          /* max dynamic shared memory per block     */
-    int pdl;                    /* cf_launch's kernels as programmatic dependents
-                                   (sm_90; CF_PDL=0 at creation: off)      */
 
     /* streams and events */
     cudaStream_t stream;        /* compute: every op of the backend        */

@@ -77,58 +77,6 @@ static inline int cf_stream_grid(const cf_cuda_ctx *ctx, size_t n) {
 
 static inline bool cf_aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
 
-/* ------------------------------------------- programmatic dependent launch
- *
- * On sm_90 a kernel launched as a programmatic dependent (PDL) of the kernel
- * before it in the stream may start once every block of that one has
- * called griddep_trigger() or exited, instead of after it has completed:
- * the launch latency and the new kernel's prologue overlap the old one's
- * last blocks. griddep_wait() then waits until the kernel before has
- * completed and its writes are visible. Both are no-ops below sm_90 and
- * in kernels launched without PDL. Run 26 measured 2 us or more per kernel
- * boundary in the attention backward's three launches. */
-__device__ __forceinline__ void griddep_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void griddep_trigger() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-
-/* The first statement of every kernel launched by cf_launch: nothing of
- * the kernel touches global memory before the kernel ahead of it in the
- * stream has completed (a read would see old data, a write could race with
- * its reads). The trigger comes after the wait, so at most two kernels
- * stand on an SM's resources at once: this one and its dependent, which
- * may start once all of this kernel's blocks have started. */
-__device__ __forceinline__ void cf_pdl_start() {
-    griddep_wait();
-    griddep_trigger();
-}
-
-/* kernel<<<grid, block, smem, ctx->stream>>>(args...), as a programmatic
- * dependent launch where ctx->pdl (sm_90, and not CF_PDL=0 at context
- * creation). The kernel must begin with cf_pdl_start(). Errors show in the
- * caller's CF_CK_LAUNCH (cudaGetLastError), as for <<<>>>. */
-template <typename... P, typename... A>
-static inline void cf_launch(const cf_cuda_ctx *ctx, void (*kernel)(P...), dim3 grid, dim3 block, size_t smem,
-                             A &&...args) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = block;
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = ctx->stream;
-    cudaLaunchAttribute at[1];
-    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    at[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = at;
-    cfg.numAttrs = ctx->pdl ? 1 : 0;
-    cudaLaunchKernelEx(&cfg, kernel, (P)args...);
-}
-
 /* ---------------------------------------------------------- vector helpers */
 
 /* 16 bytes = 8 bf16 */

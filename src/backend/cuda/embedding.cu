@@ -9,7 +9,6 @@
 /* out[t, :] = wte[tokens[t] - vstart, :] for tokens in the slice, else 0 */
 static __global__ void embedding_fwd_kernel(bf16 *out, const int *tokens, const bf16 *wte, int C, int vec,
                                             int vstart, int vlen) {
-    cf_pdl_start();
     const int t = blockIdx.x;
     const int r = tokens[t] - vstart;
     const size_t src = (size_t)r * C, dst = (size_t)t * C;
@@ -27,12 +26,11 @@ void cf_cuda_embedding_fwd(cf_backend *b, void *out, const int *tokens, const vo
     cf_cuda_ctx *ctx = cf_cuda_enter(b);
     if (!ctx || T <= 0) return;
     int vec = C % 8 == 0 && cf_aligned16(out) && cf_aligned16(wte);
-    cf_launch(ctx, embedding_fwd_kernel, T, 256, 0, (bf16 *)out, tokens, (const bf16 *)wte, C, vec, vstart, vlen);
+    embedding_fwd_kernel<<<T, 256, 0, ctx->stream>>>((bf16 *)out, tokens, (const bf16 *)wte, C, vec, vstart, vlen);
     CF_CK_LAUNCH(ctx, "embedding_fwd");
 }
 
 static __global__ void iota_kernel(int *x, int n) {
-    cf_pdl_start();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] = i;
 }
@@ -44,7 +42,6 @@ static __global__ void iota_kernel(int *x, int n) {
  */
 static __global__ void embedding_bwd_kernel(float *dwte, const bf16 *dout, const int *tok_sorted, const int *row_sorted,
                                      int T, int C, int vstart, int vlen) {
-    cf_pdl_start();
     const int i = blockIdx.x;
     const int tok = tok_sorted[i];
     if (i > 0 && tok_sorted[i - 1] == tok) return;
@@ -66,7 +63,7 @@ void cf_cuda_embedding_bwd(cf_backend *b, float *dwte, const void *dout, const i
     int *vals = (int *)cf_cuda_scratch(ctx, CF_SCR_SORT_VALS, (size_t)T * sizeof(int));
     int *iota = (int *)cf_cuda_scratch(ctx, CF_SCR_IOTA, (size_t)T * sizeof(int));
     if (!keys || !vals || !iota) return;
-    cf_launch(ctx, iota_kernel, (T + 255) / 256, 256, 0, iota, T);
+    iota_kernel<<<(T + 255) / 256, 256, 0, ctx->stream>>>(iota, T);
     if (!CF_CK_LAUNCH(ctx, "iota")) return;
     size_t tmp_bytes = 0;
     if (!CF_CK(ctx, cub::DeviceRadixSort::SortPairs(NULL, tmp_bytes, tokens, keys, iota, vals, T, 0, 31, ctx->stream)))
@@ -76,6 +73,6 @@ void cf_cuda_embedding_bwd(cf_backend *b, float *dwte, const void *dout, const i
         !CF_CK(ctx, cub::DeviceRadixSort::SortPairs(tmp, tmp_bytes, tokens, keys, iota, vals, T, 0, 31, ctx->stream)))
         return;
     dim3 grid(T, (C + 255) / 256);
-    cf_launch(ctx, embedding_bwd_kernel, grid, 256, 0, dwte, (const bf16 *)dout, keys, vals, T, C, vstart, vlen);
+    embedding_bwd_kernel<<<grid, 256, 0, ctx->stream>>>(dwte, (const bf16 *)dout, keys, vals, T, C, vstart, vlen);
     CF_CK_LAUNCH(ctx, "embedding_bwd");
 }

@@ -27,7 +27,6 @@
 template <bool VEC>
 static __global__ void colsum_partial_kernel(float *partial, const bf16 *dout, const bf16 *x, const float *rstd, int T,
                                              int C, int rows_per_chunk) {
-    cf_pdl_start();
     __shared__ float red[8][COLSUM_COLS];
     const int tx = threadIdx.x, ty = threadIdx.y, base = blockIdx.x * COLSUM_COLS;
     const int t0 = blockIdx.y * rows_per_chunk, t1 = min(T, t0 + rows_per_chunk);
@@ -71,7 +70,6 @@ static __global__ void colsum_partial_kernel(float *partial, const bf16 *dout, c
 /* block (32, 32): 32 columns; thread y sums chunks y, y+32, .. then the 32
  * sums are added in order: out[c] += sum_k partial[k, c] */
 static __global__ void colsum_final_kernel(float *out, const float *partial, int nchunks, int C) {
-    cf_pdl_start();
     __shared__ float red[32][33];
     const int c = blockIdx.x * 32 + threadIdx.x;
     float s = 0.f;
@@ -88,7 +86,7 @@ static __global__ void colsum_final_kernel(float *out, const float *partial, int
     }
 }
 void cf_cuda_colsum_final(cf_cuda_ctx *ctx, float *out, const float *partial, int nchunks, int C) {
-    cf_launch(ctx, colsum_final_kernel, (C + 31) / 32, dim3(32, 32), 0, out, partial, nchunks, C);
+    colsum_final_kernel<<<(C + 31) / 32, dim3(32, 32), 0, ctx->stream>>>(out, partial, nchunks, C);
     CF_CK_LAUNCH(ctx, "colsum_final");
 }
 
@@ -105,9 +103,9 @@ void cf_cuda_colsum(cf_cuda_ctx *ctx, float *out, const bf16 *dout, const bf16 *
     if (!partial) return;
     dim3 grid(cblocks, nchunks), block(32, 8);
     if (C % 8 == 0 && cf_aligned16(dout) && (!x || cf_aligned16(x)))
-        cf_launch(ctx, colsum_partial_kernel<true>, grid, block, 0, partial, dout, x, rstd, T, C, rows);
+        colsum_partial_kernel<true><<<grid, block, 0, ctx->stream>>>(partial, dout, x, rstd, T, C, rows);
     else
-        cf_launch(ctx, colsum_partial_kernel<false>, grid, block, 0, partial, dout, x, rstd, T, C, rows);
+        colsum_partial_kernel<false><<<grid, block, 0, ctx->stream>>>(partial, dout, x, rstd, T, C, rows);
     if (!CF_CK_LAUNCH(ctx, "colsum_partial")) return;
     cf_cuda_colsum_final(ctx, out, partial, nchunks, C);
 }

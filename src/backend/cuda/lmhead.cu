@@ -114,7 +114,6 @@ template <int VEC>
 static __global__ void lmhead_rows_kernel(float *losses, float *stats, bf16 *dlogits, const float *logits,
                                           const int *targets, const float *dloss, const float *lse_in, int V,
                                           int vstart) {
-    cf_pdl_start();
     __shared__ float sm[32], ss[32];
     const int row = blockIdx.x;
     const float *lg = logits + (size_t)row * V;
@@ -293,11 +292,11 @@ static void lmhead_rows(cf_cuda_ctx *ctx, int rows, float *losses, float *stats,
         (lmhead_rows_cluster(ctx, rows, losses, dlogits, logits, targets, dloss, V) || ctx->failed))
         return;
     if (V % 4 == 0 && cf_aligned16(logits) && ((uintptr_t)dlogits & 7) == 0)
-        cf_launch(ctx, lmhead_rows_kernel<4>, rows, 512, 0, losses, stats, dlogits, logits, targets, dloss, lse_in, V,
-                  vstart);
+        lmhead_rows_kernel<4><<<rows, 512, 0, ctx->stream>>>(losses, stats, dlogits, logits, targets, dloss, lse_in, V,
+                                                             vstart);
     else
-        cf_launch(ctx, lmhead_rows_kernel<1>, rows, 512, 0, losses, stats, dlogits, logits, targets, dloss, lse_in, V,
-                  vstart);
+        lmhead_rows_kernel<1><<<rows, 512, 0, ctx->stream>>>(losses, stats, dlogits, logits, targets, dloss, lse_in, V,
+                                                             vstart);
 }
 
 /* rows per chunk: fp32 logits + bf16 dlogits of a chunk stay under ~1.5 GiB */
@@ -371,7 +370,6 @@ void cf_cuda_lmhead_loss_bwd(cf_backend *b, void *dx, float *dwlm, const void *x
 /* g[row] *= dloss[row] / scale: exactly 1 or 0 for a row whose weight is
  * scale or 0, so g keeps its one bf16 rounding there */
 static __global__ void lmhead_scale_rows_kernel(bf16 *g, const float *dloss, float scale, int V) {
-    cf_pdl_start();
     const int row = blockIdx.x;
     const float d = dloss[row], r = d / scale;
     bf16 *gr = g + (size_t)row * V;
@@ -393,7 +391,7 @@ void cf_cuda_lmhead_loss_bwd_saved(cf_backend *b, void *dx, float *dwlm, void *g
         return;
     }
     if (dloss) {
-        cf_launch(ctx, lmhead_scale_rows_kernel, T, 512, 0, (bf16 *)g, dloss, scale, V);
+        lmhead_scale_rows_kernel<<<T, 512, 0, ctx->stream>>>((bf16 *)g, dloss, scale, V);
         if (!CF_CK_LAUNCH(ctx, "lmhead_scale_rows")) return;
     }
     cf_cuda_matmul_bwd_scaled(ctx, dx, dwlm, g, x, wlm, T, C, V, flags & CF_MM_DW_SET, scale);
@@ -403,7 +401,6 @@ void cf_cuda_lmhead_loss_bwd_saved(cf_backend *b, void *dx, float *dwlm, void *g
  * over the slices' stats parts [nparts, T, 3] (one thread per row). */
 static __global__ void xent_combine_kernel(float *losses, float *lse, const float *parts, const int *targets, int T,
                                            int nparts, int V) {
-    cf_pdl_start();
     const int t = blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= T) return;
     float M = -INFINITY, tgt = 0.f;
@@ -423,6 +420,6 @@ void cf_cuda_xent_combine(cf_backend *b, float *losses, float *lse, const float 
                           int nparts, int V) {
     cf_cuda_ctx *ctx = cf_cuda_enter(b);
     if (!ctx || T <= 0) return;
-    cf_launch(ctx, xent_combine_kernel, (T + 255) / 256, 256, 0, losses, lse, parts, targets, T, nparts, V);
+    xent_combine_kernel<<<(T + 255) / 256, 256, 0, ctx->stream>>>(losses, lse, parts, targets, T, nparts, V);
     CF_CK_LAUNCH(ctx, "xent_combine");
 }

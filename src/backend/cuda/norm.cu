@@ -14,7 +14,6 @@
 /* One warp per row. out = x * rstd * w, rstd = 1/sqrt(mean(x^2) + eps). */
 template <bool VEC>
 static __global__ void rmsnorm_fwd_kernel(bf16 *out, float *rstd, const bf16 *inp, const bf16 *w, int T, int C, float eps) {
-    cf_pdl_start();
     const int row = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
     if (row >= T) return;
     const bf16 *x = inp + (size_t)row * C;
@@ -56,7 +55,6 @@ static __global__ void rmsnorm_fwd_kernel(bf16 *out, float *rstd, const bf16 *in
 template <bool VEC>
 static __global__ void add_rmsnorm_fwd_kernel(bf16 *sum, bf16 *out, float *rstd, const bf16 *a, const bf16 *c,
                                               const bf16 *w, int T, int C, float eps) {
-    cf_pdl_start();
     const int row = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
     if (row >= T) return;
     const size_t off = (size_t)row * C;
@@ -112,7 +110,6 @@ template <bool ADD, int NP>
 static __global__ void __launch_bounds__(256, NP <= 8 ? 4 : 2)
     rmsnorm_fwd_regs_kernel(bf16 *sum, bf16 *out, float *rstd, const bf16 *a, const bf16 *c, const bf16 *w, int T,
                             int C, float eps) {
-    cf_pdl_start();
     const int row = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
     if (row >= T) return;
     const size_t off = (size_t)row * C;
@@ -183,12 +180,9 @@ template <bool ADD>
 static void rmsnorm_fwd_regs(cf_cuda_ctx *ctx, int np, bf16 *sum, bf16 *out, float *rstd, const bf16 *a,
                              const bf16 *c, const bf16 *w, int T, int C, float eps) {
     const int blocks = (T * 32 + 255) / 256;
-    if (np == 2)
-        cf_launch(ctx, rmsnorm_fwd_regs_kernel<ADD, 2>, blocks, 256, 0, sum, out, rstd, a, c, w, T, C, eps);
-    else if (np == 8)
-        cf_launch(ctx, rmsnorm_fwd_regs_kernel<ADD, 8>, blocks, 256, 0, sum, out, rstd, a, c, w, T, C, eps);
-    else
-        cf_launch(ctx, rmsnorm_fwd_regs_kernel<ADD, 16>, blocks, 256, 0, sum, out, rstd, a, c, w, T, C, eps);
+    if (np == 2) rmsnorm_fwd_regs_kernel<ADD, 2><<<blocks, 256, 0, ctx->stream>>>(sum, out, rstd, a, c, w, T, C, eps);
+    else if (np == 8) rmsnorm_fwd_regs_kernel<ADD, 8><<<blocks, 256, 0, ctx->stream>>>(sum, out, rstd, a, c, w, T, C, eps);
+    else rmsnorm_fwd_regs_kernel<ADD, 16><<<blocks, 256, 0, ctx->stream>>>(sum, out, rstd, a, c, w, T, C, eps);
 }
 
 void cf_cuda_add_rmsnorm_fwd(cf_backend *b, void *sum, void *out, float *rstd, const void *a, const void *c,
@@ -203,11 +197,11 @@ void cf_cuda_add_rmsnorm_fwd(cf_backend *b, void *sum, void *out, float *rstd, c
         rmsnorm_fwd_regs<true>(ctx, np, (bf16 *)sum, (bf16 *)out, rstd, (const bf16 *)a, (const bf16 *)c,
                                (const bf16 *)w, T, C, eps);
     else if (vec)
-        cf_launch(ctx, add_rmsnorm_fwd_kernel<true>, blocks, 256, 0, (bf16 *)sum, (bf16 *)out, rstd, (const bf16 *)a,
-                  (const bf16 *)c, (const bf16 *)w, T, C, eps);
+        add_rmsnorm_fwd_kernel<true><<<blocks, 256, 0, ctx->stream>>>(
+            (bf16 *)sum, (bf16 *)out, rstd, (const bf16 *)a, (const bf16 *)c, (const bf16 *)w, T, C, eps);
     else
-        cf_launch(ctx, add_rmsnorm_fwd_kernel<false>, blocks, 256, 0, (bf16 *)sum, (bf16 *)out, rstd, (const bf16 *)a,
-                  (const bf16 *)c, (const bf16 *)w, T, C, eps);
+        add_rmsnorm_fwd_kernel<false><<<blocks, 256, 0, ctx->stream>>>(
+            (bf16 *)sum, (bf16 *)out, rstd, (const bf16 *)a, (const bf16 *)c, (const bf16 *)w, T, C, eps);
     CF_CK_LAUNCH(ctx, "add_rmsnorm_fwd");
 }
 
@@ -221,11 +215,11 @@ void cf_cuda_rmsnorm_fwd(cf_backend *b, void *out, float *rstd, const void *inp,
     if (np)
         rmsnorm_fwd_regs<false>(ctx, np, NULL, (bf16 *)out, rstd, (const bf16 *)inp, NULL, (const bf16 *)w, T, C, eps);
     else if (vec)
-        cf_launch(ctx, rmsnorm_fwd_kernel<true>, blocks, 256, 0, (bf16 *)out, rstd, (const bf16 *)inp, (const bf16 *)w,
-                  T, C, eps);
+        rmsnorm_fwd_kernel<true><<<blocks, 256, 0, ctx->stream>>>(
+            (bf16 *)out, rstd, (const bf16 *)inp, (const bf16 *)w, T, C, eps);
     else
-        cf_launch(ctx, rmsnorm_fwd_kernel<false>, blocks, 256, 0, (bf16 *)out, rstd, (const bf16 *)inp, (const bf16 *)w,
-                  T, C, eps);
+        rmsnorm_fwd_kernel<false><<<blocks, 256, 0, ctx->stream>>>(
+            (bf16 *)out, rstd, (const bf16 *)inp, (const bf16 *)w, T, C, eps);
     CF_CK_LAUNCH(ctx, "rmsnorm_fwd");
 }
 
@@ -243,7 +237,6 @@ struct __align__(16) float8 { float v[8]; };
 template <bool VEC, bool DW>
 static __global__ void rmsnorm_bwd_kernel(bf16 *dinp, float *partial, const bf16 *dout, const bf16 *inp,
                                           const bf16 *w, const float *rstd, int T, int C, int rows, int accumulate) {
-    cf_pdl_start();
     extern __shared__ float4 dw_smem[]; /* [warps][C] floats with DW, 16-byte aligned */
     float *dw_s = (float *)dw_smem;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
@@ -344,7 +337,6 @@ template <bool DW>
 static __global__ void __launch_bounds__(1024)
     rmsnorm_bwd_rows_kernel(bf16 *dinp, float *partial, const bf16 *dout, const bf16 *inp, const bf16 *w,
                             const float *rstd, int T, int C, int rows, int accumulate) {
-    cf_pdl_start();
     __shared__ float red[2][32];
     const int c = 8 * threadIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
     const bool on = c < C;
@@ -414,15 +406,15 @@ static void rmsnorm_bwd_rows_launch(cf_cuda_ctx *ctx, bf16 *dinp, float *dw, con
     const int bound = rmsnorm_bwd_blocks();
     const int rows = (T + bound - 1) / bound, nblocks = (T + rows - 1) / rows;
     if (!dw) {
-        cf_launch(ctx, rmsnorm_bwd_rows_kernel<false>, nblocks, threads, 0, dinp, NULL, dout, inp, w, rstd, T, C, rows,
-                  accumulate);
+        rmsnorm_bwd_rows_kernel<false><<<nblocks, threads, 0, ctx->stream>>>(dinp, NULL, dout, inp, w, rstd, T, C,
+                                                                             rows, accumulate);
         CF_CK_LAUNCH(ctx, "rmsnorm_bwd");
         return;
     }
     float *partial = (float *)cf_cuda_scratch(ctx, CF_SCR_COLSUM, (size_t)nblocks * C * sizeof(float));
     if (!partial) return;
-    cf_launch(ctx, rmsnorm_bwd_rows_kernel<true>, nblocks, threads, 0, dinp, partial, dout, inp, w, rstd, T, C, rows,
-              accumulate);
+    rmsnorm_bwd_rows_kernel<true><<<nblocks, threads, 0, ctx->stream>>>(dinp, partial, dout, inp, w, rstd, T, C,
+                                                                        rows, accumulate);
     if (CF_CK_LAUNCH(ctx, "rmsnorm_bwd")) cf_cuda_colsum_final(ctx, dw, partial, nblocks, C);
 }
 
@@ -435,8 +427,8 @@ static void rmsnorm_bwd_launch(cf_cuda_ctx *ctx, bf16 *dinp, float *dw, const bf
     }
     const int nw = min(8, RMSNORM_BWD_SMEM / (C * (int)sizeof(float)));
     if (!dw || nw < 1) { /* one row per warp; dw NULL: a frozen norm weight */
-        cf_launch(ctx, rmsnorm_bwd_kernel<VEC, false>, (T + 7) / 8, 256, 0, dinp, NULL, dout, inp, w, rstd, T, C, 8,
-                  accumulate);
+        rmsnorm_bwd_kernel<VEC, false><<<(T + 7) / 8, 256, 0, ctx->stream>>>(dinp, NULL, dout, inp, w, rstd, T, C, 8,
+                                                                              accumulate);
         /* dw[c] += sum_t dout[t,c] x[t,c] rstd[t] */
         if (CF_CK_LAUNCH(ctx, "rmsnorm_bwd") && dw) cf_cuda_colsum(ctx, dw, dout, inp, rstd, T, C);
         return;
@@ -444,8 +436,8 @@ static void rmsnorm_bwd_launch(cf_cuda_ctx *ctx, bf16 *dinp, float *dw, const bf
     const int rows = nw * ((T + RMSNORM_BWD_WARPS - 1) / RMSNORM_BWD_WARPS), nblocks = (T + rows - 1) / rows;
     float *partial = (float *)cf_cuda_scratch(ctx, CF_SCR_COLSUM, (size_t)nblocks * C * sizeof(float));
     if (!partial) return;
-    cf_launch(ctx, rmsnorm_bwd_kernel<VEC, true>, nblocks, 32 * nw, (size_t)nw * C * sizeof(float), dinp, partial, dout,
-              inp, w, rstd, T, C, rows, accumulate);
+    rmsnorm_bwd_kernel<VEC, true><<<nblocks, 32 * nw, (size_t)nw * C * sizeof(float), ctx->stream>>>(
+        dinp, partial, dout, inp, w, rstd, T, C, rows, accumulate);
     if (CF_CK_LAUNCH(ctx, "rmsnorm_bwd")) cf_cuda_colsum_final(ctx, dw, partial, nblocks, C);
 }
 void cf_cuda_rmsnorm_bwd(cf_backend *b, void *dinp, float *dw, const void *dout, const void *inp, const void *w,

@@ -153,7 +153,6 @@ static rope_shape rope_shape_for(const cf_cuda_ctx *ctx, int T, int nh, int D, i
 template <int V>
 static __global__ void __launch_bounds__(ROPE_THREADS, 3)
     rope_kernel(rope_part pa, rope_part pb, const float *inv_freq, int D, float sign, int tpb) {
-    cf_pdl_start();
     extern __shared__ float rope_tab[];
     const int half = D / 2, groups = half / V, ba = (pa.T + tpb - 1) / tpb;
     const bool in_b = (int)blockIdx.x >= ba;
@@ -181,10 +180,8 @@ static void rope(cf_backend *b, rope_part pa, rope_part pb, const float *inv_fre
     const int V = (D / 2) % 8 == 0 && (!pa.T || cf_aligned16(pa.x)) && (!pb.T || cf_aligned16(pb.x)) ? 8 : 1;
     const rope_shape sh = rope_shape_for(ctx, pa.T + pb.T, nh, D, V);
     const int blocks = (pa.T + sh.tpb - 1) / sh.tpb + (pb.T + sh.tpb - 1) / sh.tpb;
-    if (V == 8)
-        cf_launch(ctx, rope_kernel<8>, blocks, sh.threads, sh.smem, pa, pb, inv_freq, D, sign, sh.tpb);
-    else
-        cf_launch(ctx, rope_kernel<1>, blocks, sh.threads, sh.smem, pa, pb, inv_freq, D, sign, sh.tpb);
+    if (V == 8) rope_kernel<8><<<blocks, sh.threads, sh.smem, ctx->stream>>>(pa, pb, inv_freq, D, sign, sh.tpb);
+    else rope_kernel<1><<<blocks, sh.threads, sh.smem, ctx->stream>>>(pa, pb, inv_freq, D, sign, sh.tpb);
     CF_CK_LAUNCH(ctx, "rope");
 }
 void cf_cuda_rope_fwd(cf_backend *b, void *x, const int *pos, const float *inv_freq, int T, int nh, int D) {
@@ -214,7 +211,6 @@ template <int V, bool JOIN>
 static __global__ void __launch_bounds__(ROPE_THREADS, 3)
     qkv_rope_kernel(bf16 *qkv, bf16 *q, bf16 *k, bf16 *v, const int *pos, int T, int Hq, int Hk, const float *inv_freq,
                     int D, int tpb) {
-    cf_pdl_start();
     extern __shared__ float rope_tab[];
     const int half = D / 2, groups = half / V, nh = Hq + 2 * Hk;
     const int t0 = (int)blockIdx.x * tpb, nt = min(tpb, T - t0);
@@ -244,11 +240,11 @@ static void qkv_rope(cf_backend *b, bf16 *qkv, bf16 *q, bf16 *k, bf16 *v, const 
     const rope_shape sh = rope_shape_for(ctx, T, nh, D, V);
     const int blocks = (T + sh.tpb - 1) / sh.tpb;
     if (V == 8)
-        cf_launch(ctx, qkv_rope_kernel<8, JOIN>, blocks, sh.threads, sh.smem, qkv, q, k, v, pos, T, Hq, Hk, inv_freq, D,
-                  sh.tpb);
+        qkv_rope_kernel<8, JOIN><<<blocks, sh.threads, sh.smem, ctx->stream>>>(qkv, q, k, v, pos, T, Hq, Hk, inv_freq,
+                                                                              D, sh.tpb);
     else
-        cf_launch(ctx, qkv_rope_kernel<1, JOIN>, blocks, sh.threads, sh.smem, qkv, q, k, v, pos, T, Hq, Hk, inv_freq, D,
-                  sh.tpb);
+        qkv_rope_kernel<1, JOIN><<<blocks, sh.threads, sh.smem, ctx->stream>>>(qkv, q, k, v, pos, T, Hq, Hk, inv_freq,
+                                                                              D, sh.tpb);
     if (JOIN) CF_CK_LAUNCH(ctx, "qkv_join_rope_bwd");
     else CF_CK_LAUNCH(ctx, "qkv_split_rope");
 }

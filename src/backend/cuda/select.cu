@@ -22,7 +22,6 @@ static __device__ __forceinline__ float select_score(const float *losses, const 
 }
 static __global__ void select_rank_kernel(uint8_t *keep, const float *losses, const float *ref, int T, int group,
                                           int k) {
-    cf_pdl_start();
     __shared__ float tile[SELECT_TILE];
     const int t = blockIdx.x * blockDim.x + threadIdx.x;
     /* a block never straddles two groups when blockDim divides group; else
@@ -57,7 +56,7 @@ void cf_cuda_select_topk(cf_backend *b, uint8_t *keep, const float *losses, cons
                          int k) {
     cf_cuda_ctx *ctx = cf_cuda_enter(b);
     if (!ctx || T <= 0) return;
-    cf_launch(ctx, select_rank_kernel, (T + 255) / 256, 256, 0, keep, losses, ref, T, group, k);
+    select_rank_kernel<<<(T + 255) / 256, 256, 0, ctx->stream>>>(keep, losses, ref, T, group, k);
     CF_CK_LAUNCH(ctx, "select_rank");
 }
 
@@ -68,7 +67,6 @@ void cf_cuda_select_topk(cf_backend *b, uint8_t *keep, const float *losses, cons
 typedef struct { void *dst; const void *src; size_t row_bytes; } gather_desc;
 
 static __global__ void gather_multi_kernel(const gather_desc *desc, const int *rows) {
-    cf_pdl_start();
     const gather_desc d = desc[blockIdx.y];
     const size_t i = blockIdx.x, r = (size_t)rows[i];
     if (((d.row_bytes | (size_t)d.dst | (size_t)d.src) & 15) == 0) {
@@ -99,7 +97,7 @@ void cf_cuda_gather_rows_multi(cf_backend *b, int count, void *const *dst, const
         return;
     for (int k0 = 0; k0 < count; k0 += 65535) {
         dim3 grid((unsigned)n, (unsigned)(count - k0 < 65535 ? count - k0 : 65535));
-        cf_launch(ctx, gather_multi_kernel, grid, 128, 0, dev + k0, rows);
+        gather_multi_kernel<<<grid, 128, 0, ctx->stream>>>(dev + k0, rows);
         if (!CF_CK_LAUNCH(ctx, "gather_multi")) return;
     }
 }
@@ -107,14 +105,12 @@ void cf_cuda_gather_rows_multi(cf_backend *b, int count, void *const *dst, const
 
 /* dst[i, :] = src[rows[i], :], one block per row */
 static __global__ void gather16_kernel(uint4 *dst, const uint4 *src, const int *rows, size_t row16) {
-    cf_pdl_start();
     const int i = blockIdx.x;
     const uint4 *s = src + (size_t)rows[i] * row16;
     uint4 *d = dst + (size_t)i * row16;
     for (size_t c = threadIdx.x; c < row16; c += blockDim.x) d[c] = s[c];
 }
 static __global__ void gather1_kernel(unsigned char *dst, const unsigned char *src, const int *rows, size_t rb) {
-    cf_pdl_start();
     const int i = blockIdx.x;
     const unsigned char *s = src + (size_t)rows[i] * rb;
     unsigned char *d = dst + (size_t)i * rb;
@@ -124,9 +120,9 @@ void cf_cuda_gather_rows(cf_backend *b, void *dst, const void *src, const int *r
     cf_cuda_ctx *ctx = cf_cuda_enter(b);
     if (!ctx || n <= 0 || !row_bytes) return;
     if (row_bytes % 16 == 0 && cf_aligned16(dst) && cf_aligned16(src))
-        cf_launch(ctx, gather16_kernel, n, 256, 0, (uint4 *)dst, (const uint4 *)src, rows, row_bytes / 16);
+        gather16_kernel<<<n, 256, 0, ctx->stream>>>((uint4 *)dst, (const uint4 *)src, rows, row_bytes / 16);
     else
-        cf_launch(ctx, gather1_kernel, n, 256, 0, (unsigned char *)dst, (const unsigned char *)src, rows, row_bytes);
+        gather1_kernel<<<n, 256, 0, ctx->stream>>>((unsigned char *)dst, (const unsigned char *)src, rows, row_bytes);
     CF_CK_LAUNCH(ctx, "gather_rows");
 }
 
@@ -137,7 +133,6 @@ void cf_cuda_gather_rows(cf_backend *b, void *dst, const void *src, const int *r
 
 /* Kept count of sequence blockIdx.x (integer sums: exact in any order). */
 static __global__ void keep_count_kernel(int *counts, const uint8_t *keep, int S) {
-    cf_pdl_start();
     __shared__ int red[KEEP_THREADS / 32];
     const uint8_t *k = keep + (size_t)blockIdx.x * S;
     int c = 0;
@@ -183,7 +178,6 @@ __device__ __forceinline__ int block_exclusive_scan(int v, int *total, int *warp
  */
 static __global__ void keep_rows_kernel(int *rows, int *seq_start, const uint8_t *keep, const int *counts, int B,
                                         int S) {
-    cf_pdl_start();
     __shared__ int warp_sums[KEEP_THREADS / 32];
     const int b = blockIdx.x;
     int c = 0;
@@ -220,15 +214,14 @@ void cf_cuda_keep_to_rows(cf_backend *b, int *rows, int *seq_start, const uint8_
     }
     int *counts = (int *)cf_cuda_scratch(ctx, CF_SCR_KEEP_COUNTS, (size_t)B * sizeof(int));
     if (!counts) return;
-    cf_launch(ctx, keep_count_kernel, B, KEEP_THREADS, 0, counts, keep, S);
+    keep_count_kernel<<<B, KEEP_THREADS, 0, ctx->stream>>>(counts, keep, S);
     if (!CF_CK_LAUNCH(ctx, "keep_count")) return;
-    cf_launch(ctx, keep_rows_kernel, B, KEEP_THREADS, 0, rows, seq_start, keep, counts, B, S);
+    keep_rows_kernel<<<B, KEEP_THREADS, 0, ctx->stream>>>(rows, seq_start, keep, counts, B, S);
     CF_CK_LAUNCH(ctx, "keep_rows");
 }
 
 /* dloss[t] = keep == NULL || keep[t] ? value : 0 */
 static __global__ void fill_dloss_kernel(float *dloss, const uint8_t *keep, float value, int n) {
-    cf_pdl_start();
     for (int t = blockIdx.x * blockDim.x + threadIdx.x; t < n; t += gridDim.x * blockDim.x)
         dloss[t] = (!keep || keep[t]) ? value : 0.f;
 }
@@ -236,7 +229,7 @@ static __global__ void fill_dloss_kernel(float *dloss, const uint8_t *keep, floa
 void cf_cuda_fill_dloss(cf_backend *b, float *dloss, const uint8_t *keep, float value, int n) {
     cf_cuda_ctx *ctx = cf_cuda_enter(b);
     if (!ctx || n <= 0) return;
-    cf_launch(ctx, fill_dloss_kernel, cf_grid_for((size_t)n, 256), 256, 0, dloss, keep, value, n);
+    fill_dloss_kernel<<<cf_grid_for((size_t)n, 256), 256, 0, ctx->stream>>>(dloss, keep, value, n);
     CF_CK_LAUNCH(ctx, "fill_dloss");
 }
 
@@ -248,7 +241,6 @@ void cf_cuda_fill_dloss(cf_backend *b, float *dloss, const uint8_t *keep, float 
  */
 #define LOSS_THREADS 1024
 static __global__ void loss_sum_kernel(float *acc, const float *losses, const uint8_t *keep, int n) {
-    cf_pdl_start();
     __shared__ double red[LOSS_THREADS / 32];
     double s = 0.0;
     for (int t = threadIdx.x; t < n; t += LOSS_THREADS)
@@ -267,6 +259,6 @@ static __global__ void loss_sum_kernel(float *acc, const float *losses, const ui
 void cf_cuda_loss_sum(cf_backend *b, float *acc, const float *losses, const uint8_t *keep, int n) {
     cf_cuda_ctx *ctx = cf_cuda_enter(b);
     if (!ctx || n <= 0) return;
-    cf_launch(ctx, loss_sum_kernel, 1, LOSS_THREADS, 0, acc, losses, keep, n);
+    loss_sum_kernel<<<1, LOSS_THREADS, 0, ctx->stream>>>(acc, losses, keep, n);
     CF_CK_LAUNCH(ctx, "loss_sum");
 }

@@ -9,7 +9,6 @@
 /* h = silu(g) * u, silu(g) = g * sigmoid(g); h has rows of F, gate and up
  * rows of ld (2F: the two halves of the fused gate/up GEMM's output) */
 static __global__ void swiglu_fwd_kernel(bf16 *h, const bf16 *gate, const bf16 *up, int T, int F, int ld) {
-    cf_pdl_start();
     const size_t n = (size_t)T * F;
     for (size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n; idx += (size_t)gridDim.x * blockDim.x) {
         const size_t src = idx / F * ld + idx % F;
@@ -18,7 +17,6 @@ static __global__ void swiglu_fwd_kernel(bf16 *h, const bf16 *gate, const bf16 *
     }
 }
 static __global__ void swiglu_fwd_vec_kernel(pack8 *h, const pack8 *gate, const pack8 *up, int T, int F8, int ld8) {
-    cf_pdl_start();
     const size_t n8 = (size_t)T * F8;
     for (size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n8; idx += (size_t)gridDim.x * blockDim.x) {
         const size_t src = idx / F8 * ld8 + idx % F8;
@@ -44,7 +42,6 @@ __device__ __forceinline__ void swiglu_grad(float g, float u, float dh, float *d
  * halves of one [n, 2F] matrix for the fused gate/up backward GEMM). */
 static __global__ void swiglu_bwd_rows_vec_kernel(pack8 *h, pack8 *dgate, pack8 *dup, const pack8 *dh, const pack8 *gate,
                                                   const pack8 *up, const int *rows, int n, int F8, int ldi8, int ld8) {
-    cf_pdl_start();
     const size_t total = (size_t)n * F8;
     for (size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += (size_t)gridDim.x * blockDim.x) {
         const size_t i = idx / F8, c = idx % F8;
@@ -64,7 +61,6 @@ static __global__ void swiglu_bwd_rows_vec_kernel(pack8 *h, pack8 *dgate, pack8 
 }
 static __global__ void swiglu_bwd_rows_kernel(bf16 *h, bf16 *dgate, bf16 *dup, const bf16 *dh, const bf16 *gate,
                                               const bf16 *up, const int *rows, int n, int F, int ldi, int ld) {
-    cf_pdl_start();
     const size_t total = (size_t)n * F;
     for (size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += (size_t)gridDim.x * blockDim.x) {
         const size_t i = idx / F, c = idx % F;
@@ -83,34 +79,33 @@ void cf_cuda_swiglu_bwd_rows(cf_backend *b, void *h, void *dgate, void *dup, con
     if (!ctx || n <= 0 || F <= 0) return;
     if (F % 8 == 0 && ld_in % 8 == 0 && ld % 8 == 0 && cf_aligned16(h) && cf_aligned16(dgate) && cf_aligned16(dup) &&
         cf_aligned16(dh) && cf_aligned16(gate) && cf_aligned16(up))
-        cf_launch(ctx, swiglu_bwd_rows_vec_kernel, cf_grid_for((size_t)n * (F / 8), 256), 256, 0, (pack8 *)h,
-                  (pack8 *)dgate, (pack8 *)dup, (const pack8 *)dh, (const pack8 *)gate, (const pack8 *)up, rows, n,
-                  F / 8, ld_in / 8, ld / 8);
+        swiglu_bwd_rows_vec_kernel<<<cf_grid_for((size_t)n * (F / 8), 256), 256, 0, ctx->stream>>>(
+            (pack8 *)h, (pack8 *)dgate, (pack8 *)dup, (const pack8 *)dh, (const pack8 *)gate, (const pack8 *)up, rows,
+            n, F / 8, ld_in / 8, ld / 8);
     else
-        cf_launch(ctx, swiglu_bwd_rows_kernel, cf_grid_for((size_t)n * F, 256), 256, 0, (bf16 *)h, (bf16 *)dgate,
-                  (bf16 *)dup, (const bf16 *)dh, (const bf16 *)gate, (const bf16 *)up, rows, n, F, ld_in, ld);
+        swiglu_bwd_rows_kernel<<<cf_grid_for((size_t)n * F, 256), 256, 0, ctx->stream>>>(
+            (bf16 *)h, (bf16 *)dgate, (bf16 *)dup, (const bf16 *)dh, (const bf16 *)gate, (const bf16 *)up, rows, n,
+            F, ld_in, ld);
     CF_CK_LAUNCH(ctx, "swiglu_bwd_rows");
 }
 void cf_cuda_swiglu_fwd(cf_backend *b, void *h, const void *gate, const void *up, int T, int F, int ld_in) {
     cf_cuda_ctx *ctx = cf_cuda_enter(b);
     if (!ctx || T <= 0 || F <= 0) return;
     if (F % 8 == 0 && ld_in % 8 == 0 && cf_aligned16(h) && cf_aligned16(gate) && cf_aligned16(up))
-        cf_launch(ctx, swiglu_fwd_vec_kernel, cf_grid_for((size_t)T * (F / 8), 256), 256, 0, (pack8 *)h,
-                  (const pack8 *)gate, (const pack8 *)up, T, F / 8, ld_in / 8);
+        swiglu_fwd_vec_kernel<<<cf_grid_for((size_t)T * (F / 8), 256), 256, 0, ctx->stream>>>(
+            (pack8 *)h, (const pack8 *)gate, (const pack8 *)up, T, F / 8, ld_in / 8);
     else
-        cf_launch(ctx, swiglu_fwd_kernel, cf_grid_for((size_t)T * F, 256), 256, 0, (bf16 *)h, (const bf16 *)gate,
-                  (const bf16 *)up, T, F, ld_in);
+        swiglu_fwd_kernel<<<cf_grid_for((size_t)T * F, 256), 256, 0, ctx->stream>>>(
+            (bf16 *)h, (const bf16 *)gate, (const bf16 *)up, T, F, ld_in);
     CF_CK_LAUNCH(ctx, "swiglu_fwd");
 }
 
 /* out = a + c */
 static __global__ void add_kernel(bf16 *out, const bf16 *a, const bf16 *c, size_t n) {
-    cf_pdl_start();
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
         out[i] = __float2bfloat16_rn(__bfloat162float(a[i]) + __bfloat162float(c[i]));
 }
 static __global__ void add_vec_kernel(pack8 *out, const pack8 *a, const pack8 *c, size_t n8) {
-    cf_pdl_start();
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n8; i += (size_t)gridDim.x * blockDim.x) {
         float x[8], y[8];
         unpack8(a[i], x);
@@ -123,22 +118,21 @@ void cf_cuda_add(cf_backend *b, void *out, const void *a, const void *c, size_t 
     cf_cuda_ctx *ctx = cf_cuda_enter(b);
     if (!ctx || !n) return;
     if (n % 8 == 0 && cf_aligned16(out) && cf_aligned16(a) && cf_aligned16(c))
-        cf_launch(ctx, add_vec_kernel, cf_grid_for(n / 8, 256), 256, 0, (pack8 *)out, (const pack8 *)a,
-                  (const pack8 *)c, n / 8);
+        add_vec_kernel<<<cf_grid_for(n / 8, 256), 256, 0, ctx->stream>>>(
+            (pack8 *)out, (const pack8 *)a, (const pack8 *)c, n / 8);
     else
-        cf_launch(ctx, add_kernel, cf_grid_for(n, 256), 256, 0, (bf16 *)out, (const bf16 *)a, (const bf16 *)c, n);
+        add_kernel<<<cf_grid_for(n, 256), 256, 0, ctx->stream>>>((bf16 *)out, (const bf16 *)a, (const bf16 *)c, n);
     CF_CK_LAUNCH(ctx, "add");
 }
 
 /* x = s * x (bf16, in place) */
 static __global__ void scale_kernel(bf16 *x, float s, size_t n) {
-    cf_pdl_start();
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
         x[i] = __float2bfloat16_rn(s * __bfloat162float(x[i]));
 }
 void cf_cuda_scale(cf_backend *b, void *x, float s, size_t n) {
     cf_cuda_ctx *ctx = cf_cuda_enter(b);
     if (!ctx || !n) return;
-    cf_launch(ctx, scale_kernel, cf_grid_for(n, 256), 256, 0, (bf16 *)x, s, n);
+    scale_kernel<<<cf_grid_for(n, 256), 256, 0, ctx->stream>>>((bf16 *)x, s, n);
     CF_CK_LAUNCH(ctx, "scale");
 }

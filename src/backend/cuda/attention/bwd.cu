@@ -61,7 +61,7 @@ constexpr size_t bwd_smem_bytes() {
  * spread over the whole grid, so the backward needs no memset of its own */
 static __global__ void attn_bwd_prep_kernel(const bf16 *dout, const bf16 *o, float *Dvec, float *zero, size_t nzero,
                                             int nrows, int D, int rpw) {
-    cf_pdl_start(); /* then the main kernel may start its prologue (it waits before reading D_i) */
+    griddep_trigger(); /* the main kernel may start its prologue (it waits before reading D_i) */
     attn_prep_body(dout, o, Dvec, zero, nzero, nrows, D, rpw, blockIdx.x, gridDim.x);
 }
 
@@ -309,12 +309,12 @@ static __global__ void gqa_reduce_kernel(bf16 *dk, bf16 *dv, const float *dkx, c
 
 /* =================================================================== host */
 
-void attn_bwd_prep(const cf_cuda_ctx *ctx, const bf16 *dout, const bf16 *o, float *Dvec, float *zero, size_t nzero,
+void attn_bwd_prep(cudaStream_t st, const bf16 *dout, const bf16 *o, float *Dvec, float *zero, size_t nzero,
                    int nrows, int D) {
     const int rpw = attn_prep_rows_per_warp(D, dout, o);
     const size_t warps = ((size_t)nrows + rpw - 1) / rpw;
-    cf_launch(ctx, attn_bwd_prep_kernel, (unsigned)((warps * 32 + 255) / 256), 256, 0, dout, o, Dvec, zero, nzero,
-              nrows, D, rpw);
+    attn_bwd_prep_kernel<<<(unsigned)((warps * 32 + 255) / 256), 256, 0, st>>>(dout, o, Dvec, zero, nzero, nrows, D,
+                                                                             rpw);
 }
 
 void attn_dq_to_bf16(cudaStream_t st, bf16 *dq, const float *dq_acc, size_t n) {

@@ -77,7 +77,7 @@ struct CfPrep {
 };
 
 __global__ void __launch_bounds__(256) cf_prep_kernel(const CfPrep p) {
-    cf_pdl_start(); /* then part 1 may start its prologue (it waits before reading D_i) */
+    griddep_trigger(); /* part 1 may start its prologue (it waits before reading D_i) */
     if ((int)blockIdx.x >= p.nr) {
         attn_prep_body(p.dout, p.o, p.Dvec, p.zero, p.nzero, p.nrows, p.D, p.rpw, blockIdx.x - p.nr, gridDim.x - p.nr);
         return;
@@ -356,7 +356,7 @@ int attn_cf_sm90_prep(cf_cuda_ctx *ctx, const AttnArgs &a, int D, const cf_rows 
     p.rowlen = (int)rowlen;
     p.rpw = attn_prep_rows_per_warp(D, a.dout, a.o);
     const int np = (int)((((size_t)p.nrows + p.rpw - 1) / p.rpw * 32 + 255) / 256);
-    cf_launch(ctx, cf_prep_kernel, p.nr + np, 256, 0, p);
+    cf_prep_kernel<<<p.nr + np, 256, 0, ctx->stream>>>(p);
     if (!CF_CK_LAUNCH(ctx, "attention sm90 centrifuge prep")) return -1;
     *p2 = a;
     p2->kstart = fstart;

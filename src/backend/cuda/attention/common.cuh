@@ -198,8 +198,21 @@ __device__ __forceinline__ void atomic_add_f2(float *dst, float x, float y) {
 #endif
 }
 
-/* griddep_wait, griddep_trigger: cuda_common.cuh (programmatic dependent
- * launch; bwd_sm90.cu: bwd_pdl) */
+/* Programmatic dependent launch (sm_90; bwd_sm90.cu: bwd_pdl). A kernel
+ * launched with it may start while the kernel before it in the stream
+ * still runs, once every block of that one has called griddep_trigger()
+ * (or exited): griddep_wait() then waits until it has completed and its
+ * writes are visible. Both are no-ops below sm_90 and without it. */
+__device__ __forceinline__ void griddep_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void griddep_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
 
 /* ------------------------------------------- bodies of the small kernels
  * (bwd.cu's own kernels, and the one-launch variants of the Hopper path in
@@ -468,7 +481,7 @@ void attn_sm90_bwd_finish(cudaStream_t st, bf16 *dq, float *dqf, const float *ac
 
 /* bwd.cu: D_i = dO_i . O_i per (q index, head), and zero[0 .. nzero) = 0
  * (a dq accumulator; none when zero is NULL) */
-void attn_bwd_prep(const cf_cuda_ctx *ctx, const bf16 *dout, const bf16 *o, float *Dvec, float *zero, size_t nzero,
+void attn_bwd_prep(cudaStream_t st, const bf16 *dout, const bf16 *o, float *Dvec, float *zero, size_t nzero,
                    int nrows, int D);
 /* bwd.cu: dq = bf16(dq_acc) */
 void attn_dq_to_bf16(cudaStream_t st, bf16 *dq, const float *dq_acc, size_t n);

@@ -91,7 +91,6 @@ __global__ void __launch_bounds__(FwdSm90<D>::THREADS, 1)
         mbar_init_fence();
     }
     __syncthreads();
-    cf_pdl_start(); /* q, k, v: RoPE, the launch before this one (programmatic dependent) */
 
     const int wg = threadIdx.x >> 7;
     if (wg == 0) {
@@ -317,17 +316,7 @@ static int fwd_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a) {
     if (!attn_sm90_prepare(ctx, fn, C::SMEM, D == 64 ? 0 : 1)) return -1;
     dim3 grid(a.H, (a.S + C::BM - 1) / C::BM, a.B), block(C::THREADS);
     void *args[] = {(void *)&mq, (void *)&mk, (void *)&mv, (void *)&a};
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = block;
-    cfg.dynamicSmemBytes = C::SMEM;
-    cfg.stream = ctx->stream;
-    cudaLaunchAttribute at[1]; /* as cf_launch's (cuda_common.cuh) */
-    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    at[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = at;
-    cfg.numAttrs = ctx->pdl ? 1 : 0;
-    return CF_CK(ctx, cudaLaunchKernelExC(&cfg, fn, args)) ? 1 : -1;
+    return CF_CK(ctx, cudaLaunchKernel(fn, grid, block, args, C::SMEM, ctx->stream)) ? 1 : -1;
 }
 
 int attn_fwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D) {
