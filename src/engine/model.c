@@ -1183,7 +1183,7 @@ int cf_forward(cf_model *m, const int32_t *tokens, int B, int S, float *losses) 
         cf_layer_params *p = &m->lp[l];
         cf_layer_acts *a = &m->la[l];
         void *x = m->saved[m->resid[l]].full;
-        cf_optim_flush(m, CF_OPTIM_GROUP(l, CF_USE_QKV)); /* the weights up to o's (optim.c: groups) */
+        cf_optim_flush(m, l + 1); /* this layer's group */
         void *ln1 = m->saved[a->ln1].full, *q = m->saved[a->q].full;
         void *xmid = m->saved[a->x_mid].full, *ln2 = m->saved[a->ln2].full;
         /* h = silu(gate) * up is not saved: the backward recomputes it */
@@ -1222,9 +1222,7 @@ int cf_forward(cf_model *m, const int32_t *tokens, int B, int S, float *losses) 
             OP(CF_PROF_NORM, b->add_rmsnorm_fwd(b, xmid, ln2, m->saved[a->rstd2].full, x, m->tmp, cf_weight(m, p->ln2),
                                                 T, C, c->rms_norm_eps));
         } else {
-            cf_optim_flush(m, CF_OPTIM_GROUP(l, CF_USE_O));
             OP(CF_PROF_GEMM, cf_linear_fwd_residual(m, &p->o, xmid, m->saved[a->att].full, x, T, qd, C));
-            cf_optim_flush(m, CF_OPTIM_GROUP(l, CF_USE_MLP));
             OP(CF_PROF_NORM, b->rmsnorm_fwd(b, ln2, m->saved[a->rstd2].full, xmid, cf_weight(m, p->ln2), T, C,
                                             c->rms_norm_eps));
         }
@@ -1248,7 +1246,6 @@ int cf_forward(cf_model *m, const int32_t *tokens, int B, int S, float *losses) 
             OP(CF_PROF_NORM, b->add_rmsnorm_fwd(b, xnext, nout, nrstd, xmid, m->tmp, nw, T, C, c->rms_norm_eps));
             normed = 1;
         } else {
-            cf_optim_flush(m, CF_OPTIM_GROUP(l, CF_USE_DOWN));
             OP(CF_PROF_GEMM, cf_linear_fwd_residual(m, &p->down, xnext, h, xmid, T, F, C));
         }
     }

@@ -198,10 +198,10 @@ typedef struct {
     cf_adamw_seg *aseg;
     /* Deferred AdamW (optim.c: cf_optim_flush): in one plain process the
      * step's one-pass AdamW is not issued by the step but group by group
-     * (CF_OPTIM_GROUP: the embedding, four per layer, the final norm and
-     * LM head), each just before the next forward first reads that group's
-     * weights, so the memory-bound pass runs between compute-bound GEMMs
-     * instead of alone, and leaves their weights in L2. Groups dnext .. ngroups-1 are pending, with
+     * (group = the tensor's layer + 1: the embedding, each layer, the final
+     * norm and LM head), each just before the next forward first reads that
+     * group's weights, so the memory-bound pass runs between compute-bound
+     * layers instead of alone. Groups dnext .. ngroups-1 are pending, with
      * the step's hyperparameters d_*; gseg [lay.nseg] holds aseg's entries
      * by group, from gstart[g] to gstart[g + 1]. defer 0 (CF_ADAMW_DEFER=0
      * at open): issued by the step, as before. */
@@ -571,14 +571,8 @@ void cf_model_clear_scalars(cf_model *m);
 int cf_step_ex(cf_model *m, const cf_adamw_params *hp, float *grad_norm, double *loss_sum);
 /* Issues the deferred AdamW of groups up to `group` (cf_optim.defer);
  * CF_OPTIM_ALL: all of it. Every reader or writer of weights, optimizer
- * state or gradients calls it first; the forward group by group. Groups in
- * the forward's order of first use: 0 the embedding; per layer l four,
- * CF_OPTIM_GROUP(l, use) (use: the input norm and q/k/v with their biases
- * and norms; o; the second norm and gate/up; down); 4L + 1 the final norm
- * and the LM head. LoRA adapters go with their linear layer. */
+ * state or gradients calls it first; the forward group by group. */
 #define CF_OPTIM_ALL INT_MAX
-enum { CF_USE_QKV, CF_USE_O, CF_USE_MLP, CF_USE_DOWN, CF_USES };
-#define CF_OPTIM_GROUP(l, use) (1 + CF_USES * (l) + (use))
 void cf_optim_flush(cf_model *m, int group);
 
 /* ---- backward.c ---- */

@@ -226,7 +226,7 @@ int cf_optim_init(cf_model *m, cf_optim_layout *lay) {
     o->aseg = cf_calloc((size_t)CF_MAX(o->lay.nseg, 1), sizeof(cf_adamw_seg));
     if (!o->aseg) return -1;
     o->defer = defer_env() && o->one_pass;
-    o->ngroups = o->dnext = CF_OPTIM_GROUP(m->cfg.num_hidden_layers, 0) + 1; /* nothing pending */
+    o->ngroups = o->dnext = m->cfg.num_hidden_layers + 2; /* nothing pending */
     o->gseg = cf_calloc((size_t)CF_MAX(o->lay.nseg, 1), sizeof(cf_adamw_seg));
     o->gstart = cf_calloc((size_t)o->ngroups + 1, sizeof(int));
     if (!o->gseg || !o->gstart) return -1;
@@ -330,26 +330,11 @@ static int may_defer(const cf_model *m, int one_pass) {
              s->weights_updated || s->embedding_rows);
 }
 
-/* grp[i]: tensor i's group (CF_OPTIM_GROUP), the first forward use of its
- * weights. A layer's tensors that are not named below go with its first
- * use (q/k/v): issued early is always safe, late never. */
-static void tensor_groups(const cf_model *m, int *grp) {
-    const int L = m->cfg.num_hidden_layers;
-    for (int i = 0; i < m->ntensors; i++) {
-        const int l = m->params[i].layer;
-        grp[i] = l < 0 ? 0 : l >= L ? CF_OPTIM_GROUP(L, 0) : CF_OPTIM_GROUP(l, CF_USE_QKV);
-    }
-    for (int l = 0; l < L; l++) {
-        const cf_layer_params *p = &m->lp[l];
-        const cf_linear *lin[4] = {&p->o, &p->gate, &p->up, &p->down};
-        const int use[4] = {CF_USE_O, CF_USE_MLP, CF_USE_MLP, CF_USE_DOWN};
-        for (int k = 0; k < 4; k++) {
-            const int t[4] = {lin[k]->w, lin[k]->b, lin[k]->la, lin[k]->lb};
-            for (int j = 0; j < 4; j++)
-                if (t[j] >= 0) grp[t[j]] = CF_OPTIM_GROUP(l, use[k]);
-        }
-        if (p->ln2 >= 0) grp[p->ln2] = CF_OPTIM_GROUP(l, CF_USE_MLP);
-    }
+/* The group of segment s's tensor: its layer + 1, so 0 is the embedding,
+ * 1 .. L the layers, L + 1 the final norm and the LM head. */
+static int seg_group(const cf_model *m, const cf_segment *g) {
+    const int grp = m->params[g->tensor].layer + 1, last = m->opt.ngroups - 1;
+    return grp < 0 ? 0 : grp > last ? last : grp;
 }
 
 void cf_optim_flush(cf_model *m, int group) {
@@ -466,18 +451,15 @@ int cf_step_ex(cf_model *m, const cf_adamw_params *hp, float *grad_norm, double 
     if (one_pass && may_defer(m, one_pass)) {
         /* the table by group, each group's segments in layout order; issued
          * by cf_optim_flush, from the next forward */
-        int *grp = cf_malloc((size_t)m->ntensors * sizeof(int));
-        if (!grp) return -1;
-        tensor_groups(m, grp);
-        /* a counting sort: gstart[g + 1] counts group g, then the prefix
-         * sums shifted by one serve as the cursors */
         memset(o->gstart, 0, ((size_t)o->ngroups + 1) * sizeof(int));
-        for (int s = 0; s < o->lay.nseg; s++) o->gstart[grp[o->lay.seg[s].tensor] + 1]++;
+        for (int s = 0; s < o->lay.nseg; s++) o->gstart[seg_group(m, &o->lay.seg[s]) + 1]++;
         for (int g = 0; g < o->ngroups; g++) o->gstart[g + 1] += o->gstart[g];
         for (int g = o->ngroups; g > 0; g--) o->gstart[g] = o->gstart[g - 1];
         o->gstart[0] = 0;
-        for (int s = 0; s < o->lay.nseg; s++) o->gseg[o->gstart[grp[o->lay.seg[s].tensor] + 1]++] = o->aseg[s];
-        free(grp);
+        for (int s = 0; s < o->lay.nseg; s++) {
+            const int g = seg_group(m, &o->lay.seg[s]);
+            o->gseg[o->gstart[g + 1]++] = o->aseg[s];
+        }
         o->d_lr = hp->lr;
         o->d_b1 = hp->beta1;
         o->d_b2 = hp->beta2;
