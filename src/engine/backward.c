@@ -68,7 +68,6 @@ int cf_filter(cf_model *m, const cf_kept *kept) {
 /* ------------------------------------------------------------- backward */
 
 void cf_zero_grad(cf_model *m) {
-    cf_optim_flush(m, CF_OPTIM_ALL); /* the pending AdamW reads the gradient */
     cf_dwpair_drop(m); /* held rows are part of the gradient being cleared */
     m->opt.pre_on = 0; /* and so is an early norm's sum */
     if (m->opt.grad) m->b->memzero(m->b, m->opt.grad, m->opt.lay.ngrad * sizeof(float));
@@ -326,7 +325,6 @@ static int attn_side(cf_model *m, int kv_all, const stopgrad *sg) {
  * zeroed first: LIVE memory must hold the sum so far. */
 static int backward_impl(cf_model *m, cf_mode mode, const cf_kept *kept, float token_weight,
                          const stopgrad *sg) {
-    cf_optim_flush(m, CF_OPTIM_ALL); /* normally done by the forward already */
     int rc = backward_body(m, mode, kept, token_weight, sg);
     if (m->b->side_join) m->b->side_join(m->b);   /* also where the body failed */
     cf_dwpair_end(m, rc == 0);

@@ -339,10 +339,7 @@ static void prof_resolve(cf_model *m) {
     m->prof_synced = 0;
 }
 
-void cf_model_set_profile(cf_model *m, int on) {
-    cf_optim_flush(m, CF_OPTIM_ALL); /* a pending AdamW would be charged to the profiled forward's ops */
-    m->profile = on;
-}
+void cf_model_set_profile(cf_model *m, int on) { m->profile = on; }
 
 void cf_model_profile(const cf_model *m, double out[2][CF_PROF_N]) {
     memcpy(out, m->prof, sizeof m->prof);
@@ -893,7 +890,6 @@ size_t cf_model_memory_peak(const cf_model *m) { return m->b->memory_peak ? m->b
  * all of them (exact fp32), else from the compute copy. */
 int cf_model_get_param(cf_model *m, int i, float *out) {
     if (i < 0 || i >= m->ntensors) return cf_fail("parameter index %d out of range", i);
-    cf_optim_flush(m, CF_OPTIM_ALL);
     cf_param *p = &m->params[i];
     cf_backend *b = m->b;
     if (p->trainable) {
@@ -925,7 +921,6 @@ int cf_model_set_param(cf_model *m, int i, const float *in) {
 int cf_model_get_grad(cf_model *m, int i, float *out) {
     if (i < 0 || i >= m->ntensors) return cf_fail("parameter index %d out of range", i);
     if (!m->params[i].trainable) return cf_fail("%s is frozen: it has no gradient", m->params[i].name);
-    cf_optim_flush(m, CF_OPTIM_ALL); /* a pending AdamW still reads (and may zero) it */
     if (cf_dwpair_flush(m) != 0) return -1; /* the whole gradient, held rows included */
     if (grad_state(m, i) == CF_GRAD_STALE) {
         /* logically zero; its memory is left for the next backward to overwrite */
@@ -1108,10 +1103,6 @@ int cf_forward(cf_model *m, const int32_t *tokens, int B, int S, float *losses) 
     int T = B * S;
     memset(m->prof, 0, sizeof m->prof);
     m->prof_phase = 0;
-    /* the deferred AdamW (optim.c: cf_optim_flush) goes in group by group
-     * below, each group just before its weights' first use; all of it at
-     * once where held rows are flushed into the gradient it reads */
-    if (m->dwp.held || m->dwp.head_held) cf_optim_flush(m, CF_OPTIM_ALL);
     /* held LM head rows (dwpair.c) lie in the compact copies that a larger
      * micro-batch reallocates */
     if (T > m->cap_T && (cf_dwpair_flush(m) != 0 || alloc_acts(m, T) != 0)) return -1;
@@ -1171,7 +1162,6 @@ int cf_forward(cf_model *m, const int32_t *tokens, int B, int S, float *losses) 
      * over ranks is the embedding. Row-parallel o and down likewise give
      * partial sums that are all-reduced before the residual add. */
     const int tp = cf_tp_on(m), v0 = tp ? m->tp.vocab_start : 0, vn = tp ? m->tp.vocab_len : V;
-    cf_optim_flush(m, 0); /* the embedding's group */
     OP(CF_PROF_ELTWISE, b->embedding_fwd(b, m->saved[m->resid[0]].full, m->saved[m->s_tokens].full,
                      cf_weight(m, m->p_embed), T, C, v0, vn));
     if (tp && cf_tp_allreduce(m, m->saved[m->resid[0]].full, (size_t)T * C, CF_TP_ACT, CF_TP_FWD) != 0) return -1;
@@ -1183,7 +1173,6 @@ int cf_forward(cf_model *m, const int32_t *tokens, int B, int S, float *losses) 
         cf_layer_params *p = &m->lp[l];
         cf_layer_acts *a = &m->la[l];
         void *x = m->saved[m->resid[l]].full;
-        cf_optim_flush(m, l + 1); /* this layer's group */
         void *ln1 = m->saved[a->ln1].full, *q = m->saved[a->q].full;
         void *xmid = m->saved[a->x_mid].full, *ln2 = m->saved[a->ln2].full;
         /* h = silu(gate) * up is not saved: the backward recomputes it */
@@ -1249,7 +1238,6 @@ int cf_forward(cf_model *m, const int32_t *tokens, int B, int S, float *losses) 
             OP(CF_PROF_GEMM, cf_linear_fwd_residual(m, &p->down, xnext, h, xmid, T, F, C));
         }
     }
-    cf_optim_flush(m, CF_OPTIM_ALL); /* the final norm's and the LM head's */
     if (!normed)
         OP(CF_PROF_NORM, b->rmsnorm_fwd(b, m->saved[m->s_lnf].full, m->saved[m->s_rstdf].full,
                                         m->saved[m->resid[L]].full, cf_weight(m, m->p_norm), T, C, c->rms_norm_eps));

@@ -13,8 +13,6 @@
 #ifndef CF_MODEL_INTERNAL_H
 #define CF_MODEL_INTERNAL_H
 
-#include <limits.h>
-
 #include "backend/backend.h"
 #include "centrifuge.h"
 
@@ -196,21 +194,6 @@ typedef struct {
      * a call per segment. aseg: the table, [lay.nseg]. */
     int one_pass;
     cf_adamw_seg *aseg;
-    /* Deferred AdamW (optim.c: cf_optim_flush): in one plain process the
-     * step's one-pass AdamW is not issued by the step but group by group
-     * (group = the tensor's layer + 1: the embedding, each layer, the final
-     * norm and LM head), each just before the next forward first reads that
-     * group's weights, so the memory-bound pass runs between compute-bound
-     * layers instead of alone. Groups dnext .. ngroups-1 are pending, with
-     * the step's hyperparameters d_*; gseg [lay.nseg] holds aseg's entries
-     * by group, from gstart[g] to gstart[g + 1]. defer 0 (CF_ADAMW_DEFER=0
-     * at open): issued by the step, as before. */
-    int defer;
-    int ngroups, dnext;
-    int *gstart;
-    cf_adamw_seg *gseg;
-    float d_lr, d_b1, d_b2, d_eps, d_scale;
-    int d_step;
 } cf_optim;
 
 /* The state of a trainable tensor's fp32 gradient (cf_optim.gstate). A
@@ -569,11 +552,6 @@ void cf_model_clear_scalars(cf_model *m);
 /* cf_step that also returns the loss sum accumulated since the scalars were
  * cleared (same transfer as the norm: one host sync per step). */
 int cf_step_ex(cf_model *m, const cf_adamw_params *hp, float *grad_norm, double *loss_sum);
-/* Issues the deferred AdamW of groups up to `group` (cf_optim.defer);
- * CF_OPTIM_ALL: all of it. Every reader or writer of weights, optimizer
- * state or gradients calls it first; the forward group by group. */
-#define CF_OPTIM_ALL INT_MAX
-void cf_optim_flush(cf_model *m, int group);
 
 /* ---- backward.c ---- */
 /* The backward with an explicit weight per counted token: d(loss)/d(l_t)

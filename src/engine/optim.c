@@ -174,13 +174,6 @@ static int one_pass_env(void) {
     return !(e && *e == '0');
 }
 
-/* 0 when CF_ADAMW_DEFER=0 is in the environment: the step issues its AdamW
- * itself (A/B timing, cross-checks). */
-static int defer_env(void) {
-    const char *e = getenv("CF_ADAMW_DEFER");
-    return !(e && *e == '0');
-}
-
 int cf_optim_init(cf_model *m, cf_optim_layout *lay) {
     cf_backend *b = m->b;
     cf_optim *o = &m->opt;
@@ -225,11 +218,6 @@ int cf_optim_init(cf_model *m, cf_optim_layout *lay) {
     o->one_pass = one_pass_env() && b->adamw_segments != NULL;
     o->aseg = cf_calloc((size_t)CF_MAX(o->lay.nseg, 1), sizeof(cf_adamw_seg));
     if (!o->aseg) return -1;
-    o->defer = defer_env() && o->one_pass;
-    o->ngroups = o->dnext = m->cfg.num_hidden_layers + 2; /* nothing pending */
-    o->gseg = cf_calloc((size_t)CF_MAX(o->lay.nseg, 1), sizeof(cf_adamw_seg));
-    o->gstart = cf_calloc((size_t)o->ngroups + 1, sizeof(int));
-    if (!o->gseg || !o->gstart) return -1;
     b->memzero(b, o->adam_m, o->lay.nlocal * sizeof(float));
     b->memzero(b, o->adam_v, o->lay.nlocal * sizeof(float));
     if (!in_place) b->memzero(b, o->master, o->lay.nlocal * sizeof(float));
@@ -249,11 +237,7 @@ void cf_optim_free(cf_model *m) {
     free(o->layer_hi);
     o->layer_lo = o->layer_hi = NULL;
     free(o->aseg);
-    free(o->gseg);
-    free(o->gstart);
-    o->aseg = o->gseg = NULL;
-    o->gstart = NULL;
-    o->ngroups = o->dnext = 0;
+    o->aseg = NULL;
     cf_optim_layout_free(&o->lay);
     o->master = o->grad = o->adam_m = o->adam_v = NULL;
 }
@@ -262,7 +246,6 @@ int cf_optim_set_tensor(cf_model *m, int i, const float *host) {
     cf_backend *b = m->b;
     cf_param *p = &m->params[i];
     cf_optim *o = &m->opt;
-    cf_optim_flush(m, CF_OPTIM_ALL); /* a pending update would overwrite these weights */
     /* master pieces of this tensor that are local */
     for (int s = 0; p->trainable && s < o->lay.nseg; s++) {
         const cf_segment *g = &o->lay.seg[s];
@@ -277,7 +260,6 @@ int cf_optim_set_tensor(cf_model *m, int i, const float *host) {
 
 int cf_model_get_adam(cf_model *m, float *m_out, float *v_out) {
     cf_backend *b = m->b;
-    cf_optim_flush(m, CF_OPTIM_ALL);
     size_t n = m->opt.lay.nlocal * sizeof(float);
     if (b->download(b, m_out, m->opt.adam_m, n) != 0) return -1;
     return b->download(b, v_out, m->opt.adam_v, n);
@@ -285,7 +267,6 @@ int cf_model_get_adam(cf_model *m, float *m_out, float *v_out) {
 
 int cf_model_set_adam(cf_model *m, const float *m_in, const float *v_in, int64_t step) {
     cf_backend *b = m->b;
-    cf_optim_flush(m, CF_OPTIM_ALL);
     size_t n = m->opt.lay.nlocal * sizeof(float);
     if (b->upload(b, m->opt.adam_m, m_in, n) != 0 || b->upload(b, m->opt.adam_v, v_in, n) != 0) return -1;
     m->opt.step = step;
@@ -319,35 +300,6 @@ static int may_leave_stale(const cf_model *m, const cf_segment *g) {
     return segment_whole(m, g);
 }
 
-/* Whether the step may defer its AdamW (cf_optim.defer): one plain process
- * (no reduction hooks, no tensor parallelism: their collectives read and
- * write the buffers on their own schedule), the pass in one table, and no
- * per-op profile (which charges the optimizer stage with the pass). */
-static int may_defer(const cf_model *m, int one_pass) {
-    const cf_grad_sync *s = &m->opt.sync;
-    if (!m->opt.defer || !one_pass || cf_tp_on(m) || m->profile) return 0;
-    return !(s->world > 1 || s->bucket_ready || s->finish || s->sum_scalars || s->segment_updated ||
-             s->weights_updated || s->embedding_rows);
-}
-
-/* The group of segment s's tensor: its layer + 1, so 0 is the embedding,
- * 1 .. L the layers, L + 1 the final norm and the LM head. */
-static int seg_group(const cf_model *m, const cf_segment *g) {
-    const int grp = m->params[g->tensor].layer + 1, last = m->opt.ngroups - 1;
-    return grp < 0 ? 0 : grp > last ? last : grp;
-}
-
-void cf_optim_flush(cf_model *m, int group) {
-    cf_optim *o = &m->opt;
-    if (o->dnext >= o->ngroups || group < o->dnext) return;
-    const int end = group >= o->ngroups - 1 ? o->ngroups : group + 1;
-    const int s0 = o->gstart[o->dnext], s1 = o->gstart[end];
-    if (s1 > s0)
-        m->b->adamw_segments(m->b, o->master, m->w, o->grad, o->adam_m, o->adam_v, o->gseg + s0, s1 - s0, o->d_lr,
-                             o->d_b1, o->d_b2, o->d_eps, o->d_scale, o->d_step);
-    o->dnext = end;
-}
-
 /* The step, also reporting the loss sum accumulated since the scalars were
  * last cleared (read in the same transfer as the gradient norm: one host
  * synchronisation per step). */
@@ -355,7 +307,6 @@ int cf_step_ex(cf_model *m, const cf_adamw_params *hp, float *grad_norm, double 
     cf_backend *b = m->b;
     cf_optim *o = &m->opt;
     if (!o->grad) return cf_fail("step: the model has no trainable parameter");
-    cf_optim_flush(m, CF_OPTIM_ALL); /* normally done by the forward already */
     cf_stage_begin(m, CF_STAGE_OPTIMIZER);
     /* gradients the last step left STALE and no backward has written since
      * are zero: the norm and AdamW must read zeros there */
@@ -448,29 +399,9 @@ int cf_step_ex(cf_model *m, const cf_adamw_params *hp, float *grad_norm, double 
         else if (segment_whole(m, g)) o->gstate[g->tensor] = CF_GRAD_ZERO;
         if (o->sync.segment_updated && o->sync.segment_updated(o->sync.ctx, s) != 0) return -1;
     }
-    if (one_pass && may_defer(m, one_pass)) {
-        /* the table by group, each group's segments in layout order; issued
-         * by cf_optim_flush, from the next forward */
-        memset(o->gstart, 0, ((size_t)o->ngroups + 1) * sizeof(int));
-        for (int s = 0; s < o->lay.nseg; s++) o->gstart[seg_group(m, &o->lay.seg[s]) + 1]++;
-        for (int g = 0; g < o->ngroups; g++) o->gstart[g + 1] += o->gstart[g];
-        for (int g = o->ngroups; g > 0; g--) o->gstart[g] = o->gstart[g - 1];
-        o->gstart[0] = 0;
-        for (int s = 0; s < o->lay.nseg; s++) {
-            const int g = seg_group(m, &o->lay.seg[s]);
-            o->gseg[o->gstart[g + 1]++] = o->aseg[s];
-        }
-        o->d_lr = hp->lr;
-        o->d_b1 = hp->beta1;
-        o->d_b2 = hp->beta2;
-        o->d_eps = hp->eps;
-        o->d_scale = scale;
-        o->d_step = (int)o->step;
-        o->dnext = 0;
-    } else if (one_pass) {
+    if (one_pass)
         b->adamw_segments(b, o->master, m->w, o->grad, o->adam_m, o->adam_v, o->aseg, o->lay.nseg, hp->lr, hp->beta1,
                           hp->beta2, hp->eps, scale, (int)o->step);
-    }
     if (o->sync.weights_updated) {
         /* the non-local parts of the gradient were reduced elsewhere: they
          * are zero already, or zeroed here */
