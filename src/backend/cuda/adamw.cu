@@ -161,18 +161,17 @@ void cf_cuda_adamw(cf_backend *b, float *p, void *w_, float *g, float *m, float 
  * streaming ones (evict first): nothing of the pass is read again soon.
  */
 #define ADAMW_THREADS 256
+#define ADAMW_PER 4 /* float4 per thread per chunk */
+#define ADAMW_CHUNK (ADAMW_THREADS * ADAMW_PER * 4)
 struct adamw_seg_dev {
     size_t poff, goff, woff, n, chunk0;
     float wd;
     int clear;
 };
-/* ADAMW_PER float4 of each buffer per thread per chunk: 4 (114 registers,
- * two blocks per SM) or 2 (72, three); CF_ADAMW_PER picks (timing) */
-template <int ADAMW_PER, bool HAS_W>
+template <bool HAS_W>
 static __global__ void __launch_bounds__(ADAMW_THREADS)
     adamw_segments_kernel(float *p, bf16 *w, float *g, float *m, float *v, const adamw_seg_dev *seg, int nseg,
                           size_t nchunks, float lr, float b1, float b2, float eps, float gs, float bc1, float bc2) {
-    constexpr size_t ADAMW_CHUNK = ADAMW_THREADS * ADAMW_PER * 4;
     for (size_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
         int lo = 0, hi = nseg - 1; /* the last segment whose chunk0 <= c */
         while (lo < hi) {
@@ -238,13 +237,6 @@ static __global__ void __launch_bounds__(ADAMW_THREADS)
     }
 }
 
-/* CF_ADAMW_PER=2: the one-pass kernel with two float4 per thread and
- * buffer per chunk (more blocks per SM); default 4 (read once, timing) */
-static int adamw_env_per(void) {
-    const char *e = getenv("CF_ADAMW_PER");
-    return e && strcmp(e, "2") == 0 ? 2 : 4;
-}
-
 void cf_cuda_adamw_segments(cf_backend *b, float *p, void *w_, float *g, float *m, float *v, const cf_adamw_seg *segs,
                             int nseg, float lr, float beta1, float beta2, float eps, float grad_scale, int t) {
     cf_cuda_ctx *ctx = cf_cuda_enter(b);
@@ -265,13 +257,11 @@ void cf_cuda_adamw_segments(cf_backend *b, float *p, void *w_, float *g, float *
     adamw_seg_dev *host = (adamw_seg_dev *)cf_cuda_staging(ctx, bytes);
     adamw_seg_dev *dev = (adamw_seg_dev *)cf_cuda_scratch(ctx, CF_SCR_ADAMW_SEGS, bytes);
     if (!host || !dev) return;
-    static const int per = adamw_env_per();
-    const size_t chunk = (size_t)ADAMW_THREADS * per * 4;
     size_t chunks = 0;
     for (int s = 0; s < nseg; s++) {
         const cf_adamw_seg *q = &segs[s];
         host[s] = adamw_seg_dev{q->poff, q->goff, q->woff, q->n, chunks, q->wd, !(q->flags & CF_ADAMW_KEEP_GRAD)};
-        chunks += (q->n + chunk - 1) / chunk;
+        chunks += (q->n + ADAMW_CHUNK - 1) / ADAMW_CHUNK;
     }
     if (chunks == 0) return;
     if (!CF_CK(ctx, cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, ctx->stream)) ||
@@ -281,15 +271,18 @@ void cf_cuda_adamw_segments(cf_backend *b, float *p, void *w_, float *g, float *
     const float bc2 = (float)(1.0 - pow((double)beta2, (double)t));
     /* the blocks that fit at once (registers decide: two at 256 threads), so
      * the grid-stride chunks are dealt out evenly, not in queued waves */
-    auto kernel = per == 2 ? (w ? adamw_segments_kernel<2, true> : adamw_segments_kernel<2, false>)
-                           : (w ? adamw_segments_kernel<4, true> : adamw_segments_kernel<4, false>);
     static int per_sm = 0;
-    if (!per_sm && (!CF_CK(ctx, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, ADAMW_THREADS, 0)) ||
+    if (!per_sm && (!CF_CK(ctx, cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                                    &per_sm, adamw_segments_kernel<true>, ADAMW_THREADS, 0)) ||
                     per_sm < 1))
         per_sm = 1;
     const size_t cap = (size_t)ctx->sm_count * per_sm;
     const unsigned grid = (unsigned)(chunks < cap ? chunks : cap);
-    kernel<<<grid, ADAMW_THREADS, 0, ctx->stream>>>(p, w, g, m, v, dev, nseg, chunks, lr, beta1, beta2, eps, grad_scale,
-                                                    bc1, bc2);
+    if (w)
+        adamw_segments_kernel<true><<<grid, ADAMW_THREADS, 0, ctx->stream>>>(p, w, g, m, v, dev, nseg, chunks, lr,
+                                                                            beta1, beta2, eps, grad_scale, bc1, bc2);
+    else
+        adamw_segments_kernel<false><<<grid, ADAMW_THREADS, 0, ctx->stream>>>(p, NULL, g, m, v, dev, nseg, chunks, lr,
+                                                                             beta1, beta2, eps, grad_scale, bc1, bc2);
     CF_CK_LAUNCH(ctx, "adamw_segments");
 }
