@@ -1611,6 +1611,19 @@ TEST(attention_hopper_matches_portable_kernels) {
     }
 }
 
+/* The backward modes the Hopper plan tests below run in turn, and their names */
+static const cf_attn_bwd_mode bwd_modes[3] = {CF_ATTN_BWD_FULL, CF_ATTN_BWD_CENTRIFUGE, CF_ATTN_BWD_CENTRIFUGE_KV};
+static const char *const bwd_mode_names[3] = {"FULL", "CENTRIFUGE", "CENTRIFUGE_KV"};
+
+/* case c set up (attn_setup), its name into nm[128], and half of each
+ * sequence's rows kept (make_kept: *rows, *n, sequence starts *ss) */
+static void attn_setup_kept_half(attn_problem *p, attn_case c, char *nm, int **rows, int **ss, int *n) {
+    attn_setup(p, c);
+    case_name(p->c, nm, 128);
+    *ss = HOLD(inew(p->c.B + 1));
+    make_kept(p->c, rows, *ss, n, 0.5);
+}
+
 /* The Hopper backward with 1, 2 and 4 query heads per block and 1 and 2
  * parts of each key tile's query range (the grid-size rules pick them by
  * shape; all six forced here through the context; a count that does not
@@ -1629,33 +1642,29 @@ TEST(attention_hopper_bwd_heads_per_block_and_query_parts_match) {
     const attn_case cc[] = {{2, 300, 8, 2, 64, 3},  {3, 200, 8, 1, 128, 2}, {1, 333, 4, 4, 128, 0},
                             {2, 260, 6, 2, 128, 3}, {1, 300, 12, 2, 64, 0}};
     const int ncc = (int)(sizeof cc / sizeof cc[0]);
-    const cf_attn_bwd_mode modes[3] = {CF_ATTN_BWD_FULL, CF_ATTN_BWD_CENTRIFUGE, CF_ATTN_BWD_CENTRIFUGE_KV};
-    static const char *const mname[3] = {"FULL", "CENTRIFUGE", "CENTRIFUGE_KV"};
     static const int cfg[6][2] = {{1, 1}, {2, 1}, {1, 2}, {2, 2}, {4, 1}, {4, 2}}; /* hpb, parts */
     char nm[128], what[256];
     for (int ci = 0; ci < ncc; ci++) {
         attn_problem p;
-        attn_setup(&p, cc[ci]);
+        int *rows, n, *ss;
+        attn_setup_kept_half(&p, cc[ci], nm, &rows, &ss, &n);
         const attn_case c = p.c;
-        case_name(c, nm, sizeof nm);
-        int *rows, n, *ss = HOLD(inew(c.B + 1));
-        make_kept(c, &rows, ss, &n, 0.5);
         for (int m = 0; m < 3; m++) {
             grads g[6];
             for (int k = 0; k < 6; k++) {
                 ctx->attn_bwd_hpb = cfg[k][0];
                 ctx->attn_bwd_split = cfg[k][1];
-                snprintf(what, sizeof what, "%s hpb=%d parts=%d %s", mname[m], cfg[k][0], cfg[k][1], nm);
-                g[k] = attn_bwd_both(&p, modes[m], rows, ss, n, what, TOL_GRAD, 1);
+                snprintf(what, sizeof what, "%s hpb=%d parts=%d %s", bwd_mode_names[m], cfg[k][0], cfg[k][1], nm);
+                g[k] = attn_bwd_both(&p, bwd_modes[m], rows, ss, n, what, TOL_GRAD, 1);
             }
             ctx->attn_bwd_hpb = ctx->attn_bwd_split = 0;
             const size_t nq = m == 0 ? p.T : (size_t)n, nkr = m == 1 ? (size_t)n : p.T;
             for (int k = 1; k < 6; k++) {
-                snprintf(what, sizeof what, "%s dq hpb=%d parts=%d vs 1/1 %s", mname[m], cfg[k][0], cfg[k][1], nm);
+                snprintf(what, sizeof what, "%s dq hpb=%d parts=%d vs 1/1 %s", bwd_mode_names[m], cfg[k][0], cfg[k][1], nm);
                 cmp(what, g[0].dq, g[k].dq, nq * c.H * c.D, TOL_BF16);
-                snprintf(what, sizeof what, "%s dk hpb=%d parts=%d vs 1/1 %s", mname[m], cfg[k][0], cfg[k][1], nm);
+                snprintf(what, sizeof what, "%s dk hpb=%d parts=%d vs 1/1 %s", bwd_mode_names[m], cfg[k][0], cfg[k][1], nm);
                 cmp(what, g[0].dk, g[k].dk, nkr * c.Hkv * c.D, TOL_BF16);
-                snprintf(what, sizeof what, "%s dv hpb=%d parts=%d vs 1/1 %s", mname[m], cfg[k][0], cfg[k][1], nm);
+                snprintf(what, sizeof what, "%s dv hpb=%d parts=%d vs 1/1 %s", bwd_mode_names[m], cfg[k][0], cfg[k][1], nm);
                 cmp(what, g[0].dv, g[k].dv, nkr * c.Hkv * c.D, TOL_BF16);
             }
         }
@@ -1679,33 +1688,29 @@ TEST(attention_hopper_bwd_pairs_give_the_partials_bits) {
     const struct { attn_case c; int hpb, ns; } cc[] = {
         {{2, 300, 8, 2, 64, 3}, 2, 1}, {{3, 200, 8, 1, 128, 2}, 4, 1}, {{1, 333, 4, 4, 128, 0}, 1, 2},
         {{2, 260, 4, 2, 64, 0}, 2, 2}, {{1, 520, 4, 2, 128, 0}, 1, 1}};
-    const cf_attn_bwd_mode modes[3] = {CF_ATTN_BWD_FULL, CF_ATTN_BWD_CENTRIFUGE, CF_ATTN_BWD_CENTRIFUGE_KV};
-    static const char *const mname[3] = {"FULL", "CENTRIFUGE", "CENTRIFUGE_KV"};
     char nm[128], what[256];
     for (int ci = 0; ci < (int)(sizeof cc / sizeof cc[0]); ci++) {
         attn_problem p;
-        attn_setup(&p, cc[ci].c);
+        int *rows, n, *ss;
+        attn_setup_kept_half(&p, cc[ci].c, nm, &rows, &ss, &n);
         const attn_case c = p.c;
-        case_name(c, nm, sizeof nm);
-        int *rows, n, *ss = HOLD(inew(c.B + 1));
-        make_kept(c, &rows, ss, &n, 0.5);
         for (int m = 0; m < 3; m++) {
             grads g[2];
             for (int k = 0; k < 2; k++) {
                 ctx->attn_bwd_hpb = cc[ci].hpb;
                 ctx->attn_bwd_split = cc[ci].ns;
                 ctx->attn_bwd_nopair = k == 0;
-                snprintf(what, sizeof what, "%s hpb=%d parts=%d %s %s", mname[m], cc[ci].hpb, cc[ci].ns,
+                snprintf(what, sizeof what, "%s hpb=%d parts=%d %s %s", bwd_mode_names[m], cc[ci].hpb, cc[ci].ns,
                          k ? "pairs" : "partials", nm);
-                g[k] = attn_bwd_both(&p, modes[m], rows, ss, n, what, TOL_GRAD, 1);
+                g[k] = attn_bwd_both(&p, bwd_modes[m], rows, ss, n, what, TOL_GRAD, 1);
             }
             ctx->attn_bwd_hpb = ctx->attn_bwd_split = ctx->attn_bwd_nopair = 0;
             const size_t nq = m == 0 ? p.T : (size_t)n, nkr = m == 1 ? (size_t)n : p.T;
-            snprintf(what, sizeof what, "%s pairs vs partials dk, dv bitwise %s", mname[m], nm);
+            snprintf(what, sizeof what, "%s pairs vs partials dk, dv bitwise %s", bwd_mode_names[m], nm);
             CHECK_MSG(bitwise_equal(g[0].dk, g[1].dk, nkr * c.Hkv * c.D) &&
                           bitwise_equal(g[0].dv, g[1].dv, nkr * c.Hkv * c.D),
                       "%s: differ", what);
-            snprintf(what, sizeof what, "%s pairs vs partials dq %s", mname[m], nm);
+            snprintf(what, sizeof what, "%s pairs vs partials dq %s", bwd_mode_names[m], nm);
             cmp(what, g[0].dq, g[1].dq, nq * c.H * c.D, TOL_BF16);
         }
         free_all();

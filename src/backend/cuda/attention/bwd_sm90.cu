@@ -602,7 +602,7 @@ static int bwd_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int
     const void *fn = (const void *)attn_bwd_sm90_kernel<D, BM>;
     if (!attn_sm90_prepare(ctx, fn, C::SMEM, bwd_variant_bit<D, BM>())) return -1;
     cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(a.H / hpb, (kmaxlen + C::BN - 1) / C::BN * ns, a.B);
+    cfg.gridDim = attn_sm90_bwd_grid(a.H, hpb, ns, a.B, kmaxlen);
     cfg.blockDim = dim3(C::THREADS);
     cfg.dynamicSmemBytes = C::SMEM;
     cfg.stream = ctx->stream;
@@ -662,6 +662,11 @@ int attn_sm90_bwd_pair(cf_cuda_ctx *ctx, int D, int H, int Hkv, int hpb, int ns)
 }
 
 int attn_sm90_bwd_nw(int D) { return bwd_bm_for(D) == 64 ? D / 2 : D; }
+
+dim3 attn_sm90_bwd_grid(int H, int hpb, int ns, int B, int kmaxlen) {
+    constexpr int BN = BwdSm90<128, 64>::BN; /* every variant's (static_assert above) */
+    return dim3(H / hpb, (kmaxlen + BN - 1) / BN * ns, B);
+}
 
 int attn_bwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D, int nq_rows, int kmaxlen, int tps, int hpb, int ns,
                   int pair) {

@@ -460,6 +460,9 @@ int attn_bwd_dq_sm90(cf_cuda_ctx *ctx, const AttnArgs &p, int D, int nq_rows, in
                      cudaStream_t st);
 /* bwd_sm90.cu: the width of the dQ products at head dim D (slot order) */
 int attn_sm90_bwd_nw(int D);
+/* bwd_sm90.cu: the main backward kernel's blocks for a plan (hpb heads per
+ * block, ns parts) over B sequences of up to kmaxlen k-side rows: its grid */
+dim3 attn_sm90_bwd_grid(int H, int hpb, int ns, int B, int kmaxlen);
 /* The GQA reduction of dk, dv: [nk, Hkv, G, D] fp32 partials summed into
  * [nk, Hkv, D] bf16 (bwd.cu: attn_gqa_reduce; bwd_sm90.cu's finish) */
 struct GqaReduce {

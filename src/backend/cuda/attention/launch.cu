@@ -400,7 +400,8 @@ int cf_cuda_attention_bwd_leaves_idle(cf_backend *b, const cf_attn_shape *s) {
     if ((D == 64 || D == 128) && attn_sm90_enabled(ctx)) {
         int hpb = 1, ns = 1;
         attn_sm90_bwd_plan(ctx, D, s->H, s->Hkv, s->B, s->S, s->S, false, &hpb, &ns);
-        blocks = (long long)(s->H / hpb) * ((s->S + 127) / 128) * ns * s->B;
+        const dim3 g = attn_sm90_bwd_grid(s->H, hpb, ns, s->B, s->S);
+        blocks = (long long)g.x * g.y * g.z;
     }
     return !ctx->failed && 2 * blocks < 3LL * ctx->sm_count;
 }
