@@ -166,7 +166,8 @@ int cf_memory_estimate_config(const cf_config *cfg, cf_backend_kind backend, con
         row += F * A + (C > F ? C : F) * A + 4 * 4 + 4;   /* h, tmp, losses, doc, host losses */
     }
     est->activations = T * row;
-    /* the LM head's logits chunk */
+    /* the LM head's logits chunk (on the GPU as if fp32 logits,
+     * CF_LMHEAD_LOGITS=fp32: bf16 ones take two thirds of it) */
     uint64_t lm_rows = backend == CF_BACKEND_CUDA ? ((uint64_t)3 << 29) / (V * 6) : (8ull << 20) / V;
     if (lm_rows < 1) lm_rows = 1;
     if (backend != CF_BACKEND_CUDA && lm_rows > 256) lm_rows = 256;

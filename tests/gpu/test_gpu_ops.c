@@ -1095,10 +1095,12 @@ static void lmhead_bad_target_case(int V) {
     cmp("lmhead bad targets: g", get_act(gg, ng), rg, ng, 1e-2);
     free_all();
 }
-/* Rows of over 64 KB of fp32 take the Hopper kernel where a cluster of
- * blocks shares a row (lmhead.cu): V = 32000 (2 blocks), 128256 (Llama 3,
- * 8 blocks), 151936 (Qwen2.5, 8 blocks); with CF_LMHEAD_CLUSTER=0 (and on
- * other GPUs) the one-block kernel at the same V. */
+/* Rows of over 64 KB take the Hopper kernel where a cluster of blocks
+ * shares a row (lmhead.cu). bf16 logits (the default): V = 32000 (64000
+ * bytes: the one-block kernel), 128256 (Llama 3) and 151936 (Qwen2.5), 4
+ * blocks each; with CF_LMHEAD_CLUSTER=0 (and on other GPUs) the one-block
+ * kernel at the same V; CF_LMHEAD_CLUSTER=8 asks for 8 blocks. fp32 logits
+ * at the large vocabularies: 8 blocks. */
 TEST(lmhead_one_pass_cluster_rows_match_cpu_at_large_vocabularies) {
     const int Vs[3] = {32000, 128256, 151936};
     for (int i = 0; i < 3; i++) {
@@ -1109,19 +1111,106 @@ TEST(lmhead_one_pass_cluster_rows_match_cpu_at_large_vocabularies) {
     setenv("CF_LMHEAD_CLUSTER", "0", 1);
     lmhead_fwd_bwd_case(151936);
     lmhead_bad_target_case(151936);
+    setenv("CF_LMHEAD_CLUSTER", "8", 1);
+    lmhead_fwd_bwd_case(151936);
+    lmhead_saved_grad_case(128256);
     unsetenv("CF_LMHEAD_CLUSTER");
+    setenv("CF_LMHEAD_LOGITS", "fp32", 1);
+    lmhead_fwd_bwd_case(151936);
+    lmhead_bad_target_case(128256);
+    unsetenv("CF_LMHEAD_LOGITS");
+}
+
+/* bf16 logits (the default) with the target's logit taken again in fp32
+ * (lmhead.cu): rows where the model is confident (the target's logit about
+ * 12.3, where bf16 steps by 1/16; the rest about 0.4) have losses of 0.005
+ * (V = 1000) to 0.56 (V = 151936). With the target's rounded logit in the
+ * loss they would be off by 1.5e-2 to 2.7e-2 relative to the largest (a
+ * numpy model of the case); here they must be as exact as fp32
+ * logits give them (1e-3 of the largest, as the other LM head tests), at
+ * both row kernels (V = 1000, 1001: one block; 151936: the cluster), and
+ * g = softmax - onehot within bf16 rounding. The fp32 logits
+ * (CF_LMHEAD_LOGITS=fp32) pass the same checks, and the two give different
+ * bits of g (the switch takes effect). An unknown value fails the context
+ * with one line naming the variable. */
+static void lmhead_confident_case(int V) {
+    const int T = 16, C = 64;
+    const size_t ng = (size_t)T * V;
+    float *x = HOLD(hrand((size_t)T * C, 1.f)), *w = HOLD(hrand((size_t)V * C, 0.05f));
+    int *tg = HOLD(inew(T));
+    for (int t = 0; t < T; t++) {
+        tg[t] = (int)(((size_t)t * 7919 + 13) % (size_t)V); /* distinct rows of W */
+        float n2 = 0.f;
+        for (int c = 0; c < C; c++) n2 += x[(size_t)t * C + c] * x[(size_t)t * C + c];
+        for (int c = 0; c < C; c++) w[(size_t)tg[t] * C + c] = bf16_round(12.3f * x[(size_t)t * C + c] / n2);
+    }
+    float *rl = HOLD(hnew(T)), *rg = HOLD(hnew(ng));
+    cpu->lmhead_loss_fwd_grad(cpu, rl, rg, x, w, tg, T, C, V);
+    float lmin = INFINITY;
+    for (int t = 0; t < T; t++) lmin = fminf(lmin, rl[t]);
+    CHECK_MSG(lmin < 0.05f, "the case has no confident row (smallest loss %g)", lmin);
+    void *gx = gact(x, (size_t)T * C), *gw = gact(w, (size_t)V * C), *gt = gi32(tg, T);
+    float *g2 = NULL;
+    for (int mode = 0; mode < 2; mode++) {
+        if (mode) setenv("CF_LMHEAD_LOGITS", "fp32", 1);
+        void *gl = gf32_nan(T), *gg = gact_nan(ng);
+        gpu->lmhead_loss_fwd_grad(gpu, gl, gg, gx, gw, gt, T, C, V);
+        cmp(mode ? "lmhead confident rows, fp32 logits: losses" : "lmhead confident rows, bf16 logits: losses",
+            get_f32(gl, T), rl, T, 1e-3);
+        float *g = get_act(gg, ng);
+        cmp(mode ? "lmhead confident rows, fp32 logits: g" : "lmhead confident rows, bf16 logits: g", g, rg, ng,
+            TOL_BF16);
+        if (mode) CHECK_MSG(!bitwise_equal(g, g2, ng), "V=%d: bf16 and fp32 logits gave the same g", V);
+        g2 = g;
+    }
+    unsetenv("CF_LMHEAD_LOGITS");
+    free_all();
+}
+TEST(lmhead_bf16_logits_keep_confident_rows_losses_fp32_exact) {
+    const int Vs[3] = {1000, 1001, 151936};
+    for (int i = 0; i < 3; i++) lmhead_confident_case(Vs[i]);
+    /* the other tests' cases on the fp32 logits as well */
+    setenv("CF_LMHEAD_LOGITS", "fp32", 1);
+    lmhead_fwd_bwd_case(1000);
+    lmhead_saved_grad_case(128256);
+    unsetenv("CF_LMHEAD_LOGITS");
+    cf_backend *e = cf_backend_cuda_create(0);
+    CHECK_MSG(e != NULL, "second context: %s", cf_last_error());
+    if (!e) return;
+    const int T = 2, C = 64, V = 100;
+    void *x = e->alloc(e, (size_t)T * C * 2), *w = e->alloc(e, (size_t)V * C * 2), *tg = e->alloc(e, T * 4);
+    float *l = e->alloc(e, T * 4);
+    CHECK(x && w && tg && l);
+    setenv("CF_LMHEAD_LOGITS", "fp16", 1);
+    e->lmhead_loss_fwd(e, l, x, w, tg, T, C, V);
+    unsetenv("CF_LMHEAD_LOGITS");
+    cf_fail("%s", "");
+    CHECK(e->check(e) == -1);
+    CHECK_MSG(strstr(cf_last_error(), "CF_LMHEAD_LOGITS=fp16") != NULL, "check: %s", cf_last_error());
+    e->free(e, x);
+    e->free(e, w);
+    e->free(e, tg);
+    e->free(e, l);
+    e->destroy(e);
+    CHECK(gpu->check(gpu) == 0);
 }
 
 /* The cluster kernel's smaller clusters at small sizes (also what
- * gpu_session.sh sanitize-lmhead runs under racecheck): V = 20000 (rows of
- * 80 KB: 2 blocks of 40 KB) and 65536 (4 blocks of 64 KB). */
+ * gpu_session.sh sanitize-lmhead runs under racecheck). fp32 logits:
+ * V = 20000 (rows of 80 KB: 2 blocks of 40 KB) and 65536 (4 blocks of
+ * 64 KB); bf16 logits: 65536 (2 blocks of 64 KB). */
 TEST(lmhead_cluster_rows_of_two_and_four_blocks_match_cpu) {
+    setenv("CF_LMHEAD_LOGITS", "fp32", 1);
     const int Vs[2] = {20000, 65536};
     for (int i = 0; i < 2; i++) {
         lmhead_fwd_bwd_case(Vs[i]);
         lmhead_saved_grad_case(Vs[i]);
         lmhead_bad_target_case(Vs[i]);
     }
+    unsetenv("CF_LMHEAD_LOGITS");
+    lmhead_fwd_bwd_case(65536);
+    lmhead_saved_grad_case(65536);
+    lmhead_bad_target_case(65536);
 }
 
 /* Vocab-parallel pieces (tensor parallelism): the embedding of a slice of
@@ -1913,6 +2002,7 @@ int main(void) {
     RUN_IF(lmhead_saved_grad_fwd_bwd_match_cpu_with_zero_dloss_rows);
     RUN_IF(lmhead_cluster_rows_of_two_and_four_blocks_match_cpu);
     RUN_IF(lmhead_one_pass_cluster_rows_match_cpu_at_large_vocabularies);
+    RUN_IF(lmhead_bf16_logits_keep_confident_rows_losses_fp32_exact);
     RUN_IF(vocab_parallel_embedding_and_lmhead_slices_match_cpu);
     RUN_IF(attention_fwd_matches_cpu_causal_gqa_doc_mask_and_tails);
     RUN_IF(attention_full_bwd_matches_cpu);

@@ -38,7 +38,7 @@ typedef enum {
     CF_SCR_SORT_VALS,      /*   rows in token order                                    */
     CF_SCR_SORT_TMP,       /*   cub radix sort temporary                               */
     CF_SCR_IOTA,           /*   0..T-1                                                 */
-    CF_SCR_LOGITS,         /* LM head: fp32 logits of a row chunk           lmhead.cu  */
+    CF_SCR_LOGITS,         /* LM head: bf16 (or fp32) logits of a row chunk lmhead.cu  */
     CF_SCR_DLOGITS,        /*   bf16 dlogits of a row chunk                            */
     CF_SCR_GATHER_DESC,    /* gather_rows_multi descriptors                 select.cu  */
     CF_SCR_KEEP_COUNTS,    /* keep_to_rows: kept count per sequence                    */
@@ -151,10 +151,11 @@ typedef struct cf_cuda_ctx {
     } attn_plans[CF_ATTN_PLANS];
     int attn_plan_next;
     /* the LM head's cluster kernel (lmhead.cu: lmhead_cluster_plan): the
-     * vocabulary size last planned for (0: none yet) and its cluster size
-     * (0: the one-block kernel), so the attribute and placement queries run
-     * once per vocabulary size, not at every chunk */
-    int lmhead_cluster_v, lmhead_cluster_cl;
+     * vocabulary size, logit bytes and asked cluster size last planned for
+     * (zeros: none yet) and its cluster size (0: the one-block kernel), so
+     * the attribute and placement queries run once per vocabulary, not at
+     * every chunk */
+    int lmhead_cluster_key[3], lmhead_cluster_cl;
 
     /* time marks on the compute stream (backend.h: mark), created lazily */
 #define CF_CUDA_MARKS 4096

@@ -1,10 +1,12 @@
 /*
  * lmhead.cu — the LM head with its cross-entropy, chunked over rows so that
- * no [T, V] buffer exists: per chunk, logits by cuBLASLt (fp32 out), then one
- * block per row for the log-sum-exp, the loss and (backward) the bf16 dlogits,
- * then the two GEMMs of the backward. A training forward may instead keep
- * every row's bf16 g = softmax - onehot (issue 17): its backward then scales
- * g by dloss and runs the two GEMMs, without recomputing the logits.
+ * no [T, V] buffer exists: per chunk, logits by cuBLASLt (bf16 out, fp32
+ * accumulation, as transformers' bf16 models have them; fp32 with
+ * CF_LMHEAD_LOGITS=fp32), then one block per row for the log-sum-exp, the
+ * loss and (backward) the bf16 dlogits, then the two GEMMs of the backward.
+ * A training forward may instead keep every row's bf16 g = softmax - onehot
+ * (issue 17): its backward then scales g by dloss and runs the two GEMMs,
+ * without recomputing the logits.
  */
 #include <cooperative_groups.h>
 
@@ -13,14 +15,24 @@
 /* ============================================================ lm head */
 
 /*
- * One block per row of an fp32 logits chunk [rows, V]. Pass 1: per-thread
- * online (max, sum of exp), combined over the block -> lse; loss = lse -
+ * One block per row of a logits chunk [rows, V]. Pass 1: per-thread online
+ * (max, sum of exp), combined over the block -> lse; loss = lse -
  * logit[target]. For the backward, pass 2 writes the bf16 gradient
  *   dlogits_j = dloss * (exp(logit_j - lse) - [j == target])
  * (all zeros where dloss == 0). As on the CPU backend, a target outside
  * [0, V) gives a NaN loss and a gradient without the one-hot term. In the
  * forward, dlogits with dloss NULL is the unscaled g = softmax - onehot that
  * a following backward reads instead of recomputing the logits (issue 17).
+ *
+ * bf16 logits (the default) halve the bytes of the pass (the GEMM writes a
+ * chunk once and the rows kernel reads it once: 4 bytes a logit fewer, of
+ * 10; run 28). Their rounding (2^-9 relative) would reach the loss whole
+ * through the target's logit: loss = lse - logit[target]. So the target's
+ * logit is taken again in fp32, x[row] . W[target], and replaces the
+ * rounded one in the sum of exp, the loss and the gradient's one-hot entry.
+ * The other logits enter the loss only through lse, weighted by their
+ * probabilities, so their roundings average out; the loss stays as exact
+ * as with fp32 logits (test_gpu_ops: confident rows).
  */
 __device__ __forceinline__ void lse_combine(float &m, float &s, float m2, float s2) {
     float mm = fmaxf(m, m2);
@@ -28,31 +40,69 @@ __device__ __forceinline__ void lse_combine(float &m, float &s, float m2, float 
     s = s * expf(m - mm) + s2 * expf(m2 - mm);
     m = mm;
 }
-/* Vocab-parallel variants (a slice of V vocabulary rows from vstart):
- * stats != NULL writes {max, sum of exp relative to it, target logit or 0}
- * instead of the loss; lse_in != NULL is the whole vocabulary's
- * log-sum-exp for the gradient (nothing is reduced then). */
-/* four more logits into a thread's online (m, s) */
-__device__ __forceinline__ void lse_add4(float &m, float &s, float4 x) {
-    const float mx = fmaxf(fmaxf(x.x, x.y), fmaxf(x.z, x.w));
+/* (m, s) with the term exp(r - m) of a rounded logit r replaced by the
+ * exact logit e's (which may raise the max) */
+__device__ __forceinline__ void lse_swap_term(float &m, float &s, float r, float e) {
+    s = fmaxf(s - expf(r - m), 0.f);
+    lse_combine(m, s, e, 1.f);
+}
+
+/* 16 bytes of logits: LN<LT> of them, read as one uint4 */
+template <typename LT> struct LN { static constexpr int n = 16 / sizeof(LT); };
+__device__ __forceinline__ float lt_f(float x) { return x; }
+__device__ __forceinline__ float lt_f(bf16 x) { return __bfloat162float(x); }
+template <typename LT> __device__ __forceinline__ void lt_unpack(const uint4 &u, float *f);
+template <> __device__ __forceinline__ void lt_unpack<float>(const uint4 &u, float *f) {
+    f[0] = __uint_as_float(u.x);
+    f[1] = __uint_as_float(u.y);
+    f[2] = __uint_as_float(u.z);
+    f[3] = __uint_as_float(u.w);
+}
+template <> __device__ __forceinline__ void lt_unpack<bf16>(const uint4 &u, float *f) {
+    unpack8(reinterpret_cast<const pack8 &>(u), f);
+}
+/* N bf16 gradients (8 or 16 bytes) from floats */
+template <int N> __device__ __forceinline__ void store_bf16(bf16 *out, const float *g);
+template <> __device__ __forceinline__ void store_bf16<4>(bf16 *out, const float *g) {
+    const __nv_bfloat162 lo = __floats2bfloat162_rn(g[0], g[1]), hi = __floats2bfloat162_rn(g[2], g[3]);
+    uint2 u;
+    u.x = *reinterpret_cast<const uint32_t *>(&lo);
+    u.y = *reinterpret_cast<const uint32_t *>(&hi);
+    *reinterpret_cast<uint2 *>(out) = u;
+}
+template <> __device__ __forceinline__ void store_bf16<8>(bf16 *out, const float *g) {
+    *reinterpret_cast<pack8 *>(out) = pack8_from(g);
+}
+
+/* N more logits into a thread's online (m, s) */
+template <int N> __device__ __forceinline__ void lse_addn(float &m, float &s, const float *x) {
+    float mx = x[0];
+#pragma unroll
+    for (int k = 1; k < N; k++) mx = fmaxf(mx, x[k]);
     if (mx > m) {
         s *= expf(m - mx);
         m = mx;
     }
-    s += expf(x.x - m) + expf(x.y - m) + expf(x.z - m) + expf(x.w - m);
+#pragma unroll
+    for (int k = 0; k < N; k++) s += expf(x[k] - m);
 }
 /* One thread's part of a row's online (max, sum of exp): every blockDim-th
- * element from threadIdx.x, or with VEC = 4 every blockDim-th float4 (16
- * bytes a load: the row is read from HBM, and one 4-byte load per thread
- * in flight left the kernel latency-bound at 1.5 TB/s) */
-template <int VEC>
-__device__ __forceinline__ void row_stats(const float *lg, int V, float &m, float &s) {
-    if constexpr (VEC == 4) {
-        const float4 *l4 = reinterpret_cast<const float4 *>(lg);
-        for (int j = threadIdx.x; j < V / 4; j += blockDim.x) lse_add4(m, s, l4[j]);
+ * element from threadIdx.x, or with VEC every blockDim-th 16 bytes (the row
+ * is read from HBM, and one 4-byte load per thread in flight left the
+ * kernel latency-bound at 1.5 TB/s) */
+template <bool VEC, typename LT>
+__device__ __forceinline__ void row_stats(const LT *lg, int V, float &m, float &s) {
+    if constexpr (VEC) {
+        constexpr int N = LN<LT>::n;
+        const uint4 *l4 = reinterpret_cast<const uint4 *>(lg);
+        for (int j = threadIdx.x; j < V / N; j += blockDim.x) {
+            float x[N];
+            lt_unpack<LT>(l4[j], x);
+            lse_addn<N>(m, s, x);
+        }
     } else {
         for (int j = threadIdx.x; j < V; j += blockDim.x) {
-            const float x = lg[j];
+            const float x = lt_f(lg[j]);
             if (x > m) {
                 s = s * expf(m - x) + 1.f;
                 m = x;
@@ -62,29 +112,51 @@ __device__ __forceinline__ void row_stats(const float *lg, int V, float &m, floa
         }
     }
 }
-/* out[j] = bf16(d (exp(lg[j] - lse) - [j == tgt])), 0 where d == 0; VEC = 4:
- * a float4 read and four bf16 (8 bytes) written per step */
-template <int VEC>
-__device__ __forceinline__ void row_grad(bf16 *out, const float *lg, int V, float lse, float d, int tgt) {
-    if constexpr (VEC == 4) {
-        const float4 *l4 = reinterpret_cast<const float4 *>(lg);
-        for (int j = threadIdx.x; j < V / 4; j += blockDim.x) {
-            const float4 x = l4[j];
-            const int c = 4 * j;
-            float g[4] = {x.x, x.y, x.z, x.w};
-            for (int k = 0; k < 4; k++) g[k] = d == 0.f ? 0.f : d * (expf(g[k] - lse) - (c + k == tgt ? 1.f : 0.f));
-            const __nv_bfloat162 lo = __floats2bfloat162_rn(g[0], g[1]), hi = __floats2bfloat162_rn(g[2], g[3]);
-            uint2 u;
-            u.x = *reinterpret_cast<const uint32_t *>(&lo);
-            u.y = *reinterpret_cast<const uint32_t *>(&hi);
-            *reinterpret_cast<uint2 *>(out + c) = u;
+/* out[j] = bf16(d (exp(lg[j] - lse) - [j == tgt])), 0 where d == 0, with
+ * the target's logit tv (exact) in place of lg[tgt]; VEC: 16 bytes of
+ * logits read and N bf16 written per step */
+template <bool VEC, typename LT>
+__device__ __forceinline__ void row_grad(bf16 *out, const LT *lg, int V, float lse, float d, int tgt, float tv) {
+    if constexpr (VEC) {
+        constexpr int N = LN<LT>::n;
+        const uint4 *l4 = reinterpret_cast<const uint4 *>(lg);
+        for (int j = threadIdx.x; j < V / N; j += blockDim.x) {
+            const int c = N * j;
+            float g[N];
+            lt_unpack<LT>(l4[j], g);
+#pragma unroll
+            for (int k = 0; k < N; k++) {
+                const bool t = c + k == tgt;
+                g[k] = d == 0.f ? 0.f : d * (expf((t ? tv : g[k]) - lse) - (t ? 1.f : 0.f));
+            }
+            store_bf16<N>(out + c, g);
         }
     } else {
         for (int j = threadIdx.x; j < V; j += blockDim.x) {
-            const float g = d == 0.f ? 0.f : d * (expf(lg[j] - lse) - (j == tgt ? 1.f : 0.f));
+            const bool t = j == tgt;
+            const float g = d == 0.f ? 0.f : d * (expf((t ? tv : lt_f(lg[j])) - lse) - (t ? 1.f : 0.f));
             out[j] = __float2bfloat16_rn(g);
         }
     }
+}
+
+/* The target's logit in fp32, x . w over C (bf16 rows), by one warp: every
+ * lane returns it */
+__device__ __forceinline__ float warp_dot_bf16(const bf16 *x, const bf16 *w, int C) {
+    const int lane = threadIdx.x & 31;
+    float s = 0.f;
+    if (C % 8 == 0 && ((uintptr_t)x & 15) == 0 && ((uintptr_t)w & 15) == 0) {
+        for (int c = 8 * lane; c < C; c += 256) {
+            float a[8], b[8];
+            unpack8(*reinterpret_cast<const pack8 *>(x + c), a);
+            unpack8(*reinterpret_cast<const pack8 *>(w + c), b);
+#pragma unroll
+            for (int k = 0; k < 8; k++) s = fmaf(a[k], b[k], s);
+        }
+    } else {
+        for (int c = lane; c < C; c += 32) s = fmaf(__bfloat162float(x[c]), __bfloat162float(w[c]), s);
+    }
+    return warp_sum(s);
 }
 
 /* The block's (m, s) into thread 0: butterflies within each warp, then warp
@@ -110,72 +182,98 @@ __device__ __forceinline__ void block_lse(float &m, float &s, float *sm, float *
     }
 }
 
-template <int VEC>
-static __global__ void lmhead_rows_kernel(float *losses, float *stats, bf16 *dlogits, const float *logits,
+/* The rows' inputs for the exact target logit: x (the chunk's rows of C)
+ * and W (the vocabulary (slice)'s rows), bf16 */
+struct lm_rows_in {
+    const bf16 *x, *w;
+    int C;
+};
+
+template <bool VEC, typename LT>
+static __global__ void lmhead_rows_kernel(float *losses, float *stats, bf16 *dlogits, const LT *logits,
                                           const int *targets, const float *dloss, const float *lse_in, int V,
-                                          int vstart) {
-    __shared__ float sm[32], ss[32];
+                                          int vstart, lm_rows_in in) {
+    __shared__ float sm[32], ss[32], tv_sh;
     const int row = blockIdx.x;
-    const float *lg = logits + (size_t)row * V;
+    const LT *lg = logits + (size_t)row * V;
     const int tgt = targets[row] - vstart;
-    const bool bad = tgt < 0 || tgt >= V;
+    const bool bad = tgt < 0 || tgt >= V, exact = sizeof(LT) == 2 && !bad;
+    /* warp 0: the target's logit (rounded, or exact for bf16 logits) */
+    float tv = 0.f;
+    if (threadIdx.x < 32 && !bad)
+        tv = exact ? warp_dot_bf16(in.x + (size_t)row * in.C, in.w + (size_t)tgt * in.C, in.C) : lt_f(lg[tgt]);
     if (lse_in) {
-        row_grad<VEC>(dlogits + (size_t)row * V, lg, V, lse_in[row], dloss ? dloss[row] : 0.f, tgt);
+        if (threadIdx.x == 0) tv_sh = tv;
+        __syncthreads();
+        row_grad<VEC, LT>(dlogits + (size_t)row * V, lg, V, lse_in[row], dloss ? dloss[row] : 0.f, tgt, tv_sh);
         return;
     }
     float m = -INFINITY, s = 0.f;
-    row_stats<VEC>(lg, V, m, s);
+    row_stats<VEC, LT>(lg, V, m, s);
     block_lse(m, s, sm, ss);
     if (threadIdx.x == 0) {
+        if (exact) lse_swap_term(m, s, lt_f(lg[tgt]), tv);
         sm[0] = m + logf(s);
+        tv_sh = tv;
         if (stats) {
             stats[(size_t)row * 3] = m;
             stats[(size_t)row * 3 + 1] = s;
-            stats[(size_t)row * 3 + 2] = bad ? 0.f : lg[tgt];
+            stats[(size_t)row * 3 + 2] = tv;
         }
     }
     __syncthreads();
     if (stats) return;
     const float lse = sm[0];
-    if (losses && threadIdx.x == 0) losses[row] = bad ? NAN : lse - lg[tgt];
-    if (dlogits) row_grad<VEC>(dlogits + (size_t)row * V, lg, V, lse, dloss ? dloss[row] : 1.f, tgt);
+    if (losses && threadIdx.x == 0) losses[row] = bad ? NAN : lse - tv;
+    if (dlogits) row_grad<VEC, LT>(dlogits + (size_t)row * V, lg, V, lse, dloss ? dloss[row] : 1.f, tgt, tv_sh);
 }
 
 /*
  * Hopper, whole vocabulary: the row read from HBM once. With V = 151936
- * (Qwen2.5) a row is 608 KB of fp32, more than a block's shared memory, so
- * lmhead_rows_kernel's pass 2 re-reads it from HBM (run 19's ncu: 2.67 GB
- * of DRAM traffic per 1766-row chunk, 1.07 GB of it the second read).
- * Here a cluster of CL blocks shares a row: block r loads the slice
- * [r V/CL, (r+1) V/CL) into shared memory with its online (m_r, s_r), the
- * blocks exchange their (m_r, s_r) through distributed shared memory and
- * each combines them in rank order 0..CL-1, so all hold the same
- *   lse = M + log S,  M = max_r m_r,  S = sum_r s_r exp(m_r - M),
+ * (Qwen2.5) a row is 304 KB of bf16 (608 KB of fp32), more than a block's
+ * shared memory, so lmhead_rows_kernel's pass 2 re-reads it from HBM (run
+ * 19's ncu: 2.67 GB of DRAM traffic per 1766-row chunk of fp32, 1.07 GB of
+ * it the second read). Here a cluster of CL blocks shares a row: block r
+ * loads the slice [r V/CL, (r+1) V/CL) into shared memory with its online
+ * (m_r, s_r), the blocks exchange their (m_r, s_r) through distributed
+ * shared memory and each combines them in rank order 0..CL-1, so all hold
+ * the same
+ *   lse = M + log S,  M = max_r m_r,  S = sum_r s_r exp(m_r - M)
+ * (with the target's exact logit swapped in, read from its owner's slice),
  * and the loss and the gradient come from the slices on chip.
  */
-template <int CL>
+template <int CL, typename LT>
 static __global__ void __launch_bounds__(512)
-    lmhead_rows_cluster_kernel(float *losses, bf16 *dlogits, const float *logits, const int *targets,
-                               const float *dloss, int V) {
+    lmhead_rows_cluster_kernel(float *losses, bf16 *dlogits, const LT *logits, const int *targets,
+                               const float *dloss, int V, lm_rows_in in) {
 #if CF_SM90_PATH
     namespace cg = cooperative_groups;
-    extern __shared__ float4 slice4[];   /* this block's V / CL logits */
-    __shared__ float sm[32], ss[32], part[2], lse_sh;
+    constexpr int N = LN<LT>::n;
+    extern __shared__ uint4 slice4[]; /* this block's V / CL logits */
+    __shared__ float sm[32], ss[32], part[2], lse_sh, tv_sh;
     cg::cluster_group cluster = cg::this_cluster();
-    const int r = (int)cluster.block_rank(), row = blockIdx.y, n = V / CL, n4 = n / 4, c0 = r * n;
-    const float4 *g4 = reinterpret_cast<const float4 *>(logits + (size_t)row * V + c0);
-    /* four float4 loads in flight per thread; streaming: each is read once */
+    const int r = (int)cluster.block_rank(), row = blockIdx.y, n = V / CL, nv = n / N, c0 = r * n;
+    const int tgt = targets[row];
+    const bool bad = tgt < 0 || tgt >= V, exact = sizeof(LT) == 2 && !bad;
+    /* warp 0 of each block: the target's exact logit (its loads overlap the
+     * row's stream) */
+    float e = 0.f;
+    if (threadIdx.x < 32 && exact) e = warp_dot_bf16(in.x + (size_t)row * in.C, in.w + (size_t)tgt * in.C, in.C);
+    const uint4 *g4 = reinterpret_cast<const uint4 *>(logits + (size_t)row * V + c0);
+    /* four 16-byte loads in flight per thread; streaming: each is read once */
     float m = -INFINITY, s = 0.f;
-    for (int j0 = threadIdx.x; j0 < n4; j0 += 4 * blockDim.x) {
-        float4 x[4];
+    for (int j0 = threadIdx.x; j0 < nv; j0 += 4 * blockDim.x) {
+        uint4 u[4];
 #pragma unroll
         for (int k = 0; k < 4; k++)
-            if (j0 + k * (int)blockDim.x < n4) x[k] = __ldcs(g4 + j0 + k * blockDim.x);
+            if (j0 + k * (int)blockDim.x < nv) u[k] = __ldcs(g4 + j0 + k * blockDim.x);
 #pragma unroll
         for (int k = 0; k < 4; k++)
-            if (j0 + k * (int)blockDim.x < n4) {
-                slice4[j0 + k * blockDim.x] = x[k];
-                lse_add4(m, s, x[k]);
+            if (j0 + k * (int)blockDim.x < nv) {
+                slice4[j0 + k * blockDim.x] = u[k];
+                float x[N];
+                lt_unpack<LT>(u[k], x);
+                lse_addn<N>(m, s, x);
             }
     }
     block_lse(m, s, sm, ss);
@@ -184,33 +282,55 @@ static __global__ void __launch_bounds__(512)
         part[1] = s;
     }
     cluster.sync();
+    const LT *slice = reinterpret_cast<const LT *>(slice4);
     if (threadIdx.x == 0) {
         float M = -INFINITY, S = 0.f;
         for (int q = 0; q < CL; q++) {
             const float *p = cluster.map_shared_rank(part, q);
             lse_combine(M, S, p[0], p[1]);
         }
+        float tv = 0.f;
+        if (!bad) {
+            /* the rounded target logit, from its owner's slice */
+            const int owner = tgt / n;
+            const float rt = lt_f(cluster.map_shared_rank(slice, owner)[tgt - owner * n]);
+            if (exact) lse_swap_term(M, S, rt, e);
+            tv = exact ? e : rt;
+        }
         lse_sh = M + logf(S);
+        tv_sh = tv;
     }
-    /* no block leaves (or reuses part) while another still reads its part;
-     * also makes lse_sh visible to the block */
+    /* no block leaves (or reuses part and its slice) while another still
+     * reads them; also makes lse_sh and tv_sh visible to the block */
     cluster.sync();
-    const float lse = lse_sh, *slice = reinterpret_cast<const float *>(slice4);
-    const int tgt = targets[row];
-    const bool bad = tgt < 0 || tgt >= V;
+    const float lse = lse_sh, tv = tv_sh;
     if (losses && threadIdx.x == 0) {
         if (bad && r == 0) losses[row] = NAN;
-        else if (!bad && tgt / n == r) losses[row] = lse - slice[tgt - c0];
+        else if (!bad && tgt / n == r) losses[row] = lse - tv;
     }
     if (dlogits)
-        row_grad<4>(dlogits + (size_t)row * V + c0, slice, n, lse, dloss ? dloss[row] : 1.f, bad ? -1 : tgt - c0);
+        row_grad<true, LT>(dlogits + (size_t)row * V + c0, slice, n, lse, dloss ? dloss[row] : 1.f,
+                           bad ? -1 : tgt - c0, tv);
 #endif
 }
 
+/* The logits' type: bf16 unless CF_LMHEAD_LOGITS=fp32 (an A/B switch, read
+ * at every call); 0 and a failed context for any other value */
+static int lm_logit_bytes(cf_cuda_ctx *ctx) {
+    const char *e = getenv("CF_LMHEAD_LOGITS");
+    if (!e || !*e || strcmp(e, "bf16") == 0) return 2;
+    if (strcmp(e, "fp32") == 0) return 4;
+    cf_cuda_ctx_fail(ctx, "CF_LMHEAD_LOGITS=%s: expected bf16 or fp32", e);
+    return 0;
+}
+
 #if !(defined(CF_CUDA_PORTABLE) && CF_CUDA_PORTABLE)
-typedef void (*lmhead_cluster_fn)(float *, bf16 *, const float *, const int *, const float *, int);
-static lmhead_cluster_fn lmhead_cluster_kernel_for(int cl) {
-    return cl == 2 ? lmhead_rows_cluster_kernel<2> : cl == 4 ? lmhead_rows_cluster_kernel<4> : lmhead_rows_cluster_kernel<8>;
+typedef void (*lmhead_cluster_fn)(float *, bf16 *, const void *, const int *, const float *, int, lm_rows_in);
+static lmhead_cluster_fn lmhead_cluster_kernel_for(int cl, int esz) {
+#define LM_CK(C, T) reinterpret_cast<lmhead_cluster_fn>(lmhead_rows_cluster_kernel<C, T>)
+    if (esz == 2) return cl == 2 ? LM_CK(2, bf16) : cl == 4 ? LM_CK(4, bf16) : LM_CK(8, bf16);
+    return cl == 2 ? LM_CK(2, float) : cl == 4 ? LM_CK(4, float) : LM_CK(8, float);
+#undef LM_CK
 }
 
 /* A cluster launch of CL blocks of 512 threads per row */
@@ -230,24 +350,27 @@ static cudaLaunchConfig_t lmhead_cluster_config(cf_cuda_ctx *ctx, int cl, int ro
     return cfg;
 }
 
-/* The cluster size for a vocabulary of V on this context, or 0 for the
- * one-block kernel: a GPU of cc >= 9, rows over 64 KB, CL the smallest of
- * 2, 4, 8 with a slice of at most 100 KB of shared memory, V a multiple of
- * 4 CL, and a GPU that can place such a cluster (not so on a MIG slice or
- * with too few SMs per GPC). Planned once per V (ctx->lmhead_cluster_*):
- * the shared-memory attribute and the placement query cost microseconds,
- * and the forward asks at every chunk. -1: a CUDA call failed (ctx->failed). */
-static int lmhead_cluster_plan(cf_cuda_ctx *ctx, int V) {
-    if (ctx->lmhead_cluster_v == V) return ctx->lmhead_cluster_cl;
+/* The cluster size for a vocabulary of V logits of esz bytes on this
+ * context, or 0 for the one-block kernel: a GPU of cc >= 9, rows over 64
+ * KB, CL the smallest of 2, 4, 8 with a slice of at most 100 KB of shared
+ * memory (or want, CF_LMHEAD_CLUSTER=2|4|8, if its slice fits), V a
+ * multiple of CL 16-byte vectors, and a GPU that can place such a cluster
+ * (not so on a MIG slice or with too few SMs per GPC). Planned once per
+ * (V, esz, want) (ctx->lmhead_cluster_*): the shared-memory attribute and
+ * the placement query cost microseconds, and the forward asks at every
+ * chunk. -1: a CUDA call failed (ctx->failed). */
+static int lmhead_cluster_plan(cf_cuda_ctx *ctx, int V, int esz, int want) {
+    const int key[3] = {V, esz, want};
+    if (memcmp(ctx->lmhead_cluster_key, key, sizeof key) == 0) return ctx->lmhead_cluster_cl;
     int cl = 0;
-    if (ctx->cc_major >= 9 && (size_t)V * 4 > (64 << 10)) {
-        cl = 2;
-        while (cl < 8 && (size_t)(V / cl) * 4 > (100 << 10)) cl *= 2;
-        const size_t bytes = (size_t)(V / cl) * 4;
-        if (bytes > (100 << 10) || bytes > ctx->smem_optin || V % (4 * cl)) {
+    if (ctx->cc_major >= 9 && (size_t)V * esz > (64 << 10)) {
+        cl = want ? want : 2;
+        while (!want && cl < 8 && (size_t)(V / cl) * esz > (100 << 10)) cl *= 2;
+        const size_t bytes = (size_t)(V / cl) * esz;
+        if ((!want && bytes > (100 << 10)) || bytes > ctx->smem_optin || V % (cl * 16 / esz)) {
             cl = 0;
         } else {
-            const lmhead_cluster_fn k = lmhead_cluster_kernel_for(cl);
+            const lmhead_cluster_fn k = lmhead_cluster_kernel_for(cl, esz);
             if (!CF_CK(ctx, cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes))) return -1;
             cudaLaunchAttribute at;
             const cudaLaunchConfig_t cfg = lmhead_cluster_config(ctx, cl, 1, bytes, &at);
@@ -258,7 +381,7 @@ static int lmhead_cluster_plan(cf_cuda_ctx *ctx, int V) {
             }
         }
     }
-    ctx->lmhead_cluster_v = V;
+    memcpy(ctx->lmhead_cluster_key, key, sizeof key);
     ctx->lmhead_cluster_cl = cl;
     return cl;
 }
@@ -267,17 +390,22 @@ static int lmhead_cluster_plan(cf_cuda_ctx *ctx, int V) {
 /* The cluster kernel where it applies (false: the caller runs
  * lmhead_rows_kernel): an sm_90 build, a vocabulary lmhead_cluster_plan
  * gives a cluster size, at most 65535 rows, the 16-byte path's alignment,
- * and CF_LMHEAD_CLUSTER not "0" (an A/B switch, read at every call). */
-static bool lmhead_rows_cluster(cf_cuda_ctx *ctx, int rows, float *losses, bf16 *dlogits, const float *logits,
-                                const int *targets, const float *dloss, int V) {
+ * and CF_LMHEAD_CLUSTER not "0" (an A/B switch, read at every call; 2, 4
+ * or 8 asks for that cluster size). */
+static bool lmhead_rows_cluster(cf_cuda_ctx *ctx, int rows, float *losses, bf16 *dlogits, const void *logits,
+                                int esz, const int *targets, const float *dloss, int V, lm_rows_in in) {
 #if !(defined(CF_CUDA_PORTABLE) && CF_CUDA_PORTABLE)
     const char *e = getenv("CF_LMHEAD_CLUSTER");
-    if ((e && strcmp(e, "0") == 0) || rows > 65535 || !cf_aligned16(logits) || ((uintptr_t)dlogits & 7)) return false;
-    const int cl = lmhead_cluster_plan(ctx, V);
+    const int want = e && (!strcmp(e, "2") || !strcmp(e, "4") || !strcmp(e, "8")) ? atoi(e) : 0;
+    if ((e && strcmp(e, "0") == 0) || rows > 65535 || !cf_aligned16(logits) ||
+        ((uintptr_t)dlogits & (2 * (16 / esz) - 1)))
+        return false;
+    const int cl = lmhead_cluster_plan(ctx, V, esz, want);
     if (cl <= 0) return false;
     cudaLaunchAttribute at;
-    const cudaLaunchConfig_t cfg = lmhead_cluster_config(ctx, cl, rows, (size_t)(V / cl) * 4, &at);
-    return CF_CK(ctx, cudaLaunchKernelEx(&cfg, lmhead_cluster_kernel_for(cl), losses, dlogits, logits, targets, dloss, V));
+    const cudaLaunchConfig_t cfg = lmhead_cluster_config(ctx, cl, rows, (size_t)(V / cl) * esz, &at);
+    return CF_CK(ctx, cudaLaunchKernelEx(&cfg, lmhead_cluster_kernel_for(cl, esz), losses, dlogits, logits, targets,
+                                         dloss, V, in));
 #else
     return false;
 #endif
@@ -286,23 +414,35 @@ static bool lmhead_rows_cluster(cf_cuda_ctx *ctx, int rows, float *losses, bf16 
 /* one block of 512 threads per row (or, whole vocabulary, the cluster
  * kernel where it applies); the 16-byte path where every row of the logits
  * (and of dlogits) starts aligned */
-static void lmhead_rows(cf_cuda_ctx *ctx, int rows, float *losses, float *stats, bf16 *dlogits, const float *logits,
-                        const int *targets, const float *dloss, const float *lse_in, int V, int vstart) {
-    if (!stats && !lse_in && vstart == 0 &&
-        (lmhead_rows_cluster(ctx, rows, losses, dlogits, logits, targets, dloss, V) || ctx->failed))
-        return;
-    if (V % 4 == 0 && cf_aligned16(logits) && ((uintptr_t)dlogits & 7) == 0)
-        lmhead_rows_kernel<4><<<rows, 512, 0, ctx->stream>>>(losses, stats, dlogits, logits, targets, dloss, lse_in, V,
-                                                             vstart);
+template <typename LT>
+static void lmhead_rows_t(cf_cuda_ctx *ctx, int rows, float *losses, float *stats, bf16 *dlogits, const LT *logits,
+                          const int *targets, const float *dloss, const float *lse_in, int V, int vstart,
+                          lm_rows_in in) {
+    constexpr int N = LN<LT>::n;
+    if (V % N == 0 && cf_aligned16(logits) && ((uintptr_t)dlogits & (2 * N - 1)) == 0)
+        lmhead_rows_kernel<true, LT><<<rows, 512, 0, ctx->stream>>>(losses, stats, dlogits, logits, targets, dloss,
+                                                                    lse_in, V, vstart, in);
     else
-        lmhead_rows_kernel<1><<<rows, 512, 0, ctx->stream>>>(losses, stats, dlogits, logits, targets, dloss, lse_in, V,
-                                                             vstart);
+        lmhead_rows_kernel<false, LT><<<rows, 512, 0, ctx->stream>>>(losses, stats, dlogits, logits, targets, dloss,
+                                                                     lse_in, V, vstart, in);
+}
+static void lmhead_rows(cf_cuda_ctx *ctx, int rows, float *losses, float *stats, bf16 *dlogits, const void *logits,
+                        int esz, const int *targets, const float *dloss, const float *lse_in, int V, int vstart,
+                        lm_rows_in in) {
+    if (!stats && !lse_in && vstart == 0 &&
+        (lmhead_rows_cluster(ctx, rows, losses, dlogits, logits, esz, targets, dloss, V, in) || ctx->failed))
+        return;
+    if (esz == 2)
+        lmhead_rows_t(ctx, rows, losses, stats, dlogits, (const bf16 *)logits, targets, dloss, lse_in, V, vstart, in);
+    else
+        lmhead_rows_t(ctx, rows, losses, stats, dlogits, (const float *)logits, targets, dloss, lse_in, V, vstart, in);
 }
 
-/* rows per chunk: fp32 logits + bf16 dlogits of a chunk stay under ~1.5 GiB */
-static int lm_chunk(int T, int V) {
+/* rows per chunk: the logits (esz bytes each) + bf16 dlogits of a chunk stay
+ * under ~1.5 GiB */
+static int lm_chunk(int T, int V, int esz) {
     size_t budget = (size_t)3 << 29;
-    size_t rows = budget / ((size_t)V * 6);
+    size_t rows = budget / ((size_t)V * (esz + 2));
     if (rows < 1) rows = 1;
     return (int)(rows < (size_t)T ? rows : (size_t)T);
 }
@@ -314,17 +454,21 @@ static void lmhead_fwd(cf_backend *b, float *losses, float *stats, bf16 *g, cons
                        const int *targets, int T, int C, int V, int vstart) {
     cf_cuda_ctx *ctx = cf_cuda_enter(b);
     if (!ctx || T <= 0) return;
-    const int chunk = lm_chunk(T, V);
-    float *logits = (float *)cf_cuda_scratch(ctx, CF_SCR_LOGITS, (size_t)chunk * V * sizeof(float));
+    const int esz = lm_logit_bytes(ctx);
+    if (!esz) return;
+    const int chunk = lm_chunk(T, V, esz);
+    void *logits = cf_cuda_scratch(ctx, CF_SCR_LOGITS, (size_t)chunk * V * esz);
     if (!logits) return;
     for (int r0 = 0; r0 < T && !ctx->failed; r0 += chunk) {
         const int rows = CF_MIN(chunk, T - r0);
         const bf16 *xc = (const bf16 *)x + (size_t)r0 * C;
-        cf_cuda_gemm(ctx, true, false, V, rows, C, wlm, C, xc, C, logits, CUDA_R_32F, V, 0.f, NULL);
+        cf_cuda_gemm(ctx, true, false, V, rows, C, wlm, C, xc, C, logits, esz == 2 ? CUDA_R_16BF : CUDA_R_32F, V,
+                     0.f, NULL);
         float *lo = stats ? nullptr : losses + r0;
         float *st = stats ? stats + (size_t)r0 * 3 : nullptr;
         bf16 *gc = g ? g + (size_t)r0 * V : nullptr;
-        lmhead_rows(ctx, rows, lo, st, gc, logits, targets + r0, nullptr, nullptr, V, vstart);
+        lmhead_rows(ctx, rows, lo, st, gc, logits, esz, targets + r0, nullptr, nullptr, V, vstart,
+                    lm_rows_in{xc, (const bf16 *)wlm, C});
         if (!(stats ? CF_CK_LAUNCH(ctx, "lmhead_stats") : CF_CK_LAUNCH(ctx, "lmhead_rows"))) return;
     }
 }
@@ -349,15 +493,19 @@ void cf_cuda_lmhead_loss_bwd(cf_backend *b, void *dx, float *dwlm, const void *x
                              int vstart, int flags) {
     cf_cuda_ctx *ctx = cf_cuda_enter(b);
     if (!ctx || T <= 0) return;
-    const int chunk = lm_chunk(T, V);
-    float *logits = (float *)cf_cuda_scratch(ctx, CF_SCR_LOGITS, (size_t)chunk * V * sizeof(float));
+    const int esz = lm_logit_bytes(ctx);
+    if (!esz) return;
+    const int chunk = lm_chunk(T, V, esz);
+    void *logits = cf_cuda_scratch(ctx, CF_SCR_LOGITS, (size_t)chunk * V * esz);
     bf16 *dlogits = (bf16 *)cf_cuda_scratch(ctx, CF_SCR_DLOGITS, (size_t)chunk * V * sizeof(bf16));
     if (!logits || !dlogits) return;
     for (int r0 = 0; r0 < T && !ctx->failed; r0 += chunk) {
         const int rows = CF_MIN(chunk, T - r0);
         const bf16 *xc = (const bf16 *)x + (size_t)r0 * C;
-        cf_cuda_gemm(ctx, true, false, V, rows, C, wlm, C, xc, C, logits, CUDA_R_32F, V, 0.f, NULL);
-        lmhead_rows(ctx, rows, NULL, NULL, dlogits, logits, targets + r0, dloss + r0, lse ? lse + r0 : NULL, V, vstart);
+        cf_cuda_gemm(ctx, true, false, V, rows, C, wlm, C, xc, C, logits, esz == 2 ? CUDA_R_16BF : CUDA_R_32F, V,
+                     0.f, NULL);
+        lmhead_rows(ctx, rows, NULL, NULL, dlogits, logits, esz, targets + r0, dloss + r0, lse ? lse + r0 : NULL, V,
+                    vstart, lm_rows_in{xc, (const bf16 *)wlm, C});
         if (!CF_CK_LAUNCH(ctx, "lmhead_rows")) return;
         /* dx = dlogits W ; dW += dlogits^T x (the first chunk writes dW when it holds zeros) */
         cf_cuda_matmul_bwd(b, (bf16 *)dx + (size_t)r0 * C, dwlm, NULL, dlogits, xc, wlm, rows, C, V,
