@@ -9,7 +9,7 @@
 #          bench-pair pair-ab norm-blocks cf-side ab-old grad-keep side-ab ncu-step norm-ab side-prio pair-rows
 #          pair-full side-attn gemm-survey attn-hpb side-sms pair-head
 #          lmhead-cluster ncu-lmhead sanitize-lmhead parity-bigvocab ab-old-accum pingpong pingpong-model ncu-attn-src ncu-attn-kernels cf-pp64 ncu-ops hpb-model
-#          adamw-ab attn-in-model
+#          adamw-ab attn-in-model ncu-lmhead-logits lmhead-logits
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G=$PWD/.gpucarry
@@ -293,6 +293,21 @@ for part in "$@"; do
           echo "ncu-lmhead $c cluster=$v rc=$?"; python3 tools/ncu_kernels.py "$j.csv" --top 8 | tee "$j.txt"
         done
       done ;;
+    ncu-lmhead-logits)
+      # run 28: the LM head's kernels (its GEMM is the 1-layer model's largest nvjet) with fp32 logits, bf16
+      # logits (the default) and bf16 in clusters of 8, per model in ACCUM_MODELS; time and DRAM bytes per launch
+      for cs in ${ACCUM_MODELS:-qwen2.5-1.5b:2048}; do c=${cs%%:*}; sq=${cs##*:}
+        for v in CF_LMHEAD_LOGITS=fp32 CF_LMHEAD_LOGITS=bf16 CF_LMHEAD_CLUSTER=8; do j="$OUT/ncu_lmlogits_${c}_$(echo "$v" | tr "A-Z=" "a-z_")"
+          env $v timeout 240 ncu --clock-control none --csv --print-units base --kernel-name regex:'lmhead|nvjet' \
+            --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum "$CF" bench --device cuda \
+            --config $c --layers 1 --seq $sq --batch 1 --grad-accum 1 --modes regular --steps 1 --warmup 1 \
+            >"$j.csv" 2>"$j.err"
+          echo "ncu-lmhead-logits $c $v rc=$?"; python3 tools/ncu_kernels.py "$j.csv" --top 6 | tee "$j.txt"
+        done
+      done ;;
+    lmhead-logits)
+      # run 28: bf16 logits (the default) against fp32 (CF_LMHEAD_LOGITS=fp32), steps of ACCUM_MODELS
+      env_ab CF_LMHEAD_LOGITS "fp32 bf16" regular,centrifuge lml ;;
     lmhead-cluster)
       # the LM head's rows read once by a cluster of blocks per row (default on Hopper) against the one-block
       # kernel's two reads (CF_LMHEAD_CLUSTER=0): the forward column
