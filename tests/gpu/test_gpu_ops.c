@@ -960,10 +960,19 @@ TEST(adamw_segments_in_one_launch_give_the_per_segment_bits_and_match_cpu) {
     free_all();
 }
 
-/* LM head: logits fp32 from bf16 x, W (same inputs on both), so losses
- * differ by accumulation order only: 1e-3 of max |loss|. dx is bf16 through
- * a bf16 dlogits: 2e-2; dW fp32 accumulated from bf16 dlogits: 2e-2. Rows
- * with dloss 0 must give dx exactly 0. */
+/* LM head: logits from bf16 x, W (same inputs on both). fp32 logits
+ * (CF_LMHEAD_LOGITS=fp32) give losses that differ by accumulation order
+ * only: 1e-3 of max |loss|. bf16 logits (the default, as transformers' bf16
+ * models have them) with the target's logit exact: each other logit is off
+ * by up to 2^-9 of itself, so lse by up to 2^-9 max |logit|, which here (logits
+ * of sd 2.4, largest about 11, losses up to about 12) is under 2e-3 of the
+ * largest loss: 3e-3. dx is bf16 through a bf16 dlogits: 2e-2; dW fp32
+ * accumulated from bf16 dlogits: 2e-2. Rows with dloss 0 must give dx
+ * exactly 0. */
+static double lm_loss_tol(void) {
+    const char *e = getenv("CF_LMHEAD_LOGITS");
+    return e && strcmp(e, "fp32") == 0 ? 1e-3 : 3e-3;
+}
 static void lmhead_fwd_bwd_case(int V) {
     const int T = 37, C = 64;
     float *x = HOLD(hrand((size_t)T * C, 1.f)), *w = HOLD(hrand((size_t)V * C, 0.3f));
@@ -980,7 +989,7 @@ static void lmhead_fwd_bwd_case(int V) {
     void *gl = gf32_nan(T), *gdx = gact_nan((size_t)T * C), *gdw = gf32(dw0, (size_t)V * C);
     gpu->lmhead_loss_fwd(gpu, gl, gx, gw, gt, T, C, V);
     gpu->lmhead_loss_bwd(gpu, gdx, gdw, gx, gw, gt, gf32(dl, T), NULL, T, C, V, 0, 0);
-    cmp("lmhead losses", get_f32(gl, T), rl, T, 1e-3);
+    cmp("lmhead losses", get_f32(gl, T), rl, T, lm_loss_tol());
     float *dx = get_act(gdx, (size_t)T * C);
     cmp("lmhead dx", dx, rdx, (size_t)T * C, TOL_GRAD);
     cmp("lmhead dW +=", get_f32(gdw, (size_t)V * C), rdw, (size_t)V * C, TOL_GRAD);
@@ -1029,7 +1038,7 @@ static void lmhead_saved_grad_case(int V) {
     gpu->lmhead_loss_fwd_grad(gpu, gl, gg, gx, gw, gt, T, C, V);
     float *l = get_f32(gl, T);
     CHECK_MSG(bitwise_equal(l, get_f32(gl0, T), T), "losses differ from lmhead_loss_fwd's");
-    cmp("lmhead saved: losses", l, rl, T, 1e-3);
+    cmp("lmhead saved: losses", l, rl, T, lm_loss_tol());
     cmp("lmhead saved: g = softmax - onehot", get_act(gg, ng), rg0, ng, 1e-2);
     gpu->lmhead_loss_bwd_saved(gpu, gdx, gdw, gg, gx, gw, gdl, 1.f / T, T, C, V, 0);
     float *dx = get_act(gdx, nx);
@@ -1091,7 +1100,7 @@ static void lmhead_bad_target_case(int V) {
     float *l = get_f32(gl, T);
     CHECK_MSG(isnan(l[2]) && isnan(l[5]) && isnan(rl[2]) && isnan(rl[5]), "a target outside [0, V) gave a loss");
     l[2] = rl[2] = l[5] = rl[5] = 0.f;
-    cmp("lmhead bad targets: the other rows' losses", l, rl, T, 1e-3);
+    cmp("lmhead bad targets: the other rows' losses", l, rl, T, lm_loss_tol());
     cmp("lmhead bad targets: g", get_act(gg, ng), rg, ng, 1e-2);
     free_all();
 }
@@ -1124,7 +1133,8 @@ TEST(lmhead_one_pass_cluster_rows_match_cpu_at_large_vocabularies) {
 /* bf16 logits (the default) with the target's logit taken again in fp32
  * (lmhead.cu): rows where the model is confident (the target's logit about
  * 12.3, where bf16 steps by 1/16; the rest about 0.4) have losses of 0.005
- * (V = 1000) to 0.56 (V = 151936). With the target's rounded logit in the
+ * (V = 1000) to 0.56 (V = 151936; checked: under 1, the target holds over
+ * a third of the probability). With the target's rounded logit in the
  * loss they would be off by 1.5e-2 to 2.7e-2 relative to the largest (a
  * numpy model of the case); here they must be as exact as fp32
  * logits give them (1e-3 of the largest, as the other LM head tests), at
@@ -1148,7 +1158,7 @@ static void lmhead_confident_case(int V) {
     cpu->lmhead_loss_fwd_grad(cpu, rl, rg, x, w, tg, T, C, V);
     float lmin = INFINITY;
     for (int t = 0; t < T; t++) lmin = fminf(lmin, rl[t]);
-    CHECK_MSG(lmin < 0.05f, "the case has no confident row (smallest loss %g)", lmin);
+    CHECK_MSG(lmin < 1.f, "the case has no confident row (smallest loss %g)", lmin);
     void *gx = gact(x, (size_t)T * C), *gw = gact(w, (size_t)V * C), *gt = gi32(tg, T);
     float *g2 = NULL;
     for (int mode = 0; mode < 2; mode++) {

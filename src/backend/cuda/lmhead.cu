@@ -283,22 +283,30 @@ static __global__ void __launch_bounds__(512)
     }
     cluster.sync();
     const LT *slice = reinterpret_cast<const LT *>(slice4);
-    if (threadIdx.x == 0) {
+    if (threadIdx.x < 32) {
+        /* warp 0: lane q < CL reads rank q's (m, s) and lane CL the
+         * target's rounded logit from its owner's slice, all at once (one
+         * round trip through distributed shared memory, not CL + 1 in
+         * turn); then every lane combines the parts in rank order */
+        const int lane = threadIdx.x, owner = bad ? 0 : tgt / n;
+        float pm = -INFINITY, ps = 0.f, rt = 0.f;
+        if (lane < CL) {
+            const float *p = cluster.map_shared_rank(part, lane);
+            pm = p[0];
+            ps = p[1];
+        } else if (lane == CL && !bad) {
+            rt = lt_f(cluster.map_shared_rank(slice, owner)[tgt - owner * n]);
+        }
         float M = -INFINITY, S = 0.f;
-        for (int q = 0; q < CL; q++) {
-            const float *p = cluster.map_shared_rank(part, q);
-            lse_combine(M, S, p[0], p[1]);
-        }
-        float tv = 0.f;
-        if (!bad) {
-            /* the rounded target logit, from its owner's slice */
-            const int owner = tgt / n;
-            const float rt = lt_f(cluster.map_shared_rank(slice, owner)[tgt - owner * n]);
+#pragma unroll
+        for (int q = 0; q < CL; q++)
+            lse_combine(M, S, __shfl_sync(0xffffffffu, pm, q), __shfl_sync(0xffffffffu, ps, q));
+        rt = __shfl_sync(0xffffffffu, rt, CL);
+        if (lane == 0) {
             if (exact) lse_swap_term(M, S, rt, e);
-            tv = exact ? e : rt;
+            lse_sh = M + logf(S);
+            tv_sh = exact ? e : rt;
         }
-        lse_sh = M + logf(S);
-        tv_sh = tv;
     }
     /* no block leaves (or reuses part and its slice) while another still
      * reads them; also makes lse_sh and tv_sh visible to the block */
