@@ -1104,6 +1104,26 @@ static void lmhead_bad_target_case(int V) {
     cmp("lmhead bad targets: g", get_act(gg, ng), rg, ng, 1e-2);
     free_all();
 }
+/* Many rows per launch: the Hopper cluster kernel is persistent (each
+ * cluster takes every G-th row, G the clusters that fit at once, ~16-66 on
+ * an H100/H200) and double-buffered, so at 300 rows every cluster runs
+ * several rows through both buffers and both mbarrier phases. Losses and
+ * g = softmax - onehot against the CPU, every row written. */
+static void lmhead_many_rows_case(int V, int T) {
+    const int C = 64;
+    const size_t ng = (size_t)T * V;
+    float *x = HOLD(hrand((size_t)T * C, 1.f)), *w = HOLD(hrand((size_t)V * C, 0.3f));
+    int *tg = HOLD(inew(T));
+    for (int t = 0; t < T; t++) tg[t] = (int)cf_rng_below(&rng, V);
+    float *rl = HOLD(hnew(T)), *rg = HOLD(hnew(ng));
+    cpu->lmhead_loss_fwd_grad(cpu, rl, rg, x, w, tg, T, C, V);
+    void *gl = gf32_nan(T), *gg = gact_nan(ng);
+    gpu->lmhead_loss_fwd_grad(gpu, gl, gg, gact(x, (size_t)T * C), gact(w, (size_t)V * C), gi32(tg, T), T, C, V);
+    cmp("lmhead many rows: losses", get_f32(gl, T), rl, T, lm_loss_tol());
+    cmp("lmhead many rows: g", get_act(gg, ng), rg, ng, TOL_BF16);
+    free_all();
+}
+
 /* Rows of over 64 KB take the Hopper kernel where a cluster of blocks
  * shares a row (lmhead.cu). bf16 logits (the default): V = 32000 (64000
  * bytes: the one-block kernel), 128256 (Llama 3) and 151936 (Qwen2.5), 4
@@ -1127,7 +1147,10 @@ TEST(lmhead_one_pass_cluster_rows_match_cpu_at_large_vocabularies) {
     setenv("CF_LMHEAD_LOGITS", "fp32", 1);
     lmhead_fwd_bwd_case(151936);
     lmhead_bad_target_case(128256);
+    lmhead_many_rows_case(151936, 300);
     unsetenv("CF_LMHEAD_LOGITS");
+    lmhead_many_rows_case(151936, 300);
+    lmhead_many_rows_case(65536, 301);
 }
 
 /* bf16 logits (the default) with the target's logit taken again in fp32
