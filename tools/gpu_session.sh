@@ -294,15 +294,18 @@ for part in "$@"; do
         done
       done ;;
     ncu-lmhead-logits)
-      # run 28: the LM head's kernels (its GEMM is the 1-layer model's largest nvjet) with fp32 logits, bf16
-      # logits (the default) and bf16 in clusters of 8, per model in ACCUM_MODELS; time and DRAM bytes per launch
+      # run 28: the LM head's kernels (its GEMM is the 1-layer model's largest nvjet) per setting of
+      # NCU_LM_CONFIGS (default: fp32 logits, bf16 logits, bf16 in clusters of 8; a setting may join several
+      # VAR=value by commas), per model in ACCUM_MODELS; time and DRAM bytes per launch
       for cs in ${ACCUM_MODELS:-qwen2.5-1.5b:2048}; do c=${cs%%:*}; sq=${cs##*:}
-        for v in CF_LMHEAD_LOGITS=fp32 CF_LMHEAD_LOGITS=bf16 CF_LMHEAD_CLUSTER=8; do j="$OUT/ncu_lmlogits_${c}_$(echo "$v" | tr "A-Z=" "a-z_")"
-          env $v timeout 240 ncu --clock-control none --csv --print-units base --kernel-name regex:'lmhead|nvjet' \
+        for v in ${NCU_LM_CONFIGS:-CF_LMHEAD_LOGITS=fp32 CF_LMHEAD_LOGITS=bf16 CF_LMHEAD_CLUSTER=8}; do
+          j="$OUT/ncu_lmlogits_${c}_$(echo "$v" | tr "A-Z=," "a-z__")"
+          env $(echo "$v" | tr , ' ') timeout 240 ncu --clock-control none --csv --print-units base --kernel-name regex:"${NCU_LM_KERNELS:-lmhead|nvjet}" \
             --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum "$CF" bench --device cuda \
             --config $c --layers 1 --seq $sq --batch 1 --grad-accum 1 --modes regular --steps 1 --warmup 1 \
             >"$j.csv" 2>"$j.err"
-          echo "ncu-lmhead-logits $c $v rc=$?"; python3 tools/ncu_kernels.py "$j.csv" --top 6 | tee "$j.txt"
+          echo "ncu-lmhead-logits $c $v rc=$?"; python3 tools/ncu_kernels.py "$j.csv" --top 400 >"$j.txt"
+          grep -E "lmhead" "$j.txt"
         done
       done ;;
     lmhead-logits)

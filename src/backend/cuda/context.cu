@@ -76,7 +76,7 @@ const char *cf_cuda_format_bytes(size_t bytes, char *buf, size_t cap) {
 
 static const char *const scratch_names[] = {
     "colsum partials", "sumsq partials", "sort keys", "sort values", "sort temporary", "iota",
-    "LM-head logits", "LM-head dlogits", "gather descriptors", "keep counts",
+    "LM-head logits", "LM-head dlogits", "LM-head target logits", "gather descriptors", "keep counts",
     "attention dq accumulator", "attention D", "attention dk (GQA)", "attention dv (GQA)",
     "attention filtered rows", "attention filtered starts", "attention kept out", "attention kept lse",
     "attention padded q", "attention padded k", "attention padded v", "attention padded out",

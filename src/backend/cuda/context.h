@@ -40,6 +40,7 @@ typedef enum {
     CF_SCR_IOTA,           /*   0..T-1                                                 */
     CF_SCR_LOGITS,         /* LM head: bf16 (or fp32) logits of a row chunk lmhead.cu  */
     CF_SCR_DLOGITS,        /*   bf16 dlogits of a row chunk                            */
+    CF_SCR_LM_TARGET,      /*   exact target logits of a row chunk (bf16 logits)       */
     CF_SCR_GATHER_DESC,    /* gather_rows_multi descriptors                 select.cu  */
     CF_SCR_KEEP_COUNTS,    /* keep_to_rows: kept count per sequence                    */
     CF_SCR_ATTN_DQ_ACC,    /* attention backward: fp32 dq accumulator       attention/ */

@@ -182,26 +182,31 @@ __device__ __forceinline__ void block_lse(float &m, float &s, float *sm, float *
     }
 }
 
-/* The rows' inputs for the exact target logit: x (the chunk's rows of C)
- * and W (the vocabulary (slice)'s rows), bf16 */
-struct lm_rows_in {
-    const bf16 *x, *w;
-    int C;
-};
+/* tl[row] = x[row] . W[target - vstart] in fp32 (0 where the target is
+ * outside [vstart, vstart + V)): a chunk's exact target logits, one warp per
+ * row, for the rows kernels of bf16 logits (run 28: taken by warp 0 of
+ * each rows block, this dot product's loads sat on every row's path) */
+static __global__ void lmhead_target_logits_kernel(float *tl, const bf16 *x, const bf16 *w, const int *targets,
+                                                   int rows, int C, int V, int vstart) {
+    const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    if (row >= rows) return;
+    const int tgt = targets[row] - vstart;
+    const float e = tgt < 0 || tgt >= V ? 0.f : warp_dot_bf16(x + (size_t)row * C, w + (size_t)tgt * C, C);
+    if ((threadIdx.x & 31) == 0) tl[row] = e;
+}
 
 template <bool VEC, typename LT>
 static __global__ void lmhead_rows_kernel(float *losses, float *stats, bf16 *dlogits, const LT *logits,
                                           const int *targets, const float *dloss, const float *lse_in, int V,
-                                          int vstart, lm_rows_in in) {
+                                          int vstart, const float *tl) {
     __shared__ float sm[32], ss[32], tv_sh;
     const int row = blockIdx.x;
     const LT *lg = logits + (size_t)row * V;
     const int tgt = targets[row] - vstart;
-    const bool bad = tgt < 0 || tgt >= V, exact = sizeof(LT) == 2 && !bad;
-    /* warp 0: the target's logit (rounded, or exact for bf16 logits) */
+    const bool bad = tgt < 0 || tgt >= V, exact = tl && !bad;
+    /* the target's logit: exact (tl, bf16 logits) or the row's own */
     float tv = 0.f;
-    if (threadIdx.x < 32 && !bad)
-        tv = exact ? warp_dot_bf16(in.x + (size_t)row * in.C, in.w + (size_t)tgt * in.C, in.C) : lt_f(lg[tgt]);
+    if (threadIdx.x == 0 && !bad) tv = exact ? tl[row] : lt_f(lg[tgt]);
     if (lse_in) {
         if (threadIdx.x == 0) tv_sh = tv;
         __syncthreads();
@@ -274,10 +279,11 @@ __device__ __forceinline__ void bar_wait(uint64_t *bar, int parity) {
 template <int CL, typename LT>
 static __global__ void __launch_bounds__(512)
     lmhead_rows_cluster_kernel(float *losses, bf16 *dlogits, const LT *logits, const int *targets,
-                               const float *dloss, int V, int rows, lm_rows_in in) {
+                               const float *dloss, int V, int rows, const float *tl) {
 #if CF_SM90_PATH
     namespace cg = cooperative_groups;
-    extern __shared__ uint4 slices[]; /* two buffers of this block's V / CL logits */
+    extern __shared__ uint4 slices[]; /* two buffers of this block's V / CL logits (one
+                                       * where the grid has a cluster per row) */
     __shared__ float sm[32], ss[32], part[2], lse_sh, tv_sh;
     __shared__ uint64_t full[2];
     cg::cluster_group cluster = cg::this_cluster();
@@ -291,6 +297,15 @@ static __global__ void __launch_bounds__(512)
         if ((int)blockIdx.y < rows) bulk_load(buf[0], logits + (size_t)blockIdx.y * V + c0, bytes, &full[0]);
     }
     __syncthreads();
+    /* a row's target, loss weight and exact target logit, loaded one row
+     * ahead (their latency off the row's path) */
+    int tgt_next = 0;
+    float d_next = 1.f, e_next = 0.f;
+    if ((int)blockIdx.y < rows) {
+        tgt_next = targets[blockIdx.y];
+        if (dloss) d_next = dloss[blockIdx.y];
+        if (tl) e_next = tl[blockIdx.y];
+    }
     int k = 0;
     for (int row = blockIdx.y; row < rows; row += G, k++) {
         const int b = k & 1;
@@ -299,12 +314,14 @@ static __global__ void __launch_bounds__(512)
          * the other blocks too (the last row's second cluster barrier) */
         if (threadIdx.x == 0 && row + G < rows)
             bulk_load(buf[b ^ 1], logits + (size_t)(row + G) * V + c0, bytes, &full[b ^ 1]);
-        const int tgt = targets[row];
-        const bool bad = tgt < 0 || tgt >= V, exact = sizeof(LT) == 2 && !bad;
-        /* warp 0: the target's exact logit (its loads overlap the wait) */
-        float e = 0.f;
-        if (threadIdx.x < 32 && exact)
-            e = warp_dot_bf16(in.x + (size_t)row * in.C, in.w + (size_t)tgt * in.C, in.C);
+        const int tgt = tgt_next;
+        const float d = d_next, e = e_next;
+        if (row + G < rows) {
+            tgt_next = targets[row + G];
+            if (dloss) d_next = dloss[row + G];
+            if (tl) e_next = tl[row + G];
+        }
+        const bool bad = tgt < 0 || tgt >= V, exact = tl && !bad;
         bar_wait(&full[b], (k >> 1) & 1);
         const LT *slice = buf[b];
         float m = -INFINITY, s = 0.f;
@@ -349,8 +366,7 @@ static __global__ void __launch_bounds__(512)
             else if (!bad && tgt / n == r) losses[row] = lse - tv;
         }
         if (dlogits)
-            row_grad<true, LT>(dlogits + (size_t)row * V + c0, slice, n, lse, dloss ? dloss[row] : 1.f,
-                               bad ? -1 : tgt - c0, tv);
+            row_grad<true, LT>(dlogits + (size_t)row * V + c0, slice, n, lse, d, bad ? -1 : tgt - c0, tv);
         __syncthreads();
     }
 #endif
@@ -367,7 +383,8 @@ static int lm_logit_bytes(cf_cuda_ctx *ctx) {
 }
 
 #if !(defined(CF_CUDA_PORTABLE) && CF_CUDA_PORTABLE)
-typedef void (*lmhead_cluster_fn)(float *, bf16 *, const void *, const int *, const float *, int, int, lm_rows_in);
+typedef void (*lmhead_cluster_fn)(float *, bf16 *, const void *, const int *, const float *, int, int,
+                                  const float *);
 static lmhead_cluster_fn lmhead_cluster_kernel_for(int cl, int esz) {
 #define LM_CK(C, T) reinterpret_cast<lmhead_cluster_fn>(lmhead_rows_cluster_kernel<C, T>)
     if (esz == 2) return cl == 2 ? LM_CK(2, bf16) : cl == 4 ? LM_CK(4, bf16) : LM_CK(8, bf16);
@@ -438,7 +455,7 @@ static int lmhead_cluster_plan(cf_cuda_ctx *ctx, int V, int esz, int want) {
  * and CF_LMHEAD_CLUSTER not "0" (an A/B switch, read at every call; 2, 4
  * or 8 asks for that cluster size). */
 static bool lmhead_rows_cluster(cf_cuda_ctx *ctx, int rows, float *losses, bf16 *dlogits, const void *logits,
-                                int esz, const int *targets, const float *dloss, int V, lm_rows_in in) {
+                                int esz, const int *targets, const float *dloss, int V, const float *tl) {
 #if !(defined(CF_CUDA_PORTABLE) && CF_CUDA_PORTABLE)
     const char *e = getenv("CF_LMHEAD_CLUSTER");
     const int want = e && (!strcmp(e, "2") || !strcmp(e, "4") || !strcmp(e, "8")) ? atoi(e) : 0;
@@ -447,11 +464,14 @@ static bool lmhead_rows_cluster(cf_cuda_ctx *ctx, int rows, float *losses, bf16 
         return false;
     const int cl = lmhead_cluster_plan(ctx, V, esz, want);
     if (cl <= 0) return false;
+    /* CF_LMHEAD_PERSIST=0 (an A/B switch): a cluster per row, one buffer */
+    const char *pe = getenv("CF_LMHEAD_PERSIST");
+    const int clusters = pe && strcmp(pe, "0") == 0 ? rows : CF_MIN(rows, ctx->lmhead_cluster_g);
     cudaLaunchAttribute at;
     const cudaLaunchConfig_t cfg =
-        lmhead_cluster_config(ctx, cl, CF_MIN(rows, ctx->lmhead_cluster_g), 2 * (size_t)(V / cl) * esz, &at);
+        lmhead_cluster_config(ctx, cl, clusters, (clusters < rows ? 2 : 1) * (size_t)(V / cl) * esz, &at);
     return CF_CK(ctx, cudaLaunchKernelEx(&cfg, lmhead_cluster_kernel_for(cl, esz), losses, dlogits, logits, targets,
-                                         dloss, V, rows, in));
+                                         dloss, V, rows, tl));
 #else
     return false;
 #endif
@@ -463,25 +483,35 @@ static bool lmhead_rows_cluster(cf_cuda_ctx *ctx, int rows, float *losses, bf16 
 template <typename LT>
 static void lmhead_rows_t(cf_cuda_ctx *ctx, int rows, float *losses, float *stats, bf16 *dlogits, const LT *logits,
                           const int *targets, const float *dloss, const float *lse_in, int V, int vstart,
-                          lm_rows_in in) {
+                          const float *tl) {
     constexpr int N = LN<LT>::n;
     if (V % N == 0 && cf_aligned16(logits) && ((uintptr_t)dlogits & (2 * N - 1)) == 0)
         lmhead_rows_kernel<true, LT><<<rows, 512, 0, ctx->stream>>>(losses, stats, dlogits, logits, targets, dloss,
-                                                                    lse_in, V, vstart, in);
+                                                                    lse_in, V, vstart, tl);
     else
         lmhead_rows_kernel<false, LT><<<rows, 512, 0, ctx->stream>>>(losses, stats, dlogits, logits, targets, dloss,
-                                                                     lse_in, V, vstart, in);
+                                                                     lse_in, V, vstart, tl);
 }
 static void lmhead_rows(cf_cuda_ctx *ctx, int rows, float *losses, float *stats, bf16 *dlogits, const void *logits,
                         int esz, const int *targets, const float *dloss, const float *lse_in, int V, int vstart,
-                        lm_rows_in in) {
+                        const float *tl) {
     if (!stats && !lse_in && vstart == 0 &&
-        (lmhead_rows_cluster(ctx, rows, losses, dlogits, logits, esz, targets, dloss, V, in) || ctx->failed))
+        (lmhead_rows_cluster(ctx, rows, losses, dlogits, logits, esz, targets, dloss, V, tl) || ctx->failed))
         return;
     if (esz == 2)
-        lmhead_rows_t(ctx, rows, losses, stats, dlogits, (const bf16 *)logits, targets, dloss, lse_in, V, vstart, in);
+        lmhead_rows_t(ctx, rows, losses, stats, dlogits, (const bf16 *)logits, targets, dloss, lse_in, V, vstart, tl);
     else
-        lmhead_rows_t(ctx, rows, losses, stats, dlogits, (const float *)logits, targets, dloss, lse_in, V, vstart, in);
+        lmhead_rows_t(ctx, rows, losses, stats, dlogits, (const float *)logits, targets, dloss, lse_in, V, vstart, tl);
+}
+
+/* the chunk's exact target logits for bf16 logits (tl: scratch of a chunk's
+ * rows), or NULL for fp32 ones; false: a CUDA error (ctx->failed) */
+static bool lmhead_target_logits(cf_cuda_ctx *ctx, float *tl, const bf16 *x, const void *w, const int *targets,
+                                 int rows, int C, int V, int vstart) {
+    if (!tl) return true;
+    lmhead_target_logits_kernel<<<(rows + 7) / 8, 256, 0, ctx->stream>>>(tl, x, (const bf16 *)w, targets, rows, C, V,
+                                                                         vstart);
+    return CF_CK_LAUNCH(ctx, "lmhead_target_logits");
 }
 
 /* rows per chunk: the logits (esz bytes each) + bf16 dlogits of a chunk stay
@@ -504,17 +534,18 @@ static void lmhead_fwd(cf_backend *b, float *losses, float *stats, bf16 *g, cons
     if (!esz) return;
     const int chunk = lm_chunk(T, V, esz);
     void *logits = cf_cuda_scratch(ctx, CF_SCR_LOGITS, (size_t)chunk * V * esz);
-    if (!logits) return;
+    float *tl = esz == 2 ? (float *)cf_cuda_scratch(ctx, CF_SCR_LM_TARGET, (size_t)chunk * sizeof(float)) : NULL;
+    if (!logits || (esz == 2 && !tl)) return;
     for (int r0 = 0; r0 < T && !ctx->failed; r0 += chunk) {
         const int rows = CF_MIN(chunk, T - r0);
         const bf16 *xc = (const bf16 *)x + (size_t)r0 * C;
         cf_cuda_gemm(ctx, true, false, V, rows, C, wlm, C, xc, C, logits, esz == 2 ? CUDA_R_16BF : CUDA_R_32F, V,
                      0.f, NULL);
+        if (!lmhead_target_logits(ctx, tl, xc, wlm, targets + r0, rows, C, V, vstart)) return;
         float *lo = stats ? nullptr : losses + r0;
         float *st = stats ? stats + (size_t)r0 * 3 : nullptr;
         bf16 *gc = g ? g + (size_t)r0 * V : nullptr;
-        lmhead_rows(ctx, rows, lo, st, gc, logits, esz, targets + r0, nullptr, nullptr, V, vstart,
-                    lm_rows_in{xc, (const bf16 *)wlm, C});
+        lmhead_rows(ctx, rows, lo, st, gc, logits, esz, targets + r0, nullptr, nullptr, V, vstart, tl);
         if (!(stats ? CF_CK_LAUNCH(ctx, "lmhead_stats") : CF_CK_LAUNCH(ctx, "lmhead_rows"))) return;
     }
 }
@@ -544,14 +575,16 @@ void cf_cuda_lmhead_loss_bwd(cf_backend *b, void *dx, float *dwlm, const void *x
     const int chunk = lm_chunk(T, V, esz);
     void *logits = cf_cuda_scratch(ctx, CF_SCR_LOGITS, (size_t)chunk * V * esz);
     bf16 *dlogits = (bf16 *)cf_cuda_scratch(ctx, CF_SCR_DLOGITS, (size_t)chunk * V * sizeof(bf16));
-    if (!logits || !dlogits) return;
+    float *tl = esz == 2 ? (float *)cf_cuda_scratch(ctx, CF_SCR_LM_TARGET, (size_t)chunk * sizeof(float)) : NULL;
+    if (!logits || !dlogits || (esz == 2 && !tl)) return;
     for (int r0 = 0; r0 < T && !ctx->failed; r0 += chunk) {
         const int rows = CF_MIN(chunk, T - r0);
         const bf16 *xc = (const bf16 *)x + (size_t)r0 * C;
         cf_cuda_gemm(ctx, true, false, V, rows, C, wlm, C, xc, C, logits, esz == 2 ? CUDA_R_16BF : CUDA_R_32F, V,
                      0.f, NULL);
+        if (!lmhead_target_logits(ctx, tl, xc, wlm, targets + r0, rows, C, V, vstart)) return;
         lmhead_rows(ctx, rows, NULL, NULL, dlogits, logits, esz, targets + r0, dloss + r0, lse ? lse + r0 : NULL, V,
-                    vstart, lm_rows_in{xc, (const bf16 *)wlm, C});
+                    vstart, tl);
         if (!CF_CK_LAUNCH(ctx, "lmhead_rows")) return;
         /* dx = dlogits W ; dW += dlogits^T x (the first chunk writes dW when it holds zeros) */
         cf_cuda_matmul_bwd(b, (bf16 *)dx + (size_t)r0 * C, dwlm, NULL, dlogits, xc, wlm, rows, C, V,
