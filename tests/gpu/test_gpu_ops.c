@@ -1104,11 +1104,10 @@ static void lmhead_bad_target_case(int V) {
     cmp("lmhead bad targets: g", get_act(gg, ng), rg, ng, 1e-2);
     free_all();
 }
-/* Many rows per launch: the Hopper cluster kernel is persistent (each
- * cluster takes every G-th row, G the clusters that fit at once, ~16-66 on
- * an H100/H200) and double-buffered, so at 300 rows every cluster runs
- * several rows through both buffers and both mbarrier phases. Losses and
- * g = softmax - onehot against the CPU, every row written. */
+/* Many rows per launch: at 300 rows the Hopper cluster kernel runs in
+ * several waves of clusters (about 33 to 66 fit at once on an H100/H200),
+ * the one-block kernel in several of blocks. Losses and g = softmax -
+ * onehot against the CPU, every row written. */
 static void lmhead_many_rows_case(int V, int T) {
     const int C = 64;
     const size_t ng = (size_t)T * V;

@@ -154,9 +154,9 @@ typedef struct cf_cuda_ctx {
     /* the LM head's cluster kernel (lmhead.cu: lmhead_cluster_plan): the
      * vocabulary size, logit bytes and asked cluster size last planned for
      * (zeros: none yet; the attribute and placement queries run once per
-     * vocabulary, not at every chunk), its cluster size (0: the one-block
-     * kernel) and how many clusters fit at once (the persistent grid) */
-    int lmhead_cluster_key[3], lmhead_cluster_cl, lmhead_cluster_g;
+     * vocabulary, not at every chunk) and its cluster size (0: the
+     * one-block kernel) */
+    int lmhead_cluster_key[3], lmhead_cluster_cl;
 
     /* time marks on the compute stream (backend.h: mark), created lazily */
 #define CF_CUDA_MARKS 4096

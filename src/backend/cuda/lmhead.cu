@@ -239,21 +239,17 @@ static __global__ void lmhead_rows_kernel(float *losses, float *stats, bf16 *dlo
  * shared memory, so lmhead_rows_kernel's pass 2 re-reads it from HBM (run
  * 19's ncu: 2.67 GB of DRAM traffic per 1766-row chunk of fp32, 1.07 GB of
  * it the second read). Here a cluster of CL blocks shares a row: block r
- * holds the slice [r V/CL, (r+1) V/CL) in shared memory with its online
- * (m_r, s_r), the blocks exchange their (m_r, s_r) through distributed
- * shared memory and each combines them in rank order 0..CL-1, so all hold
- * the same
+ * holds the slice [r V/CL, (r+1) V/CL) in shared memory, one bulk copy
+ * (cp.async.bulk, completing on an mbarrier; run 28: 4% faster than every
+ * thread streaming 16-byte loads into it), takes its online (m_r, s_r), the
+ * blocks exchange their (m_r, s_r) through distributed shared memory and
+ * each combines them in rank order 0..CL-1, so all hold the same
  *   lse = M + log S,  M = max_r m_r,  S = sum_r s_r exp(m_r - M)
- * (with the target's exact logit swapped in, read from its owner's slice),
- * and the loss and the gradient come from the slices on chip.
- *
- * Persistent and double-buffered (run 28): the grid holds as many clusters
- * as fit at once, each taking rows c, c + G, ...; a block's two slice
- * buffers take turns, and thread 0 starts the bulk copy of its next row's
- * slice (cp.async.bulk, completing on an mbarrier) before this row's sums,
- * barriers and writes, so the copy engine streams while the block computes.
- * (One cluster per row, launched per row, left the memory idle through each
- * block's two cluster barriers: 2.0 TB/s at bf16.)
+ * (with the target's exact logit swapped in for bf16 logits, its rounded
+ * one read from its owner's slice), and the loss and the gradient come from
+ * the slices on chip. (Run 28 also made the clusters persistent, with two
+ * slice buffers so that the next row's copy ran while this one was summed
+ * and written: 20-29% slower, at one block per SM instead of three.)
  */
 #if CF_SM90_PATH
 __device__ __forceinline__ uint32_t smem_u32(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
@@ -279,96 +275,69 @@ __device__ __forceinline__ void bar_wait(uint64_t *bar, int parity) {
 template <int CL, typename LT>
 static __global__ void __launch_bounds__(512)
     lmhead_rows_cluster_kernel(float *losses, bf16 *dlogits, const LT *logits, const int *targets,
-                               const float *dloss, int V, int rows, const float *tl) {
+                               const float *dloss, int V, const float *tl) {
 #if CF_SM90_PATH
     namespace cg = cooperative_groups;
-    extern __shared__ uint4 slices[]; /* two buffers of this block's V / CL logits (one
-                                       * where the grid has a cluster per row) */
+    extern __shared__ uint4 slice4[]; /* this block's V / CL logits */
     __shared__ float sm[32], ss[32], part[2], lse_sh, tv_sh;
-    __shared__ uint64_t full[2];
+    __shared__ uint64_t full;
     cg::cluster_group cluster = cg::this_cluster();
-    const int r = (int)cluster.block_rank(), G = gridDim.y, n = V / CL, c0 = r * n;
-    const uint32_t bytes = (uint32_t)(n * sizeof(LT));
-    LT *buf[2] = {reinterpret_cast<LT *>(slices), reinterpret_cast<LT *>(slices) + n};
+    const int r = (int)cluster.block_rank(), row = blockIdx.y, n = V / CL, c0 = r * n;
+    const LT *slice = reinterpret_cast<const LT *>(slice4);
     if (threadIdx.x == 0) {
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_u32(&full[0])) : "memory");
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_u32(&full[1])) : "memory");
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_u32(&full)) : "memory");
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-        if ((int)blockIdx.y < rows) bulk_load(buf[0], logits + (size_t)blockIdx.y * V + c0, bytes, &full[0]);
+        bulk_load(slice4, logits + (size_t)row * V + c0, (uint32_t)(n * sizeof(LT)), &full);
     }
-    __syncthreads();
-    /* a row's target, loss weight and exact target logit, loaded one row
-     * ahead (their latency off the row's path) */
-    int tgt_next = 0;
-    float d_next = 1.f, e_next = 0.f;
-    if ((int)blockIdx.y < rows) {
-        tgt_next = targets[blockIdx.y];
-        if (dloss) d_next = dloss[blockIdx.y];
-        if (tl) e_next = tl[blockIdx.y];
+    /* the row's target, loss weight and exact target logit (bf16 logits),
+     * loaded while the slice streams in */
+    const int tgt = targets[row];
+    const bool bad = tgt < 0 || tgt >= V, exact = tl && !bad;
+    const float d = dloss ? dloss[row] : 1.f, e = exact ? tl[row] : 0.f;
+    __syncthreads(); /* the mbarrier is initialised before anyone waits on it */
+    bar_wait(&full, 0);
+    float m = -INFINITY, s = 0.f;
+    row_stats<true, LT>(slice, n, m, s);
+    block_lse(m, s, sm, ss);
+    if (threadIdx.x == 0) {
+        part[0] = m;
+        part[1] = s;
     }
-    int k = 0;
-    for (int row = blockIdx.y; row < rows; row += G, k++) {
-        const int b = k & 1;
-        /* the next row into the other buffer: every thread of this block
-         * finished reading it (the __syncthreads closing the last row), and
-         * the other blocks too (the last row's second cluster barrier) */
-        if (threadIdx.x == 0 && row + G < rows)
-            bulk_load(buf[b ^ 1], logits + (size_t)(row + G) * V + c0, bytes, &full[b ^ 1]);
-        const int tgt = tgt_next;
-        const float d = d_next, e = e_next;
-        if (row + G < rows) {
-            tgt_next = targets[row + G];
-            if (dloss) d_next = dloss[row + G];
-            if (tl) e_next = tl[row + G];
+    cluster.sync();
+    if (threadIdx.x < 32) {
+        /* warp 0: lane q < CL reads rank q's (m, s) and lane CL the
+         * target's rounded logit from its owner's slice, all at once (one
+         * round trip through distributed shared memory, not CL + 1 in
+         * turn); then every lane combines the parts in rank order */
+        const int lane = threadIdx.x, owner = bad ? 0 : tgt / n;
+        float pm = -INFINITY, ps = 0.f, rt = 0.f;
+        if (lane < CL) {
+            const float *p = cluster.map_shared_rank(part, lane);
+            pm = p[0];
+            ps = p[1];
+        } else if (lane == CL && !bad) {
+            rt = lt_f(cluster.map_shared_rank(slice, owner)[tgt - owner * n]);
         }
-        const bool bad = tgt < 0 || tgt >= V, exact = tl && !bad;
-        bar_wait(&full[b], (k >> 1) & 1);
-        const LT *slice = buf[b];
-        float m = -INFINITY, s = 0.f;
-        row_stats<true, LT>(slice, n, m, s);
-        block_lse(m, s, sm, ss);
-        if (threadIdx.x == 0) {
-            part[0] = m;
-            part[1] = s;
-        }
-        cluster.sync();
-        if (threadIdx.x < 32) {
-            /* warp 0: lane q < CL reads rank q's (m, s) and lane CL the
-             * target's rounded logit from its owner's slice, all at once
-             * (one round trip through distributed shared memory, not CL + 1
-             * in turn); then every lane combines the parts in rank order */
-            const int lane = threadIdx.x, owner = bad ? 0 : tgt / n;
-            float pm = -INFINITY, ps = 0.f, rt = 0.f;
-            if (lane < CL) {
-                const float *p = cluster.map_shared_rank(part, lane);
-                pm = p[0];
-                ps = p[1];
-            } else if (lane == CL && !bad) {
-                rt = lt_f(cluster.map_shared_rank(slice, owner)[tgt - owner * n]);
-            }
-            float M = -INFINITY, S = 0.f;
+        float M = -INFINITY, S = 0.f;
 #pragma unroll
-            for (int q = 0; q < CL; q++)
-                lse_combine(M, S, __shfl_sync(0xffffffffu, pm, q), __shfl_sync(0xffffffffu, ps, q));
-            rt = __shfl_sync(0xffffffffu, rt, CL);
-            if (lane == 0) {
-                if (exact) lse_swap_term(M, S, rt, e);
-                lse_sh = M + logf(S);
-                tv_sh = exact ? e : rt;
-            }
+        for (int q = 0; q < CL; q++)
+            lse_combine(M, S, __shfl_sync(0xffffffffu, pm, q), __shfl_sync(0xffffffffu, ps, q));
+        rt = __shfl_sync(0xffffffffu, rt, CL);
+        if (lane == 0) {
+            if (exact) lse_swap_term(M, S, rt, e);
+            lse_sh = M + logf(S);
+            tv_sh = exact ? e : rt;
         }
-        /* no block reuses part or its slice while another still reads
-         * them; also makes lse_sh and tv_sh visible to the block */
-        cluster.sync();
-        const float lse = lse_sh, tv = tv_sh;
-        if (losses && threadIdx.x == 0) {
-            if (bad && r == 0) losses[row] = NAN;
-            else if (!bad && tgt / n == r) losses[row] = lse - tv;
-        }
-        if (dlogits)
-            row_grad<true, LT>(dlogits + (size_t)row * V + c0, slice, n, lse, d, bad ? -1 : tgt - c0, tv);
-        __syncthreads();
     }
+    /* no block leaves (or frees part and its slice) while another still
+     * reads them; also makes lse_sh and tv_sh visible to the block */
+    cluster.sync();
+    const float lse = lse_sh, tv = tv_sh;
+    if (losses && threadIdx.x == 0) {
+        if (bad && r == 0) losses[row] = NAN;
+        else if (!bad && tgt / n == r) losses[row] = lse - tv;
+    }
+    if (dlogits) row_grad<true, LT>(dlogits + (size_t)row * V + c0, slice, n, lse, d, bad ? -1 : tgt - c0, tv);
 #endif
 }
 
@@ -383,8 +352,7 @@ static int lm_logit_bytes(cf_cuda_ctx *ctx) {
 }
 
 #if !(defined(CF_CUDA_PORTABLE) && CF_CUDA_PORTABLE)
-typedef void (*lmhead_cluster_fn)(float *, bf16 *, const void *, const int *, const float *, int, int,
-                                  const float *);
+typedef void (*lmhead_cluster_fn)(float *, bf16 *, const void *, const int *, const float *, int, const float *);
 static lmhead_cluster_fn lmhead_cluster_kernel_for(int cl, int esz) {
 #define LM_CK(C, T) reinterpret_cast<lmhead_cluster_fn>(lmhead_rows_cluster_kernel<C, T>)
     if (esz == 2) return cl == 2 ? LM_CK(2, bf16) : cl == 4 ? LM_CK(4, bf16) : LM_CK(8, bf16);
@@ -392,16 +360,15 @@ static lmhead_cluster_fn lmhead_cluster_kernel_for(int cl, int esz) {
 #undef LM_CK
 }
 
-/* A cluster launch of CL blocks of 512 threads per row, for `clusters`
- * clusters (each takes every clusters-th row) */
-static cudaLaunchConfig_t lmhead_cluster_config(cf_cuda_ctx *ctx, int cl, int clusters, size_t bytes,
+/* A cluster launch of CL blocks of 512 threads per row */
+static cudaLaunchConfig_t lmhead_cluster_config(cf_cuda_ctx *ctx, int cl, int rows, size_t bytes,
                                                 cudaLaunchAttribute *at) {
     at->id = cudaLaunchAttributeClusterDimension;
     at->val.clusterDim.x = cl;
     at->val.clusterDim.y = 1;
     at->val.clusterDim.z = 1;
     cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(cl, clusters);
+    cfg.gridDim = dim3(cl, rows);
     cfg.blockDim = dim3(512);
     cfg.dynamicSmemBytes = bytes;
     cfg.stream = ctx->stream;
@@ -413,13 +380,12 @@ static cudaLaunchConfig_t lmhead_cluster_config(cf_cuda_ctx *ctx, int cl, int cl
 /* The cluster size for a vocabulary of V logits of esz bytes on this
  * context, or 0 for the one-block kernel: a GPU of cc >= 9, rows over 64
  * KB, CL the smallest of 2, 4, 8 with a slice of at most 100 KB of shared
- * memory (or want, CF_LMHEAD_CLUSTER=2|4|8, if its two buffers fit), V a
+ * memory (or want, CF_LMHEAD_CLUSTER=2|4|8, if its slice fits), V a
  * multiple of CL 16-byte vectors, and a GPU that can place such a cluster
- * (not so on a MIG slice or with too few SMs per GPC); also how many such
- * clusters fit at once (ctx->lmhead_cluster_g: the persistent grid).
- * Planned once per (V, esz, want) (ctx->lmhead_cluster_*): the
- * shared-memory attribute and the placement query cost microseconds, and
- * the forward asks at every chunk. -1: a CUDA call failed (ctx->failed). */
+ * (not so on a MIG slice or with too few SMs per GPC). Planned once per
+ * (V, esz, want) (ctx->lmhead_cluster_*): the shared-memory attribute and
+ * the placement query cost microseconds, and the forward asks at every
+ * chunk. -1: a CUDA call failed (ctx->failed). */
 static int lmhead_cluster_plan(cf_cuda_ctx *ctx, int V, int esz, int want) {
     const int key[3] = {V, esz, want};
     if (memcmp(ctx->lmhead_cluster_key, key, sizeof key) == 0) return ctx->lmhead_cluster_cl;
@@ -427,8 +393,8 @@ static int lmhead_cluster_plan(cf_cuda_ctx *ctx, int V, int esz, int want) {
     if (ctx->cc_major >= 9 && (size_t)V * esz > (64 << 10)) {
         cl = want ? want : 2;
         while (!want && cl < 8 && (size_t)(V / cl) * esz > (100 << 10)) cl *= 2;
-        const size_t bytes = 2 * (size_t)(V / cl) * esz; /* two slice buffers */
-        if ((!want && bytes > (200 << 10)) || bytes > ctx->smem_optin || V % (cl * 16 / esz)) {
+        const size_t bytes = (size_t)(V / cl) * esz;
+        if ((!want && bytes > (100 << 10)) || bytes > ctx->smem_optin || V % (cl * 16 / esz)) {
             cl = 0;
         } else {
             const lmhead_cluster_fn k = lmhead_cluster_kernel_for(cl, esz);
@@ -440,7 +406,6 @@ static int lmhead_cluster_plan(cf_cuda_ctx *ctx, int V, int esz, int want) {
                 (void)cudaGetLastError(); /* not an error of the step */
                 cl = 0;
             }
-            ctx->lmhead_cluster_g = clusters;
         }
     }
     memcpy(ctx->lmhead_cluster_key, key, sizeof key);
@@ -464,14 +429,10 @@ static bool lmhead_rows_cluster(cf_cuda_ctx *ctx, int rows, float *losses, bf16 
         return false;
     const int cl = lmhead_cluster_plan(ctx, V, esz, want);
     if (cl <= 0) return false;
-    /* CF_LMHEAD_PERSIST=0 (an A/B switch): a cluster per row, one buffer */
-    const char *pe = getenv("CF_LMHEAD_PERSIST");
-    const int clusters = pe && strcmp(pe, "0") == 0 ? rows : CF_MIN(rows, ctx->lmhead_cluster_g);
     cudaLaunchAttribute at;
-    const cudaLaunchConfig_t cfg =
-        lmhead_cluster_config(ctx, cl, clusters, (clusters < rows ? 2 : 1) * (size_t)(V / cl) * esz, &at);
+    const cudaLaunchConfig_t cfg = lmhead_cluster_config(ctx, cl, rows, (size_t)(V / cl) * esz, &at);
     return CF_CK(ctx, cudaLaunchKernelEx(&cfg, lmhead_cluster_kernel_for(cl, esz), losses, dlogits, logits, targets,
-                                         dloss, V, rows, tl));
+                                         dloss, V, tl));
 #else
     return false;
 #endif
