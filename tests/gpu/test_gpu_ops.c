@@ -1127,7 +1127,8 @@ static void lmhead_many_rows_case(int V, int T) {
  * shares a row (lmhead.cu). bf16 logits (the default): V = 32000 (64000
  * bytes: the one-block kernel), 128256 (Llama 3) and 151936 (Qwen2.5), 4
  * blocks each; with CF_LMHEAD_CLUSTER=0 (and on other GPUs) the one-block
- * kernel at the same V; CF_LMHEAD_CLUSTER=8 asks for 8 blocks. fp32 logits
+ * kernel at the same V; CF_LMHEAD_CLUSTER=8 asks for 8 blocks, =2 for 2
+ * at V = 32000 (where it would not be chosen). fp32 logits
  * at the large vocabularies: 8 blocks. */
 TEST(lmhead_one_pass_cluster_rows_match_cpu_at_large_vocabularies) {
     const int Vs[3] = {32000, 128256, 151936};
@@ -1142,6 +1143,9 @@ TEST(lmhead_one_pass_cluster_rows_match_cpu_at_large_vocabularies) {
     setenv("CF_LMHEAD_CLUSTER", "8", 1);
     lmhead_fwd_bwd_case(151936);
     lmhead_saved_grad_case(128256);
+    setenv("CF_LMHEAD_CLUSTER", "2", 1); /* asked for, also at rows of 64 KB or less */
+    lmhead_saved_grad_case(32000);
+    lmhead_many_rows_case(32000, 300);
     unsetenv("CF_LMHEAD_CLUSTER");
     setenv("CF_LMHEAD_LOGITS", "fp32", 1);
     lmhead_fwd_bwd_case(151936);

@@ -380,7 +380,8 @@ static cudaLaunchConfig_t lmhead_cluster_config(cf_cuda_ctx *ctx, int cl, int ro
 /* The cluster size for a vocabulary of V logits of esz bytes on this
  * context, or 0 for the one-block kernel: a GPU of cc >= 9, rows over 64
  * KB, CL the smallest of 2, 4, 8 with a slice of at most 100 KB of shared
- * memory (or want, CF_LMHEAD_CLUSTER=2|4|8, if its slice fits), V a
+ * memory (or want, CF_LMHEAD_CLUSTER=2|4|8, at any row size if its slice
+ * fits), V a
  * multiple of CL 16-byte vectors, and a GPU that can place such a cluster
  * (not so on a MIG slice or with too few SMs per GPC). Planned once per
  * (V, esz, want) (ctx->lmhead_cluster_*): the shared-memory attribute and
@@ -390,7 +391,7 @@ static int lmhead_cluster_plan(cf_cuda_ctx *ctx, int V, int esz, int want) {
     const int key[3] = {V, esz, want};
     if (memcmp(ctx->lmhead_cluster_key, key, sizeof key) == 0) return ctx->lmhead_cluster_cl;
     int cl = 0;
-    if (ctx->cc_major >= 9 && (size_t)V * esz > (64 << 10)) {
+    if (ctx->cc_major >= 9 && (want || (size_t)V * esz > (64 << 10))) {
         cl = want ? want : 2;
         while (!want && cl < 8 && (size_t)(V / cl) * esz > (100 << 10)) cl *= 2;
         const size_t bytes = (size_t)(V / cl) * esz;
