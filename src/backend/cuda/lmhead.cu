@@ -249,7 +249,7 @@ static __global__ void lmhead_rows_kernel(float *losses, float *stats, bf16 *dlo
  * one read from its owner's slice), and the loss and the gradient come from
  * the slices on chip. (Run 28 also made the clusters persistent, with two
  * slice buffers so that the next row's copy ran while this one was summed
- * and written: 20-29% slower, at one block per SM instead of three.)
+ * and written: 25-29% slower, at one block per SM instead of three.)
  */
 #if CF_SM90_PATH
 __device__ __forceinline__ uint32_t smem_u32(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
