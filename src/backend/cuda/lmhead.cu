@@ -90,8 +90,7 @@ template <int N> __device__ __forceinline__ void lse_addn(float &m, float &s, co
  * element from threadIdx.x, or with VEC every blockDim-th 16 bytes (the row
  * is read from HBM, and one 4-byte load per thread in flight left the
  * kernel latency-bound at 1.5 TB/s) */
-template <bool VEC, typename LT>
-__device__ __forceinline__ void row_stats(const LT *lg, int V, float &m, float &s) {
+template <bool VEC, typename LT> __device__ __forceinline__ void row_stats(const LT *lg, int V, float &m, float &s) {
     if constexpr (VEC) {
         constexpr int N = LN<LT>::n;
         const uint4 *l4 = reinterpret_cast<const uint4 *>(lg);
@@ -274,8 +273,8 @@ __device__ __forceinline__ void bar_wait(uint64_t *bar, int parity) {
 #endif
 template <int CL, typename LT>
 static __global__ void __launch_bounds__(512)
-    lmhead_rows_cluster_kernel(float *losses, bf16 *dlogits, const LT *logits, const int *targets,
-                               const float *dloss, int V, const float *tl) {
+    lmhead_rows_cluster_kernel(float *losses, bf16 *dlogits, const LT *logits, const int *targets, const float *dloss,
+                               int V, const float *tl) {
 #if CF_SM90_PATH
     namespace cg = cooperative_groups;
     extern __shared__ uint4 slice4[]; /* this block's V / CL logits */
@@ -335,7 +334,8 @@ static __global__ void __launch_bounds__(512)
     const float lse = lse_sh, tv = tv_sh;
     if (losses && threadIdx.x == 0) {
         if (bad && r == 0) losses[row] = NAN;
-        else if (!bad && tgt / n == r) losses[row] = lse - tv;
+        else if (!bad && tgt / n == r)
+            losses[row] = lse - tv;
     }
     if (dlogits) row_grad<true, LT>(dlogits + (size_t)row * V + c0, slice, n, lse, d, bad ? -1 : tgt - c0, tv);
 #endif
@@ -420,8 +420,8 @@ static int lmhead_cluster_plan(cf_cuda_ctx *ctx, int V, int esz, int want) {
  * gives a cluster size, at most 65535 rows, the 16-byte path's alignment,
  * and CF_LMHEAD_CLUSTER not "0" (an A/B switch, read at every call; 2, 4
  * or 8 asks for that cluster size). */
-static bool lmhead_rows_cluster(cf_cuda_ctx *ctx, int rows, float *losses, bf16 *dlogits, const void *logits,
-                                int esz, const int *targets, const float *dloss, int V, const float *tl) {
+static bool lmhead_rows_cluster(cf_cuda_ctx *ctx, int rows, float *losses, bf16 *dlogits, const void *logits, int esz,
+                                const int *targets, const float *dloss, int V, const float *tl) {
 #if !(defined(CF_CUDA_PORTABLE) && CF_CUDA_PORTABLE)
     const char *e = getenv("CF_LMHEAD_CLUSTER");
     const int want = e && (!strcmp(e, "2") || !strcmp(e, "4") || !strcmp(e, "8")) ? atoi(e) : 0;
@@ -448,11 +448,11 @@ static void lmhead_rows_t(cf_cuda_ctx *ctx, int rows, float *losses, float *stat
                           const float *tl) {
     constexpr int N = LN<LT>::n;
     if (V % N == 0 && cf_aligned16(logits) && ((uintptr_t)dlogits & (2 * N - 1)) == 0)
-        lmhead_rows_kernel<true, LT><<<rows, 512, 0, ctx->stream>>>(losses, stats, dlogits, logits, targets, dloss,
-                                                                    lse_in, V, vstart, tl);
+        lmhead_rows_kernel<true, LT>
+            <<<rows, 512, 0, ctx->stream>>>(losses, stats, dlogits, logits, targets, dloss, lse_in, V, vstart, tl);
     else
-        lmhead_rows_kernel<false, LT><<<rows, 512, 0, ctx->stream>>>(losses, stats, dlogits, logits, targets, dloss,
-                                                                     lse_in, V, vstart, tl);
+        lmhead_rows_kernel<false, LT>
+            <<<rows, 512, 0, ctx->stream>>>(losses, stats, dlogits, logits, targets, dloss, lse_in, V, vstart, tl);
 }
 static void lmhead_rows(cf_cuda_ctx *ctx, int rows, float *losses, float *stats, bf16 *dlogits, const void *logits,
                         int esz, const int *targets, const float *dloss, const float *lse_in, int V, int vstart,
@@ -501,8 +501,8 @@ static void lmhead_fwd(cf_backend *b, float *losses, float *stats, bf16 *g, cons
     for (int r0 = 0; r0 < T && !ctx->failed; r0 += chunk) {
         const int rows = CF_MIN(chunk, T - r0);
         const bf16 *xc = (const bf16 *)x + (size_t)r0 * C;
-        cf_cuda_gemm(ctx, true, false, V, rows, C, wlm, C, xc, C, logits, esz == 2 ? CUDA_R_16BF : CUDA_R_32F, V,
-                     0.f, NULL);
+        cf_cuda_gemm(ctx, true, false, V, rows, C, wlm, C, xc, C, logits, esz == 2 ? CUDA_R_16BF : CUDA_R_32F, V, 0.f,
+                     NULL);
         if (!lmhead_target_logits(ctx, tl, xc, wlm, targets + r0, rows, C, V, vstart)) return;
         float *lo = stats ? nullptr : losses + r0;
         float *st = stats ? stats + (size_t)r0 * 3 : nullptr;
@@ -542,8 +542,8 @@ void cf_cuda_lmhead_loss_bwd(cf_backend *b, void *dx, float *dwlm, const void *x
     for (int r0 = 0; r0 < T && !ctx->failed; r0 += chunk) {
         const int rows = CF_MIN(chunk, T - r0);
         const bf16 *xc = (const bf16 *)x + (size_t)r0 * C;
-        cf_cuda_gemm(ctx, true, false, V, rows, C, wlm, C, xc, C, logits, esz == 2 ? CUDA_R_16BF : CUDA_R_32F, V,
-                     0.f, NULL);
+        cf_cuda_gemm(ctx, true, false, V, rows, C, wlm, C, xc, C, logits, esz == 2 ? CUDA_R_16BF : CUDA_R_32F, V, 0.f,
+                     NULL);
         if (!lmhead_target_logits(ctx, tl, xc, wlm, targets + r0, rows, C, V, vstart)) return;
         lmhead_rows(ctx, rows, NULL, NULL, dlogits, logits, esz, targets + r0, dloss + r0, lse ? lse + r0 : NULL, V,
                     vstart, tl);
