@@ -253,6 +253,9 @@ static __global__ void lmhead_rows_kernel(float *losses, float *stats, bf16 *dlo
  * and written: 25-29% slower, at one block per SM instead of three.)
  */
 #if CF_SM90_PATH
+/* mbarrier and bulk copy of plain sm_90, not attention/sm90.cuh's helpers:
+ * those compile only in the sm_90a pass (empty elsewhere), and this kernel
+ * also runs from the compute_90 PTX that newer GPUs JIT */
 __device__ __forceinline__ uint32_t smem_u32(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
 /* the mbarrier expects `bytes` more, then this thread copies them from
  * global memory into this block's shared memory, completing on it */
@@ -468,13 +471,15 @@ static void lmhead_rows(cf_cuda_ctx *ctx, int rows, float *losses, float *stats,
         lmhead_rows_t(ctx, rows, losses, stats, dlogits, (const float *)logits, targets, dloss, lse_in, V, vstart, tl);
 }
 
-/* the chunk's exact target logits for bf16 logits (tl: scratch of a chunk's
- * rows), or NULL for fp32 ones; false: a CUDA error (ctx->failed) */
-static bool lmhead_target_logits(cf_cuda_ctx *ctx, float *tl, const bf16 *x, const void *w, const int *targets,
-                                 int rows, int C, int V, int vstart) {
-    if (!tl) return true;
-    lmhead_target_logits_kernel<<<(rows + 7) / 8, 256, 0, ctx->stream>>>(tl, x, (const bf16 *)w, targets, rows, C, V,
-                                                                         vstart);
+/* A chunk's logits [rows, V] = xc W^T (esz bytes each) and, for bf16 logits
+ * (tl != NULL), its exact target logits; false: a CUDA error (ctx->failed) */
+static bool lmhead_chunk_logits(cf_cuda_ctx *ctx, void *logits, int esz, float *tl, const bf16 *xc, const void *wlm,
+                                const int *targets, int rows, int C, int V, int vstart) {
+    cf_cuda_gemm(ctx, true, false, V, rows, C, wlm, C, xc, C, logits, esz == 2 ? CUDA_R_16BF : CUDA_R_32F, V, 0.f,
+                 NULL);
+    if (!tl || ctx->failed) return !ctx->failed;
+    lmhead_target_logits_kernel<<<(rows + 7) / 8, 256, 0, ctx->stream>>>(tl, xc, (const bf16 *)wlm, targets, rows, C,
+                                                                         V, vstart);
     return CF_CK_LAUNCH(ctx, "lmhead_target_logits");
 }
 
@@ -487,6 +492,14 @@ static int lm_chunk(int T, int V, int esz) {
     return (int)(rows < (size_t)T ? rows : (size_t)T);
 }
 
+/* The chunk buffers: logits of esz bytes and, for bf16 logits, the exact
+ * target logits (*tl, else NULL); false where one could not be had */
+static bool lm_chunk_scratch(cf_cuda_ctx *ctx, int chunk, int V, int esz, void **logits, float **tl) {
+    *logits = cf_cuda_scratch(ctx, CF_SCR_LOGITS, (size_t)chunk * V * esz);
+    *tl = esz == 2 ? (float *)cf_cuda_scratch(ctx, CF_SCR_LM_TARGET, (size_t)chunk * sizeof(float)) : NULL;
+    return *logits && (esz != 2 || *tl);
+}
+
 /* The forward in chunks of rows: losses of the whole vocabulary (and, g !=
  * NULL, g = softmax - onehot of every row), or (stats != NULL) a vocabulary
  * slice's statistics. */
@@ -497,15 +510,13 @@ static void lmhead_fwd(cf_backend *b, float *losses, float *stats, bf16 *g, cons
     const int esz = lm_logit_bytes(ctx);
     if (!esz) return;
     const int chunk = lm_chunk(T, V, esz);
-    void *logits = cf_cuda_scratch(ctx, CF_SCR_LOGITS, (size_t)chunk * V * esz);
-    float *tl = esz == 2 ? (float *)cf_cuda_scratch(ctx, CF_SCR_LM_TARGET, (size_t)chunk * sizeof(float)) : NULL;
-    if (!logits || (esz == 2 && !tl)) return;
+    void *logits;
+    float *tl;
+    if (!lm_chunk_scratch(ctx, chunk, V, esz, &logits, &tl)) return;
     for (int r0 = 0; r0 < T && !ctx->failed; r0 += chunk) {
         const int rows = CF_MIN(chunk, T - r0);
         const bf16 *xc = (const bf16 *)x + (size_t)r0 * C;
-        cf_cuda_gemm(ctx, true, false, V, rows, C, wlm, C, xc, C, logits, esz == 2 ? CUDA_R_16BF : CUDA_R_32F, V, 0.f,
-                     NULL);
-        if (!lmhead_target_logits(ctx, tl, xc, wlm, targets + r0, rows, C, V, vstart)) return;
+        if (!lmhead_chunk_logits(ctx, logits, esz, tl, xc, wlm, targets + r0, rows, C, V, vstart)) return;
         float *lo = stats ? nullptr : losses + r0;
         float *st = stats ? stats + (size_t)r0 * 3 : nullptr;
         bf16 *gc = g ? g + (size_t)r0 * V : nullptr;
@@ -537,16 +548,14 @@ void cf_cuda_lmhead_loss_bwd(cf_backend *b, void *dx, float *dwlm, const void *x
     const int esz = lm_logit_bytes(ctx);
     if (!esz) return;
     const int chunk = lm_chunk(T, V, esz);
-    void *logits = cf_cuda_scratch(ctx, CF_SCR_LOGITS, (size_t)chunk * V * esz);
+    void *logits;
+    float *tl;
     bf16 *dlogits = (bf16 *)cf_cuda_scratch(ctx, CF_SCR_DLOGITS, (size_t)chunk * V * sizeof(bf16));
-    float *tl = esz == 2 ? (float *)cf_cuda_scratch(ctx, CF_SCR_LM_TARGET, (size_t)chunk * sizeof(float)) : NULL;
-    if (!logits || !dlogits || (esz == 2 && !tl)) return;
+    if (!dlogits || !lm_chunk_scratch(ctx, chunk, V, esz, &logits, &tl)) return;
     for (int r0 = 0; r0 < T && !ctx->failed; r0 += chunk) {
         const int rows = CF_MIN(chunk, T - r0);
         const bf16 *xc = (const bf16 *)x + (size_t)r0 * C;
-        cf_cuda_gemm(ctx, true, false, V, rows, C, wlm, C, xc, C, logits, esz == 2 ? CUDA_R_16BF : CUDA_R_32F, V, 0.f,
-                     NULL);
-        if (!lmhead_target_logits(ctx, tl, xc, wlm, targets + r0, rows, C, V, vstart)) return;
+        if (!lmhead_chunk_logits(ctx, logits, esz, tl, xc, wlm, targets + r0, rows, C, V, vstart)) return;
         lmhead_rows(ctx, rows, NULL, NULL, dlogits, logits, esz, targets + r0, dloss + r0, lse ? lse + r0 : NULL, V,
                     vstart, tl);
         if (!CF_CK_LAUNCH(ctx, "lmhead_rows")) return;
