@@ -478,8 +478,8 @@ static bool lmhead_chunk_logits(cf_cuda_ctx *ctx, void *logits, int esz, float *
     cf_cuda_gemm(ctx, true, false, V, rows, C, wlm, C, xc, C, logits, esz == 2 ? CUDA_R_16BF : CUDA_R_32F, V, 0.f,
                  NULL);
     if (!tl || ctx->failed) return !ctx->failed;
-    lmhead_target_logits_kernel<<<(rows + 7) / 8, 256, 0, ctx->stream>>>(tl, xc, (const bf16 *)wlm, targets, rows, C,
-                                                                         V, vstart);
+    lmhead_target_logits_kernel<<<(rows + 7) / 8, 256, 0, ctx->stream>>>(tl, xc, (const bf16 *)wlm, targets, rows, C, V,
+                                                                         vstart);
     return CF_CK_LAUNCH(ctx, "lmhead_target_logits");
 }
 
