@@ -9,7 +9,7 @@
 #          bench-pair pair-ab norm-blocks cf-side ab-old grad-keep side-ab ncu-step norm-ab side-prio pair-rows
 #          pair-full side-attn gemm-survey attn-hpb side-sms pair-head
 #          lmhead-cluster ncu-lmhead sanitize-lmhead parity-bigvocab ab-old-accum pingpong pingpong-model ncu-attn-src ncu-attn-kernels cf-pp64 ncu-ops hpb-model
-#          adamw-ab attn-in-model ncu-lmhead-logits lmhead-logits ncu-attn-pipes fwd-poly
+#          adamw-ab attn-in-model ncu-lmhead-logits lmhead-logits ncu-attn-pipes
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G=$PWD/.gpucarry
@@ -456,14 +456,6 @@ for part in "$@"; do
           echo "ncu-attn-pipes $tag d$d rc=$?"; python3 tools/ncu_pipes.py "$j.csv" | tee "$j.txt"
         done
       done ;;
-    fwd-poly)
-      # issue 17: the forward's exponentials partly by poly_exp2 (CF_ATTN_FWD_POLY = 0, 2, 3, 4 of every 8
-      # column groups), bench_attention at the four shapes (or AB_SHAPES), alternated twice
-      IFS='|' read -ra shs <<<"${AB_SHAPES:-4096 32 4 64|4096 32 8 128|2048 12 2 128|2048 24 8 128}"
-      for sh in "${shs[@]}"; do for rep in 1 2; do for v in ${POLY_LIST:-0 2 3 4}; do
-        echo "poly=$v (rep $rep), S H Hkv D = $sh"
-        CF_ATTN_FWD_POLY=$v BENCH_ATTN_PATHS=auto "$G/bench_attention" $sh 2>&1 | grep -E "forward"
-      done; done; done 2>&1 | tee "$OUT/fwd_poly.txt" ;;
     cf-pp64)
       # centrifuge part 2's ping-pong turns at D = 64 (off by default there), alternated twice
       for rep in 1 2; do for v in 0 1; do echo "cf pingpong=$v (rep $rep), S H Hkv D = 4096 32 4 64"

@@ -154,25 +154,6 @@ __device__ __forceinline__ float fast_exp2(float x) {
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
     return y;
 }
-/* 2^x for x <= 0 (or -inf) on the FMA and ALU pipes instead of the
- * special-function unit, which does 16 exponentials per clock per SM: at
- * head dim 64 the forward needs one per 256 FLOPs, as many as the tensor
- * cores can feed at their peak, so part of them goes here (FlashAttention-4
- * does the same on Blackwell). x = j + f with j = round(x) (the 1.5 * 2^23
- * trick: the sum's low mantissa bits hold j), 2^f by a degree-4 polynomial
- * on [-1/2, 1/2] (a Lawson fit of the relative error, max 2.7e-6 in fp32;
- * ex2.approx: 2 ulp), and j added into the exponent field. Below -127 the
- * clamp makes it exactly 0 (j = -127, f = 0: bits of 1.0 minus 127 << 23),
- * between -127 and -126 a denormal near 2^x. */
-__device__ __forceinline__ float poly_exp2(float x) {
-    x = fmaxf(x, -127.f);
-    const float t = x + 12582912.f, f = x - (t - 12582912.f);
-    float p = fmaf(0.009570101276040077f, f, 0.05591785907745361f);
-    p = fmaf(p, f, 0.240247443318367f);
-    p = fmaf(p, f, 0.6931217908859253f);
-    p = fmaf(p, f, 1.0f);
-    return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
-}
 /*
  * ldmatrix address patterns. For a 16x16 bf16 block at (r0, c0) of a
  * row-major shared array with row stride ld, lane l points at

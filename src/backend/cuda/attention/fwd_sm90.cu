@@ -52,7 +52,7 @@ template <int D> struct FwdSm90 {
 namespace {
 
 
-template <int D, bool PINGPONG, int POLY>
+template <int D, bool PINGPONG>
 __global__ void __launch_bounds__(FwdSm90<D>::THREADS, 1)
     attn_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tmQ, const __grid_constant__ CUtensorMap tmK,
                          const __grid_constant__ CUtensorMap tmV, const AttnArgs a) {
@@ -192,13 +192,8 @@ __global__ void __launch_bounds__(FwdSm90<D>::THREADS, 1)
             float sum = 0.f;
 #pragma unroll
             for (int j = 0; j < BN / 8; j++) {
-                /* POLY of every 8 column groups (spread evenly) by
-                 * poly_exp2, the rest by the special-function unit */
-                const bool emu = ((j * POLY) & 7) < POLY;
-                const float x0 = fmaf(s[4 * j + 2 * r], a.scale_log2, -mbase);
-                const float x1 = fmaf(s[4 * j + 2 * r + 1], a.scale_log2, -mbase);
-                const float p0 = emu ? poly_exp2(x0) : fast_exp2(x0);
-                const float p1 = emu ? poly_exp2(x1) : fast_exp2(x1);
+                const float p0 = fast_exp2(fmaf(s[4 * j + 2 * r], a.scale_log2, -mbase));
+                const float p1 = fast_exp2(fmaf(s[4 * j + 2 * r + 1], a.scale_log2, -mbase));
                 s[4 * j + 2 * r] = p0;
                 s[4 * j + 2 * r + 1] = p1;
                 sum += p0 + p1;
@@ -306,14 +301,6 @@ static bool fwd_pingpong() {
     return on;
 }
 
-/* Exponentials of the softmax by poly_exp2 in CF_ATTN_FWD_POLY of every 8
- * column groups (0, 2, 3 or 4; other values: 0), the rest by the
- * special-function unit (read once). */
-static int fwd_poly() {
-    static const int k = attn_env_int("CF_ATTN_FWD_POLY", 0);
-    return k == 2 || k == 3 || k == 4 ? k : 0;
-}
-
 template <int D>
 static int fwd_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a) {
     using C = FwdSm90<D>;
@@ -322,14 +309,10 @@ static int fwd_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a) {
     if (!attn_sm90_map_rows(&mq, a.q, T, a.H, D, C::BM) || !attn_sm90_map_rows(&mk, a.k, T, a.Hkv, D, C::BN) ||
         !attn_sm90_map_rows(&mv, a.v, T, a.Hkv, D, C::BN))
         return 0;
-    /* one variant per process (the switches are read once): one attribute
-     * bit per head dim */
-    const int poly = fwd_poly();
-    const void *fn = !fwd_pingpong() ? (const void *)attn_fwd_sm90_kernel<D, false, 0>
-                     : poly == 2     ? (const void *)attn_fwd_sm90_kernel<D, true, 2>
-                     : poly == 3     ? (const void *)attn_fwd_sm90_kernel<D, true, 3>
-                     : poly == 4     ? (const void *)attn_fwd_sm90_kernel<D, true, 4>
-                                     : (const void *)attn_fwd_sm90_kernel<D, true, 0>;
+    /* one variant per process (the switch is read once): one attribute bit
+     * per head dim */
+    const void *fn = fwd_pingpong() ? (const void *)attn_fwd_sm90_kernel<D, true>
+                                    : (const void *)attn_fwd_sm90_kernel<D, false>;
     if (!attn_sm90_prepare(ctx, fn, C::SMEM, D == 64 ? 0 : 1)) return -1;
     dim3 grid(a.H, (a.S + C::BM - 1) / C::BM, a.B), block(C::THREADS);
     void *args[] = {(void *)&mq, (void *)&mk, (void *)&mv, (void *)&a};
