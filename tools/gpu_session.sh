@@ -9,7 +9,7 @@
 #          bench-pair pair-ab norm-blocks cf-side ab-old grad-keep side-ab ncu-step norm-ab side-prio pair-rows
 #          pair-full side-attn gemm-survey attn-hpb side-sms pair-head
 #          lmhead-cluster ncu-lmhead sanitize-lmhead parity-bigvocab ab-old-accum pingpong pingpong-model ncu-attn-src ncu-attn-kernels cf-pp64 ncu-ops hpb-model
-#          adamw-ab attn-in-model ncu-lmhead-logits lmhead-logits ncu-attn-pipes
+#          adamw-ab attn-in-model ncu-lmhead-logits lmhead-logits ncu-attn-pipes fwd-wg
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G=$PWD/.gpucarry
@@ -456,6 +456,14 @@ for part in "$@"; do
           echo "ncu-attn-pipes $tag d$d rc=$?"; python3 tools/ncu_pipes.py "$j.csv" | tee "$j.txt"
         done
       done ;;
+    fwd-wg)
+      # issue 17: the forward at head dim 64 with 3 consumer warpgroups (192 queries per block, CF_ATTN_FWD_WG=3)
+      # against 2, bench_attention at D = 64 shapes (or AB_SHAPES), alternated three times
+      IFS='|' read -ra shs <<<"${AB_SHAPES:-4096 32 4 64|2048 32 4 64|8192 32 4 64|4096 16 16 64}"
+      for sh in "${shs[@]}"; do for rep in 1 2 3; do for v in 2 3; do
+        echo "wg=$v (rep $rep), S H Hkv D = $sh"
+        CF_ATTN_FWD_WG=$v BENCH_ATTN_PATHS=auto "$G/bench_attention" $sh 2>&1 | grep -E "forward"
+      done; done; done 2>&1 | tee "$OUT/fwd_wg.txt" ;;
     cf-pp64)
       # centrifuge part 2's ping-pong turns at D = 64 (off by default there), alternated twice
       for rep in 1 2; do for v in 0 1; do echo "cf pingpong=$v (rep $rep), S H Hkv D = 4096 32 4 64"

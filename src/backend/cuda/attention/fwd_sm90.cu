@@ -35,9 +35,12 @@
  */
 #include "backend/cuda/attention/sm90.cuh"
 
-template <int D> struct FwdSm90 {
-    static constexpr int NC = 2;         /* consumer warpgroups           */
+template <int D, int NC_> struct FwdSm90 {
+    static constexpr int NC = NC_;       /* consumer warpgroups           */
     static constexpr int BM = 64 * NC;   /* queries per block             */
+    /* registers after setmaxnreg: 128 x PREGS + 128 NC x CREGS <= 64K */
+    static constexpr int PREGS = NC == 3 ? 24 : 40, CREGS = NC == 3 ? 160 : 232;
+    static_assert(128 * PREGS + 128 * NC * CREGS <= 65536, "setmaxnreg.inc would wait forever");
     static constexpr int BN = 128;       /* keys per tile                 */
     static constexpr int KST = 2;        /* stages of the K/V ring        */
     static constexpr int THREADS = 128 * (NC + 1);
@@ -52,12 +55,12 @@ template <int D> struct FwdSm90 {
 namespace {
 
 
-template <int D, bool PINGPONG>
-__global__ void __launch_bounds__(FwdSm90<D>::THREADS, 1)
+template <int D, int NC, bool PINGPONG>
+__global__ void __launch_bounds__(FwdSm90<D, NC>::THREADS, 1)
     attn_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tmQ, const __grid_constant__ CUtensorMap tmK,
                          const __grid_constant__ CUtensorMap tmV, const AttnArgs a) {
 #if CF_SM90A_PATH
-    using C = FwdSm90<D>;
+    using C = FwdSm90<D, NC>;
     constexpr int BM = C::BM, BN = C::BN, KST = C::KST, DB = D / 64;
     extern __shared__ unsigned char smem_raw[];
     const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
@@ -95,7 +98,7 @@ __global__ void __launch_bounds__(FwdSm90<D>::THREADS, 1)
     const int wg = threadIdx.x >> 7;
     if (wg == 0) {
         /* ---------------------------------------------------- producer */
-        setmaxnreg_dec<40>();
+        setmaxnreg_dec<C::PREGS>();
         if (threadIdx.x == 0) {
             mbar_arrive_tx(full_q, C::Q_BYTES);
             for (int cb = 0; cb < DB; cb++) tma_load_3d(sQ + cb * BM * 128, &tmQ, cb * 64, h, qs + q0, full_q);
@@ -131,7 +134,7 @@ __global__ void __launch_bounds__(FwdSm90<D>::THREADS, 1)
     }
 
     /* ------------------------------------------------------- consumers */
-    setmaxnreg_inc<232>();
+    setmaxnreg_inc<C::CREGS>();
     const int w = wg - 1, tid = threadIdx.x & 127, v = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
     const int wq0 = q0 + 64 * w + 16 * v; /* this warp's first query */
     int qi[2], qdoc[2];
@@ -301,18 +304,25 @@ static bool fwd_pingpong() {
     return on;
 }
 
-template <int D>
+/* Consumer warpgroups at head dim 64: CF_ATTN_FWD_WG=3 (192 queries per
+ * block) or 2 (read once). */
+static int fwd_wg64() {
+    static const int n = attn_env_int("CF_ATTN_FWD_WG", 2) == 3 ? 3 : 2;
+    return n;
+}
+
+template <int D, int NC>
 static int fwd_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a) {
-    using C = FwdSm90<D>;
+    using C = FwdSm90<D, NC>;
     const int T = a.B * a.S;
     CUtensorMap mq, mk, mv;
     if (!attn_sm90_map_rows(&mq, a.q, T, a.H, D, C::BM) || !attn_sm90_map_rows(&mk, a.k, T, a.Hkv, D, C::BN) ||
         !attn_sm90_map_rows(&mv, a.v, T, a.Hkv, D, C::BN))
         return 0;
-    /* one variant per process (the switch is read once): one attribute bit
-     * per head dim */
-    const void *fn = fwd_pingpong() ? (const void *)attn_fwd_sm90_kernel<D, true>
-                                    : (const void *)attn_fwd_sm90_kernel<D, false>;
+    /* one variant per process (the switches are read once): one attribute
+     * bit per head dim */
+    const void *fn = fwd_pingpong() ? (const void *)attn_fwd_sm90_kernel<D, NC, true>
+                                    : (const void *)attn_fwd_sm90_kernel<D, NC, false>;
     if (!attn_sm90_prepare(ctx, fn, C::SMEM, D == 64 ? 0 : 1)) return -1;
     dim3 grid(a.H, (a.S + C::BM - 1) / C::BM, a.B), block(C::THREADS);
     void *args[] = {(void *)&mq, (void *)&mk, (void *)&mv, (void *)&a};
@@ -321,7 +331,7 @@ static int fwd_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a) {
 
 int attn_fwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D) {
     if (a.qstart || a.kstart || a.qrow || a.krow) return 0; /* all rows only */
-    if (D == 64) return fwd_sm90_launch<64>(ctx, a);
-    if (D == 128) return fwd_sm90_launch<128>(ctx, a);
+    if (D == 64) return fwd_wg64() == 3 ? fwd_sm90_launch<64, 3>(ctx, a) : fwd_sm90_launch<64, 2>(ctx, a);
+    if (D == 128) return fwd_sm90_launch<128, 2>(ctx, a);
     return 0;
 }
