@@ -75,12 +75,16 @@ __global__ void __launch_bounds__(FwdSm90<D, NC>::THREADS, 1)
     auto empty_v = [&](int s) { return bar + 8 * (1 + 3 * KST + s); };
 
     const int h = blockIdx.x, b = blockIdx.z;
-    const int q0 = (gridDim.y - 1 - blockIdx.y) * BM; /* the last tiles (most keys) first */
+    /* Tiles end at qlen, qlen - BM, ...: the last queries (most keys) go
+     * first, and where BM does not divide qlen the short tile is the first
+     * one (fewest keys), not the last: at BM = 192, S = 4096 a 64-row last
+     * tile would walk all 4096 keys with two of its three consumers idle. */
     const int qs = b * a.S, qlen = a.S, ks = qs, klen = a.S;
-    if (q0 >= qlen) return;
+    const int qhi = qlen - (int)blockIdx.y * BM; /* past this block's last query */
+    if (qhi <= 0) return;
+    const int q0 = max(0, qhi - BM);
     const int hk = h / (a.H / a.Hkv);
-    const int qn = min(BM, qlen - q0);
-    const int nkeys = min(klen, q0 + qn); /* causal: keys up to the last query */
+    const int nkeys = min(klen, qhi); /* causal: keys up to the last query */
     const int nt = (nkeys + BN - 1) / BN;
 
     if (threadIdx.x == 0) {
@@ -141,7 +145,7 @@ __global__ void __launch_bounds__(FwdSm90<D, NC>::THREADS, 1)
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         qi[r] = wq0 + g + 8 * r;
-        qdoc[r] = (a.doc && qi[r] < qlen) ? a.doc[qs + qi[r]] : 0;
+        qdoc[r] = (a.doc && qi[r] < qhi) ? a.doc[qs + qi[r]] : 0;
     }
 
     float o[D / 2], s[BN / 2];
@@ -280,7 +284,7 @@ __global__ void __launch_bounds__(FwdSm90<D, NC>::THREADS, 1)
         float lt = l[r];
         lt += __shfl_xor_sync(0xffffffffu, lt, 1);
         lt += __shfl_xor_sync(0xffffffffu, lt, 2);
-        if (qi[r] < qlen) {
+        if (qi[r] < qhi) { /* rows past qhi are the next tile's */
             const float inv = lt > 0.f ? 1.f / lt : 0.f;
             bf16 *dst = a.out + (size_t)(qs + qi[r]) * qstr + (size_t)h * D + 2 * t4;
 #pragma unroll
