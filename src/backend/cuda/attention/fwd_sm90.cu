@@ -4,8 +4,9 @@
  * every row of each sequence), with warpgroup matrix products fed by the
  * copy engine. Layouts, fragments and ordering rules: sm90.cuh.
  *
- * A block owns BM = 64 * NC queries of one head and one sequence and walks
- * the key tiles (BN keys) they can see:
+ * A block owns BM = 64 * NC queries of one head and one sequence (NC = 2
+ * consumer warpgroups, or 3 at head dim 64 from S = 4096 up: fwd_wg64) and
+ * walks the key tiles (BN keys) they can see:
  *   warpgroup 0 (producer): one thread issues TMA loads of the Q tile once
  *     and of K, V into a ring of KST stages. K and V of a stage complete on
  *     separate mbarriers (full_k, full_v), so that S = Q K^T can start
@@ -17,8 +18,10 @@
  *     about 2% after (run 23). With a
  *     document mask, warp 1 stores the document ids of the stage's keys
  *     (ordinary loads; K's mbarrier also waits for its 32 arrivals; they
- *     are read by the softmax, so they go with K). It keeps 40 registers.
- *   warpgroups 1..NC (consumers, 232 registers): warpgroup w owns queries
+ *     are read by the softmax, so they go with K). It keeps 40 registers
+ *     (24 with three consumers).
+ *   warpgroups 1..NC (consumers, 232 registers, 160 with three; that costs
+ *     about 24 bytes of spills): warpgroup w owns queries
  *     64w..64w+63 of the block. Per key tile t:
  *       S_t = Q K_t^T          wgmma, A = Q and B = K from shared memory
  *       O  += P_{t-1} V_{t-1}  wgmma, A = P in registers, B = V (MN-major)
@@ -308,11 +311,17 @@ static bool fwd_pingpong() {
     return on;
 }
 
-/* Consumer warpgroups at head dim 64: CF_ATTN_FWD_WG=3 (192 queries per
- * block) or 2 (read once). */
-static int fwd_wg64() {
-    static const int n = attn_env_int("CF_ATTN_FWD_WG", 2) == 3 ? 3 : 2;
-    return n;
+/* Consumer warpgroups at head dim 64, as FlashAttention-3 has them: three
+ * (192 queries per block) from S = 4096 up, two below. With three, each
+ * scheduler has three consumer warps to pick from while one waits for its
+ * products or its exponentials, and the tensor pipe is busier: H100, run 29
+ * (ms, 32 heads, 4 kv heads): S = 8192 0.645 -> 0.580, S = 4096 0.191 ->
+ * 0.180; but S = 2048 0.064 -> 0.067, where fewer, longer causal blocks
+ * leave a longer tail. CF_ATTN_FWD_WG=2|3 forces it (read once). */
+static int fwd_wg64(int S) {
+    static const int forced = attn_env_int("CF_ATTN_FWD_WG", 0);
+    if (forced == 2 || forced == 3) return forced;
+    return S >= 4096 ? 3 : 2;
 }
 
 template <int D, int NC>
@@ -335,7 +344,7 @@ static int fwd_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a) {
 
 int attn_fwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D) {
     if (a.qstart || a.kstart || a.qrow || a.krow) return 0; /* all rows only */
-    if (D == 64) return fwd_wg64() == 3 ? fwd_sm90_launch<64, 3>(ctx, a) : fwd_sm90_launch<64, 2>(ctx, a);
+    if (D == 64) return fwd_wg64(a.S) == 3 ? fwd_sm90_launch<64, 3>(ctx, a) : fwd_sm90_launch<64, 2>(ctx, a);
     if (D == 128) return fwd_sm90_launch<128, 2>(ctx, a);
     return 0;
 }
