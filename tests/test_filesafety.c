@@ -462,6 +462,18 @@ TEST(the_memory_estimate_counts_weights_state_and_activations) {
     CHECK(cf_memory_estimate_config(&c, CF_BACKEND_CUDA, &o, &longer) == 0);
     CHECK(longer.activations == 2 * gpu.activations);
     CHECK(gpu.total == gpu.weights + gpu.optimizer + gpu.activations + gpu.other);
+    /* the LM head's chunk (lmhead.cu: lm_chunk): bf16 logits, bf16 dlogits
+     * and an fp32 target logit per row, T = 1024 rows of them here; fp32
+     * logits (CF_LMHEAD_LOGITS=fp32) two bytes more per logit, no target */
+    const uint64_t V = (uint64_t)c.vocab_size;
+    CHECK(gpu.other == 1024 * V * 4 + 1024 * 4);
+    cf_memory_estimate f32;
+    o.seq = 1024;
+    setenv("CF_LMHEAD_LOGITS", "fp32", 1);
+    CHECK(cf_memory_estimate_config(&c, CF_BACKEND_CUDA, &o, &f32) == 0);
+    unsetenv("CF_LMHEAD_LOGITS");
+    CHECK(f32.other == 1024 * V * 6 && f32.activations == gpu.activations);
+    CHECK(longer.other == 2048 * V * 4 + 2048 * 4);
     /* issue 17: the LM head's kept g, T V A, counted within its budget only */
     cf_memory_estimate nog, big, bignog;
     o.seq = 1024;
@@ -473,6 +485,8 @@ TEST(the_memory_estimate_counts_weights_state_and_activations) {
     CHECK(cf_memory_estimate_config(&c, CF_BACKEND_CUDA, &o, &big) == 0);
     CHECK(gpu.activations - nog.activations == 1024 * (uint64_t)c.vocab_size * 2);
     CHECK(big.activations == bignog.activations);
+    /* at T = 8192 the chunk is capped near 1.5 GiB: 3139 rows */
+    CHECK(big.other == 3139 * V * 4 + 3139 * 4 && big.other <= ((uint64_t)3 << 29) + 3139 * 4);
     /* an 8B model with a long batch cannot fit a CI machine: one line */
     cf_model_opts mo = {0};
     mo.config = "llama3.1-8b";

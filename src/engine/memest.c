@@ -109,6 +109,14 @@ static void lora_counts(const cf_config *c, const cf_lora_opts *l, uint64_t *all
 
 /* ------------------------------------------------------------ activations */
 
+/* The GPU LM head's logit size in bytes: 2 (bf16) unless
+ * CF_LMHEAD_LOGITS=fp32 (lmhead.cu: lm_logit_bytes, which rejects other
+ * values when the model runs; the estimate takes them as bf16). */
+static uint64_t lmhead_logit_bytes(void) {
+    const char *e = getenv("CF_LMHEAD_LOGITS");
+    return e && strcmp(e, "fp32") == 0 ? 4 : 2;
+}
+
 /* Bytes per token row of the forward's saved tensors: gathered (copied to
  * the kept rows by the filter) and not (read through the row index). */
 static void saved_row_bytes(const cf_config *c, uint64_t A, uint64_t *gathered, uint64_t *other) {
@@ -166,13 +174,18 @@ int cf_memory_estimate_config(const cf_config *cfg, cf_backend_kind backend, con
         row += F * A + (C > F ? C : F) * A + 4 * 4 + 4;   /* h, tmp, losses, doc, host losses */
     }
     est->activations = T * row;
-    /* the LM head's logits chunk (on the GPU as if fp32 logits,
-     * CF_LMHEAD_LOGITS=fp32: bf16 ones take two thirds of it) */
-    uint64_t lm_rows = backend == CF_BACKEND_CUDA ? ((uint64_t)3 << 29) / (V * 6) : (8ull << 20) / V;
+    /* the LM head's logits chunk. GPU (lmhead.cu: lm_chunk): logits of
+     * esz bytes (bf16, or fp32 with CF_LMHEAD_LOGITS=fp32) and bf16
+     * dlogits per element, in rows that stay under 1.5 GiB, and with bf16
+     * logits each row's exact target logit (fp32). CPU: fp32 logits and
+     * dlogits, 8 MiB of rows, at most 256. */
+    const uint64_t esz = lmhead_logit_bytes();
+    const uint64_t per = backend == CF_BACKEND_CUDA ? esz + 2 : 8;
+    uint64_t lm_rows = backend == CF_BACKEND_CUDA ? ((uint64_t)3 << 29) / (V * per) : (8ull << 20) / V;
     if (lm_rows < 1) lm_rows = 1;
     if (backend != CF_BACKEND_CUDA && lm_rows > 256) lm_rows = 256;
     if (lm_rows > T) lm_rows = T;
-    est->other = lm_rows * V * (backend == CF_BACKEND_CUDA ? 6 : 8);
+    est->other = lm_rows * V * per + (backend == CF_BACKEND_CUDA && esz == 2 ? lm_rows * 4 : 0);
     /* host buffers (counted where they compete: the CPU backend) */
     if (backend == CF_BACKEND_CPU) {
         uint64_t accum = o->grad_accum > 0 ? (uint64_t)o->grad_accum : 1;
