@@ -128,22 +128,11 @@ static int plan_norm_pre(cf_model *m) {
     return 1;
 }
 
-/* CF_NORM_EARLY=2 in the environment: in the compact backwards too (A/B
- * timing; read once) */
-static int norm_early_compact(void) {
-    static int on = -1;
-    if (on < 0) {
-        const char *e = getenv("CF_NORM_EARLY");
-        on = e && e[0] == '2' && e[1] == 0;
-    }
-    return on;
-}
-
 void cf_norm_pre_begin(cf_model *m, int compact) {
     cf_optim *o = &m->opt;
     o->pre_on = 0;
     /* --profile times op by op: nothing runs beside them */
-    if (!o->pre_ok || (compact && !norm_early_compact()) || m->profile || !o->last_micro || o->sync.bucket_ready || o->sync.finish ||
+    if (!o->pre_ok || compact || m->profile || !o->last_micro || o->sync.bucket_ready || o->sync.finish ||
         cf_tp_on(m))
         return;
     m->b->memzero(m->b, &m->scalars->sumsq_pre, sizeof(double));
