@@ -1693,6 +1693,48 @@ TEST(attention_path_is_hopper_on_sm90) {
 /* The Hopper kernels against the portable ones on the same inputs (both
  * also against the CPU): forward out and lse, and the FULL and CENTRIFUGE
  * gradients, on ragged multi-tile sequences with GQA and document masks. */
+/* The Hopper forward at head dim 64 with three consumer warpgroups (192
+ * queries per block, end-aligned tiles) against two: each row walks the
+ * same key tiles in the same order either way (a tile past a row's own key
+ * adds exact zeros), so out and lse must agree bit for bit; and both
+ * against the CPU. Tails of every kind: S not a multiple of 64, 128 or 192,
+ * documents, GQA, several sequences. */
+TEST(attention_hopper_fwd_three_warpgroups_give_the_two_warpgroup_bits) {
+    if (attn_path_of(gpu) != 2) {
+        printf("    skipped: not the Hopper path\n");
+        return;
+    }
+    cf_cuda_ctx *ctx = gpu->device_context(gpu);
+    const attn_case cc[] = {{2, 300, 8, 2, 64, 3}, {1, 1000, 4, 2, 64, 0}, {3, 200, 8, 1, 64, 2},
+                            {1, 450, 4, 4, 64, 0}, {1, 192, 2, 1, 64, 0}, {2, 70, 4, 2, 64, 0}};
+    char nm[128], what[256];
+    for (int ci = 0; ci < (int)(sizeof cc / sizeof cc[0]); ci++) {
+        attn_problem p;
+        attn_setup(&p, cc[ci]);
+        const attn_case c = p.c;
+        case_name(c, nm, sizeof nm);
+        const size_t nq = p.T * c.H * c.D, nl = p.T * c.H;
+        void *q = gact(p.q, nq), *k = gact(p.k, p.T * c.Hkv * c.D), *v = gact(p.v, p.T * c.Hkv * c.D);
+        float *out[2], *lse[2];
+        for (int w = 0; w < 2; w++) {
+            void *o = gact_nan(nq), *l = gf32_nan(nl);
+            ctx->attn_fwd_wg = 2 + w;
+            gpu->attention_fwd(gpu, o, l, q, k, v, &p.gs);
+            ctx->attn_fwd_wg = 0;
+            CHECK(gpu->synchronize(gpu) == 0);
+            out[w] = get_act(o, nq);
+            lse[w] = get_f32(l, nl);
+            snprintf(what, sizeof what, "fwd out, %d warpgroups, vs cpu %s", 2 + w, nm);
+            cmp(what, out[w], p.out, nq, TOL_BF16);
+            snprintf(what, sizeof what, "fwd lse, %d warpgroups, vs cpu %s", 2 + w, nm);
+            cmp(what, lse[w], p.lse, nl, 1e-4);
+        }
+        CHECK_MSG(bitwise_equal(out[0], out[1], nq) && bitwise_equal(lse[0], lse[1], nl),
+                  "three warpgroups differ from two: %s", nm);
+        free_all();
+    }
+}
+
 TEST(attention_hopper_matches_portable_kernels) {
     if (!gpu_port) {
         printf("    skipped: the shared context runs the portable kernels\n");
@@ -2067,6 +2109,7 @@ int main(void) {
     RUN_IF(attention_centrifuge_kv_bwd_matches_cpu_several_tiles_uneven_kept);
     RUN_IF(attention_path_is_hopper_on_sm90);
     RUN_IF(attention_hopper_matches_portable_kernels);
+    RUN_IF(attention_hopper_fwd_three_warpgroups_give_the_two_warpgroup_bits);
     RUN_IF(attention_hopper_bwd_heads_per_block_and_query_parts_match);
     RUN_IF(attention_hopper_bwd_pairs_give_the_partials_bits);
     RUN_IF(attention_bwd_leaves_idle_where_the_plan_is_under_one_and_a_half_waves);

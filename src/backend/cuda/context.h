@@ -139,6 +139,9 @@ typedef struct cf_cuda_ctx {
      * attn_sm90_bwd_plan); tests set 1 to 4 heads, 1 or 2 parts */
     int attn_bwd_hpb;
     int attn_bwd_split;
+    /* consumer warpgroups of the Hopper forward at head dim 64: 0 = chosen
+     * by the grid's size (attention/fwd_sm90.cu: fwd_wg64); tests set 2, 3 */
+    int attn_fwd_wg;
     /* 1: no pairs of blocks for the dk, dv partials (attention/bwd_sm90.cu:
      * attn_sm90_bwd_pair; tests); and per Hopper backward kernel, whether
      * its clusters of two were asked about and fit */

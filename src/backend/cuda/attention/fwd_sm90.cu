@@ -5,7 +5,7 @@
  * copy engine. Layouts, fragments and ordering rules: sm90.cuh.
  *
  * A block owns BM = 64 * NC queries of one head and one sequence (NC = 2
- * consumer warpgroups, or 3 at head dim 64 from S = 4096 up: fwd_wg64) and
+ * consumer warpgroups, or 3 at head dim 64 on large grids: fwd_wg64) and
  * walks the key tiles (BN keys) they can see:
  *   warpgroup 0 (producer): one thread issues TMA loads of the Q tile once
  *     and of K, V into a ring of KST stages. K and V of a stage complete on
@@ -312,16 +312,21 @@ static bool fwd_pingpong() {
 }
 
 /* Consumer warpgroups at head dim 64, as FlashAttention-3 has them: three
- * (192 queries per block) from S = 4096 up, two below. With three, each
- * scheduler has three consumer warps to pick from while one waits for its
- * products or its exponentials, and the tensor pipe is busier: H100, run 29
- * (ms, 32 heads, 4 kv heads): S = 8192 0.645 -> 0.580, S = 4096 0.191 ->
- * 0.180; but S = 2048 0.064 -> 0.067, where fewer, longer causal blocks
- * leave a longer tail. CF_ATTN_FWD_WG=2|3 forces it (read once). */
-static int fwd_wg64(int S) {
+ * (192 queries per block) where their grid is at least five waves, else
+ * two. With three, each scheduler has three consumer warps to pick from
+ * while one waits for its products or its exponentials, and the tensor pipe
+ * is busier; but blocks are half as long again, and a small causal grid
+ * ends in a longer tail. H100, run 29 (ms, 32 heads, 4 kv heads, B = 1):
+ * S = 8192 0.645 -> 0.580 (1376 blocks), S = 4096 0.191 -> 0.180 (704),
+ * S = 2048 0.064 -> 0.067 (352); an H200 had 16 heads at S = 4096 (352
+ * blocks) 5% slower. ctx->attn_fwd_wg = 2|3 forces it per context (tests),
+ * CF_ATTN_FWD_WG=2|3 per process (timing; read once). */
+static int fwd_wg64(const cf_cuda_ctx *ctx, const AttnArgs &a) {
     static const int forced = attn_env_int("CF_ATTN_FWD_WG", 0);
+    if (ctx->attn_fwd_wg == 2 || ctx->attn_fwd_wg == 3) return ctx->attn_fwd_wg;
     if (forced == 2 || forced == 3) return forced;
-    return S >= 4096 ? 3 : 2;
+    const long long blocks = (long long)a.B * a.H * ((a.S + 191) / 192);
+    return blocks >= 5LL * ctx->sm_count ? 3 : 2;
 }
 
 template <int D, int NC>
@@ -332,11 +337,11 @@ static int fwd_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a) {
     if (!attn_sm90_map_rows(&mq, a.q, T, a.H, D, C::BM) || !attn_sm90_map_rows(&mk, a.k, T, a.Hkv, D, C::BN) ||
         !attn_sm90_map_rows(&mv, a.v, T, a.Hkv, D, C::BN))
         return 0;
-    /* one variant per process (the switches are read once): one attribute
-     * bit per head dim */
+    /* one ping-pong variant per process (the switch is read once): one
+     * attribute bit per head dim and consumer count */
     const void *fn = fwd_pingpong() ? (const void *)attn_fwd_sm90_kernel<D, NC, true>
                                     : (const void *)attn_fwd_sm90_kernel<D, NC, false>;
-    if (!attn_sm90_prepare(ctx, fn, C::SMEM, D == 64 ? 0 : 1)) return -1;
+    if (!attn_sm90_prepare(ctx, fn, C::SMEM, D == 128 ? 1 : NC == 3 ? 7 : 0)) return -1;
     dim3 grid(a.H, (a.S + C::BM - 1) / C::BM, a.B), block(C::THREADS);
     void *args[] = {(void *)&mq, (void *)&mk, (void *)&mv, (void *)&a};
     return CF_CK(ctx, cudaLaunchKernel(fn, grid, block, args, C::SMEM, ctx->stream)) ? 1 : -1;
@@ -344,7 +349,7 @@ static int fwd_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a) {
 
 int attn_fwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D) {
     if (a.qstart || a.kstart || a.qrow || a.krow) return 0; /* all rows only */
-    if (D == 64) return fwd_wg64(a.S) == 3 ? fwd_sm90_launch<64, 3>(ctx, a) : fwd_sm90_launch<64, 2>(ctx, a);
+    if (D == 64) return fwd_wg64(ctx, a) == 3 ? fwd_sm90_launch<64, 3>(ctx, a) : fwd_sm90_launch<64, 2>(ctx, a);
     if (D == 128) return fwd_sm90_launch<128, 2>(ctx, a);
     return 0;
 }
