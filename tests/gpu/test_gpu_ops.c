@@ -1706,7 +1706,7 @@ TEST(attention_hopper_fwd_three_warpgroups_give_the_two_warpgroup_bits) {
     }
     cf_cuda_ctx *ctx = gpu->device_context(gpu);
     const attn_case cc[] = {{2, 300, 8, 2, 64, 3}, {1, 1000, 4, 2, 64, 0}, {3, 200, 8, 1, 64, 2},
-                            {1, 450, 4, 4, 64, 0}, {1, 192, 2, 1, 64, 0}, {2, 70, 4, 2, 64, 0}};
+                            {1, 450, 4, 4, 64, 0}, {1, 192, 2, 1, 64, 0},  {2, 70, 4, 2, 64, 0}};
     char nm[128], what[256];
     for (int ci = 0; ci < (int)(sizeof cc / sizeof cc[0]); ci++) {
         attn_problem p;

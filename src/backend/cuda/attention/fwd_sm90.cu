@@ -57,7 +57,6 @@ template <int D, int NC_> struct FwdSm90 {
 
 namespace {
 
-
 template <int D, int NC, bool PINGPONG>
 __global__ void __launch_bounds__(FwdSm90<D, NC>::THREADS, 1)
     attn_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tmQ, const __grid_constant__ CUtensorMap tmK,
@@ -329,8 +328,7 @@ static int fwd_wg64(const cf_cuda_ctx *ctx, const AttnArgs &a) {
     return blocks >= 5LL * ctx->sm_count ? 3 : 2;
 }
 
-template <int D, int NC>
-static int fwd_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a) {
+template <int D, int NC> static int fwd_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a) {
     using C = FwdSm90<D, NC>;
     const int T = a.B * a.S;
     CUtensorMap mq, mk, mv;
