@@ -1693,6 +1693,14 @@ TEST(attention_path_is_hopper_on_sm90) {
 /* The Hopper kernels against the portable ones on the same inputs (both
  * also against the CPU): forward out and lse, and the FULL and CENTRIFUGE
  * gradients, on ragged multi-tile sequences with GQA and document masks. */
+/* The shared context's device context where it runs the Hopper kernels;
+ * else NULL, with the test's skip printed */
+static cf_cuda_ctx *hopper_ctx_or_skip(void) {
+    if (attn_path_of(gpu) == 2) return gpu->device_context(gpu);
+    printf("    skipped: the shared context runs the portable kernels\n");
+    return NULL;
+}
+
 /* The Hopper forward at head dim 64 with three consumer warpgroups (192
  * queries per block, end-aligned tiles) against two: each row walks the
  * same key tiles in the same order either way (a tile past a row's own key
@@ -1700,11 +1708,8 @@ TEST(attention_path_is_hopper_on_sm90) {
  * against the CPU. Tails of every kind: S not a multiple of 64, 128 or 192,
  * documents, GQA, several sequences. */
 TEST(attention_hopper_fwd_three_warpgroups_give_the_two_warpgroup_bits) {
-    if (attn_path_of(gpu) != 2) {
-        printf("    skipped: not the Hopper path\n");
-        return;
-    }
-    cf_cuda_ctx *ctx = gpu->device_context(gpu);
+    cf_cuda_ctx *ctx = hopper_ctx_or_skip();
+    if (!ctx) return;
     const attn_case cc[] = {{2, 300, 8, 2, 64, 3}, {1, 1000, 4, 2, 64, 0}, {3, 200, 8, 1, 64, 2},
                             {1, 450, 4, 4, 64, 0}, {1, 192, 2, 1, 64, 0},  {2, 70, 4, 2, 64, 0}};
     char nm[128], what[256];
@@ -1819,11 +1824,8 @@ static void attn_setup_kept_half(attn_problem *p, attn_case c, char *nm, int **r
  * shows as O(1)), FULL, CENTRIFUGE and CENTRIFUGE_KV, GQA groups of 3, 4,
  * 6 and 8, and no GQA (parts need the partials there too). */
 TEST(attention_hopper_bwd_heads_per_block_and_query_parts_match) {
-    if (attn_path_of(gpu) != 2) {
-        printf("    skipped: the shared context runs the portable kernels\n");
-        return;
-    }
-    cf_cuda_ctx *ctx = gpu->device_context(gpu);
+    cf_cuda_ctx *ctx = hopper_ctx_or_skip();
+    if (!ctx) return;
     const attn_case cc[] = {{2, 300, 8, 2, 64, 3},  {3, 200, 8, 1, 128, 2}, {1, 333, 4, 4, 128, 0},
                             {2, 260, 6, 2, 128, 3}, {1, 300, 12, 2, 64, 0}};
     const int ncc = (int)(sizeof cc / sizeof cc[0]);
@@ -1864,11 +1866,8 @@ TEST(attention_hopper_bwd_heads_per_block_and_query_parts_match) {
  * order, so the bits must be the partials path's, in every mode; dq is the
  * same computation in both (up to the order of its fp32 additions). */
 TEST(attention_hopper_bwd_pairs_give_the_partials_bits) {
-    if (attn_path_of(gpu) != 2) {
-        printf("    skipped: the shared context runs the portable kernels\n");
-        return;
-    }
-    cf_cuda_ctx *ctx = gpu->device_context(gpu);
+    cf_cuda_ctx *ctx = hopper_ctx_or_skip();
+    if (!ctx) return;
     /* hpb, parts: two groups of heads (G = 4 and 8), or two parts (G = 1 and 2) */
     const struct { attn_case c; int hpb, ns; } cc[] = {
         {{2, 300, 8, 2, 64, 3}, 2, 1}, {{3, 200, 8, 1, 128, 2}, 4, 1}, {{1, 333, 4, 4, 128, 0}, 1, 2},
