@@ -317,8 +317,8 @@ static bool fwd_pingpong() {
  * is busier; but blocks are half as long again, and a small causal grid
  * ends in a longer tail. H100, run 29 (ms, 32 heads, 4 kv heads, B = 1):
  * S = 8192 0.645 -> 0.580 (1376 blocks), S = 4096 0.191 -> 0.180 (704),
- * S = 2048 0.064 -> 0.067 (352); an H200 had 16 heads at S = 4096 (352
- * blocks) 5% slower. ctx->attn_fwd_wg = 2|3 forces it per context (tests),
+ * S = 2048 0.064 -> 0.067 (352); on an H200 16 heads at S = 4096 (352
+ * blocks) tied. ctx->attn_fwd_wg = 2|3 forces it per context (tests),
  * CF_ATTN_FWD_WG=2|3 per process (timing; read once). */
 static int fwd_wg64(const cf_cuda_ctx *ctx, const AttnArgs &a) {
     static const int forced = attn_env_int("CF_ATTN_FWD_WG", 0);
