@@ -202,6 +202,9 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
         lse2[r] = ok ? a.lse[idx] * LOG2E_F : 0.f;
         Dv[r] = ok ? a.Dvec[idx] : 0.f;
     }
+    /* the warp's first query row (rows ascend with the lanes' g, r; -1 when
+     * it is past the sequence, and then so are the others) */
+    const int wqrow = __shfl_sync(0xffffffffu, qrow[0], 0);
     float dq[D / 2];
 #pragma unroll
     for (int i = 0; i < D / 2; i++) dq[i] = 0.f;
@@ -230,21 +233,31 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
         wgmma_commit();
         turn.pass();
         const int *krow_s = small(st), *kdoc_s = krow_s + BN;
+        /* Every key of the tile precedes the warp's first query (its last
+         * row, INT_MAX past the sequence, is at most that row) and no
+         * document mask: no mask. Most tiles of a block are such. */
+        const bool need_mask = a.doc != nullptr || krow_s[BN - 1] > wqrow;
         wgmma_wait<1>();
         fence_regs(s);
-        /* branch-free (kdoc_s and qdoc are 0 without documents), the
-         * column pair (2 t4, 2 t4 + 1) read as one 8-byte load */
+        if (need_mask) {
+            /* branch-free within (kdoc_s and qdoc are 0 without documents),
+             * the column pair (2 t4, 2 t4 + 1) read as one 8-byte load */
 #pragma unroll
-        for (int j = 0; j < BN / 8; j++) {
-            const int c = 8 * j + 2 * t4;
-            const int2 kr = *reinterpret_cast<const int2 *>(krow_s + c), kd = *reinterpret_cast<const int2 *>(kdoc_s + c);
+            for (int j = 0; j < BN / 8; j++) {
+                const int c = 8 * j + 2 * t4;
+                const int2 kr = *reinterpret_cast<const int2 *>(krow_s + c),
+                           kd = *reinterpret_cast<const int2 *>(kdoc_s + c);
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int r = e >> 1, odd = e & 1;
-                const float p = fast_exp2(fmaf(s[4 * j + e], a.scale_log2, -lse2[r]));
-                const bool vis = ((odd ? kr.y : kr.x) <= qrow[r]) & ((odd ? kd.y : kd.x) == qdoc[r]);
-                s[4 * j + e] = vis ? p : 0.f;
+                for (int e = 0; e < 4; e++) {
+                    const int r = e >> 1, odd = e & 1;
+                    const float p = fast_exp2(fmaf(s[4 * j + e], a.scale_log2, -lse2[r]));
+                    const bool vis = ((odd ? kr.y : kr.x) <= qrow[r]) & ((odd ? kd.y : kd.x) == qdoc[r]);
+                    s[4 * j + e] = vis ? p : 0.f;
+                }
             }
+        } else {
+#pragma unroll
+            for (int i = 0; i < BN / 2; i++) s[i] = fast_exp2(fmaf(s[i], a.scale_log2, -lse2[(i >> 1) & 1]));
         }
         wgmma_wait<0>();
         fence_regs(dp);
