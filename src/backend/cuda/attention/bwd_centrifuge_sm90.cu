@@ -283,19 +283,20 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
     }
     if (nt > 0) turn.close();
 
-    /* acc += scale * dQ (slot order; c even: (c, c + 1) are adjacent) */
-    if (nt == 0) return;
+    /* acc += scale * dQ in slot order, where float4 k holds (r, c), (r, c +
+     * 1), (r + 8, c), (r + 8, c + 1): this thread's pairs of both its rows
+     * in one vector reduction, or of the first row alone where the second
+     * is past the sequence */
+    if (nt == 0 || qi[0] >= qlen) return;
     float *acc = a.dq_acc + dq_slot_base(b, h, (q0 >> 6) + w, a.H, D, tps);
-    const int nw = attn_nw;
+    const int nw = attn_nw, rr = 16 * v + g;
+    const bool both = qi[1] < qlen;
 #pragma unroll
-    for (int r = 0; r < 2; r++) {
-        if (qi[r] >= qlen) continue;
-        const int rr = 16 * v + g + 8 * r;
-#pragma unroll
-        for (int j = 0; j < D / 8; j++) {
-            const int c = 8 * j + 2 * t4;
-            atomic_add_f2(acc + dq_slot_index(rr, c, nw), a.scale * dq[4 * j + 2 * r], a.scale * dq[4 * j + 2 * r + 1]);
-        }
+    for (int j = 0; j < D / 8; j++) {
+        float *p = acc + dq_slot_index(rr, 8 * j + 2 * t4, nw);
+        const float x0 = a.scale * dq[4 * j], x1 = a.scale * dq[4 * j + 1];
+        if (both) atomic_add_f4(p, make_float4(x0, x1, a.scale * dq[4 * j + 2], a.scale * dq[4 * j + 3]));
+        else atomic_add_f2(p, x0, x1);
     }
 #endif
 }

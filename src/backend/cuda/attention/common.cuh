@@ -197,6 +197,18 @@ __device__ __forceinline__ void atomic_add_f2(float *dst, float x, float y) {
     atomicAdd(dst + 1, y);
 #endif
 }
+/* dst[0..3] += v, atomically per float (16-byte aligned dst): one vector
+ * reduction on Hopper, four elsewhere */
+__device__ __forceinline__ void atomic_add_f4(float *dst, float4 v) {
+#if CF_SM90_PATH
+    atomicAdd(reinterpret_cast<float4 *>(dst), v);
+#else
+    atomicAdd(dst, v.x);
+    atomicAdd(dst + 1, v.y);
+    atomicAdd(dst + 2, v.z);
+    atomicAdd(dst + 3, v.w);
+#endif
+}
 
 /* Programmatic dependent launch (sm_90; bwd_sm90.cu: bwd_pdl). A kernel
  * launched with it may start while the kernel before it in the stream
