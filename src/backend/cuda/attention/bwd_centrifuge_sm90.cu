@@ -199,9 +199,7 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
         const size_t idx = (size_t)(qs + (ok ? qi[r] : 0)) * a.H + h;
         qrow[r] = ok ? row_of(a.qrow, qs + qi[r]) : -1;
         qdoc[r] = (ok && a.doc) ? a.doc[qrow[r]] : 0;
-        /* a row past the sequence: lse = +inf makes its P, dS and dQ exact
-         * zeros, masked or not (its slot entries are added too, below) */
-        lse2[r] = ok ? a.lse[idx] * LOG2E_F : INFINITY;
+        lse2[r] = ok ? a.lse[idx] * LOG2E_F : 0.f;
         Dv[r] = ok ? a.Dvec[idx] : 0.f;
     }
     /* the warp's first query row (rows ascend with the lanes' g, r; -1 when
@@ -285,32 +283,20 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
     }
     if (nt > 0) turn.close();
 
-    /* acc += scale * dQ, the warpgroup's 64-row slot by bulk reductions.
-     * In slot order float4 j 128 + tid holds this thread's accumulators
-     * 4j..4j+3 (sm90.cuh: dq_slot_index), so the slot (64 x D floats) is
-     * written to shared memory by conflict-free 16-byte stores, into the
-     * warpgroup's own rows of the Q and dO tiles, which only its finished
-     * products read: 2 D/64 pieces of 8 KB, one per 64-column block of
-     * each. Against a float4 atomic per thread and column pair (run 29):
-     * TIMING. */
-    if (nt == 0 || q0 + 64 * w >= qlen) return;
-    constexpr int PIECE = 64 * 128; /* bytes: 64 rows of one 64-column block */
-    auto piece = [&](int k) { return (k < DB ? C::OFF_Q : C::OFF_DO - DB * BM * 128) + k * BM * 128 + w * PIECE; };
+    /* acc += scale * dQ in slot order, where float4 k holds (r, c), (r, c +
+     * 1), (r + 8, c), (r + 8, c + 1): this thread's pairs of both its rows
+     * in one vector reduction, or of the first row alone where the second
+     * is past the sequence */
+    if (nt == 0 || qi[0] >= qlen) return;
+    float *acc = a.dq_acc + dq_slot_base(b, h, (q0 >> 6) + w, a.H, D, tps);
+    const int nw = attn_nw, rr = 16 * v + g;
+    const bool both = qi[1] < qlen;
 #pragma unroll
     for (int j = 0; j < D / 8; j++) {
-        const int f = j * 128 + tid; /* float4 index in the slot */
-        float4 *dst = reinterpret_cast<float4 *>(sbase + piece(f / (PIECE / 16))) + f % (PIECE / 16);
-        *dst = make_float4(a.scale * dq[4 * j], a.scale * dq[4 * j + 1], a.scale * dq[4 * j + 2],
-                           a.scale * dq[4 * j + 3]);
-    }
-    fence_async_smem();
-    named_barrier(6 + w, 128);
-    if (tid == 0) {
-        float *acc = a.dq_acc + dq_slot_base(b, h, (q0 >> 6) + w, a.H, D, tps);
-#pragma unroll
-        for (int k = 0; k < 2 * DB; k++) bulk_reduce_add_f32(acc + k * (PIECE / 4), base + piece(k), PIECE);
-        bulk_commit();
-        bulk_wait_read();
+        float *p = acc + dq_slot_index(rr, 8 * j + 2 * t4, nw);
+        const float x0 = a.scale * dq[4 * j], x1 = a.scale * dq[4 * j + 1];
+        if (both) atomic_add_f4(p, make_float4(x0, x1, a.scale * dq[4 * j + 2], a.scale * dq[4 * j + 3]));
+        else atomic_add_f2(p, x0, x1);
     }
 #endif
 }
