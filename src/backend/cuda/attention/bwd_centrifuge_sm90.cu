@@ -21,7 +21,7 @@
  *     dQ += dS K                             wgmma, A = dS from registers,
  *                                            B = K MN-major
  * and the epilogue adds scale dQ to bwd_sm90.cu's dq accumulator (slot
- * order) by float2 atomics; the caller converts it to bf16 once part 1 has
+ * order) by float4 atomics; the caller converts it to bf16 once part 1 has
  * added its terms too. The two parts are independent, so the caller runs
  * this one on a second stream beside part 1 (launch.cu): each fills the
  * SMs the other's uneven causal grid leaves idle.
