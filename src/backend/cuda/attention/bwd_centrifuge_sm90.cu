@@ -295,8 +295,10 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
     for (int j = 0; j < D / 8; j++) {
         float *p = acc + dq_slot_index(rr, 8 * j + 2 * t4, nw);
         const float x0 = a.scale * dq[4 * j], x1 = a.scale * dq[4 * j + 1];
-        if (both) atomic_add_f4(p, make_float4(x0, x1, a.scale * dq[4 * j + 2], a.scale * dq[4 * j + 3]));
-        else atomic_add_f2(p, x0, x1);
+        if (both)
+            atomic_add_f4(p, make_float4(x0, x1, a.scale * dq[4 * j + 2], a.scale * dq[4 * j + 3]));
+        else
+            atomic_add_f2(p, x0, x1);
     }
 #endif
 }
