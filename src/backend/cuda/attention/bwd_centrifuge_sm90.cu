@@ -307,18 +307,15 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
 
 /* ==================================================================== host */
 
-/* The consumers' ping-pong turns: on at D = 128 where the grid is under
- * three waves, off elsewhere, where they cost time. bench_attention,
- * centrifuge backward, off -> on: S = 4096 D = 64 0.278 -> 0.282-0.284 ms
- * (H100, run 22); Qwen2.5-1.5B's shape (96 blocks) 0.088-0.092 -> 0.085-
- * 0.086 (run 22); Llama3.2-3B's (192) 0.107 -> 0.106 (H200, run 29); S =
- * 4096 D = 128 (512 blocks) even in run 22, 0.325-0.327 -> 0.331-0.332 in
- * run 29, with the mask only where needed. CF_ATTN_CF_PINGPONG=0/1 forces
+/* The consumers' ping-pong turns: on at D = 128, off at D = 64, where
+ * they cost time (bench_attention, H100, run 22 call 3, centrifuge
+ * backward: 0.278 -> 0.282-0.284 ms at S = 4096 D = 64; 0.088-0.092 ->
+ * 0.085-0.086 at Qwen2.5-1.5B's shape, 0.137-0.140 -> 0.135-0.136 at
+ * Llama3.2-3B's, even at S = 4096 D = 128). CF_ATTN_CF_PINGPONG=0/1 forces
  * them off/on (for timing; read once). */
-static bool dq_pingpong(const cf_cuda_ctx *ctx, int D, long long blocks) {
+static bool dq_pingpong(int D) {
     static const int forced = attn_env_int("CF_ATTN_CF_PINGPONG", -1);
-    if (forced >= 0) return forced != 0;
-    return D == 128 && blocks < 3LL * ctx->sm_count;
+    return forced >= 0 ? forced != 0 : D == 128;
 }
 
 template <int D>
@@ -331,12 +328,10 @@ static int dq_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int 
         !attn_sm90_map_rows(&mk, a.k, nk_rows, a.Hkv, D, C::BN) ||
         !attn_sm90_map_rows(&mv, a.v, nk_rows, a.Hkv, D, C::BN))
         return 0;
+    const void *fn = dq_pingpong(D) ? (const void *)attn_bwd_dq_sm90_kernel<D, true>
+                                   : (const void *)attn_bwd_dq_sm90_kernel<D, false>;
+    if (!attn_sm90_prepare(ctx, fn, C::SMEM, D == 64 ? 4 : 5)) return -1;
     dim3 grid(a.H, (maxlen + C::BM - 1) / C::BM, a.B), block(C::THREADS);
-    const bool pp = dq_pingpong(ctx, D, (long long)grid.x * grid.y * grid.z);
-    const void *fn =
-        pp ? (const void *)attn_bwd_dq_sm90_kernel<D, true> : (const void *)attn_bwd_dq_sm90_kernel<D, false>;
-    /* an attribute bit per variant that may run: D = 128 takes both */
-    if (!attn_sm90_prepare(ctx, fn, C::SMEM, D == 64 ? 4 : pp ? 5 : 8)) return -1;
     int nw = attn_sm90_bwd_nw(D);
     void *args[] = {(void *)&mq, (void *)&mo, (void *)&mk, (void *)&mv, (void *)&a, (void *)&tps, (void *)&nw};
     return CF_CK(ctx, cudaLaunchKernel(fn, grid, block, args, C::SMEM, st)) ? 1 : -1;
