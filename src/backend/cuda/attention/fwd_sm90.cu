@@ -324,7 +324,8 @@ static int fwd_wg64(const cf_cuda_ctx *ctx, const AttnArgs &a) {
     static const int forced = attn_env_int("CF_ATTN_FWD_WG", 0);
     if (ctx->attn_fwd_wg == 2 || ctx->attn_fwd_wg == 3) return ctx->attn_fwd_wg;
     if (forced == 2 || forced == 3) return forced;
-    const long long blocks = (long long)a.B * a.H * ((a.S + 191) / 192);
+    constexpr int BM3 = FwdSm90<64, 3>::BM;
+    const long long blocks = (long long)a.B * a.H * ((a.S + BM3 - 1) / BM3);
     return blocks >= 5LL * ctx->sm_count ? 3 : 2;
 }
 
