@@ -1904,39 +1904,37 @@ TEST(attention_hopper_bwd_pairs_give_the_partials_bits) {
 }
 
 /* Centrifuge part 2 on Hopper (dq of the kept queries over the filtered
- * keys) in its four variants: one query tile per block or a causal pair
- * (the last and the first tile of a head together, dq_block_tiles), with
- * and without the consumers' ping-pong turns, all forced through the
- * context. Each against the CPU, and dq against the first variant's (the
- * same products; only the order of the fp32 additions into the
- * accumulator differs). Kept-query tile counts (128 per tile) of 1 to 6
- * per sequence, odd ones (a pair's middle tile runs alone), sequences
- * with one kept row or none, documents, GQA, both head dims. */
-TEST(attention_hopper_centrifuge_part2_pairs_and_turns_match_cpu) {
+ * keys) in its four variants, forced through the context: with and
+ * without the consumers' ping-pong turns, and with and without the next
+ * tile's products issued behind dQ. Each against the CPU, and dq against
+ * the first variant's (the same products; only the order of the fp32
+ * additions into the accumulator differs). Kept-query tiles (128 per
+ * tile) of 1 to 5 per sequence, sequences with one kept row or none,
+ * documents, GQA, both head dims. */
+TEST(attention_hopper_centrifuge_part2_variants_match_cpu) {
     cf_cuda_ctx *ctx = hopper_ctx_or_skip();
     if (!ctx) return;
     const attn_case cc[] = {{1, 700, 4, 2, 64, 0}, {3, 1000, 4, 1, 128, 2}, {2, 1100, 4, 2, 64, 0},
                             {1, 900, 4, 4, 128, 0}, {4, 600, 2, 1, 64, 3}};
-    static const int var[4][2] = {{1, 1}, {2, 1}, {1, 2}, {2, 2}}; /* pairs, turns: 1 off, 2 on */
+    static const int var[4][2] = {{1, 1}, {2, 1}, {1, 2}, {2, 2}}; /* turns, pipe: 1 off, 2 on */
     char nm[128], what[256];
     for (int ci = 0; ci < (int)(sizeof cc / sizeof cc[0]); ci++) {
         attn_problem p;
         int *rows, n, *ss;
         attn_setup_kept_half(&p, cc[ci], nm, &rows, &ss, &n);
-        const attn_case c = p.c;
         grads g[4];
         for (int k = 0; k < 4; k++) {
-            ctx->attn_cf_pairs = var[k][0];
-            ctx->attn_cf_pingpong = var[k][1];
-            snprintf(what, sizeof what, "CENTRIFUGE part 2 pairs %s turns %s %s", var[k][0] == 2 ? "on" : "off",
+            ctx->attn_cf_pingpong = var[k][0];
+            ctx->attn_cf_pipe = var[k][1];
+            snprintf(what, sizeof what, "CENTRIFUGE part 2 turns %s pipe %s %s", var[k][0] == 2 ? "on" : "off",
                      var[k][1] == 2 ? "on" : "off", nm);
             g[k] = attn_bwd_both(&p, CF_ATTN_BWD_CENTRIFUGE, rows, ss, n, what, TOL_GRAD, 1);
         }
-        ctx->attn_cf_pairs = ctx->attn_cf_pingpong = 0;
+        ctx->attn_cf_pingpong = ctx->attn_cf_pipe = 0;
         for (int k = 1; k < 4; k++) {
-            snprintf(what, sizeof what, "CENTRIFUGE dq pairs %s turns %s vs neither %s", var[k][0] == 2 ? "on" : "off",
+            snprintf(what, sizeof what, "CENTRIFUGE dq turns %s pipe %s vs neither %s", var[k][0] == 2 ? "on" : "off",
                      var[k][1] == 2 ? "on" : "off", nm);
-            cmp(what, g[0].dq, g[k].dq, (size_t)n * c.H * c.D, TOL_BF16);
+            cmp(what, g[0].dq, g[k].dq, (size_t)n * p.c.H * p.c.D, TOL_BF16);
         }
         free_all();
     }
@@ -2150,6 +2148,7 @@ int main(void) {
     RUN_IF(attention_hopper_fwd_three_warpgroups_give_the_two_warpgroup_bits);
     RUN_IF(attention_hopper_bwd_heads_per_block_and_query_parts_match);
     RUN_IF(attention_hopper_bwd_pairs_give_the_partials_bits);
+    RUN_IF(attention_hopper_centrifuge_part2_variants_match_cpu);
     RUN_IF(attention_bwd_leaves_idle_where_the_plan_is_under_one_and_a_half_waves);
     RUN_IF(errors_are_sticky_and_a_second_context_is_independent);
     RUN_IF(two_contexts_interleaved_give_the_same_results);

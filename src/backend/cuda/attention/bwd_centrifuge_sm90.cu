@@ -26,19 +26,17 @@
  * this one on a second stream beside part 1 (launch.cu): each fills the
  * SMs the other's uneven causal grid leaves idle.
  */
+#include <type_traits>
 #include "backend/cuda/attention/sm90.cuh"
 
 template <int D> struct DqSm90 {
     /* 128 keys per tile at D = 64 (fewer steps); 64 at D = 128 (registers) */
     static constexpr int NC = 2, BM = 64 * NC, BN = D == 64 ? 128 : 64, KST = 2, THREADS = 128 * (NC + 1);
-    static constexpr int NI = 2; /* query tiles per block at most (a causal pair), each with its own Q, dO */
-    static_assert(NI == 2, "the kernel picks a tile's values by one select");
     static constexpr uint32_t Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2, SMALL_BYTES = 2 * BN * 4;
-    static constexpr uint32_t OFF_Q = 0, OFF_DO = NI * Q_BYTES, OFF_K = 2 * NI * Q_BYTES,
-                              OFF_V = OFF_K + KST * KV_BYTES, OFF_SMALL = OFF_V + KST * KV_BYTES,
-                              OFF_BAR = OFF_SMALL + KST * SMALL_BYTES;
-    /* barriers: full_q[NI], full_k[KST], full_v[KST], empty[KST] */
-    static constexpr uint32_t SMEM = OFF_BAR + 8 * (NI + 3 * KST) + 1024;
+    static constexpr uint32_t OFF_Q = 0, OFF_DO = Q_BYTES, OFF_K = 2 * Q_BYTES, OFF_V = OFF_K + KST * KV_BYTES,
+                              OFF_SMALL = OFF_V + KST * KV_BYTES, OFF_BAR = OFF_SMALL + KST * SMALL_BYTES;
+    /* barriers: full_q, full_k[KST], full_v[KST], empty[KST] */
+    static constexpr uint32_t SMEM = OFF_BAR + 8 * (1 + 3 * KST) + 1024;
 };
 
 namespace {
@@ -101,65 +99,36 @@ __global__ void __launch_bounds__(256) cf_prep_kernel(const CfPrep p) {
     }
 }
 
-/* The query tiles of block y (ny: the sequence's tiles of BM kept
- * queries). Unpaired, one: tile ny' - 1 - y, ny' from the longest sequence
- * (the grid's y), so the tiles with the most keys start first. Paired,
- * tiles ny - 1 - y and y (one where they meet, none past the middle):
- * every block walks about ny + 1 key tiles of its head, half as many
- * blocks as tiles, and the second tile's Q, dO load while the first is
- * worked on. Returns the count, the tiles' first queries in q0[]. */
-__device__ __forceinline__ int dq_block_tiles(int y, int ny_grid, int qlen, int BM, bool paired, int q0[2]) {
-    q0[1] = 0;
-    if (!paired) {
-        q0[0] = (ny_grid - 1 - y) * BM;
-        return q0[0] < qlen ? 1 : 0;
-    }
-    const int ny = (qlen + BM - 1) / BM;
-    if (2 * y >= ny) return 0;
-    q0[0] = (ny - 1 - y) * BM;
-    q0[1] = y * BM;
-    return ny - 1 - y == y ? 1 : 2;
-}
-
-template <int D, bool PINGPONG>
+template <int D, bool PINGPONG, bool PIPE>
 __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
     attn_bwd_dq_sm90_kernel(const __grid_constant__ CUtensorMap tmQ, const __grid_constant__ CUtensorMap tmO,
                             const __grid_constant__ CUtensorMap tmK, const __grid_constant__ CUtensorMap tmV,
-                            const AttnArgs a, int tps, int attn_nw, int paired) {
+                            const AttnArgs a, int tps, int attn_nw) {
 #if CF_SM90A_PATH
     using C = DqSm90<D>;
-    constexpr int BM = C::BM, BN = C::BN, KST = C::KST, NI = C::NI, DB = D / 64;
+    constexpr int BM = C::BM, BN = C::BN, KST = C::KST, DB = D / 64;
     extern __shared__ unsigned char smem_raw[];
     const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
     unsigned char *sbase = smem_raw + (base - smem_u32(smem_raw));
-    const uint32_t sK = base + C::OFF_K, sV = base + C::OFF_V;
-    const uint32_t bar = base + C::OFF_BAR;
-    auto full_q = [&](int i) { return bar + 8 * i; };
-    auto full_k = [&](int s) { return bar + 8 * (NI + s); };
-    auto full_v = [&](int s) { return bar + 8 * (NI + KST + s); };
-    auto empty = [&](int s) { return bar + 8 * (NI + 2 * KST + s); };
+    const uint32_t sQ = base + C::OFF_Q, sO = base + C::OFF_DO, sK = base + C::OFF_K, sV = base + C::OFF_V;
+    const uint32_t bar = base + C::OFF_BAR, full_q = bar;
+    auto full_k = [&](int s) { return bar + 8 * (1 + s); };
+    auto full_v = [&](int s) { return bar + 8 * (1 + KST + s); };
+    auto empty = [&](int s) { return bar + 8 * (1 + 2 * KST + s); };
     auto small = [&](int s) { return reinterpret_cast<int *>(sbase + C::OFF_SMALL + s * C::SMALL_BYTES); };
 
     const int h = blockIdx.x, b = blockIdx.z;
+    const int q0 = (gridDim.y - 1 - blockIdx.y) * BM;
     const int qs = seq_begin(a.qstart, b, a.S), qlen = seq_begin(a.qstart, b + 1, a.S) - qs;
-    int q0[NI];
-    const int ni = dq_block_tiles(blockIdx.y, gridDim.y, qlen, BM, paired != 0, q0);
-    if (ni == 0) return;
+    if (q0 >= qlen) return;
     const int ks = seq_begin(a.kstart, b, a.S), klen = seq_begin(a.kstart, b + 1, a.S) - ks;
     const int hk = h / (a.H / a.Hkv);
-    /* key tiles of each query tile: the filtered keys up to its last query */
-    int nt[NI];
-#pragma unroll
-    for (int i = 0; i < NI; i++) {
-        nt[i] = 0;
-        if (i < ni) {
-            const int qn = min(BM, qlen - q0[i]);
-            nt[i] = (count_le(a.krow, ks, klen, row_of(a.qrow, qs + q0[i] + qn - 1)) + BN - 1) / BN;
-        }
-    }
+    const int qn = min(BM, qlen - q0);
+    const int nkeys = count_le(a.krow, ks, klen, row_of(a.qrow, qs + q0 + qn - 1));
+    const int nt = (nkeys + BN - 1) / BN;
 
     if (threadIdx.x == 0) {
-        for (int i = 0; i < NI; i++) mbar_init(full_q(i), 1);
+        mbar_init(full_q, 1);
         for (int s = 0; s < KST; s++) {
             mbar_init(full_k(s), 1 + 32);
             mbar_init(full_v(s), 1);
@@ -169,47 +138,33 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
     }
     __syncthreads();
 
-    /* The K/V ring's stages run on over the block's query tiles: key tile
-     * t of the second is the block's step nt[0] + t (the first tile's
-     * keys again, from L2) */
     const int wg = threadIdx.x >> 7;
     if (wg == 0) {
         setmaxnreg_dec<40>();
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-        if (warp == 0 && lane == 0) {
-            /* both query tiles' Q and dO at once: separate buffers */
-#pragma unroll
-            for (int i = 0; i < NI; i++) {
-                if (i >= ni || nt[i] == 0) continue;
-                const uint32_t sQi = base + C::OFF_Q + i * C::Q_BYTES, sOi = base + C::OFF_DO + i * C::Q_BYTES;
-                mbar_arrive_tx(full_q(i), 2 * C::Q_BYTES);
-                for (int cb = 0; cb < DB; cb++) {
-                    tma_load_3d(sQi + cb * BM * 128, &tmQ, cb * 64, h, qs + q0[i], full_q(i));
-                    tma_load_3d(sOi + cb * BM * 128, &tmO, cb * 64, h, qs + q0[i], full_q(i));
-                }
+        if (warp == 0 && lane == 0 && nt > 0) {
+            mbar_arrive_tx(full_q, 2 * C::Q_BYTES);
+            for (int cb = 0; cb < DB; cb++) {
+                tma_load_3d(sQ + cb * BM * 128, &tmQ, cb * 64, h, qs + q0, full_q);
+                tma_load_3d(sO + cb * BM * 128, &tmO, cb * 64, h, qs + q0, full_q);
             }
-            int step = 0;
-#pragma unroll
-            for (int i = 0; i < NI; i++)
-                for (int t = 0; t < (i < ni ? nt[i] : 0); t++, step++) {
-                    const int s = step % KST, n = step / KST, row = ks + t * BN;
-                    if (n > 0) mbar_wait(empty(s), (n - 1) & 1);
-                    mbar_arrive_tx(full_k(s), C::KV_BYTES);
-                    for (int cb = 0; cb < DB; cb++)
-                        tma_load_3d(sK + s * C::KV_BYTES + cb * BN * 128, &tmK, cb * 64, hk, row, full_k(s));
-                    mbar_arrive_tx(full_v(s), C::KV_BYTES);
-                    for (int cb = 0; cb < DB; cb++)
-                        tma_load_3d(sV + s * C::KV_BYTES + cb * BN * 128, &tmV, cb * 64, hk, row, full_v(s));
-                }
+            for (int t = 0; t < nt; t++) {
+                const int s = t % KST, n = t / KST, row = ks + t * BN;
+                if (n > 0) mbar_wait(empty(s), (n - 1) & 1);
+                mbar_arrive_tx(full_k(s), C::KV_BYTES);
+                for (int cb = 0; cb < DB; cb++)
+                    tma_load_3d(sK + s * C::KV_BYTES + cb * BN * 128, &tmK, cb * 64, hk, row, full_k(s));
+                mbar_arrive_tx(full_v(s), C::KV_BYTES);
+                for (int cb = 0; cb < DB; cb++)
+                    tma_load_3d(sV + s * C::KV_BYTES + cb * BN * 128, &tmV, cb * 64, hk, row, full_v(s));
+            }
         } else if (warp == 1) {
-            /* the next step's rows and documents are loaded into registers
-             * right after this step's are stored (as in bwd_sm90.cu), so
+            /* the next tile's rows and documents are loaded into registers
+             * right after this tile's are stored (as in bwd_sm90.cu), so
              * their latency is not spent between a release and a refill */
             constexpr int PER = BN / 32;
-            const int steps = nt[0] + (NI > 1 ? nt[1] : 0);
             int row_r[PER], doc_r[PER];
-            auto load = [&](int step) {
-                const int t = step < nt[0] ? step : step - nt[0];
+            auto load = [&](int t) {
 #pragma unroll
                 for (int k = 0; k < PER; k++) {
                     const int j = t * BN + lane + 32 * k;
@@ -217,9 +172,9 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
                     doc_r[k] = (a.doc && j < klen) ? a.doc[row_r[k]] : 0;
                 }
             };
-            if (steps > 0) load(0);
-            for (int step = 0; step < steps; step++) {
-                const int s = step % KST, n = step / KST;
+            if (nt > 0) load(0);
+            for (int t = 0; t < nt; t++) {
+                const int s = t % KST, n = t / KST;
                 if (n > 0) mbar_wait(empty(s), (n - 1) & 1);
                 int *sm = small(s);
 #pragma unroll
@@ -228,7 +183,7 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
                     sm[BN + lane + 32 * k] = doc_r[k];
                 }
                 mbar_arrive(full_k(s));
-                if (step + 1 < steps) load(step + 1);
+                if (t + 1 < nt) load(t + 1);
             }
         }
         return;
@@ -236,143 +191,143 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
 
     setmaxnreg_inc<232>();
     const int w = wg - 1, tid = threadIdx.x & 127, v = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
-    /* this thread's two query rows of each query tile, loaded for both up
-     * front (the second tile's loads are in flight during the first) */
-    int qi[NI][2], qrow[NI][2], qdoc[NI][2];
-    float lse2[NI][2], Dv[NI][2];
+    int qi[2], qrow[2], qdoc[2];
+    float lse2[2], Dv[2];
 #pragma unroll
-    for (int i = 0; i < NI; i++)
+    for (int r = 0; r < 2; r++) {
+        qi[r] = q0 + 64 * w + 16 * v + g + 8 * r;
+        const bool ok = qi[r] < qlen;
+        const size_t idx = (size_t)(qs + (ok ? qi[r] : 0)) * a.H + h;
+        qrow[r] = ok ? row_of(a.qrow, qs + qi[r]) : -1;
+        qdoc[r] = (ok && a.doc) ? a.doc[qrow[r]] : 0;
+        lse2[r] = ok ? a.lse[idx] * LOG2E_F : 0.f;
+        Dv[r] = ok ? a.Dvec[idx] : 0.f;
+    }
+    /* the warp's first query row (rows ascend with the lanes' g, r; -1 when
+     * it is past the sequence, and then so are the others) */
+    const int wqrow = __shfl_sync(0xffffffffu, qrow[0], 0);
+    float dq[D / 2];
 #pragma unroll
-        for (int r = 0; r < 2; r++) {
-            qi[i][r] = i < ni ? q0[i] + 64 * w + 16 * v + g + 8 * r : qlen;
-            const bool ok = qi[i][r] < qlen;
-            const size_t idx = (size_t)(qs + (ok ? qi[i][r] : 0)) * a.H + h;
-            qrow[i][r] = ok ? row_of(a.qrow, qs + qi[i][r]) : -1;
-            qdoc[i][r] = (ok && a.doc) ? a.doc[qrow[i][r]] : 0;
-            lse2[i][r] = ok ? a.lse[idx] * LOG2E_F : 0.f;
-            Dv[i][r] = ok ? a.Dvec[idx] : 0.f;
-        }
+    for (int i = 0; i < D / 2; i++) dq[i] = 0.f;
     /* With PINGPONG the consumers take turns (sm90.cuh: Turns) at both
      * issue points of a tile, S and dP, then dQ: 0's S, dP; 1's S, dP; 0's
      * dQ; 1's dQ; ..., so one's exponentials and dS run while the other's
      * products keep the tensor cores busy. */
     Turns<C::NC, 4, PINGPONG> turn{w};
-    const bool any = nt[0] + (NI > 1 ? nt[1] : 0) > 0;
-    if (any) turn.open();
-    int step = 0;
-#pragma unroll 1
-    for (int i = 0; i < ni; i++) {
-        /* this tile's values by selects, not by a register array indexed
-         * at run time (which would go to local memory) */
-        const bool second = i != 0;
-        const int nti = second ? nt[1] : nt[0], q0i = second ? q0[1] : q0[0];
-        if (nti == 0) continue;
-        const uint32_t sQ = base + C::OFF_Q + i * C::Q_BYTES, sO = base + C::OFF_DO + i * C::Q_BYTES;
-        int qr[2], qd[2], qir[2];
-        float l2r[2], dvr[2];
+    float s[BN / 2], dp[BN / 2];
+    /* S = Q K_t^T and dP = dO V_t^T into s, dp (stage t % KST) */
+    auto issue_sdp = [&](int t) {
+        const int st = t % KST, par = (t / KST) & 1;
+        const uint32_t sKs = sK + st * C::KV_BYTES, sVs = sV + st * C::KV_BYTES;
+        mbar_wait(full_k(st), par);
+        wgmma_fence();
 #pragma unroll
-        for (int r = 0; r < 2; r++) {
-            qir[r] = second ? qi[1][r] : qi[0][r];
-            qr[r] = second ? qrow[1][r] : qrow[0][r];
-            qd[r] = second ? qdoc[1][r] : qdoc[0][r];
-            l2r[r] = second ? lse2[1][r] : lse2[0][r];
-            dvr[r] = second ? Dv[1][r] : Dv[0][r];
-        }
-        /* the warp's first query row (rows ascend with the lanes' g, r; -1
-         * when it is past the sequence, and then so are the others) */
-        const int wqrow = __shfl_sync(0xffffffffu, qr[0], 0);
-        float dq[D / 2];
+        for (int kk = 0; kk < D / 16; kk++) wgmma_ss<0, 0>(s, desc_k(sQ, BM, 64 * w, kk), desc_k(sKs, BN, 0, kk), kk > 0);
+        wgmma_commit();
+        mbar_wait(full_v(st), par);
 #pragma unroll
-        for (int k = 0; k < D / 2; k++) dq[k] = 0.f;
-        mbar_wait(full_q(i), 0);
-        for (int t = 0; t < nti; t++, step++) {
-            const int st = step % KST, par = (step / KST) & 1;
-            const uint32_t sKs = sK + st * C::KV_BYTES, sVs = sV + st * C::KV_BYTES;
-            float s[BN / 2], dp[BN / 2];
+        for (int kk = 0; kk < D / 16; kk++) wgmma_ss<0, 0>(dp, desc_k(sO, BM, 64 * w, kk), desc_k(sVs, BN, 0, kk), kk > 0);
+        wgmma_commit();
+    };
+    /* With PIPE the next tile's S and dP are issued right behind this
+     * tile's dQ product, before waiting for it: the three run back to back
+     * and the next tile's scores are ready sooner. */
+    if (nt > 0) {
+        turn.open();
+        mbar_wait(full_q, 0);
+        if (PIPE) {
             turn.take();
-            mbar_wait(full_k(st), par);
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < D / 16; kk++)
-                wgmma_ss<0, 0>(s, desc_k(sQ, BM, 64 * w, kk), desc_k(sKs, BN, 0, kk), kk > 0);
-            wgmma_commit();
-            mbar_wait(full_v(st), par);
-#pragma unroll
-            for (int kk = 0; kk < D / 16; kk++)
-                wgmma_ss<0, 0>(dp, desc_k(sO, BM, 64 * w, kk), desc_k(sVs, BN, 0, kk), kk > 0);
-            wgmma_commit();
+            issue_sdp(0);
             turn.pass();
-            const int *krow_s = small(st), *kdoc_s = krow_s + BN;
-            /* Every key of the tile precedes the warp's first query (its
-             * last row, INT_MAX past the sequence, is at most that row) and
-             * no document mask: no mask. Most tiles of a block are such. */
-            const bool need_mask = a.doc != nullptr || krow_s[BN - 1] > wqrow;
-            wgmma_wait<1>();
-            fence_regs(s);
-            if (need_mask) {
-                /* branch-free within (kdoc_s and qdoc are 0 without
-                 * documents), the column pair (2 t4, 2 t4 + 1) read as one
-                 * 8-byte load */
-#pragma unroll
-                for (int j = 0; j < BN / 8; j++) {
-                    const int c = 8 * j + 2 * t4;
-                    const int2 kr = *reinterpret_cast<const int2 *>(krow_s + c),
-                               kd = *reinterpret_cast<const int2 *>(kdoc_s + c);
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        const int r = e >> 1, odd = e & 1;
-                        const float p = fast_exp2(fmaf(s[4 * j + e], a.scale_log2, -l2r[r]));
-                        const bool vis = ((odd ? kr.y : kr.x) <= qr[r]) & ((odd ? kd.y : kd.x) == qd[r]);
-                        s[4 * j + e] = vis ? p : 0.f;
-                    }
-                }
-            } else {
-#pragma unroll
-                for (int k = 0; k < BN / 2; k++) s[k] = fast_exp2(fmaf(s[k], a.scale_log2, -l2r[(k >> 1) & 1]));
-            }
-            wgmma_wait<0>();
-            fence_regs(dp);
-            uint32_t da[BN / 16][4];
-#pragma unroll
-            for (int kk = 0; kk < BN / 16; kk++)
-#pragma unroll
-                for (int q = 0; q < 4; q++) {
-                    const int i0 = 8 * kk + 2 * q, r = q & 1;
-                    da[kk][q] = pack_bf16(s[i0] * (dp[i0] - dvr[r]), s[i0 + 1] * (dp[i0 + 1] - dvr[r]));
-                }
-            turn.take();
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < BN / 16; kk++) wgmma_rs<1>(dq, da[kk], desc_mn(sKs, BN, 0, kk), 1);
-            wgmma_commit();
-            turn.pass();
-            wgmma_wait<0>();
-            fence_regs(dq);
-            fence_regs(da);
-            __syncwarp();
-            if (lane == 0) mbar_arrive(empty(st));
-        }
-
-        /* acc += scale * dQ in slot order, where float4 k holds (r, c), (r,
-         * c + 1), (r + 8, c), (r + 8, c + 1): this thread's pairs of both
-         * its rows in one vector reduction, or of the first row alone where
-         * the second is past the sequence. Fire and forget: the next query
-         * tile's products start behind them. */
-        if (qir[0] >= qlen) continue;
-        float *acc = a.dq_acc + dq_slot_base(b, h, (q0i >> 6) + w, a.H, D, tps);
-        const int nw = attn_nw, rr = 16 * v + g;
-        const bool both = qir[1] < qlen;
-#pragma unroll
-        for (int j = 0; j < D / 8; j++) {
-            float *p = acc + dq_slot_index(rr, 8 * j + 2 * t4, nw);
-            const float x0 = a.scale * dq[4 * j], x1 = a.scale * dq[4 * j + 1];
-            if (both)
-                atomic_add_f4(p, make_float4(x0, x1, a.scale * dq[4 * j + 2], a.scale * dq[4 * j + 3]));
-            else
-                atomic_add_f2(p, x0, x1);
         }
     }
-    if (any) turn.close();
+    /* tile t; NEXT (PIPE and a tile follows): issue its S and dP behind
+     * dQ. A compile-time count for wgmma_wait: with a run-time choice of
+     * two waits ptxas serialised the products at D = 128 (C7515). */
+    auto tile = [&](int t, auto next_c) {
+        constexpr bool next = decltype(next_c)::value;
+        const int st = t % KST;
+        const uint32_t sKs = sK + st * C::KV_BYTES;
+        if (!PIPE) {
+            turn.take();
+            issue_sdp(t);
+            turn.pass();
+        }
+        const int *krow_s = small(st), *kdoc_s = krow_s + BN;
+        /* Every key of the tile precedes the warp's first query (its last
+         * row, INT_MAX past the sequence, is at most that row) and no
+         * document mask: no mask. Most tiles of a block are such. */
+        const bool need_mask = a.doc != nullptr || krow_s[BN - 1] > wqrow;
+        wgmma_wait<1>(); /* S (dP may still run) */
+        fence_regs(s);
+        if (need_mask) {
+            /* branch-free within (kdoc_s and qdoc are 0 without documents),
+             * the column pair (2 t4, 2 t4 + 1) read as one 8-byte load */
+#pragma unroll
+            for (int j = 0; j < BN / 8; j++) {
+                const int c = 8 * j + 2 * t4;
+                const int2 kr = *reinterpret_cast<const int2 *>(krow_s + c),
+                           kd = *reinterpret_cast<const int2 *>(kdoc_s + c);
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int r = e >> 1, odd = e & 1;
+                    const float p = fast_exp2(fmaf(s[4 * j + e], a.scale_log2, -lse2[r]));
+                    const bool vis = ((odd ? kr.y : kr.x) <= qrow[r]) & ((odd ? kd.y : kd.x) == qdoc[r]);
+                    s[4 * j + e] = vis ? p : 0.f;
+                }
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < BN / 2; i++) s[i] = fast_exp2(fmaf(s[i], a.scale_log2, -lse2[(i >> 1) & 1]));
+        }
+        wgmma_wait<0>(); /* dP */
+        fence_regs(dp);
+        uint32_t da[BN / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; kk++)
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                const int i0 = 8 * kk + 2 * q, r = q & 1;
+                da[kk][q] = pack_bf16(s[i0] * (dp[i0] - Dv[r]), s[i0 + 1] * (dp[i0 + 1] - Dv[r]));
+            }
+        turn.take();
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; kk++) wgmma_rs<1>(dq, da[kk], desc_mn(sKs, BN, 0, kk), 1);
+        wgmma_commit();
+        if constexpr (next) issue_sdp(t + 1);
+        turn.pass();
+        wgmma_wait<next ? 2 : 0>(); /* dQ (the next S and dP may still run) */
+        fence_regs(dq);
+        fence_regs(da);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty(st));
+    };
+    if constexpr (PIPE) {
+        for (int t = 0; t + 1 < nt; t++) tile(t, std::true_type{});
+        if (nt > 0) tile(nt - 1, std::false_type{});
+    } else {
+        for (int t = 0; t < nt; t++) tile(t, std::false_type{});
+    }
+    if (nt > 0) turn.close();
+
+    /* acc += scale * dQ in slot order, where float4 k holds (r, c), (r, c +
+     * 1), (r + 8, c), (r + 8, c + 1): this thread's pairs of both its rows
+     * in one vector reduction, or of the first row alone where the second
+     * is past the sequence */
+    if (nt == 0 || qi[0] >= qlen) return;
+    float *acc = a.dq_acc + dq_slot_base(b, h, (q0 >> 6) + w, a.H, D, tps);
+    const int nw = attn_nw, rr = 16 * v + g;
+    const bool both = qi[1] < qlen;
+#pragma unroll
+    for (int j = 0; j < D / 8; j++) {
+        float *p = acc + dq_slot_index(rr, 8 * j + 2 * t4, nw);
+        const float x0 = a.scale * dq[4 * j], x1 = a.scale * dq[4 * j + 1];
+        if (both)
+            atomic_add_f4(p, make_float4(x0, x1, a.scale * dq[4 * j + 2], a.scale * dq[4 * j + 3]));
+        else
+            atomic_add_f2(p, x0, x1);
+    }
 #endif
 }
 
@@ -380,44 +335,46 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
 
 /* ==================================================================== host */
 
-/* The consumers' ping-pong turns: on at D = 128 where the grid is under
- * three waves of query tiles, off elsewhere, where they cost time.
- * bench_attention, centrifuge backward, off -> on: S = 4096 D = 64 0.278 ->
- * 0.282-0.284 ms (H100, run 22); Qwen2.5-1.5B's shape (96 tiles) 0.088-
- * 0.092 -> 0.085-0.086 (run 22); Llama3.2-3B's (192) 0.107 -> 0.106 (H200,
- * run 29); S = 4096 D = 128 (512 tiles) even in run 22, 0.325-0.327 ->
- * 0.331-0.332 in run 29 with the mask only where needed.
- * ctx->attn_cf_pingpong = 1|2 forces them off|on per context (tests),
- * CF_ATTN_CF_PINGPONG=0|1 per process (timing; read once). */
-static bool dq_pingpong(const cf_cuda_ctx *ctx, int D, long long tiles) {
-    static const int forced = attn_env_int("CF_ATTN_CF_PINGPONG", -1);
+/* The consumers' ping-pong turns: off. Since part 2 masks only the tiles
+ * that need it (run 29) they cost time at every shape timed
+ * (bench_attention, H200, run 30 call 1, centrifuge backward, ms, off ->
+ * on, two repetitions): S = 4096 D = 64 0.206, 0.207 -> 0.212, 0.210; D =
+ * 128 0.329, 0.328 -> 0.336, 0.334; Llama3.2-3B's shape 0.108, 0.105 ->
+ * 0.109, 0.107; Qwen2.5-1.5B's 0.065, 0.067 -> 0.067, 0.067. (Before it,
+ * run 22 found them faster at D = 128.) ctx->attn_cf_pingpong = 1|2
+ * forces them off|on per context (tests), CF_ATTN_CF_PINGPONG=0|1 per
+ * process (timing; read once). */
+static bool dq_pingpong(const cf_cuda_ctx *ctx) {
+    static const int forced = attn_env_int("CF_ATTN_CF_PINGPONG", 0);
     if (ctx->attn_cf_pingpong == 1 || ctx->attn_cf_pingpong == 2) return ctx->attn_cf_pingpong == 2;
-    if (forced >= 0) return forced != 0;
-    return D == 128 && tiles < 3LL * ctx->sm_count;
+    return forced != 0;
 }
 
-/* Causal pairs of query tiles per block (dq_block_tiles): on.
- * ctx->attn_cf_pairs = 1|2 forces them off|on per context (tests),
- * CF_ATTN_CF_PAIRS=0|1 per process (timing; read once). */
-static bool dq_pairs(const cf_cuda_ctx *ctx) {
-    static const int forced = attn_env_int("CF_ATTN_CF_PAIRS", -1);
-    if (ctx->attn_cf_pairs == 1 || ctx->attn_cf_pairs == 2) return ctx->attn_cf_pairs == 2;
-    return forced >= 0 ? forced != 0 : true;
+/* The next tile's S and dP issued behind this tile's dQ product (the
+ * kernel's PIPE): on. ctx->attn_cf_pipe = 1|2 forces it off|on per
+ * context (tests), CF_ATTN_CF_PIPE=0|1 per process (timing; read once). */
+static bool dq_pipe(const cf_cuda_ctx *ctx) {
+    static const int forced = attn_env_int("CF_ATTN_CF_PIPE", 1);
+    if (ctx->attn_cf_pipe == 1 || ctx->attn_cf_pipe == 2) return ctx->attn_cf_pipe == 2;
+    return forced != 0;
 }
 
 /* the bit of each part-2 variant in ctx->attn_sm90_attr_done */
-template <int D, bool PP> static constexpr int dq_variant_bit() { return D == 64 ? (PP ? 8 : 4) : (PP ? 5 : 9); }
+template <int D, bool PP, bool PIPE> static constexpr int dq_variant_bit() {
+    return (D == 64 ? (PP ? 8 : 4) : (PP ? 5 : 9)) + (PIPE ? 6 : 0);
+}
 
-template <int D, bool PP>
-static int dq_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, const CUtensorMap *maps, dim3 grid, int tps,
-                          int paired, cudaStream_t st) {
+template <int D, bool PP, bool PIPE>
+static int dq_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, const CUtensorMap *maps, int maxlen, int tps,
+                          cudaStream_t st) {
     using C = DqSm90<D>;
-    const void *fn = (const void *)attn_bwd_dq_sm90_kernel<D, PP>;
-    if (!attn_sm90_prepare(ctx, fn, C::SMEM, dq_variant_bit<D, PP>())) return -1;
+    const void *fn = (const void *)attn_bwd_dq_sm90_kernel<D, PP, PIPE>;
+    if (!attn_sm90_prepare(ctx, fn, C::SMEM, dq_variant_bit<D, PP, PIPE>())) return -1;
+    const dim3 grid(a.H, (maxlen + C::BM - 1) / C::BM, a.B), block(C::THREADS);
     int nw = attn_sm90_bwd_nw(D);
     void *args[] = {(void *)&maps[0], (void *)&maps[1], (void *)&maps[2], (void *)&maps[3],
-                    (void *)&a,       (void *)&tps,     (void *)&nw,      (void *)&paired};
-    return CF_CK(ctx, cudaLaunchKernel(fn, grid, dim3(C::THREADS), args, C::SMEM, st)) ? 1 : -1;
+                    (void *)&a,       (void *)&tps,     (void *)&nw};
+    return CF_CK(ctx, cudaLaunchKernel(fn, grid, block, args, C::SMEM, st)) ? 1 : -1;
 }
 
 template <int D>
@@ -430,10 +387,11 @@ static int dq_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int nk_rows
         !attn_sm90_map_rows(&m[2], a.k, nk_rows, a.Hkv, D, C::BN) ||
         !attn_sm90_map_rows(&m[3], a.v, nk_rows, a.Hkv, D, C::BN))
         return 0;
-    const int ny = (maxlen + C::BM - 1) / C::BM, paired = dq_pairs(ctx) ? 1 : 0;
-    const dim3 grid(a.H, paired ? (ny + 1) / 2 : ny, a.B);
-    return dq_pingpong(ctx, D, (long long)a.H * ny * a.B) ? dq_sm90_launch<D, true>(ctx, a, m, grid, tps, paired, st)
-                                                          : dq_sm90_launch<D, false>(ctx, a, m, grid, tps, paired, st);
+    const bool pp = dq_pingpong(ctx), pipe = dq_pipe(ctx);
+    if (pipe) return pp ? dq_sm90_launch<D, true, true>(ctx, a, m, maxlen, tps, st)
+                        : dq_sm90_launch<D, false, true>(ctx, a, m, maxlen, tps, st);
+    return pp ? dq_sm90_launch<D, true, false>(ctx, a, m, maxlen, tps, st)
+              : dq_sm90_launch<D, false, false>(ctx, a, m, maxlen, tps, st);
 }
 
 int attn_cf_sm90_prep(cf_cuda_ctx *ctx, const AttnArgs &a, int D, const cf_rows *kept, float *acc, size_t acc_n,
