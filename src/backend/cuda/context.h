@@ -142,11 +142,10 @@ typedef struct cf_cuda_ctx {
     /* consumer warpgroups of the Hopper forward at head dim 64: 0 = chosen
      * by the grid's size (attention/fwd_sm90.cu: fwd_wg64); tests set 2, 3 */
     int attn_fwd_wg;
-    /* centrifuge part 2 on Hopper (attention/bwd_centrifuge_sm90.cu): its
-     * consumers' ping-pong turns (dq_pingpong) and the next tile's products
-     * issued behind dQ (dq_pipe); 0 = the default, 1 = off, 2 = on (tests) */
+    /* the ping-pong turns of centrifuge part 2's consumers on Hopper
+     * (attention/bwd_centrifuge_sm90.cu: dq_pingpong): 0 = the default,
+     * 1 = off, 2 = on (tests) */
     int attn_cf_pingpong;
-    int attn_cf_pipe;
     /* 1: no pairs of blocks for the dk, dv partials (attention/bwd_sm90.cu:
      * attn_sm90_bwd_pair; tests); and per Hopper backward kernel, whether
      * its clusters of two were asked about and fit */

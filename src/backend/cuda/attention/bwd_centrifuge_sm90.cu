@@ -26,7 +26,6 @@
  * this one on a second stream beside part 1 (launch.cu): each fills the
  * SMs the other's uneven causal grid leaves idle.
  */
-#include <type_traits>
 #include "backend/cuda/attention/sm90.cuh"
 
 template <int D> struct DqSm90 {
@@ -99,7 +98,7 @@ __global__ void __launch_bounds__(256) cf_prep_kernel(const CfPrep p) {
     }
 }
 
-template <int D, bool PINGPONG, bool PIPE>
+template <int D, bool PINGPONG>
 __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
     attn_bwd_dq_sm90_kernel(const __grid_constant__ CUtensorMap tmQ, const __grid_constant__ CUtensorMap tmO,
                             const __grid_constant__ CUtensorMap tmK, const __grid_constant__ CUtensorMap tmV,
@@ -214,11 +213,15 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
      * dQ; 1's dQ; ..., so one's exponentials and dS run while the other's
      * products keep the tensor cores busy. */
     Turns<C::NC, 4, PINGPONG> turn{w};
-    float s[BN / 2], dp[BN / 2];
-    /* S = Q K_t^T and dP = dO V_t^T into s, dp (stage t % KST) */
-    auto issue_sdp = [&](int t) {
+    if (nt > 0) {
+        turn.open();
+        mbar_wait(full_q, 0);
+    }
+    for (int t = 0; t < nt; t++) {
         const int st = t % KST, par = (t / KST) & 1;
         const uint32_t sKs = sK + st * C::KV_BYTES, sVs = sV + st * C::KV_BYTES;
+        float s[BN / 2], dp[BN / 2];
+        turn.take();
         mbar_wait(full_k(st), par);
         wgmma_fence();
 #pragma unroll
@@ -228,37 +231,13 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
 #pragma unroll
         for (int kk = 0; kk < D / 16; kk++) wgmma_ss<0, 0>(dp, desc_k(sO, BM, 64 * w, kk), desc_k(sVs, BN, 0, kk), kk > 0);
         wgmma_commit();
-    };
-    /* With PIPE the next tile's S and dP are issued right behind this
-     * tile's dQ product, before waiting for it: the three run back to back
-     * and the next tile's scores are ready sooner. */
-    if (nt > 0) {
-        turn.open();
-        mbar_wait(full_q, 0);
-        if (PIPE) {
-            turn.take();
-            issue_sdp(0);
-            turn.pass();
-        }
-    }
-    /* tile t; NEXT (PIPE and a tile follows): issue its S and dP behind
-     * dQ. A compile-time count for wgmma_wait: with a run-time choice of
-     * two waits ptxas serialised the products at D = 128 (C7515). */
-    auto tile = [&](int t, auto next_c) {
-        constexpr bool next = decltype(next_c)::value;
-        const int st = t % KST;
-        const uint32_t sKs = sK + st * C::KV_BYTES;
-        if (!PIPE) {
-            turn.take();
-            issue_sdp(t);
-            turn.pass();
-        }
+        turn.pass();
         const int *krow_s = small(st), *kdoc_s = krow_s + BN;
         /* Every key of the tile precedes the warp's first query (its last
          * row, INT_MAX past the sequence, is at most that row) and no
          * document mask: no mask. Most tiles of a block are such. */
         const bool need_mask = a.doc != nullptr || krow_s[BN - 1] > wqrow;
-        wgmma_wait<1>(); /* S (dP may still run) */
+        wgmma_wait<1>();
         fence_regs(s);
         if (need_mask) {
             /* branch-free within (kdoc_s and qdoc are 0 without documents),
@@ -280,7 +259,7 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
 #pragma unroll
             for (int i = 0; i < BN / 2; i++) s[i] = fast_exp2(fmaf(s[i], a.scale_log2, -lse2[(i >> 1) & 1]));
         }
-        wgmma_wait<0>(); /* dP */
+        wgmma_wait<0>();
         fence_regs(dp);
         uint32_t da[BN / 16][4];
 #pragma unroll
@@ -295,19 +274,12 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
 #pragma unroll
         for (int kk = 0; kk < BN / 16; kk++) wgmma_rs<1>(dq, da[kk], desc_mn(sKs, BN, 0, kk), 1);
         wgmma_commit();
-        if constexpr (next) issue_sdp(t + 1);
         turn.pass();
-        wgmma_wait<next ? 2 : 0>(); /* dQ (the next S and dP may still run) */
+        wgmma_wait<0>();
         fence_regs(dq);
         fence_regs(da);
         __syncwarp();
         if (lane == 0) mbar_arrive(empty(st));
-    };
-    if constexpr (PIPE) {
-        for (int t = 0; t + 1 < nt; t++) tile(t, std::true_type{});
-        if (nt > 0) tile(nt - 1, std::false_type{});
-    } else {
-        for (int t = 0; t < nt; t++) tile(t, std::false_type{});
     }
     if (nt > 0) turn.close();
 
@@ -350,26 +322,15 @@ static bool dq_pingpong(const cf_cuda_ctx *ctx) {
     return forced != 0;
 }
 
-/* The next tile's S and dP issued behind this tile's dQ product (the
- * kernel's PIPE): on. ctx->attn_cf_pipe = 1|2 forces it off|on per
- * context (tests), CF_ATTN_CF_PIPE=0|1 per process (timing; read once). */
-static bool dq_pipe(const cf_cuda_ctx *ctx) {
-    static const int forced = attn_env_int("CF_ATTN_CF_PIPE", 1);
-    if (ctx->attn_cf_pipe == 1 || ctx->attn_cf_pipe == 2) return ctx->attn_cf_pipe == 2;
-    return forced != 0;
-}
-
 /* the bit of each part-2 variant in ctx->attn_sm90_attr_done */
-template <int D, bool PP, bool PIPE> static constexpr int dq_variant_bit() {
-    return (D == 64 ? (PP ? 8 : 4) : (PP ? 5 : 9)) + (PIPE ? 6 : 0);
-}
+template <int D, bool PP> static constexpr int dq_variant_bit() { return D == 64 ? (PP ? 8 : 4) : (PP ? 5 : 9); }
 
-template <int D, bool PP, bool PIPE>
+template <int D, bool PP>
 static int dq_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, const CUtensorMap *maps, int maxlen, int tps,
                           cudaStream_t st) {
     using C = DqSm90<D>;
-    const void *fn = (const void *)attn_bwd_dq_sm90_kernel<D, PP, PIPE>;
-    if (!attn_sm90_prepare(ctx, fn, C::SMEM, dq_variant_bit<D, PP, PIPE>())) return -1;
+    const void *fn = (const void *)attn_bwd_dq_sm90_kernel<D, PP>;
+    if (!attn_sm90_prepare(ctx, fn, C::SMEM, dq_variant_bit<D, PP>())) return -1;
     const dim3 grid(a.H, (maxlen + C::BM - 1) / C::BM, a.B), block(C::THREADS);
     int nw = attn_sm90_bwd_nw(D);
     void *args[] = {(void *)&maps[0], (void *)&maps[1], (void *)&maps[2], (void *)&maps[3],
@@ -387,11 +348,8 @@ static int dq_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int nk_rows
         !attn_sm90_map_rows(&m[2], a.k, nk_rows, a.Hkv, D, C::BN) ||
         !attn_sm90_map_rows(&m[3], a.v, nk_rows, a.Hkv, D, C::BN))
         return 0;
-    const bool pp = dq_pingpong(ctx), pipe = dq_pipe(ctx);
-    if (pipe) return pp ? dq_sm90_launch<D, true, true>(ctx, a, m, maxlen, tps, st)
-                        : dq_sm90_launch<D, false, true>(ctx, a, m, maxlen, tps, st);
-    return pp ? dq_sm90_launch<D, true, false>(ctx, a, m, maxlen, tps, st)
-              : dq_sm90_launch<D, false, false>(ctx, a, m, maxlen, tps, st);
+    return dq_pingpong(ctx) ? dq_sm90_launch<D, true>(ctx, a, m, maxlen, tps, st)
+                            : dq_sm90_launch<D, false>(ctx, a, m, maxlen, tps, st);
 }
 
 int attn_cf_sm90_prep(cf_cuda_ctx *ctx, const AttnArgs &a, int D, const cf_rows *kept, float *acc, size_t acc_n,
