@@ -9,7 +9,7 @@
 #          bench-pair pair-ab norm-blocks cf-side ab-old grad-keep side-ab ncu-step norm-ab side-prio pair-rows
 #          pair-full side-attn gemm-survey attn-hpb side-sms pair-head
 #          lmhead-cluster ncu-lmhead sanitize-lmhead parity-bigvocab ab-old-accum pingpong pingpong-model ncu-attn-src ncu-attn-kernels cf-pp64 ncu-ops hpb-model
-#          adamw-ab attn-in-model ncu-lmhead-logits lmhead-logits ncu-attn-pipes fwd-wg
+#          adamw-ab attn-in-model ncu-lmhead-logits lmhead-logits ncu-attn-pipes fwd-wg ncu-attn-modes
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G=$PWD/.gpucarry
@@ -439,6 +439,18 @@ for part in "$@"; do
         BENCH_ATTN_PATHS=auto timeout 240 ncu --clock-control none --csv --print-units base \
           --metrics gpu__time_duration.sum "$G/bench_attention" $sh >"$j.csv" 2>"$j.err"
         echo "ncu-attn-kernels $sh rc=$?"; python3 tools/ncu_kernels.py "$j.csv" --top 16 | tee "$j.txt"
+      done ;;
+    ncu-attn-modes)
+      # issue 17: the time and DRAM bytes of each kernel of the attention backwards at S = 4096 (or NCU_SHAPES,
+      # '|'-separated), one Hopper path: bench_attention runs each mode 23 times in turn, so the main backward
+      # kernel's and the finish's groups [0] [1] [2] are the full, centrifuge and strawman backwards
+      IFS='|' read -ra shs <<<"${NCU_SHAPES:-4096 32 4 64|4096 32 8 128}"
+      for sh in "${shs[@]}"; do j="$OUT/ncu_attn_modes_${sh// /_}"
+        BENCH_ATTN_PATHS=auto timeout 240 ncu --clock-control none --csv --print-units base \
+          --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum "$G/bench_attention" $sh \
+          >"$j.csv" 2>"$j.err"
+        echo "ncu-attn-modes $sh rc=$?"; python3 tools/ncu_kernels.py "$j.csv" --batch 23 --bw 4.8e12 | tee "$j.txt"
+        gzip -f "$j.csv"
       done ;;
     ncu-attn-pipes)
       # issue 17: pipe utilisation (tensor, special-function, FMA, ALU) and stall reasons of the Hopper attention

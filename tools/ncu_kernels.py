@@ -8,7 +8,12 @@ arguments cut), the launches, total time, share of the whole, and the DRAM
 traffic and bandwidth it reached: which kernels to look at, and how far
 from the memory floor each one runs.
 
-  python3 tools/ncu_kernels.py ncu.csv [--top 40] [--bw 3.35e12]
+  python3 tools/ncu_kernels.py ncu.csv [--top 40] [--bw 3.35e12] [--batch N]
+
+--batch N: a kernel's launches in groups of N, in launch order ("name [i]"
+for the i-th group): bench_attention runs each mode 23 times in turn, so
+with 23 the main backward kernel's groups 0, 1, 2 are the full, centrifuge
+and strawman backwards.
 """
 import argparse
 import csv
@@ -54,13 +59,19 @@ def main():
     ap.add_argument("csv")
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--bw", type=float, default=3.35e12, help="peak DRAM bytes/s for the floor column")
+    ap.add_argument("--batch", type=int, default=0, help="a kernel's launches in groups of N, in launch order")
     a = ap.parse_args()
     rows = read(a.csv)
     if not rows:
         sys.exit(f"{a.csv}: no kernel rows (not an ncu --csv file?)")
     agg = defaultdict(lambda: [0, 0.0, 0.0])
-    for k in rows.values():
-        g = agg[k["name"]]
+    seen = defaultdict(int)
+    for _, k in sorted(rows.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else 0):
+        name = k["name"]
+        if a.batch > 0:
+            name = f"{name} [{seen[k['name']] // a.batch}]"
+            seen[k["name"]] += 1
+        g = agg[name]
         g[0] += 1
         g[1] += k.get("gpu__time_duration.sum", 0.0)
         g[2] += k.get("dram__bytes_read.sum", 0.0) + k.get("dram__bytes_write.sum", 0.0)
