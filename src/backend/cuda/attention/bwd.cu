@@ -312,8 +312,9 @@ static __global__ void gqa_reduce_kernel(bf16 *dk, bf16 *dv, const float *dkx, c
 void attn_bwd_prep(cudaStream_t st, const bf16 *dout, const bf16 *o, float *Dvec, float *zero, size_t nzero,
                    int nrows, int D) {
     const int rpw = attn_prep_rows_per_warp(D, dout, o);
-    attn_bwd_prep_kernel<<<(unsigned)attn_prep_blocks((size_t)nrows, rpw), 256, 0, st>>>(dout, o, Dvec, zero, nzero,
-                                                                                       nrows, D, rpw);
+    const size_t warps = ((size_t)nrows + rpw - 1) / rpw;
+    attn_bwd_prep_kernel<<<(unsigned)((warps * 32 + 255) / 256), 256, 0, st>>>(dout, o, Dvec, zero, nzero, nrows, D,
+                                                                             rpw);
 }
 
 void attn_dq_to_bf16(cudaStream_t st, bf16 *dq, const float *dq_acc, size_t n) {

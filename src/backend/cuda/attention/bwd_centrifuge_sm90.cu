@@ -89,31 +89,12 @@ __global__ void __launch_bounds__(256) cf_prep_kernel(const CfPrep p) {
     const int r = j + kept_before_filtered(p.rows, p.n, j, lane);
     if (lane == 0) p.filt[j] = r;
     if (!p.kf) return;
-    const pack8 *__restrict__ ks = reinterpret_cast<const pack8 *>(p.k + (size_t)r * p.rowlen);
-    const pack8 *__restrict__ vs = reinterpret_cast<const pack8 *>(p.v + (size_t)r * p.rowlen);
-    pack8 *__restrict__ kd = reinterpret_cast<pack8 *>(p.kf + (size_t)j * p.rowlen);
-    pack8 *__restrict__ vd = reinterpret_cast<pack8 *>(p.vf + (size_t)j * p.rowlen);
-    /* up to 4 rounds of a lane's loads in flight before its stores (a row
-     * is Hkv D / 8 16-byte pieces: 128 at Llama3.2-3B's 8 heads of 128) */
-    const int n8 = p.rowlen / 8;
-    for (int c0 = 0; c0 < n8; c0 += 128) {
-        pack8 kx[4], vx[4];
-#pragma unroll
-        for (int u = 0; u < 4; u++) {
-            const int c = c0 + 32 * u + lane;
-            if (c < n8) {
-                kx[u] = ks[c];
-                vx[u] = vs[c];
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < 4; u++) {
-            const int c = c0 + 32 * u + lane;
-            if (c < n8) {
-                kd[c] = kx[u];
-                vd[c] = vx[u];
-            }
-        }
+    const pack8 *ks = reinterpret_cast<const pack8 *>(p.k + (size_t)r * p.rowlen);
+    const pack8 *vs = reinterpret_cast<const pack8 *>(p.v + (size_t)r * p.rowlen);
+    pack8 *kd = reinterpret_cast<pack8 *>(p.kf + (size_t)j * p.rowlen), *vd = reinterpret_cast<pack8 *>(p.vf + (size_t)j * p.rowlen);
+    for (int c = lane; c < p.rowlen / 8; c += 32) {
+        kd[c] = ks[c];
+        vd[c] = vs[c];
     }
 }
 
@@ -405,7 +386,7 @@ int attn_cf_sm90_prep(cf_cuda_ctx *ctx, const AttnArgs &a, int D, const cf_rows 
     p.vf = vf;
     p.rowlen = (int)rowlen;
     p.rpw = attn_prep_rows_per_warp(D, a.dout, a.o);
-    const int np = (int)attn_prep_blocks((size_t)p.nrows, p.rpw);
+    const int np = (int)((((size_t)p.nrows + p.rpw - 1) / p.rpw * 32 + 255) / 256);
     cf_prep_kernel<<<p.nr + np, 256, 0, ctx->stream>>>(p);
     if (!CF_CK_LAUNCH(ctx, "attention sm90 centrifuge prep")) return -1;
     *p2 = a;

@@ -231,31 +231,19 @@ __device__ __forceinline__ void griddep_trigger() {
  * bwd_sm90.cu and bwd_centrifuge_sm90.cu, which run several of them as
  * block ranges of one grid: blk, nblk = this block's place in its range) */
 
-/* Rows of D_i per warp and load in attn_prep_body: 256 / D where a row is
- * D/8 lanes of 16-byte loads that divide the warp (D = 16, 32, 64, 128;
- * rows 16-byte aligned), else 1 (a warp per row, 4-byte loads). */
+/* Rows of D_i per warp in attn_prep_body: 256 / D where a row is D/8
+ * lanes of 16-byte loads that divide the warp (D = 16, 32, 64, 128; rows
+ * 16-byte aligned), else 1 (a warp per row, 4-byte loads). The launches
+ * size their grids with it. */
 __host__ __device__ __forceinline__ int attn_prep_rows_per_warp(int D, const void *dout, const void *o) {
     const bool vec = D % 8 == 0 && D >= 16 && D <= 256 && 32 % (D / 8) == 0 && ((uintptr_t)dout & 15) == 0 &&
                      ((uintptr_t)o & 15) == 0;
     return vec ? 256 / D : 1;
 }
-/* Rounds of loads a warp issues before it sums, in attn_prep_body's
- * vector path: the prep only moves bytes, and with one 16-byte load of
- * dO and of O per thread it ran at 2.3-3.4 TB/s of the H200's 4.8 (run 30
- * call 3: too few loads in flight per SM). */
-#define ATTN_PREP_ROUNDS 4
-/* Blocks of 256 threads for attn_prep_body over nrows rows: one warp per
- * ATTN_PREP_ROUNDS x rpw rows (vector path) or per row */
-__host__ __device__ __forceinline__ size_t attn_prep_blocks(size_t nrows, int rpw) {
-    const size_t per_warp = rpw > 1 ? (size_t)rpw * ATTN_PREP_ROUNDS : 1;
-    return ((nrows + per_warp - 1) / per_warp * 32 + 255) / 256;
-}
 
-/* D_i = dO_i . O_i per (q index, head), and zero[0 .. nzero) = 0 spread
- * over the range's threads (a dq accumulator; none when NULL). blk of
- * nblk: this block's place in the range (attn_prep_blocks of them).
- * Vector path: a row is D/8 lanes' 16-byte loads; a warp takes
- * ATTN_PREP_ROUNDS x rpw consecutive rows, all loads first. */
+/* D_i = dO_i . O_i per (q index, head), rpw rows per warp
+ * (attn_prep_rows_per_warp), and zero[0 .. nzero) = 0 spread over the
+ * range's threads (a dq accumulator; none when NULL) */
 __device__ __forceinline__ void attn_prep_body(const bf16 *dout, const bf16 *o, float *Dvec, float *zero, size_t nzero,
                                                int nrows, int D, int rpw, int blk, int nblk) {
     if (zero) {
@@ -267,32 +255,20 @@ __device__ __forceinline__ void attn_prep_body(const bf16 *dout, const bf16 *o, 
     const size_t w = ((size_t)blk * blockDim.x + threadIdx.x) >> 5;
     const int lane = threadIdx.x & 31;
     if (rpw > 1) {
-        constexpr int R = ATTN_PREP_ROUNDS;
+        /* D/8 lanes per row, each one 16-byte load of dO and of O; the
+         * warp's rows are disjoint lane groups, summed within the group */
         const int per = 32 / rpw, sub = lane % per;
-        const size_t row0 = w * rpw * R + lane / per;
-        pack8 x[R], y[R];
+        const size_t row = w * rpw + lane / per;
+        float acc = 0.f;
+        if (row < (size_t)nrows) {
+            float x[8], y[8];
+            unpack8(*reinterpret_cast<const pack8 *>(dout + row * D + 8 * sub), x);
+            unpack8(*reinterpret_cast<const pack8 *>(o + row * D + 8 * sub), y);
 #pragma unroll
-        for (int k = 0; k < R; k++) {
-            const size_t row = row0 + (size_t)k * rpw;
-            if (row < (size_t)nrows) {
-                x[k] = *reinterpret_cast<const pack8 *>(dout + row * D + 8 * sub);
-                y[k] = *reinterpret_cast<const pack8 *>(o + row * D + 8 * sub);
-            }
+            for (int k = 0; k < 8; k++) acc += x[k] * y[k];
         }
-#pragma unroll
-        for (int k = 0; k < R; k++) {
-            const size_t row = row0 + (size_t)k * rpw;
-            float acc = 0.f;
-            if (row < (size_t)nrows) {
-                float fx[8], fy[8];
-                unpack8(x[k], fx);
-                unpack8(y[k], fy);
-#pragma unroll
-                for (int e = 0; e < 8; e++) acc += fx[e] * fy[e];
-            }
-            for (int off = per / 2; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-            if (row < (size_t)nrows && sub == 0) Dvec[row] = acc;
-        }
+        for (int off = per / 2; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+        if (row < (size_t)nrows && sub == 0) Dvec[row] = acc;
         return;
     }
     if (w >= (size_t)nrows) return;
