@@ -71,32 +71,6 @@ TEST(dq_slot_coords_inverts_dq_slot_index_for_each_float4) {
         }
 }
 
-/* the finish converts half a slot per block (bwd_sm90.cu:
- * dq_convert_half_slot): half hh is the float4s k with (k / 64) % 2 == hh,
- * taken as e = 0 .. 8 D - 1, k = (e / 64) 128 + 64 hh + e % 64; both rows
- * of each (r and r + 8) must lie in rows 32 hh .. 32 hh + 31, and the two
- * halves must give every float4 of the slot once */
-TEST(half_slots_hold_their_own_32_rows_and_cover_the_slot) {
-    for (int D = 64; D <= 128; D *= 2)
-        for (int nw = D / 2; nw <= D; nw *= 2) {
-            int *seen = (int *)calloc(16 * D, sizeof(int));
-            int bad = 0, twice = 0;
-            for (int hh = 0; hh < 2; hh++)
-                for (int e = 0; e < 8 * D; e++) {
-                    const int k = (e / 64) * 128 + 64 * hh + e % 64;
-                    int r, c;
-                    dq_slot_coords(k, nw, &r, &c);
-                    bad += r / 32 != hh || (r + 8) / 32 != hh;
-                    twice += seen[k]++ > 0;
-                }
-            int missed = 0;
-            for (int k = 0; k < 16 * D; k++) missed += seen[k] == 0;
-            CHECK_MSG(bad == 0 && twice == 0 && missed == 0, "D=%d nw=%d: %d rows outside their half, %d twice, %d missed",
-                      D, nw, bad, twice, missed);
-            free(seen);
-        }
-}
-
 TEST(slots_of_a_sequence_and_head_are_consecutive_and_disjoint) {
     /* slot (b, h, q64) starts at ((b H + h) tps + q64) 64 D: the next
      * tile, head and sequence follow without a gap or an overlap */
@@ -110,7 +84,6 @@ int main(void) {
     RUN(dq_slot_index_is_the_position_the_consumers_store_each_element_at);
     RUN(dq_slot_index_covers_each_position_of_a_slot_once);
     RUN(dq_slot_coords_inverts_dq_slot_index_for_each_float4);
-    RUN(half_slots_hold_their_own_32_rows_and_cover_the_slot);
     RUN(slots_of_a_sequence_and_head_are_consecutive_and_disjoint);
     return test_summary();
 }

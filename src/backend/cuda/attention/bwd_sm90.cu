@@ -449,39 +449,34 @@ __global__ void __launch_bounds__(384, 1)
 }
 
 /* dq (bf16, or fp32 when dqf) from the slot-ordered accumulator. A block
- * takes half a slot (sequence b, head h, 64-row query tile q64; rows
- * 32 hh .. 32 hh + 31): it reads that half in order as float4s
- * (coalesced: float4 k holds rows of the half hh = (k / 64) % 2) into a
- * [32][D] shared tile, then writes whole rows (coalesced). Each float4 is
+ * takes one slot (sequence b, head h, 64-row query tile q64): it reads
+ * the slot in order as float4s (coalesced) into a
+ * [64][D] shared tile, then writes whole rows (coalesced). Each float4 is
  * rows r, r + 8 and columns c, c + 1 (dq_slot_coords). The tile's rows
  * are padded by 8 floats, so a half-warp's 8-byte stores (4 rows x 4
- * column pairs) hit distinct banks. Half slots, not whole ones: at D =
- * 128 a whole slot's tile held a block to 6 per SM, and the centrifuge's
- * 1024 slots at S = 4096 ran in 1.29 waves (run 30 call 6, ncu). */
+ * column pairs) hit distinct banks. */
 template <int D>
-__device__ __forceinline__ void dq_convert_half_slot(bf16 *dq, float *dqf, const float *acc, const int *qstart, int S,
-                                                     int H, int tps, int nw, int hh, int q64, int h, int b) {
+__device__ __forceinline__ void dq_convert_slot(bf16 *dq, float *dqf, const float *acc, const int *qstart, int S,
+                                                int H, int tps, int nw, int q64, int h, int b) {
     constexpr int LD = D + 8;
-    __shared__ float tile[32 * LD];
+    __shared__ float tile[64 * LD];
     const int start = qstart ? qstart[b] : b * S, len = qstart ? qstart[b + 1] - start : S;
-    const int r0 = q64 * 64 + 32 * hh; /* the half's first row in the sequence */
-    if (r0 >= len) return;
+    if (q64 * 64 >= len) return;
     const float4 *src = reinterpret_cast<const float4 *>(acc + dq_slot_base(b, h, q64, H, D, tps));
-    for (int e = threadIdx.x; e < 8 * D; e += blockDim.x) {
-        const int k = (e >> 6) * 128 + hh * 64 + (e & 63);
+    for (int k = threadIdx.x; k < 16 * D; k += blockDim.x) {
         const float4 x = src[k];
         int r, c;
         dq_slot_coords(k, nw, &r, &c);
-        float *p = tile + (r - 32 * hh) * LD + c;
+        float *p = tile + r * LD + c;
         *reinterpret_cast<float2 *>(p) = make_float2(x.x, x.y);
         *reinterpret_cast<float2 *>(p + 8 * LD) = make_float2(x.z, x.w);
     }
     __syncthreads();
-    const int rows = min(32, len - r0);
+    const int rows = min(64, len - q64 * 64);
     for (int e = threadIdx.x; e < rows * (D / 4); e += blockDim.x) {
         const int r = e / (D / 4), c = 4 * (e % (D / 4));
         const float4 x = *reinterpret_cast<const float4 *>(tile + r * LD + c);
-        const size_t o = ((size_t)(start + r0 + r) * H + h) * D + c;
+        const size_t o = ((size_t)(start + q64 * 64 + r) * H + h) * D + c;
         if (dqf) {
             *reinterpret_cast<float4 *>(dqf + o) = x;
         } else {
@@ -494,19 +489,17 @@ __device__ __forceinline__ void dq_convert_half_slot(bf16 *dq, float *dqf, const
     }
 }
 
-/* The backward's last launch: blocks [0, nconv) convert half a dq slot
- * each (nconv = 2 tps H B; block x is half x % 2 of slot (q64, h, b) =
- * (y % tps, y / tps % H, y / (tps H)), y = x / 2); the rest, if any,
- * reduce the GQA partials of dk, dv. Two independent jobs in one grid:
- * one launch and one tail instead of two. */
+/* The backward's last launch: blocks [0, nconv) convert one dq slot each
+ * (nconv = tps H B; block x is slot (q64, h, b) = (x % tps, x / tps % H,
+ * x / (tps H))); the rest, if any, reduce the GQA partials of dk, dv. Two
+ * independent jobs in one grid: one launch and one tail instead of two. */
 template <int D>
 __global__ void __launch_bounds__(256) bwd_finish_kernel(bf16 *dq, float *dqf, const float *acc, const int *qstart,
                                                          int S, int H, int tps, int nw, int nconv, GqaReduce red) {
     griddep_wait(); /* the main kernel's dq and partials (launched as its dependent) */
     const int x = blockIdx.x;
     if (x < nconv) {
-        const int y = x >> 1;
-        dq_convert_half_slot<D>(dq, dqf, acc, qstart, S, H, tps, nw, x & 1, y % tps, y / tps % H, y / (tps * H));
+        dq_convert_slot<D>(dq, dqf, acc, qstart, S, H, tps, nw, x % tps, x / tps % H, x / (tps * H));
         return;
     }
     gqa_reduce_body<4>(red.dk, red.dv, red.dkx, red.dvx, red.nk, red.Hkv, red.G, D, x - nconv, gridDim.x - nconv);
@@ -688,7 +681,7 @@ int attn_bwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D, int nq_rows, int k
 void attn_sm90_bwd_finish(cudaStream_t st, bf16 *dq, float *dqf, const float *acc, const int *qstart, int B, int S,
                           int H, int D, int tps, const GqaReduce *red, bool after_main) {
     if (B <= 0 || tps <= 0 || (D != 64 && D != 128)) return;
-    const long long nconv = 2LL * tps * H * B; /* half slots */
+    const long long nconv = (long long)tps * H * B;
     /* the reduction: 4 columns per thread, grid-stride past 65536 blocks */
     const int nred = red ? attn_grid_for(red->nk * red->Hkv * D / 4) : 0;
     const GqaReduce r = red ? *red : GqaReduce{};

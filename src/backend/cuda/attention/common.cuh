@@ -243,19 +243,15 @@ __host__ __device__ __forceinline__ int attn_prep_rows_per_warp(int D, const voi
 
 /* D_i = dO_i . O_i per (q index, head), rpw rows per warp
  * (attn_prep_rows_per_warp), and zero[0 .. nzero) = 0 spread over the
- * range's threads (a dq accumulator; none when NULL). A thread issues its
- * loads of dO and O first and its zeros while they are in flight: with
- * the zeros first, each thread's loads waited behind its stores (ncu, run
- * 30 call 6: the prep's warps had one eligible warp per scheduler, DRAM at
- * 34-73% of its peak). */
-__device__ __forceinline__ void attn_zero_range(float *zero, size_t nzero, int blk, int nblk) {
-    const size_t nthreads = (size_t)nblk * blockDim.x, tid = (size_t)blk * blockDim.x + threadIdx.x;
-    float4 *z4 = reinterpret_cast<float4 *>(zero);
-    for (size_t i = tid; i < nzero / 4; i += nthreads) z4[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (size_t i = nzero / 4 * 4 + tid; i < nzero; i += nthreads) zero[i] = 0.f;
-}
+ * range's threads (a dq accumulator; none when NULL) */
 __device__ __forceinline__ void attn_prep_body(const bf16 *dout, const bf16 *o, float *Dvec, float *zero, size_t nzero,
                                                int nrows, int D, int rpw, int blk, int nblk) {
+    if (zero) {
+        const size_t nthreads = (size_t)nblk * blockDim.x, tid = (size_t)blk * blockDim.x + threadIdx.x;
+        float4 *z4 = reinterpret_cast<float4 *>(zero);
+        for (size_t i = tid; i < nzero / 4; i += nthreads) z4[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (size_t i = nzero / 4 * 4 + tid; i < nzero; i += nthreads) zero[i] = 0.f;
+    }
     const size_t w = ((size_t)blk * blockDim.x + threadIdx.x) >> 5;
     const int lane = threadIdx.x & 31;
     if (rpw > 1) {
@@ -263,17 +259,11 @@ __device__ __forceinline__ void attn_prep_body(const bf16 *dout, const bf16 *o, 
          * warp's rows are disjoint lane groups, summed within the group */
         const int per = 32 / rpw, sub = lane % per;
         const size_t row = w * rpw + lane / per;
-        pack8 px, py;
-        if (row < (size_t)nrows) {
-            px = *reinterpret_cast<const pack8 *>(dout + row * D + 8 * sub);
-            py = *reinterpret_cast<const pack8 *>(o + row * D + 8 * sub);
-        }
-        if (zero) attn_zero_range(zero, nzero, blk, nblk);
         float acc = 0.f;
         if (row < (size_t)nrows) {
             float x[8], y[8];
-            unpack8(px, x);
-            unpack8(py, y);
+            unpack8(*reinterpret_cast<const pack8 *>(dout + row * D + 8 * sub), x);
+            unpack8(*reinterpret_cast<const pack8 *>(o + row * D + 8 * sub), y);
 #pragma unroll
             for (int k = 0; k < 8; k++) acc += x[k] * y[k];
         }
@@ -281,7 +271,6 @@ __device__ __forceinline__ void attn_prep_body(const bf16 *dout, const bf16 *o, 
         if (row < (size_t)nrows && sub == 0) Dvec[row] = acc;
         return;
     }
-    if (zero) attn_zero_range(zero, nzero, blk, nblk);
     if (w >= (size_t)nrows) return;
     const bf16 *x = dout + w * D, *y = o + w * D;
     float acc = 0.f;
