@@ -173,32 +173,22 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
             const size_t rstride = (size_t)a.Hkv * D;
             const uint32_t off = warp == 2 ? C::OFF_K : C::OFF_V;
             auto arrive = [&](int s) { mbar_arrive(warp == 2 ? full_k(s) : full_v(s)); };
-            /* the rows' places, a tile ahead (loaded while the copies of
-             * the tile before run: their latency is not spent in between) */
-            constexpr int NG = BN / 32;
-            int mine[NG];
-            auto places = [&](int t) {
-#pragma unroll
-                for (int g32 = 0; g32 < NG; g32++) {
-                    const int j = t * BN + 32 * g32 + lane;
-                    mine[g32] = j < klen ? row_of(a.krow, ks + j) : -1;
-                }
-            };
-            if (nt > 0) places(0);
             for (int t = 0; t < nt; t++) {
                 const int s = t % KST, n = t / KST;
                 if (n > 0) mbar_wait(empty(s), (n - 1) & 1);
                 unsigned char *dst = sbase + off + s * C::KV_BYTES;
-#pragma unroll
-                for (int g32 = 0; g32 < NG; g32++)
+#pragma unroll 1
+                for (int g32 = 0; g32 < BN / 32; g32++) {
+                    const int j = t * BN + 32 * g32 + lane;
+                    const int mine = j < klen ? row_of(a.krow, ks + j) : -1;
 #pragma unroll 4
                     for (int i = 0; i < CPR; i++) {
-                        const int rr = i * RPI + lane / CPR, orow = __shfl_sync(0xffffffffu, mine[g32], rr);
+                        const int rr = i * RPI + lane / CPR, orow = __shfl_sync(0xffffffffu, mine, rr);
                         cp_async16(dst + sw128_off(BN, 32 * g32 + rr, (lane % CPR) * 8),
                                    src0 + (size_t)(orow >= 0 ? orow : 0) * rstride, orow >= 0 ? 16 : 0);
                     }
+                }
                 cp_async_commit();
-                if (t + 1 < nt) places(t + 1);
                 if (t > 0) {
                     cp_async_wait<1>();
                     fence_async_smem();
