@@ -146,9 +146,6 @@ typedef struct cf_cuda_ctx {
      * (attention/bwd_centrifuge_sm90.cu: dq_pingpong): 0 = the default,
      * 1 = off, 2 = on (tests) */
     int attn_cf_pingpong;
-    /* centrifuge part 2's K and V: gathered by its own warps (2) or copied
-     * by the prep (1); 0 = the default (bwd_centrifuge_sm90.cu: dq_gather) */
-    int attn_cf_gather;
     /* 1: no pairs of blocks for the dk, dv partials (attention/bwd_sm90.cu:
      * attn_sm90_bwd_pair; tests); and per Hopper backward kernel, whether
      * its clusters of two were asked about and fit */

@@ -98,7 +98,7 @@ __global__ void __launch_bounds__(256) cf_prep_kernel(const CfPrep p) {
     }
 }
 
-template <int D, bool PINGPONG, bool GATHER>
+template <int D, bool PINGPONG>
 __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
     attn_bwd_dq_sm90_kernel(const __grid_constant__ CUtensorMap tmQ, const __grid_constant__ CUtensorMap tmO,
                             const __grid_constant__ CUtensorMap tmK, const __grid_constant__ CUtensorMap tmV,
@@ -129,10 +129,8 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
     if (threadIdx.x == 0) {
         mbar_init(full_q, 1);
         for (int s = 0; s < KST; s++) {
-            /* K: the copy (or warp 2's 32 lanes when GATHER) and warp 1's
-             * rows; V: the copy (or warp 3's 32 lanes) */
-            mbar_init(full_k(s), GATHER ? 64 : 1 + 32);
-            mbar_init(full_v(s), GATHER ? 32 : 1);
+            mbar_init(full_k(s), 1 + 32);
+            mbar_init(full_v(s), 1);
             mbar_init(empty(s), 4 * C::NC);
         }
         mbar_init_fence();
@@ -149,7 +147,7 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
                 tma_load_3d(sQ + cb * BM * 128, &tmQ, cb * 64, h, qs + q0, full_q);
                 tma_load_3d(sO + cb * BM * 128, &tmO, cb * 64, h, qs + q0, full_q);
             }
-            for (int t = 0; t < (GATHER ? 0 : nt); t++) {
+            for (int t = 0; t < nt; t++) {
                 const int s = t % KST, n = t / KST, row = ks + t * BN;
                 if (n > 0) mbar_wait(empty(s), (n - 1) & 1);
                 mbar_arrive_tx(full_k(s), C::KV_BYTES);
@@ -158,47 +156,6 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
                 mbar_arrive_tx(full_v(s), C::KV_BYTES);
                 for (int cb = 0; cb < DB; cb++)
                     tma_load_3d(sV + s * C::KV_BYTES + cb * BN * 128, &tmV, cb * 64, hk, row, full_v(s));
-            }
-        } else if (GATHER && warp >= 2) {
-            /* The filtered keys' K (warp 2) or V (warp 3) rows straight
-             * from the [T, Hkv, D] arrays, 16 bytes per cp.async into the
-             * swizzled tile (the copy engine reads only boxes of contiguous
-             * rows). A row is CPR = D/8 pieces, so an instruction covers
-             * 32/CPR rows; per group of 32 rows, lane l looks up row l's
-             * place and the others get it by a shuffle. Tile t's arrivals
-             * (one per lane) go out once its copies landed, while tile t+1's
-             * are in flight; the fence makes them visible to wgmma. */
-            constexpr int CPR = D / 8, RPI = 32 / CPR;
-            const bf16 *src0 = (warp == 2 ? a.k : a.v) + (size_t)hk * D + (lane % CPR) * 8;
-            const size_t rstride = (size_t)a.Hkv * D;
-            const uint32_t off = warp == 2 ? C::OFF_K : C::OFF_V;
-            auto arrive = [&](int s) { mbar_arrive(warp == 2 ? full_k(s) : full_v(s)); };
-            for (int t = 0; t < nt; t++) {
-                const int s = t % KST, n = t / KST;
-                if (n > 0) mbar_wait(empty(s), (n - 1) & 1);
-                unsigned char *dst = sbase + off + s * C::KV_BYTES;
-#pragma unroll 1
-                for (int g32 = 0; g32 < BN / 32; g32++) {
-                    const int j = t * BN + 32 * g32 + lane;
-                    const int mine = j < klen ? row_of(a.krow, ks + j) : -1;
-#pragma unroll 4
-                    for (int i = 0; i < CPR; i++) {
-                        const int rr = i * RPI + lane / CPR, orow = __shfl_sync(0xffffffffu, mine, rr);
-                        cp_async16(dst + sw128_off(BN, 32 * g32 + rr, (lane % CPR) * 8),
-                                   src0 + (size_t)(orow >= 0 ? orow : 0) * rstride, orow >= 0 ? 16 : 0);
-                    }
-                }
-                cp_async_commit();
-                if (t > 0) {
-                    cp_async_wait<1>();
-                    fence_async_smem();
-                    arrive((t - 1) % KST);
-                }
-            }
-            if (nt > 0) {
-                cp_async_wait<0>();
-                fence_async_smem();
-                arrive((nt - 1) % KST);
             }
         } else if (warp == 1) {
             /* the next tile's rows and documents are loaded into registers
@@ -365,28 +322,15 @@ static bool dq_pingpong(const cf_cuda_ctx *ctx) {
     return forced != 0;
 }
 
-/* Where part 2's K and V rows come from: gathered by its producer's warps
- * 2 and 3 from the [T, Hkv, D] arrays (on), or copied into compact arrays
- * by the prep first and loaded by the copy engine (off).
- * ctx->attn_cf_gather = 1|2 forces it off|on per context (tests),
- * CF_ATTN_CF_GATHER=0|1 per process (timing; read once). */
-static bool dq_gather(const cf_cuda_ctx *ctx) {
-    static const int forced = attn_env_int("CF_ATTN_CF_GATHER", 1);
-    if (ctx->attn_cf_gather == 1 || ctx->attn_cf_gather == 2) return ctx->attn_cf_gather == 2;
-    return forced != 0;
-}
-
 /* the bit of each part-2 variant in ctx->attn_sm90_attr_done */
-template <int D, bool PP, bool G> static constexpr int dq_variant_bit() {
-    return (D == 64 ? (PP ? 8 : 4) : (PP ? 5 : 9)) + (G ? 6 : 0);
-}
+template <int D, bool PP> static constexpr int dq_variant_bit() { return D == 64 ? (PP ? 8 : 4) : (PP ? 5 : 9); }
 
-template <int D, bool PP, bool G>
+template <int D, bool PP>
 static int dq_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, const CUtensorMap *maps, int maxlen, int tps,
                           cudaStream_t st) {
     using C = DqSm90<D>;
-    const void *fn = (const void *)attn_bwd_dq_sm90_kernel<D, PP, G>;
-    if (!attn_sm90_prepare(ctx, fn, C::SMEM, dq_variant_bit<D, PP, G>())) return -1;
+    const void *fn = (const void *)attn_bwd_dq_sm90_kernel<D, PP>;
+    if (!attn_sm90_prepare(ctx, fn, C::SMEM, dq_variant_bit<D, PP>())) return -1;
     const dim3 grid(a.H, (maxlen + C::BM - 1) / C::BM, a.B), block(C::THREADS);
     int nw = attn_sm90_bwd_nw(D);
     void *args[] = {(void *)&maps[0], (void *)&maps[1], (void *)&maps[2], (void *)&maps[3],
@@ -395,19 +339,17 @@ static int dq_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, const CUtensorMap
 }
 
 template <int D>
-static int dq_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int nk_rows, int maxlen, int tps, bool gather,
+static int dq_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int nk_rows, int maxlen, int tps,
                    cudaStream_t st) {
     using C = DqSm90<D>;
-    CUtensorMap m[4] = {}; /* K and V only for the copy engine (not when gathered) */
+    CUtensorMap m[4];
     if (!attn_sm90_map_rows(&m[0], a.q, nq_rows, a.H, D, C::BM) ||
         !attn_sm90_map_rows(&m[1], a.dout, nq_rows, a.H, D, C::BM) ||
-        (!gather && (!attn_sm90_map_rows(&m[2], a.k, nk_rows, a.Hkv, D, C::BN) ||
-                     !attn_sm90_map_rows(&m[3], a.v, nk_rows, a.Hkv, D, C::BN))))
+        !attn_sm90_map_rows(&m[2], a.k, nk_rows, a.Hkv, D, C::BN) ||
+        !attn_sm90_map_rows(&m[3], a.v, nk_rows, a.Hkv, D, C::BN))
         return 0;
-    if (gather) return dq_pingpong(ctx) ? dq_sm90_launch<D, true, true>(ctx, a, m, maxlen, tps, st)
-                                        : dq_sm90_launch<D, false, true>(ctx, a, m, maxlen, tps, st);
-    return dq_pingpong(ctx) ? dq_sm90_launch<D, true, false>(ctx, a, m, maxlen, tps, st)
-                            : dq_sm90_launch<D, false, false>(ctx, a, m, maxlen, tps, st);
+    return dq_pingpong(ctx) ? dq_sm90_launch<D, true>(ctx, a, m, maxlen, tps, st)
+                            : dq_sm90_launch<D, false>(ctx, a, m, maxlen, tps, st);
 }
 
 int attn_cf_sm90_prep(cf_cuda_ctx *ctx, const AttnArgs &a, int D, const cf_rows *kept, float *acc, size_t acc_n,
@@ -416,7 +358,7 @@ int attn_cf_sm90_prep(cf_cuda_ctx *ctx, const AttnArgs &a, int D, const cf_rows 
     const int n = kept->n, T = a.B * a.S, nf = T - n;
     const size_t rowlen = (size_t)a.Hkv * D;
     bf16 *kf = NULL, *vf = NULL;
-    if (nf > 0 && !dq_gather(ctx)) { /* the filtered keys' K and V rows, compacted for the copy engine */
+    if (nf > 0) { /* the filtered keys' K and V rows, compacted for the copy engine */
         kf = (bf16 *)cf_cuda_scratch(ctx, CF_SCR_ATTN_SM90_KF, (size_t)nf * rowlen * sizeof(bf16));
         vf = (bf16 *)cf_cuda_scratch(ctx, CF_SCR_ATTN_SM90_VF, (size_t)nf * rowlen * sizeof(bf16));
         if (!kf || !vf) return -1;
@@ -451,7 +393,7 @@ int attn_cf_sm90_prep(cf_cuda_ctx *ctx, const AttnArgs &a, int D, const cf_rows 
     p2->kstart = fstart;
     p2->krow = filt;
     p2->dq_acc = acc;
-    if (kf) {
+    if (nf > 0) {
         p2->k = kf;
         p2->v = vf;
     }
@@ -462,7 +404,5 @@ int attn_bwd_dq_sm90(cf_cuda_ctx *ctx, const AttnArgs &p, int D, int nq_rows, in
                      cudaStream_t st) {
     if (D != 64 && D != 128) return 0;
     if (nf <= 0) return 1; /* no filtered key anywhere: nothing to add */
-    const bool gather = dq_gather(ctx);
-    return D == 64 ? dq_sm90<64>(ctx, p, nq_rows, nf, maxlen, tps, gather, st)
-                   : dq_sm90<128>(ctx, p, nq_rows, nf, maxlen, tps, gather, st);
+    return D == 64 ? dq_sm90<64>(ctx, p, nq_rows, nf, maxlen, tps, st) : dq_sm90<128>(ctx, p, nq_rows, nf, maxlen, tps, st);
 }
