@@ -3,7 +3,8 @@
 
 Kernel names lose return type and arguments but keep template arguments;
 the table sums launches, time and DRAM bytes per name, skips ncu's log
-lines, and refuses a file without kernel rows."""
+lines, and refuses a file without kernel rows; --batch groups a kernel's
+launches in launch order."""
 import os
 import subprocess
 import sys
@@ -50,6 +51,20 @@ class NcuKernelsTest(unittest.TestCase):
         self.assertEqual(kline[:3], ["k<true>", "2", "0.006"])
         self.assertEqual(kline[5], "4.0")              # MB read + written
         self.assertEqual(kline[6], "667")              # GB/s over its 6 us
+
+    def test_batch_groups_a_kernels_launches_in_launch_order(self):
+        # k at launches 8, 9, 11, 12 (numeric order: 10 after 9, not after 1), gemm at 10; groups of 2:
+        # k [0] is launches 8 and 9, k [1] launches 11 and 12, whatever the file's row order
+        k = "void k<true>(int)"
+        path = self.write(HEAD + row(12, k, "gpu__time_duration.sum", "8000") + row(8, k, "gpu__time_duration.sum", "1000") +
+                          row(9, k, "gpu__time_duration.sum", "1000") + row(10, "gemm", "gpu__time_duration.sum", "500") +
+                          row(11, k, "gpu__time_duration.sum", "8000"))
+        out = subprocess.run([sys.executable, os.path.join(HERE, "ncu_kernels.py"), path, "--batch", "2"],
+                             capture_output=True, text=True, check=True).stdout
+        got = {" ".join(l.split()[:2]): l.split()[2:4] for l in out.splitlines()[2:]}
+        self.assertEqual(got["k<true> [1]"], ["2", "0.016"])
+        self.assertEqual(got["k<true> [0]"], ["2", "0.002"])
+        self.assertEqual(got["gemm [0]"], ["1", "0.001"])
 
     def test_a_file_without_kernel_rows_is_refused(self):
         path = self.write("==PROF== Connected\nno table here\n")
