@@ -353,7 +353,7 @@ static int dq_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int nk_rows
 }
 
 int attn_cf_sm90_prep(cf_cuda_ctx *ctx, const AttnArgs &a, int D, const cf_rows *kept, float *acc, size_t acc_n,
-                      int *filt, int *fstart, AttnArgs *p2, bool with_prep, cudaStream_t st) {
+                      int *filt, int *fstart, AttnArgs *p2) {
     if (D != 64 && D != 128) return 0;
     const int n = kept->n, T = a.B * a.S, nf = T - n;
     const size_t rowlen = (size_t)a.Hkv * D;
@@ -386,8 +386,8 @@ int attn_cf_sm90_prep(cf_cuda_ctx *ctx, const AttnArgs &a, int D, const cf_rows 
     p.vf = vf;
     p.rowlen = (int)rowlen;
     p.rpw = attn_prep_rows_per_warp(D, a.dout, a.o);
-    const int np = with_prep ? (int)((((size_t)p.nrows + p.rpw - 1) / p.rpw * 32 + 255) / 256) : 0;
-    cf_prep_kernel<<<p.nr + np, 256, 0, st>>>(p);
+    const int np = (int)((((size_t)p.nrows + p.rpw - 1) / p.rpw * 32 + 255) / 256);
+    cf_prep_kernel<<<p.nr + np, 256, 0, ctx->stream>>>(p);
     if (!CF_CK_LAUNCH(ctx, "attention sm90 centrifuge prep")) return -1;
     *p2 = a;
     p2->kstart = fstart;

@@ -457,10 +457,9 @@ int attn_sm90_bwd_pair(cf_cuda_ctx *ctx, int D, int H, int Hkv, int hpb, int ns)
 void attn_sm90_bwd_plan(cf_cuda_ctx *ctx, int D, int H, int Hkv, int B, int qmaxlen, int kmaxlen, bool beside,
                         int *hpb, int *ns);
 /* bwd_centrifuge_sm90.cu: centrifuge on Hopper. attn_cf_sm90_prep, one
- * launch on stream st: what attn_filtered_rows does (filt, fstart), the
- * filtered rows' K and V compacted for part 2, and with with_prep what
- * attn_bwd_prep does for the n = kept->n query rows (a.Dvec, and acc[0 ..
- * acc_n) zeroed); *p2
+ * launch on ctx->stream: what attn_bwd_prep does for the n = kept->n query
+ * rows (a.Dvec, and acc[0 .. acc_n) zeroed), what attn_filtered_rows does
+ * (filt, fstart), and the filtered rows' K and V compacted for part 2; *p2
  * = a with the filtered rows as its k side, reading the compact copies, and
  * acc as its dq accumulator (1;
  * 0: no Hopper kernel for D; -1 on an error). attn_bwd_dq_sm90: part 2 on
@@ -468,7 +467,7 @@ void attn_sm90_bwd_plan(cf_cuda_ctx *ctx, int D, int H, int Hkv, int B, int qmax
  * accumulator p.dq_acc (1; 0: the driver refused a tensor map, nothing
  * launched; -1 on an error) */
 int attn_cf_sm90_prep(cf_cuda_ctx *ctx, const AttnArgs &a, int D, const cf_rows *kept, float *acc, size_t acc_n,
-                      int *filt, int *fstart, AttnArgs *p2, bool with_prep, cudaStream_t st);
+                      int *filt, int *fstart, AttnArgs *p2);
 int attn_bwd_dq_sm90(cf_cuda_ctx *ctx, const AttnArgs &p, int D, int nq_rows, int nf, int maxlen, int tps,
                      cudaStream_t st);
 /* bwd_sm90.cu: the width of the dQ products at head dim D (slot order) */

@@ -154,15 +154,6 @@ void cf_cuda_attention_fwd(cf_backend *b, void *out, float *lse, const void *q, 
 
 /* CF_ATTN_CF_SIDE_BY_SIDE=0 in the environment: centrifuge's Hopper part 2
  * after part 1 on the one stream (timing; read once) */
-/* Centrifuge on Hopper: the filtered rows and their K, V copies (part 2's)
- * in a launch of their own on the second stream, beside D_i and the
- * zeroing (part 1's and part 2's), instead of one launch of all three.
- * CF_ATTN_CF_PREP_SPLIT=0|1 (read once). */
-static bool cf_prep_split(void) {
-    static const int on = attn_env_int("CF_ATTN_CF_PREP_SPLIT", 1);
-    return on != 0;
-}
-
 static bool parts_side_by_side(void) {
     static int on = -1;
     if (on < 0) {
@@ -308,22 +299,7 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
         filt = (int *)cf_cuda_scratch(ctx, CF_SCR_ATTN_FILT, (size_t)(nf > 0 ? nf : 1) * sizeof(int));
         fstart = (int *)cf_cuda_scratch(ctx, CF_SCR_ATTN_FSTART, (size_t)(B + 1) * sizeof(int));
         if (!filt || !fstart) return;
-        if (try_hopper && cf_prep_split() && parts_side_by_side() && nf > 0) {
-            /* the filtered rows and their K, V (part 2's alone) on the second
-             * stream, beside D_i and the zeroing that part 1 waits for */
-            if (!CF_CK(ctx, cudaEventRecord(ctx->ev_fork, ctx->stream)) ||
-                !CF_CK(ctx, cudaStreamWaitEvent(ctx->aux_stream, ctx->ev_fork, 0)))
-                return;
-            if ((prepared = attn_cf_sm90_prep(ctx, a, D, kept, acc, acc_n, filt, fstart, &p2, false,
-                                              ctx->aux_stream)) < 0)
-                return;
-            if (prepared) {
-                attn_bwd_prep(ctx->stream, a.dout, a.o, Dvec, acc, acc_n, n * H, D);
-                if (!CF_CK_LAUNCH(ctx, "attention bwd prep")) return;
-            }
-        } else if (try_hopper &&
-                   (prepared = attn_cf_sm90_prep(ctx, a, D, kept, acc, acc_n, filt, fstart, &p2, true, ctx->stream)) < 0)
-            return;
+        if (try_hopper && (prepared = attn_cf_sm90_prep(ctx, a, D, kept, acc, acc_n, filt, fstart, &p2)) < 0) return;
     }
     if (!prepared) {
         attn_bwd_prep(ctx->stream, a.dout, a.o, Dvec, try_hopper ? acc : dq_acc, try_hopper ? acc_n : (size_t)n * H * D,
