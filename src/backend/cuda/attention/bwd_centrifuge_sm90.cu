@@ -404,5 +404,6 @@ int attn_bwd_dq_sm90(cf_cuda_ctx *ctx, const AttnArgs &p, int D, int nq_rows, in
                      cudaStream_t st) {
     if (D != 64 && D != 128) return 0;
     if (nf <= 0) return 1; /* no filtered key anywhere: nothing to add */
-    return D == 64 ? dq_sm90<64>(ctx, p, nq_rows, nf, maxlen, tps, st) : dq_sm90<128>(ctx, p, nq_rows, nf, maxlen, tps, st);
+    return D == 64 ? dq_sm90<64>(ctx, p, nq_rows, nf, maxlen, tps, st)
+                   : dq_sm90<128>(ctx, p, nq_rows, nf, maxlen, tps, st);
 }
