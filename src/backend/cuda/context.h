@@ -131,7 +131,8 @@ typedef struct cf_cuda_ctx {
     unsigned attn_attr_done;
     /* attention's code path on this device, chosen at its first call
      * (attention/launch.cu: 0 = not yet, 1 = portable, 2 = Hopper), and one
-     * bit per Hopper kernel whose shared-memory limit has been raised */
+     * bit per Hopper kernel whose shared-memory limit has been raised
+     * (attention/sm90.cuh: SM90_ATTR_*) */
     int attn_path;
     unsigned attn_sm90_attr_done;
     /* query heads per Hopper backward block and parts of a key tile's

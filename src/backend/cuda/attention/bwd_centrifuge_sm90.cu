@@ -323,7 +323,9 @@ static bool dq_pingpong(const cf_cuda_ctx *ctx) {
 }
 
 /* the bit of each part-2 variant in ctx->attn_sm90_attr_done */
-template <int D, bool PP> static constexpr int dq_variant_bit() { return D == 64 ? (PP ? 8 : 4) : (PP ? 5 : 9); }
+template <int D, bool PP> static constexpr int dq_variant_bit() {
+    return D == 64 ? (PP ? SM90_ATTR_DQ64_TURNS : SM90_ATTR_DQ64) : (PP ? SM90_ATTR_DQ128_TURNS : SM90_ATTR_DQ128);
+}
 
 template <int D, bool PP>
 static int dq_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, const CUtensorMap *maps, int maxlen, int tps,

@@ -581,7 +581,9 @@ static bool bwd_pdl(void) {
 
 /* the bit of each main-kernel variant in ctx->attn_sm90_attr_done and in
  * the pairs' checked/ok masks */
-template <int D, int BM> static constexpr int bwd_variant_bit() { return D == 128 ? 2 : BM == 64 ? 3 : 6; }
+template <int D, int BM> static constexpr int bwd_variant_bit() {
+    return D == 128 ? SM90_ATTR_BWD128 : BM == 64 ? SM90_ATTR_BWD64_BM64 : SM90_ATTR_BWD64_BM128;
+}
 
 /* *at = clusters of two along the axis of `pair` (CF_PAIR_HEADS: x, the
  * head groups; CF_PAIR_PARTS: y, the parts of a key tile) */

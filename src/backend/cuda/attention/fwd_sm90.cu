@@ -340,7 +340,8 @@ template <int D, int NC> static int fwd_sm90_launch(cf_cuda_ctx *ctx, const Attn
      * attribute bit per head dim and consumer count */
     const void *fn = fwd_pingpong() ? (const void *)attn_fwd_sm90_kernel<D, NC, true>
                                     : (const void *)attn_fwd_sm90_kernel<D, NC, false>;
-    if (!attn_sm90_prepare(ctx, fn, C::SMEM, D == 128 ? 1 : NC == 3 ? 7 : 0)) return -1;
+    if (!attn_sm90_prepare(ctx, fn, C::SMEM,
+                           D == 128 ? SM90_ATTR_FWD128 : NC == 3 ? SM90_ATTR_FWD64_WG3 : SM90_ATTR_FWD64)) return -1;
     dim3 grid(a.H, (a.S + C::BM - 1) / C::BM, a.B), block(C::THREADS);
     void *args[] = {(void *)&mq, (void *)&mk, (void *)&mv, (void *)&a};
     return CF_CK(ctx, cudaLaunchKernel(fn, grid, block, args, C::SMEM, ctx->stream)) ? 1 : -1;

@@ -529,7 +529,20 @@ inline BwdPlan bwd_plan(int D, int BN, int BM, int H, int Hkv, int B, int qmaxle
 bool attn_sm90_map_rows(CUtensorMap *map, const void *base, int rows, int heads, int D, int box_rows);
 bool attn_sm90_map_ints(CUtensorMap *map, const void *base, int n, int box_n);
 /* Raises the dynamic shared-memory limit of kernel fn once per context
- * (bit `which` of ctx->attn_sm90_attr_done); false on an error (recorded). */
+ * (bit `which` of ctx->attn_sm90_attr_done, one per kernel variant that
+ * may run: SM90_ATTR_*); false on an error (recorded). */
 bool attn_sm90_prepare(cf_cuda_ctx *ctx, const void *fn, size_t smem, int which);
+enum {
+    SM90_ATTR_FWD64 = 0,          /* forward, D = 64, two consumers   */
+    SM90_ATTR_FWD128 = 1,         /* forward, D = 128                 */
+    SM90_ATTR_BWD128 = 2,         /* backward main kernel, D = 128    */
+    SM90_ATTR_BWD64_BM64 = 3,     /* backward, D = 64, 64-query steps */
+    SM90_ATTR_DQ64 = 4,           /* centrifuge part 2, D = 64        */
+    SM90_ATTR_DQ128_TURNS = 5,    /* part 2, D = 128, ping-pong turns */
+    SM90_ATTR_BWD64_BM128 = 6,    /* backward, D = 64, 128-query steps */
+    SM90_ATTR_FWD64_WG3 = 7,      /* forward, D = 64, three consumers */
+    SM90_ATTR_DQ64_TURNS = 8,     /* part 2, D = 64, ping-pong turns  */
+    SM90_ATTR_DQ128 = 9,          /* part 2, D = 128                  */
+};
 
 #endif /* CF_ATTENTION_SM90_CUH */
