@@ -354,19 +354,17 @@ for part in "$@"; do
       # regular only: the optimizer column
       env_ab CF_GRAD_KEEP "0 1" regular keep llama3.2-3b:2048 ;;
     cf-side)
-      # issue 17: where centrifuge's Hopper part 2 runs against part 1 (CF_ATTN_CF_PART2: dependent, the default;
-      # beside, on a second stream; after, on the one stream): bench_attention at the four shapes, then the models
-      # in ACCUM_MODELS at 1 x 8
-      for sh in "4096 32 4 64" "4096 32 8 128" "2048 12 2 128" "2048 24 8 128"; do for rep in 1 2; do
-        for v in beside dependent after; do
-          echo "part2=$v (rep $rep), S H Hkv D = $sh"
-          CF_ATTN_CF_PART2=$v BENCH_ATTN_PATHS=auto "$G/bench_attention" $sh 2>&1 | grep -E "backward (full|centrifuge)"
-        done; done; done 2>&1 | tee "$OUT/cf_side_attn.txt"
+      # issue 17: centrifuge's Hopper part 2 beside part 1 on a second stream (default) against after it
+      # (CF_ATTN_CF_SIDE_BY_SIDE=0): bench_attention at the four shapes, then the models in ACCUM_MODELS at 1 x 8
+      for sh in "4096 32 4 64" "4096 32 8 128" "2048 12 2 128" "2048 24 8 128"; do for rep in 1 2; do for v in 0 1; do
+        echo "side=$v (rep $rep), S H Hkv D = $sh"
+        CF_ATTN_CF_SIDE_BY_SIDE=$v BENCH_ATTN_PATHS=auto "$G/bench_attention" $sh 2>&1 | grep -E "backward (full|centrifuge)"
+      done; done; done 2>&1 | tee "$OUT/cf_side_attn.txt"
       for cs in ${ACCUM_MODELS:-qwen2.5-1.5b:2048}; do c=${cs%%:*}; sq=${cs##*:}
-        for rep in 1 2; do for v in beside dependent; do
-          CF_ATTN_CF_PART2=$v "$CF" bench --device cuda --config $c --seq $sq --batch 1 --grad-accum 8 \
-            --modes regular,centrifuge --keep 0.5 --steps ${ACCUM_STEPS:-6} --warmup 2 --json "$OUT/part2_${v}_${c}_r$rep.jsonl" 2>&1 |
-            tee "$OUT/part2_${v}_${c}_r$rep.txt" | grep -E "  0\.50" | sed "s/^/part2=$v rep $rep /"
+        for rep in 1 2; do for v in 0 1; do
+          CF_ATTN_CF_SIDE_BY_SIDE=$v "$CF" bench --device cuda --config $c --seq $sq --batch 1 --grad-accum 8 \
+            --modes regular,centrifuge --keep 0.5 --steps ${ACCUM_STEPS:-6} --warmup 2 --json "$OUT/side${v}_${c}_r$rep.jsonl" 2>&1 |
+            tee "$OUT/side${v}_${c}_r$rep.txt" | grep -E "  0\.50" | sed "s/^/side=$v rep $rep /"
         done; done
       done ;;
     norm-blocks)

@@ -1933,45 +1933,6 @@ TEST(attention_hopper_centrifuge_part2_with_and_without_turns_matches_cpu) {
     }
 }
 
-/* Centrifuge part 2 on Hopper in each of its orders against part 1
- * (launch.cu: part2_order): as part 1's programmatic dependent writing dq
- * itself, beside it on the second stream adding to the accumulator, and
- * after it on the one stream writing dq. Each against the CPU, and dq of
- * the other two against the default's. dq starts as NaN (attn_bwd_both), so
- * a row neither part 2 nor a conversion writes shows. Kept-query tiles of
- * 1 to 5 per sequence, sequences with one kept row or none, documents,
- * GQA, both head dims; and every row kept (no filtered key: no part 2, the
- * conversion launch writes dq). */
-TEST(attention_hopper_centrifuge_part2_orders_match_cpu) {
-    cf_cuda_ctx *ctx = hopper_ctx_or_skip();
-    if (!ctx) return;
-    const attn_case cc[] = {{1, 700, 4, 2, 64, 0}, {3, 1000, 4, 1, 128, 2}, {2, 1100, 4, 2, 64, 0},
-                            {1, 900, 4, 4, 128, 0}, {4, 600, 2, 1, 64, 3}, {2, 500, 4, 2, 128, 0}};
-    const int ncc = (int)(sizeof cc / sizeof cc[0]);
-    static const char *const order_names[3] = {"dependent", "beside", "after"};
-    char nm[128], what[256];
-    for (int ci = 0; ci < ncc; ci++) {
-        attn_problem p;
-        int *rows, n, *ss;
-        attn_setup(&p, cc[ci]);
-        case_name(p.c, nm, sizeof nm);
-        ss = HOLD(inew(p.c.B + 1));
-        make_kept(p.c, &rows, ss, &n, ci == ncc - 1 ? 1.0 : 0.5); /* the last case keeps every row */
-        grads g[3];
-        for (int k = 0; k < 3; k++) {
-            ctx->attn_cf_part2 = 1 + k;
-            snprintf(what, sizeof what, "CENTRIFUGE part 2 %s %s", order_names[k], nm);
-            g[k] = attn_bwd_both(&p, CF_ATTN_BWD_CENTRIFUGE, rows, ss, n, what, TOL_GRAD, 1);
-        }
-        ctx->attn_cf_part2 = 0;
-        for (int k = 1; k < 3; k++) {
-            snprintf(what, sizeof what, "CENTRIFUGE dq %s vs dependent %s", order_names[k], nm);
-            cmp(what, g[k].dq, g[0].dq, (size_t)n * p.c.H * p.c.D, TOL_BF16);
-        }
-        free_all();
-    }
-}
-
 /* attention_bwd_leaves_idle (dwside.c runs weight gradients beside full
  * backwards it says yes to: grids under 1.5 waves): a small shape is, four
  * sequences of TinyLlama's are not; on a 132-SM GPU with the Hopper path,
@@ -2181,7 +2142,6 @@ int main(void) {
     RUN_IF(attention_hopper_bwd_heads_per_block_and_query_parts_match);
     RUN_IF(attention_hopper_bwd_pairs_give_the_partials_bits);
     RUN_IF(attention_hopper_centrifuge_part2_with_and_without_turns_matches_cpu);
-    RUN_IF(attention_hopper_centrifuge_part2_orders_match_cpu);
     RUN_IF(attention_bwd_leaves_idle_where_the_plan_is_under_one_and_a_half_waves);
     RUN_IF(errors_are_sticky_and_a_second_context_is_independent);
     RUN_IF(two_contexts_interleaved_give_the_same_results);

@@ -147,10 +147,6 @@ typedef struct cf_cuda_ctx {
      * (attention/bwd_centrifuge_sm90.cu: dq_pingpong): 0 = the default,
      * 1 = off, 2 = on (tests) */
     int attn_cf_pingpong;
-    /* where centrifuge's Hopper part 2 runs against part 1
-     * (attention/launch.cu: part2_order): 0 = the default
-     * (CF_ATTN_CF_PART2), 1 = dependent, 2 = beside, 3 = after (tests) */
-    int attn_cf_part2;
     /* 1: no pairs of blocks for the dk, dv partials (attention/bwd_sm90.cu:
      * attn_sm90_bwd_pair; tests); and per Hopper backward kernel, whether
      * its clusters of two were asked about and fit */

@@ -283,40 +283,14 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
     }
     if (nt > 0) turn.close();
 
-    /* The accumulator in slot order: float4 k holds (r, c), (r, c + 1),
-     * (r + 8, c), (r + 8, c + 1), this thread's pair of columns of both its
-     * rows (or of the first alone where the second is past the sequence). */
+    /* acc += scale * dQ in slot order, where float4 k holds (r, c), (r, c +
+     * 1), (r + 8, c), (r + 8, c + 1): this thread's pairs of both its rows
+     * in one vector reduction, or of the first row alone where the second
+     * is past the sequence */
+    if (nt == 0 || qi[0] >= qlen) return;
     float *acc = a.dq_acc + dq_slot_base(b, h, (q0 >> 6) + w, a.H, D, tps);
     const int nw = attn_nw, rr = 16 * v + g;
     const bool both = qi[1] < qlen;
-    if (a.dq) {
-        /* launched after part 1 (launch.cu: the dependent order): once part
-         * 1 has completed the slot holds all its terms; dq = acc + scale
-         * dQ, written as bf16 rows, so no launch converts the accumulator */
-        griddep_wait();
-        if (qi[0] >= qlen) return;
-        bf16 *d0 = a.dq + ((size_t)(qs + qi[0]) * a.H + h) * D, *d1 = d0 + (size_t)8 * a.H * D;
-#pragma unroll
-        for (int j = 0; j < D / 8; j++) {
-            const int c = 8 * j + 2 * t4;
-            const float *p = acc + dq_slot_index(rr, c, nw);
-            if (both) {
-                const float4 x = *reinterpret_cast<const float4 *>(p);
-                *reinterpret_cast<__nv_bfloat162 *>(d0 + c) =
-                    __floats2bfloat162_rn(fmaf(a.scale, dq[4 * j], x.x), fmaf(a.scale, dq[4 * j + 1], x.y));
-                *reinterpret_cast<__nv_bfloat162 *>(d1 + c) =
-                    __floats2bfloat162_rn(fmaf(a.scale, dq[4 * j + 2], x.z), fmaf(a.scale, dq[4 * j + 3], x.w));
-            } else {
-                const float2 x = *reinterpret_cast<const float2 *>(p);
-                *reinterpret_cast<__nv_bfloat162 *>(d0 + c) =
-                    __floats2bfloat162_rn(fmaf(a.scale, dq[4 * j], x.x), fmaf(a.scale, dq[4 * j + 1], x.y));
-            }
-        }
-        return;
-    }
-    /* beside part 1: acc += scale dQ, one vector reduction per pair of
-     * columns; a later launch converts */
-    if (nt == 0 || qi[0] >= qlen) return;
 #pragma unroll
     for (int j = 0; j < D / 8; j++) {
         float *p = acc + dq_slot_index(rr, 8 * j + 2 * t4, nw);
@@ -355,29 +329,20 @@ template <int D, bool PP> static constexpr int dq_variant_bit() {
 
 template <int D, bool PP>
 static int dq_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, const CUtensorMap *maps, int maxlen, int tps,
-                          cudaStream_t st, bool dependent) {
+                          cudaStream_t st) {
     using C = DqSm90<D>;
     const void *fn = (const void *)attn_bwd_dq_sm90_kernel<D, PP>;
     if (!attn_sm90_prepare(ctx, fn, C::SMEM, dq_variant_bit<D, PP>())) return -1;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(a.H, (maxlen + C::BM - 1) / C::BM, a.B);
-    cfg.blockDim = dim3(C::THREADS);
-    cfg.dynamicSmemBytes = C::SMEM;
-    cfg.stream = st;
-    cudaLaunchAttribute at[1];
-    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    at[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = at;
-    cfg.numAttrs = dependent ? 1 : 0;
+    const dim3 grid(a.H, (maxlen + C::BM - 1) / C::BM, a.B), block(C::THREADS);
     int nw = attn_sm90_bwd_nw(D);
     void *args[] = {(void *)&maps[0], (void *)&maps[1], (void *)&maps[2], (void *)&maps[3],
                     (void *)&a,       (void *)&tps,     (void *)&nw};
-    return CF_CK(ctx, cudaLaunchKernelExC(&cfg, fn, args)) ? 1 : -1;
+    return CF_CK(ctx, cudaLaunchKernel(fn, grid, block, args, C::SMEM, st)) ? 1 : -1;
 }
 
 template <int D>
 static int dq_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int nk_rows, int maxlen, int tps,
-                   cudaStream_t st, bool dependent) {
+                   cudaStream_t st) {
     using C = DqSm90<D>;
     CUtensorMap m[4];
     if (!attn_sm90_map_rows(&m[0], a.q, nq_rows, a.H, D, C::BM) ||
@@ -385,8 +350,8 @@ static int dq_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int nk_rows
         !attn_sm90_map_rows(&m[2], a.k, nk_rows, a.Hkv, D, C::BN) ||
         !attn_sm90_map_rows(&m[3], a.v, nk_rows, a.Hkv, D, C::BN))
         return 0;
-    return dq_pingpong(ctx) ? dq_sm90_launch<D, true>(ctx, a, m, maxlen, tps, st, dependent)
-                            : dq_sm90_launch<D, false>(ctx, a, m, maxlen, tps, st, dependent);
+    return dq_pingpong(ctx) ? dq_sm90_launch<D, true>(ctx, a, m, maxlen, tps, st)
+                            : dq_sm90_launch<D, false>(ctx, a, m, maxlen, tps, st);
 }
 
 int attn_cf_sm90_prep(cf_cuda_ctx *ctx, const AttnArgs &a, int D, const cf_rows *kept, float *acc, size_t acc_n,
@@ -438,9 +403,9 @@ int attn_cf_sm90_prep(cf_cuda_ctx *ctx, const AttnArgs &a, int D, const cf_rows 
 }
 
 int attn_bwd_dq_sm90(cf_cuda_ctx *ctx, const AttnArgs &p, int D, int nq_rows, int nf, int maxlen, int tps,
-                     cudaStream_t st, bool dependent) {
+                     cudaStream_t st) {
     if (D != 64 && D != 128) return 0;
     if (nf <= 0) return 1; /* no filtered key anywhere: nothing to add */
-    return D == 64 ? dq_sm90<64>(ctx, p, nq_rows, nf, maxlen, tps, st, dependent)
-                   : dq_sm90<128>(ctx, p, nq_rows, nf, maxlen, tps, st, dependent);
+    return D == 64 ? dq_sm90<64>(ctx, p, nq_rows, nf, maxlen, tps, st)
+                   : dq_sm90<128>(ctx, p, nq_rows, nf, maxlen, tps, st);
 }

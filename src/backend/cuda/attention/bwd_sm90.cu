@@ -81,7 +81,7 @@ namespace {
 template <int D, int BM_>
 __global__ void __launch_bounds__(384, 1)
     attn_bwd_sm90_kernel(const __grid_constant__ CUtensorMap tmQ, const __grid_constant__ CUtensorMap tmO,
-                         const AttnArgs a, int tps, int hpb, int ns, int pair, int trigger) {
+                         const AttnArgs a, int tps, int hpb, int ns, int pair) {
 #if CF_SM90A_PATH
     using C = BwdSm90<D, BM_>;
     constexpr int BN = C::BN, BM = C::BM, QST = C::QST, NW = C::NW, DB = D / 64;
@@ -139,10 +139,6 @@ __global__ void __launch_bounds__(384, 1)
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
         if (warp == 0 && lane == 0) {
             for (int i = 0; i < nsteps; i++) {
-                if (trigger && i == 2) { /* stages 0 and 1 issued: the trigger below */
-                    mbar_wait(full(0), 0);
-                    griddep_trigger();
-                }
                 const int h = h0 + i / nq, s = i % QST, n = i / QST, row = qs + (qt_begin + i % nq) * BM;
                 if (n > 0) mbar_wait(empty(s), (n - 1) & 1);
                 mbar_arrive_tx(full(s), 2 * C::QT_BYTES);
@@ -175,7 +171,6 @@ __global__ void __launch_bounds__(384, 1)
                 }
             };
             griddep_wait(); /* D_i: the prep launch before this one */
-            if (trigger) griddep_trigger();
             if (nsteps > 0) load(0);
             for (int i = 0; i < nsteps; i++) {
                 const int s = i % QST, n = i / QST;
@@ -197,7 +192,6 @@ __global__ void __launch_bounds__(384, 1)
              * order, written to shared memory by the consumers) to the
              * accumulator with one bulk reduction, off the consumers' path */
             griddep_wait(); /* the accumulator's zeros: the prep launch */
-            if (trigger) griddep_trigger();
             for (int i = 0; i < nsteps; i++) {
                 named_barrier(2, 256 + 32); /* the consumers' dQ of step i is in shared memory */
                 if (lane == 0) {
@@ -258,7 +252,6 @@ __global__ void __launch_bounds__(384, 1)
         const int s = i % QST, db = i & 1, qt = qt_begin + i % nq;
         const uint32_t sQs = sQ + s * C::QT_BYTES, sOs = sO + s * C::QT_BYTES, sDSb = sDS + db * C::DS_BYTES;
         mbar_wait(full(s), (i / QST) & 1);
-        if (trigger && i == 0) griddep_trigger();
         const float *sm = small(s);
         const int *qrow_s = reinterpret_cast<const int *>(sm) + 2 * BM, *qdoc_s = qrow_s + BM;
 
@@ -603,7 +596,7 @@ static void pair_cluster_attr(cudaLaunchAttribute *at, int pair) {
 
 template <int D, int BM>
 static int bwd_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int kmaxlen, int tps, int hpb, int ns,
-                           int pair, bool trigger) {
+                           int pair) {
     using C = BwdSm90<D, BM>;
     CUtensorMap mq, mo;
     if (!attn_sm90_map_rows(&mq, a.q, nq_rows, a.H, D, C::BM) || !attn_sm90_map_rows(&mo, a.dout, nq_rows, a.H, D, C::BM))
@@ -624,9 +617,8 @@ static int bwd_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int
     }
     cfg.attrs = at;
     cfg.numAttrs = nat;
-    const int on = pair != 0, trig = trigger;
-    void *args[] = {(void *)&mq, (void *)&mo, (void *)&a,  (void *)&tps,
-                    (void *)&hpb, (void *)&ns, (void *)&on, (void *)&trig};
+    const int on = pair != 0;
+    void *args[] = {(void *)&mq, (void *)&mo, (void *)&a, (void *)&tps, (void *)&hpb, (void *)&ns, (void *)&on};
     return CF_CK(ctx, cudaLaunchKernelExC(&cfg, fn, args)) ? 1 : -1;
 }
 
@@ -679,24 +671,23 @@ dim3 attn_sm90_bwd_grid(int H, int hpb, int ns, int B, int kmaxlen) {
 }
 
 int attn_bwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D, int nq_rows, int kmaxlen, int tps, int hpb, int ns,
-                  int pair, bool trigger) {
+                  int pair) {
     if (kmaxlen <= 0) return 1;
     if (ns > 1 && !a.dkx && !pair) return 0; /* parts need the partials, or a pair */
-    if (D == 64) return bwd_bm_for(64) == 128 ? bwd_sm90_launch<64, 128>(ctx, a, nq_rows, kmaxlen, tps, hpb, ns, pair, trigger)
-                                              : bwd_sm90_launch<64, 64>(ctx, a, nq_rows, kmaxlen, tps, hpb, ns, pair, trigger);
-    if (D == 128) return bwd_sm90_launch<128, 64>(ctx, a, nq_rows, kmaxlen, tps, hpb, ns, pair, trigger);
+    if (D == 64) return bwd_bm_for(64) == 128 ? bwd_sm90_launch<64, 128>(ctx, a, nq_rows, kmaxlen, tps, hpb, ns, pair)
+                                              : bwd_sm90_launch<64, 64>(ctx, a, nq_rows, kmaxlen, tps, hpb, ns, pair);
+    if (D == 128) return bwd_sm90_launch<128, 64>(ctx, a, nq_rows, kmaxlen, tps, hpb, ns, pair);
     return 0;
 }
 
 void attn_sm90_bwd_finish(cudaStream_t st, bf16 *dq, float *dqf, const float *acc, const int *qstart, int B, int S,
                           int H, int D, int tps, const GqaReduce *red, bool after_main) {
     if (B <= 0 || tps <= 0 || (D != 64 && D != 128)) return;
-    const long long nconv = dq || dqf ? (long long)tps * H * B : 0; /* no dq: the reduction alone */
+    const long long nconv = (long long)tps * H * B;
     /* the reduction: 4 columns per thread, grid-stride past 65536 blocks */
     const int nred = red ? attn_grid_for(red->nk * red->Hkv * D / 4) : 0;
     const GqaReduce r = red ? *red : GqaReduce{};
     const unsigned grid = (unsigned)(nconv + nred);
-    if (grid == 0) return;
     int nw = attn_sm90_bwd_nw(D), nc = (int)nconv;
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(grid);

@@ -440,10 +440,9 @@ int attn_fwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D);
  * parts of each key tile's query range, from attn_sm90_bwd_plan (the
  * caller sizes and reduces the partials with them; ns > 1 needs a.dkx,
  * a.dvx), unless `pair` (attn_sm90_bwd_pair): then dk, dv go to a.dk, a.dv
- * as bf16. trigger: the next launch may start once every block has seen
- * the prep done (centrifuge part 2 as its programmatic dependent) */
+ * as bf16 */
 int attn_bwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D, int nq_rows, int kmaxlen, int tps, int hpb, int ns,
-                  int pair, bool trigger);
+                  int pair);
 /* bwd_sm90.cu: pairs of blocks that sum a kv head's two dk, dv partials
  * between them (clusters of two along the heads or the parts: the
  * kernel's epilogue), or CF_PAIR_NONE: the partials path */
@@ -465,14 +464,12 @@ void attn_sm90_bwd_plan(cf_cuda_ctx *ctx, int D, int H, int Hkv, int B, int qmax
  * acc as its dq accumulator (1;
  * 0: no Hopper kernel for D; -1 on an error). attn_bwd_dq_sm90: part 2 on
  * stream st, adding the filtered keys' dq terms to the slot-order
- * accumulator p.dq_acc, or, with p.dq set, writing dq = accumulator + its
- * terms as bf16 once the launch before it (part 1, of which it is then the
- * programmatic dependent when `dependent`) has completed (1; 0: the driver
- * refused a tensor map, nothing launched; -1 on an error) */
+ * accumulator p.dq_acc (1; 0: the driver refused a tensor map, nothing
+ * launched; -1 on an error) */
 int attn_cf_sm90_prep(cf_cuda_ctx *ctx, const AttnArgs &a, int D, const cf_rows *kept, float *acc, size_t acc_n,
                       int *filt, int *fstart, AttnArgs *p2);
 int attn_bwd_dq_sm90(cf_cuda_ctx *ctx, const AttnArgs &p, int D, int nq_rows, int nf, int maxlen, int tps,
-                     cudaStream_t st, bool dependent);
+                     cudaStream_t st);
 /* bwd_sm90.cu: the width of the dQ products at head dim D (slot order) */
 int attn_sm90_bwd_nw(int D);
 /* bwd_sm90.cu: the main backward kernel's blocks for a plan (hpb heads per

@@ -152,31 +152,15 @@ void cf_cuda_attention_fwd(cf_backend *b, void *out, float *lse, const void *q, 
 
 /* =============================================================== backward */
 
-/* Where centrifuge's Hopper part 2 (dq over the filtered keys) runs
- * against part 1 (dk, dv, and dq over the kept keys):
- *   dependent (the default): on the one stream as part 1's programmatic
- *     dependent. Part 1's blocks trigger it once they have seen the prep
- *     done, so part 2's blocks take the SMs part 1's uneven causal grid
- *     frees; they run their products, wait until part 1 has completed, and
- *     write dq = accumulator + their terms as bf16, so no launch converts
- *     the accumulator (a 16-34 MB read at the bench shapes).
- *   beside: on the context's second stream, forked after the prep, adding
- *     its terms to the accumulator by atomics; one conversion after both
- *     (runs 17-30).
- *   after: after part 1 on the one stream, writing dq as dependent does.
- * CF_ATTN_CF_PART2=dependent|beside|after (read once; timing), and
- * ctx->attn_cf_part2 = 1|2|3 per context (tests). 0: an unknown value. */
-enum { PART2_DEPENDENT = 1, PART2_BESIDE = 2, PART2_AFTER = 3 };
-static int part2_env(void) {
-    const char *e = getenv("CF_ATTN_CF_PART2");
-    if (!e || !*e || !strcmp(e, "dependent")) return PART2_DEPENDENT;
-    return !strcmp(e, "beside") ? PART2_BESIDE : !strcmp(e, "after") ? PART2_AFTER : 0;
-}
-static int part2_order(cf_cuda_ctx *ctx) {
-    static const int env = part2_env();
-    if (ctx->attn_cf_part2 >= PART2_DEPENDENT && ctx->attn_cf_part2 <= PART2_AFTER) return ctx->attn_cf_part2;
-    if (!env) cf_cuda_ctx_fail(ctx, "CF_ATTN_CF_PART2=%s: expected dependent, beside or after", getenv("CF_ATTN_CF_PART2"));
-    return env;
+/* CF_ATTN_CF_SIDE_BY_SIDE=0 in the environment: centrifuge's Hopper part 2
+ * after part 1 on the one stream (timing; read once) */
+static bool parts_side_by_side(void) {
+    static int on = -1;
+    if (on < 0) {
+        const char *e = getenv("CF_ATTN_CF_SIDE_BY_SIDE");
+        on = !(e && *e == '0');
+    }
+    return on != 0;
 }
 
 static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void *dout, const void *q, const void *k,
@@ -279,10 +263,7 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
     /* GQA: fp32 partials of dk, dv per group of hpb query heads (1 on the
      * portable path) and part of the query range (ns, Hopper), summed by
      * the GQA reduction; partials also without GQA when ns > 1 */
-    const bool cf = mode == CF_ATTN_BWD_CENTRIFUGE;
-    const int order = cf && try_hopper ? part2_order(ctx) : 0;
-    if (ctx->failed) return;
-    const bool cf_beside = cf && T > n && order != PART2_AFTER; /* part 2 fills the SMs part 1 leaves */
+    const bool cf_beside = mode == CF_ATTN_BWD_CENTRIFUGE && T > n && parts_side_by_side(); /* part 2 runs beside */
     int hpb = 1, ns = 1, pair = CF_PAIR_NONE;
     if (try_hopper) {
         attn_sm90_bwd_plan(ctx, D, H, Hkv, B, maxlen, kmaxlen, cf_beside, &hpb, &ns);
@@ -309,6 +290,7 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
      * does all that in one launch, with the filtered rows' K and V
      * gathered for part 2: the two parts are then independent and run side
      * by side */
+    const bool cf = mode == CF_ATTN_BWD_CENTRIFUGE;
     const int nf = T - n;
     int *filt = NULL, *fstart = NULL;
     AttnArgs p2 = a; /* part 2's arguments (Hopper): set by attn_cf_sm90_prep */
@@ -328,17 +310,14 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
             if (!CF_CK_LAUNCH(ctx, "attention filtered rows")) return;
         }
     }
-    const bool side = prepared && order == PART2_BESIDE;
-    const bool direct = prepared && nf > 0 && order != PART2_BESIDE; /* part 2 writes dq */
-    const bool dependent = direct && order == PART2_DEPENDENT;
-    if (side && !CF_CK(ctx, cudaEventRecord(ctx->ev_fork, ctx->stream))) return;
+    if (prepared && parts_side_by_side() && !CF_CK(ctx, cudaEventRecord(ctx->ev_fork, ctx->stream))) return;
     /* part 1 / the whole backward: dk, dv, and dq over the k side; on
      * Hopper into a dq accumulator of its own layout (bwd_sm90.cu) */
     int hopper = 0;
     if (try_hopper) {
         AttnArgs h = a;
         h.dq_acc = acc;
-        hopper = attn_bwd_sm90(ctx, h, D, n, kmaxlen, tps, hpb, ns, pair, dependent);
+        hopper = attn_bwd_sm90(ctx, h, D, n, kmaxlen, tps, hpb, ns, pair);
         if (hopper < 0) return;
         a.dq_acc = acc;
     }
@@ -359,27 +338,22 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
     }
     const GqaReduce red = {(bf16 *)dk, (bf16 *)dv, a.dkx, a.dvx, (size_t)nk, Hkv, H / Hkv / hpb * ns};
 
-    /* part 2 (centrifuge): dq over the filtered keys. Hopper: as part 1's
-     * dependent, writing dq, or beside it (part2_order); else the portable
-     * kernel after part 1 (it adds dq_acc [n, H, D] fp32 and writes bf16) */
+    /* part 2 (centrifuge): dq over the filtered keys. Hopper: on the second
+     * stream beside part 1, into the same accumulator, converted once both
+     * are done; else the portable kernel after part 1 (it adds dq_acc
+     * [n, H, D] fp32 and writes bf16) */
     int r = 0;
     if (cf && hopper && prepared) {
+        const bool side = parts_side_by_side();
         cudaStream_t st = side ? ctx->aux_stream : ctx->stream;
         if (side && !CF_CK(ctx, cudaStreamWaitEvent(st, ctx->ev_fork, 0))) return;
-        if (direct) p2.dq = (bf16 *)dq;
-        r = attn_bwd_dq_sm90(ctx, p2, D, n, nf, maxlen, tps, st, dependent);
+        r = attn_bwd_dq_sm90(ctx, p2, D, n, nf, maxlen, tps, st);
         if (side && (!CF_CK(ctx, cudaEventRecord(ctx->ev_join, st)) ||
                      !CF_CK(ctx, cudaStreamWaitEvent(ctx->stream, ctx->ev_join, 0))))
             return;
         if (r < 0) return;
     }
-    if (hopper && direct && r) {
-        /* part 2 wrote dq: the GQA reduction alone, if any */
-        if (partials) {
-            attn_sm90_bwd_finish(ctx->stream, NULL, NULL, a.dq_acc, a.qstart, B, S, H, D, tps, &red, false);
-            if (!CF_CK_LAUNCH(ctx, "attention sm90 GQA reduction")) return;
-        }
-    } else if (hopper) {
+    if (hopper) {
         /* the last launch: dq (bf16; fp32 for a portable part 2 to add to)
          * and the GQA reduction in one grid */
         const bool dq_final = !cf || r;
