@@ -79,19 +79,30 @@ static inline bool cf_aligned16(const void *p) { return ((uintptr_t)p & 15) == 0
 
 /* ---------------------------------------------------------- vector helpers */
 
-/* 16 bytes = 8 bf16 */
-struct __align__(16) pack8 { __nv_bfloat162 h[4]; };
+/* 16 bytes = 8 bf16, element 2i in the low half of word i and 2i + 1 in
+ * the high half (a __nv_bfloat162's x and y). The words are plain integers
+ * so that the type is trivially copyable: a load or store of a pack8 is one
+ * 16-byte access. (With __nv_bfloat162 members, whose copy operators are
+ * user-defined, nvcc moved a pack8 as four 4-byte accesses, and a copy
+ * loop as dependent load-store pairs.) */
+struct __align__(16) pack8 { uint32_t w[4]; };
 
-__device__ __forceinline__ void unpack8(const pack8 &p, float f[8]) {
+/* bf16 -> fp32 is exact: the bf16 bits are the float's upper half. p by
+ * value, so the caller's *(const pack8 *) is one load, not four */
+__device__ __forceinline__ void unpack8(const pack8 p, float f[8]) {
+#pragma unroll
     for (int i = 0; i < 4; i++) {
-        float2 v = __bfloat1622float2(p.h[i]);
-        f[2 * i] = v.x;
-        f[2 * i + 1] = v.y;
+        f[2 * i] = __uint_as_float(p.w[i] << 16);
+        f[2 * i + 1] = __uint_as_float(p.w[i] & 0xffff0000u);
     }
 }
 __device__ __forceinline__ pack8 pack8_from(const float f[8]) {
     pack8 p;
-    for (int i = 0; i < 4; i++) p.h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const __nv_bfloat162 h = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
+        p.w[i] = *reinterpret_cast<const uint32_t *>(&h);
+    }
     return p;
 }
 

@@ -92,9 +92,25 @@ __global__ void __launch_bounds__(256) cf_prep_kernel(const CfPrep p) {
     const pack8 *ks = reinterpret_cast<const pack8 *>(p.k + (size_t)r * p.rowlen);
     const pack8 *vs = reinterpret_cast<const pack8 *>(p.v + (size_t)r * p.rowlen);
     pack8 *kd = reinterpret_cast<pack8 *>(p.kf + (size_t)j * p.rowlen), *vd = reinterpret_cast<pack8 *>(p.vf + (size_t)j * p.rowlen);
-    for (int c = lane; c < p.rowlen / 8; c += 32) {
-        kd[c] = ks[c];
-        vd[c] = vs[c];
+    /* up to U 16-byte loads of K and of V per lane in flight before their
+     * stores (the compiler cannot move a load above a store that may alias
+     * it, so a plain copy loop waits for each load in turn) */
+    constexpr int U = 4;
+    const int n8 = p.rowlen / 8;
+    for (int c0 = lane; c0 < n8; c0 += 32 * U) {
+        pack8 kx[U], vx[U];
+#pragma unroll
+        for (int u = 0; u < U; u++)
+            if (c0 + 32 * u < n8) {
+                kx[u] = ks[c0 + 32 * u];
+                vx[u] = vs[c0 + 32 * u];
+            }
+#pragma unroll
+        for (int u = 0; u < U; u++)
+            if (c0 + 32 * u < n8) {
+                kd[c0 + 32 * u] = kx[u];
+                vd[c0 + 32 * u] = vx[u];
+            }
     }
 }
 
@@ -357,6 +373,7 @@ static int dq_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int nk_rows
 int attn_cf_sm90_prep(cf_cuda_ctx *ctx, const AttnArgs &a, int D, const cf_rows *kept, float *acc, size_t acc_n,
                       int *filt, int *fstart, AttnArgs *p2) {
     if (D != 64 && D != 128) return 0;
+    if (((uintptr_t)a.k | (uintptr_t)a.v) & 15) return 0; /* the copies are 16-byte accesses (part 1 reads so too) */
     const int n = kept->n, T = a.B * a.S, nf = T - n;
     const size_t rowlen = (size_t)a.Hkv * D;
     bf16 *kf = NULL, *vf = NULL;
