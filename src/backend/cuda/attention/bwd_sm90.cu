@@ -465,8 +465,8 @@ __device__ __forceinline__ void dq_convert_slot(bf16 *dq, float *dqf, const floa
     const int start = qstart ? qstart[b] : b * S, len = qstart ? qstart[b + 1] - start : S;
     if (q64 * 64 >= len) return;
     const float4 *src = reinterpret_cast<const float4 *>(acc + dq_slot_base(b, h, q64, H, D, tps));
-    /* every load of the slot in flight before the first shared store (with
-     * one at a time the launch ran at 3.1 TB/s at D = 128) */
+    /* every load of the slot in flight before the first shared store (one
+     * at a time, the launch waited on each load's latency) */
     constexpr int PER = 16 * D / FINISH_THREADS;
     float4 x[PER];
 #pragma unroll
