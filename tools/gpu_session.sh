@@ -578,7 +578,10 @@ for part in "$@"; do
 done
 echo "=== done $(date +%T)"
 # everything in one file: the tool brings back at most 8 files
-# (named by the parts, so two invocations in one call keep both archives)
-name="results_$(echo "$*" | tr -c 'A-Za-z0-9_\n-' '_' | tr ' ' '_').tgz"
+# (named by the parts, and numbered when the same parts ran before in this call, so every
+# invocation keeps its archive)
+stem="results_$(echo "$*" | tr -c 'A-Za-z0-9_\n-' '_' | tr ' ' '_')"
+name="$stem.tgz"; k=2
+while [ -e "$OUT/$name" ]; do name="${stem}_$k.tgz"; k=$((k + 1)); done
 (cd "$OUT" && tar czf "/tmp/$name" --exclude 'results_*.tgz' . && mv "/tmp/$name" "$OUT/$name" &&
   find . -type f ! -name 'results_*.tgz' ! -name gpu.txt -delete)
