@@ -323,15 +323,10 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
 
 /* ==================================================================== host */
 
-/* The consumers' ping-pong turns: off. Run 22 found them faster at D =
- * 128; since part 2 masks only the tiles that need it (run 29) they cost
- * time at every shape timed (bench_attention, H200, run 30 call 1,
- * centrifuge backward, ms, off -> on, two repetitions): S = 4096 D = 64
- * 0.206, 0.207 -> 0.212, 0.210; D = 128 0.329, 0.328 -> 0.336, 0.334;
- * Llama3.2-3B's shape 0.108, 0.105 -> 0.109, 0.107; Qwen2.5-1.5B's 0.065,
- * 0.067 -> 0.067, 0.067. ctx->attn_cf_pingpong = 1|2 forces them off|on
- * per context (tests), CF_ATTN_CF_PINGPONG=0|1 per process (timing; read
- * once). */
+/* The consumers' ping-pong turns: off. Since part 2 masks only the tiles
+ * that need it, they cost time at every shape timed (docs/BENCHMARKS.md,
+ * run 30). ctx->attn_cf_pingpong = 1|2 forces them off|on per context
+ * (tests), CF_ATTN_CF_PINGPONG=0|1 per process (timing; read once). */
 static bool dq_pingpong(const cf_cuda_ctx *ctx) {
     static const int forced = attn_env_int("CF_ATTN_CF_PINGPONG", 0);
     if (ctx->attn_cf_pingpong == 1 || ctx->attn_cf_pingpong == 2) return ctx->attn_cf_pingpong == 2;
@@ -373,7 +368,6 @@ static int dq_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int nk_rows
 int attn_cf_sm90_prep(cf_cuda_ctx *ctx, const AttnArgs &a, int D, const cf_rows *kept, float *acc, size_t acc_n,
                       int *filt, int *fstart, AttnArgs *p2) {
     if (D != 64 && D != 128) return 0;
-    if (((uintptr_t)a.k | (uintptr_t)a.v) & 15) return 0; /* the copies are 16-byte accesses (part 1 reads so too) */
     const int n = kept->n, T = a.B * a.S, nf = T - n;
     const size_t rowlen = (size_t)a.Hkv * D;
     bf16 *kf = NULL, *vf = NULL;

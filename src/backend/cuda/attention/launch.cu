@@ -252,7 +252,9 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
     a.dq_acc = dq_acc;
     a.Dvec = Dvec;
     /* the Hopper kernels have a dq accumulator of their own (bwd_sm90.cu) */
-    const bool try_hopper = (D == 64 || D == 128) && attn_sm90_enabled(ctx);
+    /* the Hopper backward reads K and V rows by 16-byte copies (the main
+     * kernel's cp.async gather, the centrifuge prep's compaction) */
+    const bool try_hopper = (D == 64 || D == 128) && cf_aligned16(k) && cf_aligned16(v) && attn_sm90_enabled(ctx);
     if (ctx->failed) return;
     /* the Hopper kernel's dq accumulator (its own layout, bwd_sm90.cu):
      * tps 64-row query tiles per sequence, even (a step may cover two) */
