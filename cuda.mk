@@ -9,6 +9,10 @@
 #                    Hopper attention building blocks; needs an sm_90 GPU)
 #   make test-cuda-host  builds (nvcc) and runs tests/gpu/host_*.cu on the CPU: the
 #                    Hopper backward's dq layout maps and query parts (CI runs it)
+#   make cuda-trace-objs  compiles the attention units with -DCF_ATTN_TRACE=1 (sm_90a
+#                    only; CI runs it so the timing build's code keeps compiling). The
+#                    trace build itself: make BUILD=build/trace CUDA_DEFS=-DCF_ATTN_TRACE=1
+#                    build/trace/cuda/tests/bench_attention (attention/trace.cuh)
 #
 # Variables:
 #   NVCC, CUDA_HOME      the toolkit (default: the nvcc on PATH)
@@ -122,3 +126,13 @@ $(CUDA_BUILD)/tests/host_%: tests/gpu/host_%.cu tests/test.h $(wildcard src/back
 
 test-cuda-host: $(CUDA_HOST_TEST_BINS)
 	@for t in $(CUDA_HOST_TEST_BINS); do echo "== $$t"; $$t || exit 1; done
+
+# the attention backward's per-block timeline (attention/trace.cuh), compiled only
+TRACE_CU_SRC := $(wildcard src/backend/cuda/attention/*.cu)
+TRACE_CU_OBJ := $(patsubst src/%.cu,$(CUDA_BUILD)/trace-check/%.o,$(TRACE_CU_SRC))
+.PHONY: cuda-trace-objs
+$(CUDA_BUILD)/trace-check/%.o: src/%.cu $(ALL_H) $(wildcard src/backend/cuda/*.cuh src/backend/cuda/attention/*.cuh)
+	@mkdir -p $(dir $@)
+	$(NVCC) -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Iinclude -Isrc -DCF_ATTN_TRACE=1 \
+	  -Xcompiler -Wall,-Wextra,-Wno-unused-parameter -c $< -o $@
+cuda-trace-objs: $(TRACE_CU_OBJ)

@@ -7,7 +7,8 @@
 # OLD_BINARY: a centrifuge-cuda of an earlier commit, carried as
 # centrifuge-cuda-old for A/B timing (gpu_session.sh bench-old). A copy of an
 # earlier bench_attention put at build/cuda/tests/bench_attention_old travels
-# with the tests (gpu_session.sh attn-ab).
+# with the tests (gpu_session.sh attn-ab), and so does a trace build's put at
+# build/cuda/tests/bench_attention_trace (gpu_session.sh attn-trace).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 G=.gpucarry

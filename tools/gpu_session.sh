@@ -9,7 +9,7 @@
 #          bench-pair pair-ab norm-blocks cf-side ab-old grad-keep side-ab ncu-step norm-ab side-prio pair-rows
 #          pair-full side-attn gemm-survey attn-hpb side-sms pair-head
 #          lmhead-cluster ncu-lmhead sanitize-lmhead parity-bigvocab ab-old-accum pingpong pingpong-model ncu-attn-src ncu-attn-kernels cf-pp64 ncu-ops hpb-model
-#          adamw-ab attn-in-model ncu-lmhead-logits lmhead-logits ncu-attn-pipes fwd-wg ncu-attn-modes
+#          adamw-ab attn-in-model ncu-lmhead-logits lmhead-logits ncu-attn-pipes fwd-wg ncu-attn-modes attn-trace
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G=$PWD/.gpucarry
@@ -45,6 +45,20 @@ env_ab() {
 for part in "$@"; do
   echo "=== $part $(date +%T)"
   case $part in
+    attn-trace)
+      # issue 17: where the attention backward's SM time goes, block by block (attention/trace.cuh; a trace
+      # build's bench_attention carried as bench_attention_trace, gpu_carry.sh): the last of each mode's 23
+      # calls at the four shapes, summarised by tools/attn_timeline.py; the normal build's times beside
+      for sh in "4096 32 4 64" "4096 32 8 128" "2048 12 2 128" "2048 24 8 128"; do
+        f="$OUT/attn_trace_${sh// /_}.txt"; rm -f "$f"
+        echo "S H Hkv D = $sh"
+        CF_ATTN_TRACE_FILE="$f" CF_ATTN_TRACE_EVERY=23 BENCH_ATTN_PATHS=auto "$G/bench_attention_trace" $sh 2>&1 |
+          grep -E "backward (full|centrifuge)" | sed "s/^/trace build: /"
+        BENCH_ATTN_PATHS=auto "$G/bench_attention" $sh 2>&1 | grep -E "backward (full|centrifuge)" | sed "s/^/normal build: /"
+        python3 tools/attn_timeline.py "$f" > "${f%.txt}_summary.txt" 2>&1; cat "${f%.txt}_summary.txt"
+        for c in 22 45; do python3 tools/attn_timeline.py "$f" --call $c --plot "${f%.txt}_call$c.png" >/dev/null 2>&1; done
+        gzip -f "$f"
+      done 2>&1 | tee "$OUT/attn_trace.txt" ;;
     tests)
       "$G/test_gpu_ops" >"$OUT/test_gpu_ops.log" 2>&1; echo "test_gpu_ops rc=$?"; tail -1 "$OUT/test_gpu_ops.log"
       "$G/test_gpu_model" >"$OUT/test_gpu_model.log" 2>&1; echo "test_gpu_model rc=$?"; grep -E "FAIL|err|tests,|:[0-9]+:" "$OUT/test_gpu_model.log" | head -40 ;;

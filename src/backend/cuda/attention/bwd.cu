@@ -62,7 +62,9 @@ constexpr size_t bwd_smem_bytes() {
 static __global__ void attn_bwd_prep_kernel(const bf16 *dout, const bf16 *o, float *Dvec, float *zero, size_t nzero,
                                             int nrows, int D, int rpw) {
     griddep_trigger(); /* the main kernel may start its prologue (it waits before reading D_i) */
+    if (threadIdx.x == 0) trace_mark(0);
     attn_prep_body(dout, o, Dvec, zero, nzero, nrows, D, rpw, blockIdx.x, gridDim.x);
+    if (threadIdx.x == 0) trace_finish(TRACE_PREP, 0); /* thread 0's end (trace.cuh) */
 }
 
 /*
@@ -308,6 +310,8 @@ static __global__ void gqa_reduce_kernel(bf16 *dk, bf16 *dv, const float *dkx, c
 }
 
 /* =================================================================== host */
+
+ATTN_TRACE_BINDER(attn_trace_bind_bwd)
 
 void attn_bwd_prep(cudaStream_t st, const bf16 *dout, const bf16 *o, float *Dvec, float *zero, size_t nzero,
                    int nrows, int D) {

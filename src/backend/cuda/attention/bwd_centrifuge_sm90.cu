@@ -76,12 +76,8 @@ struct CfPrep {
     int rowlen;                  /* Hkv D */
 };
 
-__global__ void __launch_bounds__(256) cf_prep_kernel(const CfPrep p) {
-    griddep_trigger(); /* part 1 may start its prologue (it waits before reading D_i) */
-    if ((int)blockIdx.x >= p.nr) {
-        attn_prep_body(p.dout, p.o, p.Dvec, p.zero, p.nzero, p.nrows, p.D, p.rpw, blockIdx.x - p.nr, gridDim.x - p.nr);
-        return;
-    }
+/* the first range: this warp's filtered row */
+__device__ __forceinline__ void cf_prep_filtered(const CfPrep &p) {
     if (blockIdx.x == 0)
         for (int b = threadIdx.x; b <= p.B; b += blockDim.x) p.fstart[b] = b * p.S - p.seq_start[b];
     const int j = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
@@ -114,6 +110,16 @@ __global__ void __launch_bounds__(256) cf_prep_kernel(const CfPrep p) {
     }
 }
 
+__global__ void __launch_bounds__(256) cf_prep_kernel(const CfPrep p) {
+    griddep_trigger(); /* part 1 may start its prologue (it waits before reading D_i) */
+    if (threadIdx.x == 0) trace_mark(0);
+    if ((int)blockIdx.x >= p.nr)
+        attn_prep_body(p.dout, p.o, p.Dvec, p.zero, p.nzero, p.nrows, p.D, p.rpw, blockIdx.x - p.nr, gridDim.x - p.nr);
+    else
+        cf_prep_filtered(p);
+    if (threadIdx.x == 0) trace_finish(TRACE_PREP, 0); /* thread 0's end (trace.cuh) */
+}
+
 template <int D, bool PINGPONG>
 __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
     attn_bwd_dq_sm90_kernel(const __grid_constant__ CUtensorMap tmQ, const __grid_constant__ CUtensorMap tmO,
@@ -135,7 +141,12 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
     const int h = blockIdx.x, b = blockIdx.z;
     const int q0 = (gridDim.y - 1 - blockIdx.y) * BM;
     const int qs = seq_begin(a.qstart, b, a.S), qlen = seq_begin(a.qstart, b + 1, a.S) - qs;
-    if (q0 >= qlen) return;
+    const bool tracer = threadIdx.x == 128; /* trace.cuh: the first consumer thread */
+    if (tracer) trace_mark(0);
+    if (q0 >= qlen) {
+        if (tracer) trace_finish(TRACE_PART2, 0);
+        return;
+    }
     const int ks = seq_begin(a.kstart, b, a.S), klen = seq_begin(a.kstart, b + 1, a.S) - ks;
     const int hk = h / (a.H / a.Hkv);
     const int qn = min(BM, qlen - q0);
@@ -239,6 +250,7 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
         float s[BN / 2], dp[BN / 2];
         turn.take();
         mbar_wait(full_k(st), par);
+        if (t == 0 && tracer) trace_mark(1);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < D / 16; kk++) wgmma_ss<0, 0>(s, desc_k(sQ, BM, 64 * w, kk), desc_k(sKs, BN, 0, kk), kk > 0);
@@ -298,12 +310,16 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
         if (lane == 0) mbar_arrive(empty(st));
     }
     if (nt > 0) turn.close();
+    if (tracer) trace_mark(2);
 
     /* acc += scale * dQ in slot order, where float4 k holds (r, c), (r, c +
      * 1), (r + 8, c), (r + 8, c + 1): this thread's pairs of both its rows
      * in one vector reduction, or of the first row alone where the second
      * is past the sequence */
-    if (nt == 0 || qi[0] >= qlen) return;
+    if (nt == 0 || qi[0] >= qlen) {
+        if (tracer) trace_finish(TRACE_PART2, nt);
+        return;
+    }
     float *acc = a.dq_acc + dq_slot_base(b, h, (q0 >> 6) + w, a.H, D, tps);
     const int nw = attn_nw, rr = 16 * v + g;
     const bool both = qi[1] < qlen;
@@ -316,12 +332,15 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
         else
             atomic_add_f2(p, x0, x1);
     }
+    if (tracer) trace_finish(TRACE_PART2, nt);
 #endif
 }
 
 } // namespace
 
 /* ==================================================================== host */
+
+ATTN_TRACE_BINDER(attn_trace_bind_cf_sm90)
 
 /* The consumers' ping-pong turns: off. Since part 2 masks only the tiles
  * that need it, they cost time at every shape timed (docs/BENCHMARKS.md,

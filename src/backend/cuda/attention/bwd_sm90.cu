@@ -99,7 +99,12 @@ __global__ void __launch_bounds__(384, 1)
     const int h0 = blockIdx.x * hpb, b = blockIdx.z; /* query heads h0 .. h0+hpb-1 */
     const int split = blockIdx.y % ns, k0 = blockIdx.y / ns * BN; /* part split of key tile k0 */
     const int ks = seq_begin(a.kstart, b, a.S), klen = seq_begin(a.kstart, b + 1, a.S) - ks;
-    if (k0 >= klen) return;
+    const bool tracer = threadIdx.x == 128; /* trace.cuh: the first consumer thread */
+    if (tracer) trace_mark(0);
+    if (k0 >= klen) {
+        if (tracer) trace_finish(TRACE_MAIN, 0);
+        return;
+    }
     const int qs = seq_begin(a.qstart, b, a.S), qlen = seq_begin(a.qstart, b + 1, a.S) - qs;
     const int hk = h0 / (a.H / a.Hkv);
     /* query steps that can see this key tile: from the first query whose
@@ -252,6 +257,7 @@ __global__ void __launch_bounds__(384, 1)
         const int s = i % QST, db = i & 1, qt = qt_begin + i % nq;
         const uint32_t sQs = sQ + s * C::QT_BYTES, sOs = sO + s * C::QT_BYTES, sDSb = sDS + db * C::DS_BYTES;
         mbar_wait(full(s), (i / QST) & 1);
+        if (i == 0 && tracer) trace_mark(1);
         const float *sm = small(s);
         const int *qrow_s = reinterpret_cast<const int *>(sm) + 2 * BM, *qdoc_s = qrow_s + BM;
 
@@ -375,6 +381,7 @@ __global__ void __launch_bounds__(384, 1)
         __syncwarp();
         if (lane == 0) mbar_arrive(empty(s));
     }
+    if (tracer) trace_mark(2);
 
     if (pair) {
         /* The pair's two blocks hold the two partial sums of the same dk, dv
@@ -416,6 +423,7 @@ __global__ void __launch_bounds__(384, 1)
         /* this block may not exit while the other still reads its tile */
         mbar_arrive_peer(peer_smem(xdone, other));
         mbar_wait_cluster(xdone, 0);
+        if (tracer) trace_finish(TRACE_MAIN, nsteps);
         return;
     }
 #pragma unroll
@@ -445,6 +453,7 @@ __global__ void __launch_bounds__(384, 1)
             }
         }
     }
+    if (tracer) trace_finish(TRACE_MAIN, nsteps);
 #endif
 }
 
@@ -505,18 +514,22 @@ template <int D>
 __global__ void __launch_bounds__(FINISH_THREADS)
     bwd_finish_kernel(bf16 *dq, float *dqf, const float *acc, const int *qstart, int S, int H, int tps, int nw,
                       int nconv, GqaReduce red) {
+    if (threadIdx.x == 0) trace_mark(0);
     griddep_wait(); /* the main kernel's dq and partials (launched as its dependent) */
+    if (threadIdx.x == 0) trace_mark(1);
     const int x = blockIdx.x;
-    if (x < nconv) {
+    if (x < nconv)
         dq_convert_slot<D>(dq, dqf, acc, qstart, S, H, tps, nw, x % tps, x / tps % H, x / (tps * H));
-        return;
-    }
-    gqa_reduce_body<4>(red.dk, red.dv, red.dkx, red.dvx, red.nk, red.Hkv, red.G, D, x - nconv, gridDim.x - nconv);
+    else
+        gqa_reduce_body<4>(red.dk, red.dv, red.dkx, red.dvx, red.nk, red.Hkv, red.G, D, x - nconv, gridDim.x - nconv);
+    if (threadIdx.x == 0) trace_finish(TRACE_FINISH, 0); /* thread 0's end (trace.cuh) */
 }
 
 } // namespace
 
 /* ==================================================================== host */
+
+ATTN_TRACE_BINDER(attn_trace_bind_sm90)
 
 /* 128 queries per backward step at D = 64 (64 with CF_ATTN_SM90_BWD_BM=64,
  * for timing both; read once). Measured on an H100 (FULL, S = 4096, H = 32,

@@ -84,6 +84,7 @@
 #include <limits.h>
 #include <math.h>
 
+#include "backend/cuda/attention/trace.cuh"
 #include "backend/cuda/cuda_common.cuh"
 
 #define LOG2E_F 1.4426950408889634f

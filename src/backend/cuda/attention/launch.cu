@@ -9,6 +9,7 @@
  * the kept rows of any one sequence, known on the host without reading the
  * device); every kernel returns at once for a tile past its sequence's count.
  */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -380,12 +381,70 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
     }
 }
 
+#if CF_ATTN_TRACE
+/* The timing build's per-block timeline (trace.cuh): one buffer for the
+ * process, bound to the traced units at the first backward; emptied before
+ * each backward, appended to CF_ATTN_TRACE_FILE after every
+ * CF_ATTN_TRACE_EVERY-th one (default 1). */
+static AttnTraceBuf *trace_buf;
+static long trace_calls;
+static const unsigned TRACE_CAP = 1u << 16;
+
+static void trace_begin(cf_cuda_ctx *ctx) {
+    const char *f = getenv("CF_ATTN_TRACE_FILE");
+    if (!f || !*f) return;
+    if (!trace_buf) {
+        const size_t bytes = sizeof(AttnTraceBuf) + (size_t)TRACE_CAP * sizeof(AttnTraceRec);
+        if (!CF_CK(ctx, cudaMalloc((void **)&trace_buf, bytes))) return;
+        const unsigned hdr[2] = {0, TRACE_CAP};
+        if (!CF_CK(ctx, cudaMemcpy(trace_buf, hdr, sizeof hdr, cudaMemcpyHostToDevice))) return;
+        attn_trace_bind_bwd(trace_buf);
+        attn_trace_bind_sm90(trace_buf);
+        attn_trace_bind_cf_sm90(trace_buf);
+    }
+    CF_CK(ctx, cudaMemsetAsync(trace_buf, 0, sizeof(unsigned), ctx->stream));
+}
+
+static void trace_end(cf_cuda_ctx *ctx, const cf_attn_shape *s, const cf_rows *kept, cf_attn_bwd_mode mode) {
+    static const char *const names[] = {"full", "centrifuge", "strawman", "centrifuge-kv"};
+    const char *f = getenv("CF_ATTN_TRACE_FILE");
+    const long every = attn_env_int("CF_ATTN_TRACE_EVERY", 1), call = trace_calls++;
+    if (!trace_buf || !f || !*f || ctx->failed || (every > 1 && call % every != every - 1)) return;
+    unsigned n = 0;
+    if (!CF_CK(ctx, cudaStreamSynchronize(ctx->stream)) ||
+        !CF_CK(ctx, cudaMemcpy(&n, trace_buf, sizeof n, cudaMemcpyDeviceToHost)))
+        return;
+    const unsigned kept_n = n < TRACE_CAP ? n : TRACE_CAP;
+    AttnTraceRec *r = (AttnTraceRec *)malloc((size_t)(kept_n ? kept_n : 1) * sizeof *r);
+    FILE *out = r ? fopen(f, "a") : NULL;
+    if (out && CF_CK(ctx, cudaMemcpy(r, trace_buf->rec, (size_t)kept_n * sizeof *r, cudaMemcpyDeviceToHost))) {
+        fprintf(out, "# call %ld mode %s B %d S %d H %d Hkv %d D %d kept %d sms %d records %u lost %u\n", call,
+                (unsigned)mode < 4 ? names[mode] : "?", s->B, s->S, s->H, s->Hkv, s->D,
+                mode == CF_ATTN_BWD_FULL || !kept ? s->B * s->S : kept->n, ctx->sm_count, kept_n, n - kept_n);
+        for (unsigned i = 0; i < kept_n; i++)
+            fprintf(out, "%u %u %u %u %llu %llu %llu %llu %llu %llu\n", r[i].kernel, r[i].block, r[i].smid, r[i].steps,
+                    (unsigned long long)r[i].g0, (unsigned long long)r[i].g1, (unsigned long long)r[i].c0,
+                    (unsigned long long)r[i].c1, (unsigned long long)r[i].c2, (unsigned long long)r[i].c3);
+    }
+    if (out)
+        fclose(out);
+    else
+        cf_cuda_ctx_fail(ctx, "attention trace: cannot write %s", f);
+    free(r);
+}
+#else
+static void trace_begin(cf_cuda_ctx *) {}
+static void trace_end(cf_cuda_ctx *, const cf_attn_shape *, const cf_rows *, cf_attn_bwd_mode) {}
+#endif
+
 void cf_cuda_attention_bwd(cf_backend *b, void *dq, void *dk, void *dv, const void *dout, const void *q,
                            const void *k, const void *v, const void *out, const float *lse, const cf_attn_shape *s,
                            const cf_rows *kept, cf_attn_bwd_mode mode) {
     cf_cuda_ctx *ctx = cf_cuda_enter(b);
     if (!ctx) return;
+    trace_begin(ctx);
     attn_bwd(ctx, dq, dk, dv, dout, q, k, v, out, lse, s, kept, mode);
+    trace_end(ctx, s, kept, mode);
 }
 
 /* The full backward's main grid at shape s against the SMs: the Hopper
