@@ -147,6 +147,10 @@ typedef struct cf_cuda_ctx {
      * (attention/bwd_centrifuge_sm90.cu: dq_pingpong): 0 = the default,
      * 1 = off, 2 = on (tests) */
     int attn_cf_pingpong;
+    /* query heads per block of centrifuge part 2 on Hopper (attention/
+     * bwd_centrifuge_sm90.cu: dq_heads_per_block): 0 = the default, 1 or 2
+     * forced (tests) */
+    int attn_cf_heads;
     /* 1: no pairs of blocks for the dk, dv partials (attention/bwd_sm90.cu:
      * attn_sm90_bwd_pair; tests); and per Hopper backward kernel, whether
      * its clusters of two were asked about and fit */

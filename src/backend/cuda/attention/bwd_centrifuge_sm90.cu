@@ -9,20 +9,24 @@
  * boxes of contiguous rows, so their K and V rows are first gathered into
  * compact [nf, Hkv, D] arrays (a few MB), by cf_prep_kernel, which also
  * lists them and does the backward's prep. Then a block
- * owns BM = 128 kept queries (two consumer warpgroups of 64) of one head
- * and walks the tiles of BN filtered keys (128 at D = 64, 64 at D = 128)
- * that precede its last query:
- *   warpgroup 0: thread 0 loads Q and dO once and K, V per tile (TMA, ring
- *     of KST stages, mbarriers full_k / full_v / empty); warp 1 stores the
- *     original rows and document ids of the tile's keys.
+ * owns BM = 128 kept queries (two consumer warpgroups of 64) of ipb (1 or
+ * 2) heads, one after the other, and for each walks the tiles of BN
+ * filtered keys (128 at D = 64, 64 at D = 128) that precede its last query:
+ *   warpgroup 0: thread 0 loads Q and dO of every head at once (a buffer
+ *     each, mbarriers full_q) and K, V per tile (TMA, ring of KST stages
+ *     over all heads' tiles, mbarriers full_k / full_v / empty); warp 1
+ *     stores the original rows and document ids of the tile's keys.
  *   consumers, per tile:
  *     S = Q K^T, dP = dO V^T                 wgmma, operands in smem
  *     P = exp2(x - lse), dS = P (dP - D)     registers (the full-forward lse)
  *     dQ += dS K                             wgmma, A = dS from registers,
  *                                            B = K MN-major
- * and the epilogue adds scale dQ to bwd_sm90.cu's dq accumulator (slot
- * order) by float4 atomics; the caller converts it to bf16 once part 1 has
- * added its terms too. The two parts are independent, so the caller runs
+ * and each head's epilogue adds scale dQ to bwd_sm90.cu's dq accumulator
+ * (slot order) by float4 atomics while the next head's first tiles load;
+ * the caller converts it to bf16 once part 1 has added its terms too.
+ * Two heads per block halve the blocks' prologues (the copy engine's
+ * latency before the first tile; run 32's trace put 11% of the SMs' time
+ * in prologues). The two parts are independent, so the caller runs
  * this one on a second stream beside part 1 (launch.cu): each fills the
  * SMs the other's uneven causal grid leaves idle.
  */
@@ -31,11 +35,14 @@
 template <int D> struct DqSm90 {
     /* 128 keys per tile at D = 64 (fewer steps); 64 at D = 128 (registers) */
     static constexpr int NC = 2, BM = 64 * NC, BN = D == 64 ? 128 : 64, KST = 2, THREADS = 128 * (NC + 1);
+    static constexpr int IPB = 2; /* heads per block, at most: Q and dO buffers */
     static constexpr uint32_t Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2, SMALL_BYTES = 2 * BN * 4;
-    static constexpr uint32_t OFF_Q = 0, OFF_DO = Q_BYTES, OFF_K = 2 * Q_BYTES, OFF_V = OFF_K + KST * KV_BYTES,
+    /* head i's Q at i * 2 Q_BYTES, its dO Q_BYTES further */
+    static constexpr uint32_t OFF_Q = 0, OFF_K = 2 * IPB * Q_BYTES, OFF_V = OFF_K + KST * KV_BYTES,
                               OFF_SMALL = OFF_V + KST * KV_BYTES, OFF_BAR = OFF_SMALL + KST * SMALL_BYTES;
-    /* barriers: full_q, full_k[KST], full_v[KST], empty[KST] */
-    static constexpr uint32_t SMEM = OFF_BAR + 8 * (1 + 3 * KST) + 1024;
+    /* barriers: full_q[IPB], full_k[KST], full_v[KST], empty[KST] */
+    static constexpr uint32_t SMEM = OFF_BAR + 8 * (IPB + 3 * KST) + 1024;
+    static_assert(SMEM <= 227 * 1024, "part 2 fits an SM's shared memory");
 };
 
 namespace {
@@ -124,21 +131,24 @@ template <int D, bool PINGPONG>
 __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
     attn_bwd_dq_sm90_kernel(const __grid_constant__ CUtensorMap tmQ, const __grid_constant__ CUtensorMap tmO,
                             const __grid_constant__ CUtensorMap tmK, const __grid_constant__ CUtensorMap tmV,
-                            const AttnArgs a, int tps, int attn_nw) {
+                            const AttnArgs a, int tps, int attn_nw, int ipb) {
 #if CF_SM90A_PATH
     using C = DqSm90<D>;
     constexpr int BM = C::BM, BN = C::BN, KST = C::KST, DB = D / 64;
     extern __shared__ unsigned char smem_raw[];
     const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
     unsigned char *sbase = smem_raw + (base - smem_u32(smem_raw));
-    const uint32_t sQ = base + C::OFF_Q, sO = base + C::OFF_DO, sK = base + C::OFF_K, sV = base + C::OFF_V;
-    const uint32_t bar = base + C::OFF_BAR, full_q = bar;
-    auto full_k = [&](int s) { return bar + 8 * (1 + s); };
-    auto full_v = [&](int s) { return bar + 8 * (1 + KST + s); };
-    auto empty = [&](int s) { return bar + 8 * (1 + 2 * KST + s); };
+    const uint32_t sK = base + C::OFF_K, sV = base + C::OFF_V;
+    auto sQ = [&](int i) { return base + C::OFF_Q + i * 2 * C::Q_BYTES; };
+    auto sO = [&](int i) { return sQ(i) + C::Q_BYTES; };
+    const uint32_t bar = base + C::OFF_BAR;
+    auto full_q = [&](int i) { return bar + 8 * i; };
+    auto full_k = [&](int s) { return bar + 8 * (C::IPB + s); };
+    auto full_v = [&](int s) { return bar + 8 * (C::IPB + KST + s); };
+    auto empty = [&](int s) { return bar + 8 * (C::IPB + 2 * KST + s); };
     auto small = [&](int s) { return reinterpret_cast<int *>(sbase + C::OFF_SMALL + s * C::SMALL_BYTES); };
 
-    const int h = blockIdx.x, b = blockIdx.z;
+    const int h0 = blockIdx.x * ipb, b = blockIdx.z; /* heads h0 .. h0 + ipb - 1 */
     const int q0 = (gridDim.y - 1 - blockIdx.y) * BM;
     const int qs = seq_begin(a.qstart, b, a.S), qlen = seq_begin(a.qstart, b + 1, a.S) - qs;
     const bool tracer = threadIdx.x == 128; /* trace.cuh: the first consumer thread */
@@ -148,13 +158,12 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
         return;
     }
     const int ks = seq_begin(a.kstart, b, a.S), klen = seq_begin(a.kstart, b + 1, a.S) - ks;
-    const int hk = h / (a.H / a.Hkv);
     const int qn = min(BM, qlen - q0);
     const int nkeys = count_le(a.krow, ks, klen, row_of(a.qrow, qs + q0 + qn - 1));
-    const int nt = (nkeys + BN - 1) / BN;
+    const int nt = (nkeys + BN - 1) / BN; /* tiles per head; the ring streams ipb nt */
 
     if (threadIdx.x == 0) {
-        mbar_init(full_q, 1);
+        for (int i = 0; i < C::IPB; i++) mbar_init(full_q(i), 1);
         for (int s = 0; s < KST; s++) {
             mbar_init(full_k(s), 1 + 32);
             mbar_init(full_v(s), 1);
@@ -169,13 +178,15 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
         setmaxnreg_dec<40>();
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
         if (warp == 0 && lane == 0 && nt > 0) {
-            mbar_arrive_tx(full_q, 2 * C::Q_BYTES);
-            for (int cb = 0; cb < DB; cb++) {
-                tma_load_3d(sQ + cb * BM * 128, &tmQ, cb * 64, h, qs + q0, full_q);
-                tma_load_3d(sO + cb * BM * 128, &tmO, cb * 64, h, qs + q0, full_q);
+            for (int i = 0; i < ipb; i++) {
+                mbar_arrive_tx(full_q(i), 2 * C::Q_BYTES);
+                for (int cb = 0; cb < DB; cb++) {
+                    tma_load_3d(sQ(i) + cb * BM * 128, &tmQ, cb * 64, h0 + i, qs + q0, full_q(i));
+                    tma_load_3d(sO(i) + cb * BM * 128, &tmO, cb * 64, h0 + i, qs + q0, full_q(i));
+                }
             }
-            for (int t = 0; t < nt; t++) {
-                const int s = t % KST, n = t / KST, row = ks + t * BN;
+            for (int u = 0; u < ipb * nt; u++) { /* tile t of head h0 + u / nt */
+                const int s = u % KST, n = u / KST, t = u % nt, row = ks + t * BN, hk = (h0 + u / nt) / (a.H / a.Hkv);
                 if (n > 0) mbar_wait(empty(s), (n - 1) & 1);
                 mbar_arrive_tx(full_k(s), C::KV_BYTES);
                 for (int cb = 0; cb < DB; cb++)
@@ -199,8 +210,8 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
                 }
             };
             if (nt > 0) load(0);
-            for (int t = 0; t < nt; t++) {
-                const int s = t % KST, n = t / KST;
+            for (int u = 0; u < ipb * nt; u++) { /* the same keys for every head */
+                const int s = u % KST, n = u / KST;
                 if (n > 0) mbar_wait(empty(s), (n - 1) & 1);
                 int *sm = small(s);
 #pragma unroll
@@ -209,7 +220,7 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
                     sm[BN + lane + 32 * k] = doc_r[k];
                 }
                 mbar_arrive(full_k(s));
-                if (t + 1 < nt) load(t + 1);
+                if (u + 1 < ipb * nt) load((u + 1) % nt);
             }
         }
         return;
@@ -218,121 +229,139 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
     setmaxnreg_inc<232>();
     const int w = wg - 1, tid = threadIdx.x & 127, v = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
     int qi[2], qrow[2], qdoc[2];
-    float lse2[2], Dv[2];
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         qi[r] = q0 + 64 * w + 16 * v + g + 8 * r;
         const bool ok = qi[r] < qlen;
-        const size_t idx = (size_t)(qs + (ok ? qi[r] : 0)) * a.H + h;
         qrow[r] = ok ? row_of(a.qrow, qs + qi[r]) : -1;
         qdoc[r] = (ok && a.doc) ? a.doc[qrow[r]] : 0;
-        lse2[r] = ok ? a.lse[idx] * LOG2E_F : 0.f;
-        Dv[r] = ok ? a.Dvec[idx] : 0.f;
     }
+    /* lse (log2 units) and D_i of this thread's two rows for head hh */
+    auto head_vectors = [&](int hh, float *l2, float *dv) {
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            const bool ok = qi[r] < qlen;
+            const size_t idx = (size_t)(qs + (ok ? qi[r] : 0)) * a.H + hh;
+            l2[r] = ok ? a.lse[idx] * LOG2E_F : 0.f;
+            dv[r] = ok ? a.Dvec[idx] : 0.f;
+        }
+    };
+    float lse2[2], Dv[2], lse2_next[2] = {0.f, 0.f}, Dv_next[2] = {0.f, 0.f};
+    head_vectors(h0, lse2, Dv);
     /* the warp's first query row (rows ascend with the lanes' g, r; -1 when
      * it is past the sequence, and then so are the others) */
     const int wqrow = __shfl_sync(0xffffffffu, qrow[0], 0);
-    float dq[D / 2];
-#pragma unroll
-    for (int i = 0; i < D / 2; i++) dq[i] = 0.f;
     /* With PINGPONG the consumers take turns (sm90.cuh: Turns) at both
      * issue points of a tile, S and dP, then dQ: 0's S, dP; 1's S, dP; 0's
      * dQ; 1's dQ; ..., so one's exponentials and dS run while the other's
      * products keep the tensor cores busy. */
     Turns<C::NC, 4, PINGPONG> turn{w};
-    if (nt > 0) {
-        turn.open();
-        mbar_wait(full_q, 0);
-    }
-    for (int t = 0; t < nt; t++) {
-        const int st = t % KST, par = (t / KST) & 1;
-        const uint32_t sKs = sK + st * C::KV_BYTES, sVs = sV + st * C::KV_BYTES;
-        float s[BN / 2], dp[BN / 2];
-        turn.take();
-        mbar_wait(full_k(st), par);
-        if (t == 0 && tracer) trace_mark(1);
-        wgmma_fence();
+    if (nt > 0) turn.open();
+    for (int i = 0; i < ipb && nt > 0; i++) {
+        const int h = h0 + i;
+        if (i + 1 < ipb) head_vectors(h + 1, lse2_next, Dv_next); /* in flight during this head's tiles */
+        const uint32_t sQi = sQ(i), sOi = sO(i);
+        float dq[D / 2];
 #pragma unroll
-        for (int kk = 0; kk < D / 16; kk++) wgmma_ss<0, 0>(s, desc_k(sQ, BM, 64 * w, kk), desc_k(sKs, BN, 0, kk), kk > 0);
-        wgmma_commit();
-        mbar_wait(full_v(st), par);
+        for (int e = 0; e < D / 2; e++) dq[e] = 0.f;
+        mbar_wait(full_q(i), 0);
+        for (int t = 0; t < nt; t++) {
+            const int u = i * nt + t, st = u % KST, par = (u / KST) & 1;
+            const uint32_t sKs = sK + st * C::KV_BYTES, sVs = sV + st * C::KV_BYTES;
+            float s[BN / 2], dp[BN / 2];
+            turn.take();
+            mbar_wait(full_k(st), par);
+            if (u == 0 && tracer) trace_mark(1);
+            wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < D / 16; kk++) wgmma_ss<0, 0>(dp, desc_k(sO, BM, 64 * w, kk), desc_k(sVs, BN, 0, kk), kk > 0);
-        wgmma_commit();
-        turn.pass();
-        const int *krow_s = small(st), *kdoc_s = krow_s + BN;
-        /* Every key of the tile precedes the warp's first query (its last
-         * row, INT_MAX past the sequence, is at most that row) and no
-         * document mask: no mask. Most tiles of a block are such. */
-        const bool need_mask = a.doc != nullptr || krow_s[BN - 1] > wqrow;
-        wgmma_wait<1>();
-        fence_regs(s);
-        if (need_mask) {
-            /* branch-free within (kdoc_s and qdoc are 0 without documents),
-             * the column pair (2 t4, 2 t4 + 1) read as one 8-byte load */
+            for (int kk = 0; kk < D / 16; kk++)
+                wgmma_ss<0, 0>(s, desc_k(sQi, BM, 64 * w, kk), desc_k(sKs, BN, 0, kk), kk > 0);
+            wgmma_commit();
+            mbar_wait(full_v(st), par);
 #pragma unroll
-            for (int j = 0; j < BN / 8; j++) {
-                const int c = 8 * j + 2 * t4;
-                const int2 kr = *reinterpret_cast<const int2 *>(krow_s + c),
-                           kd = *reinterpret_cast<const int2 *>(kdoc_s + c);
+            for (int kk = 0; kk < D / 16; kk++)
+                wgmma_ss<0, 0>(dp, desc_k(sOi, BM, 64 * w, kk), desc_k(sVs, BN, 0, kk), kk > 0);
+            wgmma_commit();
+            turn.pass();
+            const int *krow_s = small(st), *kdoc_s = krow_s + BN;
+            /* Every key of the tile precedes the warp's first query (its
+             * last row, INT_MAX past the sequence, is at most that row) and
+             * no document mask: no mask. Most tiles of a block are such. */
+            const bool need_mask = a.doc != nullptr || krow_s[BN - 1] > wqrow;
+            wgmma_wait<1>();
+            fence_regs(s);
+            if (need_mask) {
+                /* branch-free within (kdoc_s and qdoc are 0 without
+                 * documents), the column pair (2 t4, 2 t4 + 1) read as one
+                 * 8-byte load */
 #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int r = e >> 1, odd = e & 1;
-                    const float p = fast_exp2(fmaf(s[4 * j + e], a.scale_log2, -lse2[r]));
-                    const bool vis = ((odd ? kr.y : kr.x) <= qrow[r]) & ((odd ? kd.y : kd.x) == qdoc[r]);
-                    s[4 * j + e] = vis ? p : 0.f;
+                for (int j = 0; j < BN / 8; j++) {
+                    const int c = 8 * j + 2 * t4;
+                    const int2 kr = *reinterpret_cast<const int2 *>(krow_s + c),
+                               kd = *reinterpret_cast<const int2 *>(kdoc_s + c);
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        const int r = e >> 1, odd = e & 1;
+                        const float p = fast_exp2(fmaf(s[4 * j + e], a.scale_log2, -lse2[r]));
+                        const bool vis = ((odd ? kr.y : kr.x) <= qrow[r]) & ((odd ? kd.y : kd.x) == qdoc[r]);
+                        s[4 * j + e] = vis ? p : 0.f;
+                    }
                 }
-            }
-        } else {
+            } else {
 #pragma unroll
-            for (int i = 0; i < BN / 2; i++) s[i] = fast_exp2(fmaf(s[i], a.scale_log2, -lse2[(i >> 1) & 1]));
+                for (int e = 0; e < BN / 2; e++) s[e] = fast_exp2(fmaf(s[e], a.scale_log2, -lse2[(e >> 1) & 1]));
+            }
+            wgmma_wait<0>();
+            fence_regs(dp);
+            uint32_t da[BN / 16][4];
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; kk++)
+#pragma unroll
+                for (int q = 0; q < 4; q++) {
+                    const int i0 = 8 * kk + 2 * q, r = q & 1;
+                    da[kk][q] = pack_bf16(s[i0] * (dp[i0] - Dv[r]), s[i0 + 1] * (dp[i0 + 1] - Dv[r]));
+                }
+            turn.take();
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; kk++) wgmma_rs<1>(dq, da[kk], desc_mn(sKs, BN, 0, kk), 1);
+            wgmma_commit();
+            turn.pass();
+            wgmma_wait<0>();
+            fence_regs(dq);
+            fence_regs(da);
+            __syncwarp();
+            if (lane == 0) mbar_arrive(empty(st));
         }
-        wgmma_wait<0>();
-        fence_regs(dp);
-        uint32_t da[BN / 16][4];
+        if (i + 1 == ipb && tracer) trace_mark(2);
+
+        /* acc += scale * dQ in slot order, where float4 k holds (r, c), (r,
+         * c + 1), (r + 8, c), (r + 8, c + 1): this thread's pairs of both
+         * its rows in one vector reduction, or of the first row alone where
+         * the second is past the sequence (none where both are). The next
+         * head's first tiles load meanwhile. */
+        if (qi[0] < qlen) {
+            float *acc = a.dq_acc + dq_slot_base(b, h, (q0 >> 6) + w, a.H, D, tps);
+            const int nw = attn_nw, rr = 16 * v + g;
+            const bool both = qi[1] < qlen;
 #pragma unroll
-        for (int kk = 0; kk < BN / 16; kk++)
-#pragma unroll
-            for (int q = 0; q < 4; q++) {
-                const int i0 = 8 * kk + 2 * q, r = q & 1;
-                da[kk][q] = pack_bf16(s[i0] * (dp[i0] - Dv[r]), s[i0 + 1] * (dp[i0 + 1] - Dv[r]));
+            for (int j = 0; j < D / 8; j++) {
+                float *p = acc + dq_slot_index(rr, 8 * j + 2 * t4, nw);
+                const float x0 = a.scale * dq[4 * j], x1 = a.scale * dq[4 * j + 1];
+                if (both)
+                    atomic_add_f4(p, make_float4(x0, x1, a.scale * dq[4 * j + 2], a.scale * dq[4 * j + 3]));
+                else
+                    atomic_add_f2(p, x0, x1);
             }
-        turn.take();
-        wgmma_fence();
+        }
 #pragma unroll
-        for (int kk = 0; kk < BN / 16; kk++) wgmma_rs<1>(dq, da[kk], desc_mn(sKs, BN, 0, kk), 1);
-        wgmma_commit();
-        turn.pass();
-        wgmma_wait<0>();
-        fence_regs(dq);
-        fence_regs(da);
-        __syncwarp();
-        if (lane == 0) mbar_arrive(empty(st));
+        for (int r = 0; r < 2; r++) {
+            lse2[r] = lse2_next[r];
+            Dv[r] = Dv_next[r];
+        }
     }
     if (nt > 0) turn.close();
-    if (tracer) trace_mark(2);
-
-    /* acc += scale * dQ in slot order, where float4 k holds (r, c), (r, c +
-     * 1), (r + 8, c), (r + 8, c + 1): this thread's pairs of both its rows
-     * in one vector reduction, or of the first row alone where the second
-     * is past the sequence */
-    if (nt == 0 || qi[0] >= qlen) {
-        if (tracer) trace_finish(TRACE_PART2, nt);
-        return;
-    }
-    float *acc = a.dq_acc + dq_slot_base(b, h, (q0 >> 6) + w, a.H, D, tps);
-    const int nw = attn_nw, rr = 16 * v + g;
-    const bool both = qi[1] < qlen;
-#pragma unroll
-    for (int j = 0; j < D / 8; j++) {
-        float *p = acc + dq_slot_index(rr, 8 * j + 2 * t4, nw);
-        const float x0 = a.scale * dq[4 * j], x1 = a.scale * dq[4 * j + 1];
-        if (both)
-            atomic_add_f4(p, make_float4(x0, x1, a.scale * dq[4 * j + 2], a.scale * dq[4 * j + 3]));
-        else
-            atomic_add_f2(p, x0, x1);
-    }
-    if (tracer) trace_finish(TRACE_PART2, nt);
+    if (tracer) trace_finish(TRACE_PART2, ipb * nt);
 #endif
 }
 
@@ -352,6 +381,15 @@ static bool dq_pingpong(const cf_cuda_ctx *ctx) {
     return forced != 0;
 }
 
+/* Query heads per block, one after the other: 2 where H is even (the
+ * blocks' prologues halve), else 1. ctx->attn_cf_heads = 1|2 forces it per
+ * context (tests), CF_ATTN_CF_HEADS=1|2 per process (timing; read once). */
+static int dq_heads_per_block(const cf_cuda_ctx *ctx, int H) {
+    static const int env = attn_env_int("CF_ATTN_CF_HEADS", 0);
+    const int want = ctx->attn_cf_heads == 1 || ctx->attn_cf_heads == 2 ? ctx->attn_cf_heads : env == 1 ? 1 : 2;
+    return want == 2 && H % 2 == 0 ? 2 : 1;
+}
+
 /* the bit of each part-2 variant in ctx->attn_sm90_attr_done */
 template <int D, bool PP> static constexpr int dq_variant_bit() {
     return D == 64 ? (PP ? SM90_ATTR_DQ64_TURNS : SM90_ATTR_DQ64) : (PP ? SM90_ATTR_DQ128_TURNS : SM90_ATTR_DQ128);
@@ -363,10 +401,10 @@ static int dq_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, const CUtensorMap
     using C = DqSm90<D>;
     const void *fn = (const void *)attn_bwd_dq_sm90_kernel<D, PP>;
     if (!attn_sm90_prepare(ctx, fn, C::SMEM, dq_variant_bit<D, PP>())) return -1;
-    const dim3 grid(a.H, (maxlen + C::BM - 1) / C::BM, a.B), block(C::THREADS);
-    int nw = attn_sm90_bwd_nw(D);
+    int nw = attn_sm90_bwd_nw(D), ipb = dq_heads_per_block(ctx, a.H);
+    const dim3 grid(a.H / ipb, (maxlen + C::BM - 1) / C::BM, a.B), block(C::THREADS);
     void *args[] = {(void *)&maps[0], (void *)&maps[1], (void *)&maps[2], (void *)&maps[3],
-                    (void *)&a,       (void *)&tps,     (void *)&nw};
+                    (void *)&a,       (void *)&tps,     (void *)&nw,      (void *)&ipb};
     return CF_CK(ctx, cudaLaunchKernel(fn, grid, block, args, C::SMEM, st)) ? 1 : -1;
 }
 

@@ -220,19 +220,29 @@ __global__ void __launch_bounds__(384, 1)
     const int w = wg - 1, tid = threadIdx.x & 127, v = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
     const int ctid = threadIdx.x - 128;
     const size_t kstr = (size_t)a.Hkv * D;
+    /* The key tile: K and V rows gathered once (zeros past klen). The
+     * rows of a kept list are read first, all of them, then the copies
+     * issued: one load latency, not one per copy (the trace of run 32: a
+     * kept list's prologue took 1.4 / 2.2 us longer than contiguous rows'
+     * at D = 64 / 128). The rows and documents of this thread's keys load
+     * while the copies fly. */
+    constexpr int GATHER = BN * D / 8 / 256; /* 16-byte pieces of K (and of V) per consumer thread */
     {
-        /* the key tile: K and V rows gathered once (zeros past klen) */
-        for (int c = ctid; c < BN * D / 8; c += 256) {
-            const int r = c / (D / 8), col = (c % (D / 8)) * 8, j = k0 + r;
-            const bool ok = j < klen;
-            const size_t off = (size_t)row_of(a.krow, ks + (ok ? j : klen - 1)) * kstr + (size_t)hk * D + col;
+        int grow[GATHER];
+#pragma unroll
+        for (int u = 0; u < GATHER; u++) {
+            const int j = k0 + (ctid + 256 * u) / (D / 8);
+            grow[u] = row_of(a.krow, ks + (j < klen ? j : klen - 1));
+        }
+#pragma unroll
+        for (int u = 0; u < GATHER; u++) {
+            const int c = ctid + 256 * u, r = c / (D / 8), col = (c % (D / 8)) * 8;
+            const bool ok = k0 + r < klen;
+            const size_t off = (size_t)grow[u] * kstr + (size_t)hk * D + col;
             cp_async16(sbase + C::OFF_K + sw128_off(BN, r, col), a.k + off, ok ? 16 : 0);
             cp_async16(sbase + C::OFF_V + sw128_off(BN, r, col), a.v + off, ok ? 16 : 0);
         }
         cp_async_commit();
-        cp_async_wait<0>();
-        fence_async_smem();
-        named_barrier(1, 256);
     }
     /* this thread's two keys (rows of S^T): 64w + 16v + g (+8) */
     int krow_t[2], kdoc_t[2];
@@ -244,6 +254,9 @@ __global__ void __launch_bounds__(384, 1)
     }
     const int wk_first = k0 + 64 * w;
     const int wkrow_max = wk_first < klen ? row_of(a.krow, ks + min(wk_first + 63, klen - 1)) : INT_MAX;
+    cp_async_wait<0>();
+    fence_async_smem();
+    named_barrier(1, 256);
     /* this warpgroup's dQ product: rows (queries) from column qc0 of dS^T,
      * columns from kc0 of K; its block of the step's slot tile */
     const int qc0 = BM == 64 ? 0 : 64 * w, kc0 = BM == 64 ? w * (D / 2) : 0;
@@ -411,9 +424,16 @@ __global__ void __launch_bounds__(384, 1)
             const int j = k0 + 64 * w + 16 * v + g + 8 * r;
             if (j >= klen) continue;
             bf16 *op = out + (size_t)(ks + j) * kstr + (size_t)hk * D + 2 * t4;
+            /* the row's remote terms first, all of them: each remote load
+             * orders memory, so loads between the stores would wait for
+             * the distributed shared memory's latency one by one (run 32's
+             * trace: the pairs' epilogue took 6.6 us at D = 128) */
+            float2 tr[D / 8];
+#pragma unroll
+            for (int n = 0; n < D / 8; n++) tr[n] = ld_peer_f2(theirs + 8u * ((n * 2 + r) * 256 + ctid));
 #pragma unroll
             for (int n = 0; n < D / 8; n++) {
-                const float2 t = ld_peer_f2(theirs + 8u * ((n * 2 + r) * 256 + ctid));
+                const float2 t = tr[n];
                 const float m0 = rank == 0 ? __fmul_rn(dk[4 * n + 2 * r], a.scale) : dv[4 * n + 2 * r];
                 const float m1 = rank == 0 ? __fmul_rn(dk[4 * n + 2 * r + 1], a.scale) : dv[4 * n + 2 * r + 1];
                 *reinterpret_cast<__nv_bfloat162 *>(op + 8 * n) = __floats2bfloat162_rn(

@@ -68,14 +68,13 @@ __device__ __forceinline__ uint64_t *trace_marks() {
     __shared__ uint64_t m[4]; /* global timer at entry; cycles at marks 0, 1, 2 */
     return m;
 }
+/* mark i, and the later ones until they are made (a kernel without a
+ * step loop makes 0 and maybe 1: its loop then takes no time) */
 __device__ __forceinline__ void trace_mark(int i) {
     uint64_t *m = trace_marks();
-    if (i == 0) {
-        m[0] = trace_globaltimer();
-        m[1] = m[2] = m[3] = clock64();
-    } else {
-        m[1 + i] = clock64();
-    }
+    const uint64_t c = clock64();
+    if (i == 0) m[0] = trace_globaltimer();
+    for (int j = i; j < 3; j++) m[1 + j] = c;
 }
 __device__ __forceinline__ void trace_finish(int kernel, int steps) {
     AttnTraceBuf *b = attn_trace_buf;
