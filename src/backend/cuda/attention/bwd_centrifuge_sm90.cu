@@ -159,7 +159,12 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
     }
     const int ks = seq_begin(a.kstart, b, a.S), klen = seq_begin(a.kstart, b + 1, a.S) - ks;
     const int qn = min(BM, qlen - q0);
-    const int nkeys = count_le(a.krow, ks, klen, row_of(a.qrow, qs + q0 + qn - 1));
+    /* the filtered keys up to the block's last query, row R: the k side is
+     * the complement of the kept rows in the sequence (rows b S .. b S + S -
+     * 1), and R is its (q0 + qn)-th kept row, so no search (run 32's trace:
+     * a binary search over the filtered rows made the prologue 3.4 us) */
+    const int R = row_of(a.qrow, qs + q0 + qn - 1);
+    const int nkeys = min(max(R - b * a.S + 1 - (q0 + qn), 0), klen);
     const int nt = (nkeys + BN - 1) / BN; /* tiles per head; the ring streams ipb nt */
 
     if (threadIdx.x == 0) {
@@ -381,13 +386,19 @@ static bool dq_pingpong(const cf_cuda_ctx *ctx) {
     return forced != 0;
 }
 
-/* Query heads per block, one after the other: 2 where H is even (the
- * blocks' prologues halve), else 1. ctx->attn_cf_heads = 1|2 forces it per
- * context (tests), CF_ATTN_CF_HEADS=1|2 per process (timing; read once). */
-static int dq_heads_per_block(const cf_cuda_ctx *ctx, int H) {
+/* Query heads per block, one after the other: 2 where H is even and the
+ * grid of two-head blocks still has 1.5 per SM (they halve the blocks'
+ * prologues; run 32: 1-2% faster at S = 4096, 10% slower at S = 2048,
+ * where the grid is under a wave), else 1. ctx->attn_cf_heads = 1|2
+ * forces it per context (tests), CF_ATTN_CF_HEADS=1|2 per process (timing;
+ * read once). */
+static int dq_heads_per_block(const cf_cuda_ctx *ctx, int H, long long blocks_of_one) {
     static const int env = attn_env_int("CF_ATTN_CF_HEADS", 0);
-    const int want = ctx->attn_cf_heads == 1 || ctx->attn_cf_heads == 2 ? ctx->attn_cf_heads : env == 1 ? 1 : 2;
-    return want == 2 && H % 2 == 0 ? 2 : 1;
+    const int forced = ctx->attn_cf_heads == 1 || ctx->attn_cf_heads == 2 ? ctx->attn_cf_heads
+                       : env == 1 || env == 2                             ? env
+                                                                          : 0;
+    const bool two = forced ? forced == 2 : 2 * (blocks_of_one / 2) >= 3LL * ctx->sm_count;
+    return two && H % 2 == 0 ? 2 : 1;
 }
 
 /* the bit of each part-2 variant in ctx->attn_sm90_attr_done */
@@ -401,8 +412,9 @@ static int dq_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, const CUtensorMap
     using C = DqSm90<D>;
     const void *fn = (const void *)attn_bwd_dq_sm90_kernel<D, PP>;
     if (!attn_sm90_prepare(ctx, fn, C::SMEM, dq_variant_bit<D, PP>())) return -1;
-    int nw = attn_sm90_bwd_nw(D), ipb = dq_heads_per_block(ctx, a.H);
-    const dim3 grid(a.H / ipb, (maxlen + C::BM - 1) / C::BM, a.B), block(C::THREADS);
+    const int qtiles = (maxlen + C::BM - 1) / C::BM;
+    int nw = attn_sm90_bwd_nw(D), ipb = dq_heads_per_block(ctx, a.H, (long long)a.H * qtiles * a.B);
+    const dim3 grid(a.H / ipb, qtiles, a.B), block(C::THREADS);
     void *args[] = {(void *)&maps[0], (void *)&maps[1], (void *)&maps[2], (void *)&maps[3],
                     (void *)&a,       (void *)&tps,     (void *)&nw,      (void *)&ipb};
     return CF_CK(ctx, cudaLaunchKernel(fn, grid, block, args, C::SMEM, st)) ? 1 : -1;

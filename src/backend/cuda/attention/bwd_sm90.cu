@@ -112,7 +112,13 @@ __global__ void __launch_bounds__(384, 1)
      * block takes part `split` of ns of them (nq query tiles from
      * qt_begin), then the same for each further head of the block (nsteps
      * in all) */
-    const int first = count_le(a.qrow, qs, qlen, row_of(a.krow, ks + k0) - 1);
+    /* Where both sides are one list (FULL: every row; centrifuge part 1 and
+     * the strawman: the kept rows), query k0 is key k0's row: first = k0.
+     * Else (centrifuge-kv) a binary search, a dozen dependent loads before
+     * the block's first copy (run 32's trace: a search on every block made
+     * part 1's prologue 3.8 / 8.1 us at D = 64 / 128, the full one's 2.4) */
+    const int first =
+        a.qrow == a.krow && a.qstart == a.kstart ? k0 : count_le(a.qrow, qs, qlen, row_of(a.krow, ks + k0) - 1);
     int qt_begin, nq;
     query_part((qlen + BM - 1) / BM - first / BM, split, ns, &qt_begin, &nq);
     qt_begin += first / BM;
