@@ -1910,10 +1910,11 @@ TEST(attention_hopper_bwd_pairs_give_the_partials_bits) {
  * additions into the accumulator differs). Kept-query tiles (128 per
  * tile) of 1 to 5 per sequence, sequences with one kept row or none,
  * documents, GQA, both head dims. */
-/* Part 2's variants: turns off and on, one and two query heads per block
- * (two only where H is even: the H = 3 case runs one either way). Each
+/* Part 2's variants: turns off and on; a block per SM (persistent, taking
+ * work items from the queue), a block per item, and four blocks (each
+ * takes many items: the two item slots' phases turn many times). Each
  * against the CPU, and each one's dq against the first's. */
-TEST(attention_hopper_centrifuge_part2_turns_and_heads_per_block_match_cpu) {
+TEST(attention_hopper_centrifuge_part2_turns_and_grids_match_cpu) {
     cf_cuda_ctx *ctx = hopper_ctx_or_skip();
     if (!ctx) return;
     const attn_case cc[] = {{1, 700, 4, 2, 64, 0},  {3, 1000, 4, 1, 128, 2}, {2, 1100, 4, 2, 64, 0},
@@ -1924,17 +1925,20 @@ TEST(attention_hopper_centrifuge_part2_turns_and_heads_per_block_match_cpu) {
         attn_problem p;
         int *rows, n, *ss;
         attn_setup_kept_half(&p, cc[ci], nm, &rows, &ss, &n);
-        grads g[4];
-        for (int k = 0; k < 4; k++) {
-            ctx->attn_cf_pingpong = 1 + (k & 1);
-            ctx->attn_cf_heads = 1 + (k >> 1);
-            snprintf(what, sizeof what, "CENTRIFUGE part 2 turns %s, %d head(s) per block %s", k & 1 ? "on" : "off",
-                     1 + (k >> 1), nm);
+        static const struct { int pingpong, grid; const char *name; } var[] = {
+            {1, 2, "turns off, a block per SM"}, {2, 2, "turns on, a block per SM"},
+            {1, 1, "turns off, a block per item"}, {2, 3, "turns on, four blocks"}, {1, 3, "turns off, four blocks"}};
+        enum { NV = sizeof var / sizeof var[0] };
+        grads g[NV];
+        for (int k = 0; k < NV; k++) {
+            ctx->attn_cf_pingpong = var[k].pingpong;
+            ctx->attn_cf_grid = var[k].grid;
+            snprintf(what, sizeof what, "CENTRIFUGE part 2 %s %s", var[k].name, nm);
             g[k] = attn_bwd_both(&p, CF_ATTN_BWD_CENTRIFUGE, rows, ss, n, what, TOL_GRAD, 1);
         }
-        ctx->attn_cf_pingpong = ctx->attn_cf_heads = 0;
-        for (int k = 1; k < 4; k++) {
-            snprintf(what, sizeof what, "CENTRIFUGE dq, variant %d vs turns off and one head %s", k, nm);
+        ctx->attn_cf_pingpong = ctx->attn_cf_grid = 0;
+        for (int k = 1; k < NV; k++) {
+            snprintf(what, sizeof what, "CENTRIFUGE dq, %s vs %s %s", var[k].name, var[0].name, nm);
             cmp(what, g[0].dq, g[k].dq, (size_t)n * p.c.H * p.c.D, TOL_BF16);
         }
         free_all();
@@ -2149,7 +2153,7 @@ int main(void) {
     RUN_IF(attention_hopper_fwd_three_warpgroups_give_the_two_warpgroup_bits);
     RUN_IF(attention_hopper_bwd_heads_per_block_and_query_parts_match);
     RUN_IF(attention_hopper_bwd_pairs_give_the_partials_bits);
-    RUN_IF(attention_hopper_centrifuge_part2_turns_and_heads_per_block_match_cpu);
+    RUN_IF(attention_hopper_centrifuge_part2_turns_and_grids_match_cpu);
     RUN_IF(attention_bwd_leaves_idle_where_the_plan_is_under_one_and_a_half_waves);
     RUN_IF(errors_are_sticky_and_a_second_context_is_independent);
     RUN_IF(two_contexts_interleaved_give_the_same_results);

@@ -62,6 +62,7 @@ typedef enum {
     CF_SCR_ATTN_SM90_DQ,   /*   Hopper backward: dq accumulator in slot order          */
     CF_SCR_ATTN_SM90_KF,   /*   Hopper centrifuge: K rows of the filtered keys         */
     CF_SCR_ATTN_SM90_VF,   /*   Hopper centrifuge: V rows of the filtered keys         */
+    CF_SCR_ATTN_SM90_QUEUE, /*  Hopper centrifuge part 2: its work queue's counter     */
     CF_SCR_ADAMW_SEGS,     /* adamw_segments: the segment table             adamw.cu   */
     CF_SCR_COUNT
 } cf_cuda_scratch_id;
@@ -147,10 +148,10 @@ typedef struct cf_cuda_ctx {
      * (attention/bwd_centrifuge_sm90.cu: dq_pingpong): 0 = the default,
      * 1 = off, 2 = on (tests) */
     int attn_cf_pingpong;
-    /* query heads per block of centrifuge part 2 on Hopper (attention/
-     * bwd_centrifuge_sm90.cu: dq_heads_per_block): 0 = the default, 1 or 2
-     * forced (tests) */
-    int attn_cf_heads;
+    /* the grid of centrifuge part 2 on Hopper (attention/
+     * bwd_centrifuge_sm90.cu: dq_grid): 0 = the default, 1 = a block per
+     * work item, 2 = a block per SM, 3 = four blocks (tests) */
+    int attn_cf_grid;
     /* 1: no pairs of blocks for the dk, dv partials (attention/bwd_sm90.cu:
      * attn_sm90_bwd_pair; tests); and per Hopper backward kernel, whether
      * its clusters of two were asked about and fit */
