@@ -14,9 +14,11 @@ centrifuge part 2, one block per SM each):
   tail       an SM idle from its last big block to the span's end
 
 These six add up to SMs x span. The prep and finish launches (small
-blocks, several per SM) are reported by their own spans only. Cycles are
-turned into time with the clock measured per call (cycles over global
-time of the long blocks).
+blocks, several per SM) are reported by their own spans only. A block's
+cycles are turned into time at its own clock, its cycles over its global
+time (the SM clock moves with power: run 32 saw 1.75 GHz in part 1 and
+1.97 in part 2 of one backward); blocks too short for the global timer's
+resolution take the median clock of their kernel.
 
   python3 tools/attn_timeline.py trace.txt [--plot gantt.png --call N]
 
@@ -70,10 +72,13 @@ def read(path):
     return calls
 
 
+LONG_NS = 2000  # a block this long has a clock of its own (the global timer ticks every 32 ns or so)
+
+
 def clock_ghz(recs):
-    """Cycles per ns, from the blocks that ran at least 5 us (the global
-    timer's resolution is coarse on some GPUs)."""
-    long = [(r["c3"] - r["c0"]) / (r["g1"] - r["g0"]) for r in recs if r["g1"] - r["g0"] >= 5000]
+    """Cycles per ns: the median over the blocks that ran at least LONG_NS
+    (over all blocks that took any time where none did)."""
+    long = [(r["c3"] - r["c0"]) / (r["g1"] - r["g0"]) for r in recs if r["g1"] - r["g0"] >= LONG_NS]
     if not long:
         long = [(r["c3"] - r["c0"]) / (r["g1"] - r["g0"]) for r in recs if r["g1"] > r["g0"]]
     if not long:
@@ -81,10 +86,31 @@ def clock_ghz(recs):
     return statistics.median(long)
 
 
+def block_clocks(recs):
+    """{id(record): cycles per ns} for every record: its own where it is
+    long enough, else its kernel's median."""
+    per_kernel = {}
+    for k in {r["kernel"] for r in recs}:
+        rs = [r for r in recs if r["kernel"] == k]
+        try:
+            per_kernel[k] = clock_ghz(rs)
+        except ValueError:
+            per_kernel[k] = None
+    fallback = clock_ghz(recs)
+    out = {}
+    for r in recs:
+        if r["g1"] - r["g0"] >= LONG_NS and r["c3"] > r["c0"]:
+            out[id(r)] = (r["c3"] - r["c0"]) / (r["g1"] - r["g0"])
+        else:
+            out[id(r)] = per_kernel[r["kernel"]] or fallback
+    return out
+
+
 def account(header, recs):
     """The SM-time accounting of one backward (module docstring), in us,
     plus per-kernel figures."""
     ghz = clock_ghz(recs)
+    clk = block_clocks(recs)
     big = [r for r in recs if r["kernel"] in BIG]
     if not big:
         raise ValueError("no main-kernel or part-2 record")
@@ -92,13 +118,16 @@ def account(header, recs):
     t1 = max(r["g1"] for r in big)
     sms = header.get("sms", 0) or (max(r["sm"] for r in recs) + 1)
     acc = dict.fromkeys(PHASES, 0.0)
-    us = lambda c: c / ghz / 1e3  # noqa: E731
+
+    def us(r, a, b):  # cycles from mark a to mark b of record r, in us at its clock
+        return (r[b] - r[a]) / clk[id(r)] / 1e3
+
     per_sm = {}
     for r in big:
         per_sm.setdefault(r["sm"], []).append(r)
-        acc["steps"] += us(r["c2"] - r["c1"])
-        acc["prologue"] += us(r["c1"] - r["c0"])
-        acc["epilogue"] += us(r["c3"] - r["c2"])
+        acc["steps"] += us(r, "c1", "c2")
+        acc["prologue"] += us(r, "c0", "c1")
+        acc["epilogue"] += us(r, "c2", "c3")
     for sm in range(sms):
         rs = sorted(per_sm.get(sm, []), key=lambda r: r["g0"])
         if not rs:
@@ -119,10 +148,11 @@ def account(header, recs):
             blocks=len(rs),
             start=(min(r["g0"] for r in rs) - t0) / 1e3,
             end=(max(r["g1"] for r in rs) - t0) / 1e3,
-            prologue=statistics.median([us(r["c1"] - r["c0"]) for r in worked]) if worked else 0.0,
-            step=sum(us(r["c2"] - r["c1"]) for r in worked) / steps if steps else 0.0,
-            epilogue=statistics.median([us(r["c3"] - r["c2"]) for r in worked]) if worked else 0.0,
+            prologue=statistics.median([us(r, "c0", "c1") for r in worked]) if worked else 0.0,
+            step=sum(us(r, "c1", "c2") for r in worked) / steps if steps else 0.0,
+            epilogue=statistics.median([us(r, "c2", "c3") for r in worked]) if worked else 0.0,
             steps=steps,
+            ghz=statistics.median([clk[id(r)] for r in rs]),
         )
     return dict(ghz=ghz, span=(t1 - t0) / 1e3, sms=sms, acc=acc, kernels=kernels)
 
@@ -139,15 +169,15 @@ def report(calls, out=sys.stdout):
             continue
         a = account(h, recs)
         total = a["sms"] * a["span"]
-        print(f"{describe(h)}: big kernels' span {a['span']:.1f} us on {a['sms']} SMs, clock {a['ghz']:.3f} GHz"
+        print(f"{describe(h)}: big kernels' span {a['span']:.1f} us on {a['sms']} SMs, median clock {a['ghz']:.3f} GHz"
               + (f", {h['lost']} records lost" if h.get("lost") else ""), file=out)
         print("  SM time: " + ", ".join(f"{p} {a['acc'][p] / total * 100:.1f}%" for p in PHASES)
               + f" (of {total:.0f} SM-us)", file=out)
         print(f"  {'kernel':<8}{'blocks':>7}{'from us':>9}{'to us':>8}{'steps':>7}{'prologue':>10}"
-              f"{'us/step':>9}{'epilogue':>10}", file=out)
+              f"{'us/step':>9}{'epilogue':>10}{'GHz':>7}", file=out)
         for k, s in a["kernels"].items():
             print(f"  {KERNELS.get(k, str(k)):<8}{s['blocks']:>7}{s['start']:>9.1f}{s['end']:>8.1f}{s['steps']:>7}"
-                  f"{s['prologue']:>10.2f}{s['step']:>9.3f}{s['epilogue']:>10.2f}", file=out)
+                  f"{s['prologue']:>10.2f}{s['step']:>9.3f}{s['epilogue']:>10.2f}{s['ghz']:>7.2f}", file=out)
 
 
 def plot(calls, index, path):
@@ -158,7 +188,7 @@ def plot(calls, index, path):
     if not match:
         raise ValueError(f"no call {index} in the file")
     h, recs = match[0]
-    a = account(h, recs)
+    clk = block_clocks(recs)
     t0 = min(r["g0"] for r in recs if r["kernel"] in BIG)
     colors = {1: "tab:gray", 2: "tab:blue", 3: "tab:orange", 4: "tab:green"}
     fig, ax = plt.subplots(figsize=(10, 6))
@@ -166,8 +196,8 @@ def plot(calls, index, path):
         if r["kernel"] not in BIG:
             continue
         x0 = (r["g0"] - t0) / 1e3
-        pro = (r["c1"] - r["c0"]) / a["ghz"] / 1e3
-        loop = (r["c2"] - r["c1"]) / a["ghz"] / 1e3
+        pro = (r["c1"] - r["c0"]) / clk[id(r)] / 1e3
+        loop = (r["c2"] - r["c1"]) / clk[id(r)] / 1e3
         epi = (r["g1"] - r["g0"]) / 1e3 - pro - loop
         ax.broken_barh([(x0, pro)], (r["sm"], 0.8), color="tab:red")
         ax.broken_barh([(x0 + pro, loop)], (r["sm"], 0.8), color=colors[r["kernel"]])

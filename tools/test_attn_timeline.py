@@ -43,6 +43,16 @@ class AttnTimelineTest(unittest.TestCase):
             self.assertAlmostEqual(a["acc"][k], v, msg=k)
         self.assertAlmostEqual(sum(a["acc"].values()), a["sms"] * a["span"])
 
+    def test_each_block_runs_at_its_own_clock(self):
+        # SM 1's main block at 1 GHz instead of 2: the same 1 + 10 + 1 us
+        slow = TRACE.replace("2 1 1 5 2000 14000 40 2040 22040 24040", "2 1 1 5 2000 14000 40 1040 11040 12040")
+        (h, recs), = attn_timeline.read(self.write(slow))
+        a = attn_timeline.account(h, recs)
+        self.assertAlmostEqual(a["acc"]["steps"], 21.0)
+        self.assertAlmostEqual(a["acc"]["prologue"], 2.5)
+        self.assertAlmostEqual(sum(a["acc"].values()), a["sms"] * a["span"])
+        self.assertAlmostEqual(a["kernels"][2]["ghz"], 1.5)   # the median of 2 and 1
+
     def test_per_kernel_figures(self):
         (h, recs), = attn_timeline.read(self.write(TRACE))
         k = attn_timeline.account(h, recs)["kernels"]
