@@ -1925,9 +1925,14 @@ TEST(attention_hopper_centrifuge_part2_turns_and_grids_match_cpu) {
         attn_problem p;
         int *rows, n, *ss;
         attn_setup_kept_half(&p, cc[ci], nm, &rows, &ss, &n);
-        static const struct { int pingpong, grid; const char *name; } var[] = {
-            {1, 2, "turns off, a block per SM"}, {2, 2, "turns on, a block per SM"},
-            {1, 1, "turns off, a block per item"}, {2, 3, "turns on, four blocks"}, {1, 3, "turns off, four blocks"}};
+        static const struct {
+            int pingpong, grid;
+            const char *name;
+        } var[] = {{1, 2, "turns off, a block per SM"},
+                   {2, 2, "turns on, a block per SM"},
+                   {1, 1, "turns off, a block per item"},
+                   {2, 3, "turns on, four blocks"},
+                   {1, 3, "turns off, four blocks"}};
         enum { NV = sizeof var / sizeof var[0] };
         grads g[NV];
         for (int k = 0; k < NV; k++) {
