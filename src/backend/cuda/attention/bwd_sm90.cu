@@ -116,7 +116,8 @@ __global__ void __launch_bounds__(384, 1)
      * the strawman: the kept rows), query k0 is key k0's row: first = k0.
      * Else (centrifuge-kv) a binary search, a dozen dependent loads before
      * the block's first copy (run 32's trace: a search on every block made
-     * part 1's prologue 3.8 / 8.1 us at D = 64 / 128, the full one's 2.4) */
+     * part 1's median prologue 5.5 / 10.8 us at D = 64 / 128, the full
+     * one's 5.3 / 3.0) */
     const int first =
         a.qrow == a.krow && a.qstart == a.kstart ? k0 : count_le(a.qrow, qs, qlen, row_of(a.krow, ks + k0) - 1);
     int qt_begin, nq;
@@ -228,10 +229,8 @@ __global__ void __launch_bounds__(384, 1)
     const size_t kstr = (size_t)a.Hkv * D;
     /* The key tile: K and V rows gathered once (zeros past klen). The
      * rows of a kept list are read first, all of them, then the copies
-     * issued: one load latency, not one per copy (the trace of run 32: a
-     * kept list's prologue took 1.4 / 2.2 us longer than contiguous rows'
-     * at D = 64 / 128). The rows and documents of this thread's keys load
-     * while the copies fly. */
+     * issued: one load latency, not one per copy. The rows and documents
+     * of this thread's keys load while the copies fly. */
     constexpr int GATHER = BN * D / 8 / 256; /* 16-byte pieces of K (and of V) per consumer thread */
     {
         int grow[GATHER];
@@ -433,7 +432,7 @@ __global__ void __launch_bounds__(384, 1)
             /* the row's remote terms first, all of them: each remote load
              * orders memory, so loads between the stores would wait for
              * the distributed shared memory's latency one by one (run 32's
-             * trace: the pairs' epilogue took 6.6 us at D = 128) */
+             * trace: the pairs' epilogue took 7.2 us at D = 128, 5.9 after) */
             float2 tr[D / 8];
 #pragma unroll
             for (int n = 0; n < D / 8; n++) tr[n] = ld_peer_f2(theirs + 8u * ((n * 2 + r) * 256 + ctid));
