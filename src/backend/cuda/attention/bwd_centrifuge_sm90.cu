@@ -31,10 +31,9 @@
  * A block per item paid the copy engine's latency before each item's
  * first tile (run 32's trace: about 2 us a block, 4-6% of the SMs' time
  * at S = 4096); the persistent blocks load the next item while this one
- * runs. The two
- * parts are independent, so the caller runs
- * this one on a second stream beside part 1 (launch.cu): each fills the
- * SMs the other's uneven causal grid leaves idle.
+ * runs. The two parts are independent, so the caller runs this one on a
+ * second stream beside part 1 (launch.cu): each fills the SMs the other's
+ * uneven causal grid leaves idle.
  */
 #include "backend/cuda/attention/sm90.cuh"
 
@@ -75,8 +74,8 @@ __device__ __forceinline__ int kept_before_filtered(const int *rows, int n, int 
  *     head) to row j of the compact kf, vf that part 2 reads through the
  *     copy engine; block 0 also writes fstart[b] = b S - seq_start[b]
  *     (filtered rows before sequence b) and sets part 2's queue to 0.
- *     First in the grid, so the
- *     searches' latency passes while the prep blocks run;
+ *     First in the grid, so the searches' latency passes while the prep
+ *     blocks run;
  *   blocks [nr, nr + np): D_i of the n kept query rows x H heads and the
  *     zeroing of the dq accumulator (common.cuh: attn_prep_body). */
 struct CfPrep {
@@ -144,8 +143,9 @@ __global__ void __launch_bounds__(256) cf_prep_kernel(const CfPrep p) {
  * most filtered keys before them), then sequences, and taken from a queue
  * in that order. slot: what the claiming warp passes to the others. */
 struct DqItem {
-    int it, nt, qs, qlen, ks, klen, pad0, pad1; /* it < 0: the queue is empty */
+    int it, nt, qs, qlen, ks, klen, pad0, pad1; /* it < 0: the queue is empty; 32 bytes (DqSm90::OFF_SLOT) */
 };
+static_assert(sizeof(DqItem) == 32, "a slot is 32 bytes (DqSm90: OFF_BAR)");
 __device__ __forceinline__ void dq_item_place(int it, int H, int qtiles, int BM, int *h, int *b, int *q0) {
     *h = it % H;
     *q0 = (qtiles - 1 - it / H % qtiles) * BM;
@@ -329,7 +329,9 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
             for (int k = 0, u = 0; cur.it >= 0; k++) {
                 DqItem next;
                 bool loaded = false;
-                const int hk = cur.it % a.H / (a.H / a.Hkv);
+                int h, b, q0;
+                dq_item_place(cur.it, a.H, qtiles, BM, &h, &b, &q0);
+                const int hk = h / (a.H / a.Hkv);
                 for (int t = 0; t < cur.nt; t++, u++) {
                     if (t == max(cur.nt - KST, 0)) {
                         next = load_q(k + 1);

@@ -415,9 +415,15 @@ static void trace_end(cf_cuda_ctx *ctx, const cf_attn_shape *s, const cf_rows *k
         !CF_CK(ctx, cudaMemcpy(&n, trace_buf, sizeof n, cudaMemcpyDeviceToHost)))
         return;
     const unsigned kept_n = n < TRACE_CAP ? n : TRACE_CAP;
-    AttnTraceRec *r = (AttnTraceRec *)malloc((size_t)(kept_n ? kept_n : 1) * sizeof *r);
-    FILE *out = r ? fopen(f, "a") : NULL;
-    if (out && CF_CK(ctx, cudaMemcpy(r, trace_buf->rec, (size_t)kept_n * sizeof *r, cudaMemcpyDeviceToHost))) {
+    AttnTraceRec *r = (AttnTraceRec *)cf_malloc((size_t)(kept_n ? kept_n : 1) * sizeof *r);
+    if (!r || !CF_CK(ctx, cudaMemcpy(r, trace_buf->rec, (size_t)kept_n * sizeof *r, cudaMemcpyDeviceToHost))) {
+        if (!r) cf_cuda_ctx_fail(ctx, "attention trace: %s", cf_last_error());
+        free(r);
+        return;
+    }
+    /* the project's one way to write an output (base/common.h), appending */
+    FILE *out = cf_output_stream(f, 1);
+    if (out) {
         fprintf(out, "# call %ld mode %s B %d S %d H %d Hkv %d D %d kept %d sms %d records %u lost %u\n", call,
                 (unsigned)mode < 4 ? names[mode] : "?", s->B, s->S, s->H, s->Hkv, s->D,
                 mode == CF_ATTN_BWD_FULL || !kept ? s->B * s->S : kept->n, ctx->sm_count, kept_n, n - kept_n);
@@ -426,10 +432,8 @@ static void trace_end(cf_cuda_ctx *ctx, const cf_attn_shape *s, const cf_rows *k
                     (unsigned long long)r[i].g0, (unsigned long long)r[i].g1, (unsigned long long)r[i].c0,
                     (unsigned long long)r[i].c1, (unsigned long long)r[i].c2, (unsigned long long)r[i].c3);
     }
-    if (out)
-        fclose(out);
-    else
-        cf_cuda_ctx_fail(ctx, "attention trace: cannot write %s", f);
+    if (!out || cf_stream_close(out, f) != 0) /* the close checks the writes, and closes either way */
+        cf_cuda_ctx_fail(ctx, "attention trace: %s", cf_last_error());
     free(r);
 }
 #else
