@@ -10,6 +10,7 @@
 #          pair-full side-attn gemm-survey attn-hpb side-sms pair-head
 #          lmhead-cluster ncu-lmhead sanitize-lmhead parity-bigvocab ab-old-accum pingpong pingpong-model ncu-attn-src ncu-attn-kernels cf-pp64 ncu-ops hpb-model
 #          adamw-ab attn-in-model ncu-lmhead-logits lmhead-logits ncu-attn-pipes fwd-wg ncu-attn-modes attn-trace
+#          cf-flow
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G=$PWD/.gpucarry
@@ -506,6 +507,22 @@ for part in "$@"; do
           [ -x "$b" ] || continue
           echo "$v (rep $rep), S H Hkv D = $sh"; BENCH_ATTN_PATHS=auto "$b" $sh 2>&1 | grep -E "forward|backward"
         done; done; done 2>&1 | tee "$OUT/attn_ab.txt" ;;
+    cf-flow)
+      # issue 17 (run 33): how centrifuge's parts run, the switches of launch.cu in one binary: CF_ATTN_CF_PDL
+      # (the streams' fork and join as programmatic events: 3, or event records: 0) and CF_ATTN_CF_DIRECT (part
+      # 2 writes dq itself where part 1 has finished: 1), each pair alternated twice per shape, with the
+      # carried bench_attention_old (an earlier build) where there is one
+      IFS='|' read -ra shs <<<"${AB_SHAPES:-4096 32 4 64|4096 32 8 128|2048 12 2 128|2048 24 8 128}"
+      for sh in "${shs[@]}"; do for rep in 1 2; do
+        if [ -x "$G/bench_attention_old" ]; then
+          echo "old (rep $rep), S H Hkv D = $sh"
+          BENCH_ATTN_PATHS=auto "$G/bench_attention_old" $sh 2>&1 | grep -E "backward (full|centrifuge)"
+        fi
+        for v in "0 0" "3 0" "0 1" "3 1"; do read -r pdl dir <<<"$v"
+          echo "pdl=$pdl direct=$dir (rep $rep), S H Hkv D = $sh"
+          CF_ATTN_CF_PDL=$pdl CF_ATTN_CF_DIRECT=$dir BENCH_ATTN_PATHS=auto "$G/bench_attention" $sh 2>&1 |
+            grep -E "backward (full|centrifuge)"
+        done; done; done 2>&1 | tee "$OUT/cf_flow.txt" ;;
     attn-parts)
       # attention alone: the carried bench_attention_old (an earlier build), this build with one part per key
       # tile (CF_ATTN_SM90_BWD_SPLIT=1) and with the planned parts (bwd_plan), alternated twice per shape

@@ -25,9 +25,12 @@
  *     P = exp2(x - lse), dS = P (dP - D)     registers (the full-forward lse)
  *     dQ += dS K                             wgmma, A = dS from registers,
  *                                            B = K MN-major
- * and each item's epilogue adds scale dQ to bwd_sm90.cu's dq accumulator
- * (slot order) by float4 atomics while the next item's first tiles load;
- * the caller converts it to bf16 once part 1 has added its terms too.
+ * and each item's epilogue, while the next item's first tiles load, either
+ * writes the final dq rows (bf16) itself, where every block of part 1 has
+ * counted itself finished (part 1's sum read from bwd_sm90.cu's slot-order
+ * accumulator, plus scale dQ; the rows marked for the finish to leave), or
+ * adds scale dQ to the accumulator by float4 atomics for the finish to
+ * convert.
  * A block per item paid the copy engine's latency before each item's
  * first tile (run 32's trace: about 2 us a block, 4-6% of the SMs' time
  * at S = 4096); the persistent blocks load the next item while this one
@@ -73,7 +76,8 @@ __device__ __forceinline__ int kept_before_filtered(const int *rows, int n, int 
  *     filt[j] = r and, when kf is set, copies r's K and V rows (every kv
  *     head) to row j of the compact kf, vf that part 2 reads through the
  *     copy engine; block 0 also writes fstart[b] = b S - seq_start[b]
- *     (filtered rows before sequence b) and sets part 2's queue to 0.
+ *     (filtered rows before sequence b) and sets the counters of
+ *     CF_CF_SYNC_* (part 2's queue, ...) to 0.
  *     First in the grid, so the searches' latency passes while the prep
  *     blocks run;
  *   blocks [nr, nr + np): D_i of the n kept query rows x H heads and the
@@ -89,14 +93,14 @@ struct CfPrep {
     const bf16 *k, *v;           /* [T, Hkv, D] */
     bf16 *kf, *vf;               /* [nf, Hkv, D], or NULL: no copy */
     int rowlen;                  /* Hkv D */
-    int *queue;                  /* part 2's work queue: set to 0 */
+    int *sync;                   /* CF_CF_SYNC_WORDS counters (context.h): set to 0 */
 };
 
 /* the first range: this warp's filtered row */
 __device__ __forceinline__ void cf_prep_filtered(const CfPrep &p) {
     if (blockIdx.x == 0) {
         for (int b = threadIdx.x; b <= p.B; b += blockDim.x) p.fstart[b] = b * p.S - p.seq_start[b];
-        if (threadIdx.x == 0) *p.queue = 0;
+        if (threadIdx.x < CF_CF_SYNC_WORDS) p.sync[threadIdx.x] = 0;
     }
     const int j = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
     if (j >= p.nf) return;
@@ -156,7 +160,7 @@ template <int D, bool PINGPONG>
 __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
     attn_bwd_dq_sm90_kernel(const __grid_constant__ CUtensorMap tmQ, const __grid_constant__ CUtensorMap tmO,
                             const __grid_constant__ CUtensorMap tmK, const __grid_constant__ CUtensorMap tmV,
-                            const AttnArgs a, int tps, int attn_nw, int *queue, int nitems, int qtiles) {
+                            const AttnArgs a, int tps, int attn_nw, int nitems, int qtiles, int p1_blocks) {
 #if CF_SM90A_PATH
     using C = DqSm90<D>;
     constexpr int BM = C::BM, BN = C::BN, KST = C::KST, QB = C::QB, DB = D / 64;
@@ -193,6 +197,10 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
         mbar_init_fence();
     }
     __syncthreads();
+    /* the prep's outputs (filtered K, V, D_i, the zeros, the counters): with
+     * the streams' fork a programmatic event, this grid may start first */
+    griddep_wait();
+    int *const queue = a.cf_sync + CF_CF_SYNC_QUEUE;
 
     /* Item k of this block uses Q/dO buffer, query vectors and slot k % QB,
      * at mbarrier parity (k / QB) & 1; the K/V ring's tiles are numbered
@@ -458,23 +466,54 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
             if (lane == 0) mbar_arrive(empty(st));
         }
         tiles += m.nt;
-        /* acc += scale * dQ in slot order, where float4 k holds (r, c), (r,
-         * c + 1), (r + 8, c), (r + 8, c + 1): this thread's pairs of both
-         * its rows in one vector reduction, or of the first row alone where
-         * the second is past the sequence (none where both are). The next
-         * item's Q, dO and first tiles load meanwhile. */
+        /* Where every block of part 1 has counted itself finished (bwd_sm90.cu:
+         * after its reductions completed), this warp's 16 rows of dq are
+         * final once its own terms are added: it reads part 1's sum, adds
+         * scale dQ and writes the rows as bf16 itself (direct), and marks
+         * them in the slot's word so the finish leaves them. Else it adds
+         * scale dQ to the accumulator (slot order, where float4 k holds (r,
+         * c), (r, c + 1), (r + 8, c), (r + 8, c + 1): this thread's pairs of
+         * both rows in one vector reduction, or of the first row alone
+         * where the second is past the sequence) and the finish converts
+         * them. Each lane loads the count with acquire, so each one's reads
+         * of the accumulator see part 1's terms. The next item's Q, dO and
+         * first tiles load meanwhile. */
+        const bool direct = m.nt > 0 && p1_blocks >= 0 &&
+                            __all_sync(0xffffffffu, ld_acquire(a.cf_sync + CF_CF_SYNC_PART1_DONE) == p1_blocks);
         if (m.nt > 0 && qi[0] < m.qlen) {
-            float *acc = a.dq_acc + dq_slot_base(b, h, (q0 >> 6) + w, a.H, D, tps);
+            const size_t sid = ((size_t)b * a.H + h) * tps + (q0 >> 6) + w; /* the slot: dq_slot_base / (64 D) */
+            float *acc = a.dq_acc + sid * (64 * D);
             const int nw = attn_nw, rr = 16 * v + g;
             const bool both = qi[1] < m.qlen;
+            if (direct) {
+                float4 x[D / 8];
 #pragma unroll
-            for (int j = 0; j < D / 8; j++) {
-                float *p = acc + dq_slot_index(rr, 8 * j + 2 * t4, nw);
-                const float x0 = a.scale * dq[4 * j], x1 = a.scale * dq[4 * j + 1];
-                if (both)
-                    atomic_add_f4(p, make_float4(x0, x1, a.scale * dq[4 * j + 2], a.scale * dq[4 * j + 3]));
-                else
-                    atomic_add_f2(p, x0, x1);
+                for (int j = 0; j < D / 8; j++)
+                    x[j] = __ldcg(reinterpret_cast<const float4 *>(acc + dq_slot_index(rr, 8 * j + 2 * t4, nw)));
+                bf16 *d0 = a.dq + ((size_t)(m.qs + qi[0]) * a.H + h) * D + 2 * t4,
+                     *d1 = a.dq + ((size_t)(m.qs + qi[1]) * a.H + h) * D + 2 * t4;
+#pragma unroll
+                for (int j = 0; j < D / 8; j++) {
+                    *reinterpret_cast<__nv_bfloat162 *>(d0 + 8 * j) =
+                        __floats2bfloat162_rn(fmaf(a.scale, dq[4 * j], x[j].x), fmaf(a.scale, dq[4 * j + 1], x[j].y));
+                    if (both)
+                        *reinterpret_cast<__nv_bfloat162 *>(d1 + 8 * j) = __floats2bfloat162_rn(
+                            fmaf(a.scale, dq[4 * j + 2], x[j].z), fmaf(a.scale, dq[4 * j + 3], x[j].w));
+                }
+                if (lane == 0) {
+                    atomicOr(a.dq_direct + sid, 1u << v);
+                    atomicAdd(a.cf_sync + CF_CF_SYNC_DIRECT, 1);
+                }
+            } else {
+#pragma unroll
+                for (int j = 0; j < D / 8; j++) {
+                    float *p = acc + dq_slot_index(rr, 8 * j + 2 * t4, nw);
+                    const float x0 = a.scale * dq[4 * j], x1 = a.scale * dq[4 * j + 1];
+                    if (both)
+                        atomic_add_f4(p, make_float4(x0, x1, a.scale * dq[4 * j + 2], a.scale * dq[4 * j + 3]));
+                    else
+                        atomic_add_f2(p, x0, x1);
+                }
             }
         }
         /* the item's Q, dO, vectors and slot may be reused */
@@ -524,23 +563,34 @@ template <int D, bool PP> static constexpr int dq_variant_bit() {
 
 template <int D, bool PP>
 static int dq_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, const CUtensorMap *maps, int maxlen, int tps,
-                          cudaStream_t st) {
+                          int p1_blocks, cudaStream_t st, cudaEvent_t done) {
     using C = DqSm90<D>;
     const void *fn = (const void *)attn_bwd_dq_sm90_kernel<D, PP>;
     if (!attn_sm90_prepare(ctx, fn, C::SMEM, dq_variant_bit<D, PP>())) return -1;
-    int *queue = (int *)cf_cuda_scratch(ctx, CF_SCR_ATTN_SM90_QUEUE, sizeof(int)); /* zeroed by the prep */
-    if (!queue) return -1;
     int qtiles = (maxlen + C::BM - 1) / C::BM, nitems = a.H * qtiles * a.B, nw = attn_sm90_bwd_nw(D);
     if (nitems <= 0) return 1;
-    const dim3 grid(dq_grid(ctx, nitems)), block(C::THREADS);
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(dq_grid(ctx, nitems));
+    cfg.blockDim = dim3(C::THREADS);
+    cfg.dynamicSmemBytes = C::SMEM;
+    cfg.stream = st;
+    cudaLaunchAttribute at[1];
+    if (done) { /* the join: the finish after it waits with griddep_wait */
+        at[0].id = cudaLaunchAttributeProgrammaticEvent;
+        at[0].val.programmaticEvent.event = done;
+        at[0].val.programmaticEvent.flags = 0;
+        at[0].val.programmaticEvent.triggerAtBlockStart = 0;
+    }
+    cfg.attrs = at;
+    cfg.numAttrs = done ? 1 : 0;
     void *args[] = {(void *)&maps[0], (void *)&maps[1], (void *)&maps[2], (void *)&maps[3], (void *)&a,
-                    (void *)&tps,     (void *)&nw,      (void *)&queue,   (void *)&nitems,  (void *)&qtiles};
-    return CF_CK(ctx, cudaLaunchKernel(fn, grid, block, args, C::SMEM, st)) ? 1 : -1;
+                    (void *)&tps,     (void *)&nw,      (void *)&nitems,  (void *)&qtiles,  (void *)&p1_blocks};
+    return CF_CK(ctx, cudaLaunchKernelExC(&cfg, fn, args)) ? 1 : -1;
 }
 
 template <int D>
-static int dq_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int nk_rows, int maxlen, int tps,
-                   cudaStream_t st) {
+static int dq_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int nk_rows, int maxlen, int tps, int p1_blocks,
+                   cudaStream_t st, cudaEvent_t done) {
     using C = DqSm90<D>;
     CUtensorMap m[4];
     if (!attn_sm90_map_rows(&m[0], a.q, nq_rows, a.H, D, C::BM) ||
@@ -548,18 +598,18 @@ static int dq_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int nk_rows
         !attn_sm90_map_rows(&m[2], a.k, nk_rows, a.Hkv, D, C::BN) ||
         !attn_sm90_map_rows(&m[3], a.v, nk_rows, a.Hkv, D, C::BN))
         return 0;
-    return dq_pingpong(ctx) ? dq_sm90_launch<D, true>(ctx, a, m, maxlen, tps, st)
-                            : dq_sm90_launch<D, false>(ctx, a, m, maxlen, tps, st);
+    return dq_pingpong(ctx) ? dq_sm90_launch<D, true>(ctx, a, m, maxlen, tps, p1_blocks, st, done)
+                            : dq_sm90_launch<D, false>(ctx, a, m, maxlen, tps, p1_blocks, st, done);
 }
 
 int attn_cf_sm90_prep(cf_cuda_ctx *ctx, const AttnArgs &a, int D, const cf_rows *kept, float *acc, size_t acc_n,
-                      int *filt, int *fstart, AttnArgs *p2) {
+                      int *filt, int *fstart, AttnArgs *p2, cudaEvent_t fork) {
     if (D != 64 && D != 128) return 0;
     const int n = kept->n, T = a.B * a.S, nf = T - n;
     const size_t rowlen = (size_t)a.Hkv * D;
     bf16 *kf = NULL, *vf = NULL;
-    int *queue = (int *)cf_cuda_scratch(ctx, CF_SCR_ATTN_SM90_QUEUE, sizeof(int)); /* part 2's, zeroed here */
-    if (!queue) return -1;
+    int *sync = (int *)cf_cuda_scratch(ctx, CF_SCR_ATTN_SM90_QUEUE, CF_CF_SYNC_WORDS * sizeof(int)); /* zeroed here */
+    if (!sync) return -1;
     if (nf > 0) { /* the filtered keys' K and V rows, compacted for the copy engine */
         kf = (bf16 *)cf_cuda_scratch(ctx, CF_SCR_ATTN_SM90_KF, (size_t)nf * rowlen * sizeof(bf16));
         vf = (bf16 *)cf_cuda_scratch(ctx, CF_SCR_ATTN_SM90_VF, (size_t)nf * rowlen * sizeof(bf16));
@@ -587,12 +637,26 @@ int attn_cf_sm90_prep(cf_cuda_ctx *ctx, const AttnArgs &a, int D, const cf_rows 
     p.kf = kf;
     p.vf = vf;
     p.rowlen = (int)rowlen;
-    p.queue = queue;
+    p.sync = sync;
     p.rpw = attn_prep_rows_per_warp(D, a.dout, a.o);
     const int np = (int)((((size_t)p.nrows + p.rpw - 1) / p.rpw * 32 + 255) / 256);
-    cf_prep_kernel<<<p.nr + np, 256, 0, ctx->stream>>>(p);
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(p.nr + np);
+    cfg.blockDim = dim3(256);
+    cfg.stream = ctx->stream;
+    cudaLaunchAttribute at[1];
+    if (fork) { /* the fork: part 2, on the other stream, waits with griddep_wait */
+        at[0].id = cudaLaunchAttributeProgrammaticEvent;
+        at[0].val.programmaticEvent.event = fork;
+        at[0].val.programmaticEvent.flags = 0;
+        at[0].val.programmaticEvent.triggerAtBlockStart = 1;
+    }
+    cfg.attrs = at;
+    cfg.numAttrs = fork ? 1 : 0;
+    cudaLaunchKernelEx(&cfg, cf_prep_kernel, p);
     if (!CF_CK_LAUNCH(ctx, "attention sm90 centrifuge prep")) return -1;
     *p2 = a;
+    p2->cf_sync = sync;
     p2->kstart = fstart;
     p2->krow = filt;
     p2->dq_acc = acc;
@@ -604,9 +668,9 @@ int attn_cf_sm90_prep(cf_cuda_ctx *ctx, const AttnArgs &a, int D, const cf_rows 
 }
 
 int attn_bwd_dq_sm90(cf_cuda_ctx *ctx, const AttnArgs &p, int D, int nq_rows, int nf, int maxlen, int tps,
-                     cudaStream_t st) {
+                     int p1_blocks, cudaStream_t st, cudaEvent_t done) {
     if (D != 64 && D != 128) return 0;
     if (nf <= 0) return 1; /* no filtered key anywhere: nothing to add */
-    return D == 64 ? dq_sm90<64>(ctx, p, nq_rows, nf, maxlen, tps, st)
-                   : dq_sm90<128>(ctx, p, nq_rows, nf, maxlen, tps, st);
+    return D == 64 ? dq_sm90<64>(ctx, p, nq_rows, nf, maxlen, tps, p1_blocks, st, done)
+                   : dq_sm90<128>(ctx, p, nq_rows, nf, maxlen, tps, p1_blocks, st, done);
 }

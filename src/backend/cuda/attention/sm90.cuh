@@ -280,6 +280,21 @@ __device__ __forceinline__ void bulk_commit() { CF_SM90_ASM("cp.async.bulk.commi
 __device__ __forceinline__ void bulk_wait_read() { CF_SM90_ASM("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 /* waits until they have completed */
 __device__ __forceinline__ void bulk_wait_all() { CF_SM90_ASM("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+/* orders this thread's completed bulk (async proxy) writes to global memory
+ * before its later generic ones, such as a release that publishes them */
+__device__ __forceinline__ void fence_async_global() { CF_SM90_ASM("fence.proxy.async.global;\n" ::: "memory"); }
+
+/* A counter between kernels that run at once: *p += v with release, and a
+ * load with acquire (at gpu scope). What a thread wrote before its release
+ * is visible to a thread that reads the count after an acquire load saw it. */
+__device__ __forceinline__ void red_release_add(int *p, int v) {
+    CF_SM90_ASM("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ int ld_acquire(const int *p) {
+    int v = 0;
+    CF_SM90_ASM("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
 
 /* --------------------------------------------- clusters of two blocks */
 
