@@ -1959,6 +1959,20 @@ static int cf_sync_word(cf_cuda_ctx *ctx, int which) {
     return w[which];
 }
 
+/* Whether the bytes of the Hopper dq accumulator that the context holds to
+ * be zero (ctx->attn_acc_zero: a centrifuge backward leaves them so, and
+ * the next one skips their zeroing) are; 0 when it holds none. */
+static int acc_zero_claim_holds(cf_cuda_ctx *ctx) {
+    const size_t n = ctx->attn_acc_zero;
+    if (n == 0) return 0;
+    unsigned char *h = malloc(n);
+    CHECK(h != NULL && cudaMemcpy(h, ctx->scratch[CF_SCR_ATTN_SM90_DQ].p, n, cudaMemcpyDeviceToHost) == cudaSuccess);
+    size_t bad = 0;
+    for (size_t i = 0; h && i < n; i++) bad += h[i] != 0;
+    free(h);
+    return h != NULL && bad == 0;
+}
+
 /* How centrifuge's parts run on Hopper (launch.cu): part 2 beside part 1 or
  * after it; the streams' fork and join as programmatic events or as event
  * records; and part 2 writing its rows of dq itself where part 1 has
@@ -1967,7 +1981,9 @@ static int cf_sync_word(cf_cuda_ctx *ctx, int which) {
  * part 1 on one stream every warp with rows writes them itself (the count
  * of such warps > 0), without the switch none does (0); beside, it depends
  * on the timing. Each against the CPU; dq against the first (the order of
- * the fp32 additions differs), dk and dv bit for bit (part 1 alone). */
+ * the fp32 additions differs), dk and dv bit for bit (part 1 alone). Each
+ * leaves the dq accumulator zero, which the next one relies on (it skips
+ * the zeroing): checked by reading it back. */
 TEST(attention_hopper_centrifuge_part2_writes_dq_itself_where_part1_has_finished) {
     cf_cuda_ctx *ctx = hopper_ctx_or_skip();
     if (!ctx) return;
@@ -1998,6 +2014,8 @@ TEST(attention_hopper_centrifuge_part2_writes_dq_itself_where_part1_has_finished
             printf("    %s: %d warps wrote dq directly\n", what, warps);
             if (var[k].expect == 1) CHECK_MSG(warps > 0, "%s: no warp wrote dq directly", what);
             if (var[k].expect == 0) CHECK_MSG(warps == 0, "%s: %d warps wrote dq directly", what, warps);
+            CHECK_MSG(acc_zero_claim_holds(ctx), "%s: the dq accumulator is not left zero (%zu bytes claimed)", what,
+                      ctx->attn_acc_zero);
         }
         ctx->attn_cf_beside = ctx->attn_cf_pdl = ctx->attn_cf_direct = 0;
         for (int k = 1; k < NV; k++) {
@@ -2221,6 +2239,7 @@ int main(void) {
     RUN_IF(attention_hopper_bwd_heads_per_block_and_query_parts_match);
     RUN_IF(attention_hopper_bwd_pairs_give_the_partials_bits);
     RUN_IF(attention_hopper_centrifuge_part2_turns_and_grids_match_cpu);
+    RUN_IF(attention_hopper_centrifuge_part2_writes_dq_itself_where_part1_has_finished);
     RUN_IF(attention_bwd_leaves_idle_where_the_plan_is_under_one_and_a_half_waves);
     RUN_IF(errors_are_sticky_and_a_second_context_is_independent);
     RUN_IF(two_contexts_interleaved_give_the_same_results);

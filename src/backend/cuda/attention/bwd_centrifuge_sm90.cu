@@ -46,10 +46,16 @@ template <int D> struct DqSm90 {
     static constexpr int QB = 2; /* work items in flight: Q/dO buffers, query vectors, slots */
     static constexpr uint32_t Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2, SMALL_BYTES = 2 * BN * 4;
     static constexpr uint32_t QVEC_BYTES = 4 * BM * 4; /* row, document, lse, D_i of an item's queries */
+    /* D = 64: part 1's sum of the item's dq rows, copied in during its last
+     * tile where part 2 writes dq itself (a thread's own float4s); no room
+     * at D = 128, which loads them at the epilogue */
+    static constexpr bool STAGE = D == 64;
+    static constexpr uint32_t STAGE_BYTES = STAGE ? BM * D * 4 : 0;
     /* item i's Q at i * 2 Q_BYTES, its dO Q_BYTES further */
     static constexpr uint32_t OFF_Q = 0, OFF_K = 2 * QB * Q_BYTES, OFF_V = OFF_K + KST * KV_BYTES,
                               OFF_SMALL = OFF_V + KST * KV_BYTES, OFF_QVEC = OFF_SMALL + KST * SMALL_BYTES,
-                              OFF_SLOT = OFF_QVEC + QB * QVEC_BYTES, OFF_BAR = OFF_SLOT + QB * 32;
+                              OFF_SLOT = OFF_QVEC + QB * QVEC_BYTES, OFF_STAGE = OFF_SLOT + QB * 32,
+                              OFF_BAR = OFF_STAGE + STAGE_BYTES;
     /* barriers: posted[QB], full_q[QB], qempty[QB], full_k[KST], full_v[KST], empty[KST] */
     static constexpr uint32_t SMEM = OFF_BAR + 8 * (3 * QB + 3 * KST) + 1024;
     static_assert(SMEM <= 227 * 1024, "part 2 fits an SM's shared memory");
@@ -397,7 +403,30 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
         float dq[D / 2];
 #pragma unroll
         for (int e = 0; e < D / 2; e++) dq[e] = 0.f;
+        /* this warp's slot of the accumulator, its 16 rows and this thread's
+         * float4 in it for column block j (slot order: dq_slot_index) */
+        const size_t sid = ((size_t)b * a.H + h) * tps + (q0 >> 6) + w; /* dq_slot_base / (64 D) */
+        float *const acc = a.dq_acc + sid * (64 * D);
+        const int rr = 16 * v + g;
+        auto acc_at = [&](int j) { return dq_slot_index(rr, 8 * j + 2 * t4, attn_nw); };
+        float4 *stage = reinterpret_cast<float4 *>(sbase + C::OFF_STAGE + w * (C::STAGE_BYTES / C::NC)) + tid;
+        /* direct (see the epilogue): part 1's count of finished blocks is
+         * loaded one tile before the item's last, and read at its start */
+        int seen = 0;
+        bool direct = false;
         for (int t = 0; t < m.nt; t++, u++) {
+            if (p1_blocks >= 0 && t == max(m.nt - 2, 0)) seen = ld_relaxed(a.cf_sync + CF_CF_SYNC_PART1_DONE);
+            if (p1_blocks >= 0 && t == m.nt - 1) {
+                direct = __all_sync(0xffffffffu, seen == p1_blocks);
+                if (direct) {
+                    fence_acquire_gpu(); /* this lane saw the count: part 1's terms are visible to it */
+                    if constexpr (C::STAGE) {
+#pragma unroll
+                        for (int j = 0; j < D / 8; j++) cp_async16(stage + 128 * j, acc + acc_at(j), 16);
+                        cp_async_commit();
+                    }
+                }
+            }
             const int st = u % KST, par = (u / KST) & 1;
             const uint32_t sKs = sK + st * C::KV_BYTES, sVs = sV + st * C::KV_BYTES;
             float s[BN / 2], dp[BN / 2];
@@ -466,30 +495,37 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
             if (lane == 0) mbar_arrive(empty(st));
         }
         tiles += m.nt;
-        /* Where every block of part 1 has counted itself finished (bwd_sm90.cu:
-         * after its reductions completed), this warp's 16 rows of dq are
-         * final once its own terms are added: it reads part 1's sum, adds
+        /* Where every block of part 1 had counted itself finished at the
+         * item's last tile (bwd_sm90.cu: after its reductions completed),
+         * this warp's 16 rows of dq are final once its own terms are added:
+         * it reads part 1's sum (copied in during that tile at D = 64), adds
          * scale dQ and writes the rows as bf16 itself (direct), and marks
          * them in the slot's word so the finish leaves them. Else it adds
          * scale dQ to the accumulator (slot order, where float4 k holds (r,
          * c), (r, c + 1), (r + 8, c), (r + 8, c + 1): this thread's pairs of
          * both rows in one vector reduction, or of the first row alone
          * where the second is past the sequence) and the finish converts
-         * them. Each lane loads the count with acquire, so each one's reads
-         * of the accumulator see part 1's terms. The next item's Q, dO and
-         * first tiles load meanwhile. */
-        const bool direct = m.nt > 0 && p1_blocks >= 0 &&
-                            __all_sync(0xffffffffu, ld_acquire(a.cf_sync + CF_CF_SYNC_PART1_DONE) == p1_blocks);
-        if (m.nt > 0 && qi[0] < m.qlen) {
-            const size_t sid = ((size_t)b * a.H + h) * tps + (q0 >> 6) + w; /* the slot: dq_slot_base / (64 D) */
-            float *acc = a.dq_acc + sid * (64 * D);
-            const int nw = attn_nw, rr = 16 * v + g;
-            const bool both = qi[1] < m.qlen;
-            if (direct) {
-                float4 x[D / 8];
+         * them. Every lane saw the count before its acquire fence, so its
+         * reads of the accumulator see part 1's terms. The next item's Q,
+         * dO and first tiles load meanwhile. */
+        const bool both = qi[1] < m.qlen;
+        if (direct) {
+            /* every lane, rows past the sequence too: what it read is set
+             * back to zero (the accumulator is left zero for the next
+             * backward, launch.cu) */
+            float4 x[D / 8];
+            if constexpr (C::STAGE) {
+                cp_async_wait<0>();
 #pragma unroll
-                for (int j = 0; j < D / 8; j++)
-                    x[j] = __ldcg(reinterpret_cast<const float4 *>(acc + dq_slot_index(rr, 8 * j + 2 * t4, nw)));
+                for (int j = 0; j < D / 8; j++) x[j] = stage[128 * j];
+            } else {
+#pragma unroll
+                for (int j = 0; j < D / 8; j++) x[j] = __ldcg(reinterpret_cast<const float4 *>(acc + acc_at(j)));
+            }
+#pragma unroll
+            for (int j = 0; j < D / 8; j++)
+                __stcg(reinterpret_cast<float4 *>(acc + acc_at(j)), make_float4(0.f, 0.f, 0.f, 0.f));
+            if (qi[0] < m.qlen) {
                 bf16 *d0 = a.dq + ((size_t)(m.qs + qi[0]) * a.H + h) * D + 2 * t4,
                      *d1 = a.dq + ((size_t)(m.qs + qi[1]) * a.H + h) * D + 2 * t4;
 #pragma unroll
@@ -504,16 +540,16 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
                     atomicOr(a.dq_direct + sid, 1u << v);
                     atomicAdd(a.cf_sync + CF_CF_SYNC_DIRECT, 1);
                 }
-            } else {
+            }
+        } else if (m.nt > 0 && qi[0] < m.qlen) {
 #pragma unroll
-                for (int j = 0; j < D / 8; j++) {
-                    float *p = acc + dq_slot_index(rr, 8 * j + 2 * t4, nw);
-                    const float x0 = a.scale * dq[4 * j], x1 = a.scale * dq[4 * j + 1];
-                    if (both)
-                        atomic_add_f4(p, make_float4(x0, x1, a.scale * dq[4 * j + 2], a.scale * dq[4 * j + 3]));
-                    else
-                        atomic_add_f2(p, x0, x1);
-                }
+            for (int j = 0; j < D / 8; j++) {
+                float *p = acc + acc_at(j);
+                const float x0 = a.scale * dq[4 * j], x1 = a.scale * dq[4 * j + 1];
+                if (both)
+                    atomic_add_f4(p, make_float4(x0, x1, a.scale * dq[4 * j + 2], a.scale * dq[4 * j + 3]));
+                else
+                    atomic_add_f2(p, x0, x1);
             }
         }
         /* the item's Q, dO, vectors and slot may be reused */
@@ -602,8 +638,8 @@ static int dq_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int nk_rows
                             : dq_sm90_launch<D, false>(ctx, a, m, maxlen, tps, p1_blocks, st, done);
 }
 
-int attn_cf_sm90_prep(cf_cuda_ctx *ctx, const AttnArgs &a, int D, const cf_rows *kept, float *acc, size_t acc_n,
-                      int *filt, int *fstart, AttnArgs *p2, cudaEvent_t fork) {
+int attn_cf_sm90_prep(cf_cuda_ctx *ctx, const AttnArgs &a, int D, const cf_rows *kept, float *acc, float *zero,
+                      size_t nzero, int *filt, int *fstart, AttnArgs *p2, cudaEvent_t fork) {
     if (D != 64 && D != 128) return 0;
     const int n = kept->n, T = a.B * a.S, nf = T - n;
     const size_t rowlen = (size_t)a.Hkv * D;
@@ -619,8 +655,8 @@ int attn_cf_sm90_prep(cf_cuda_ctx *ctx, const AttnArgs &a, int D, const cf_rows 
     p.dout = a.dout;
     p.o = a.o;
     p.Dvec = (float *)a.Dvec;
-    p.zero = acc;
-    p.nzero = acc_n;
+    p.zero = zero;
+    p.nzero = nzero;
     p.nrows = n * a.H;
     p.D = D;
     p.nr = (int)(((size_t)(nf > 0 ? nf : 1) * 32 + 255) / 256); /* a warp per filtered row; one block at least (fstart) */

@@ -282,6 +282,14 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
         try_hopper ? (float *)cf_cuda_scratch(ctx, CF_SCR_ATTN_SM90_DQ, (acc_n + nslots) * sizeof(float)) : NULL;
     if (try_hopper && !acc) return;
     unsigned *direct_words = try_hopper ? (unsigned *)(acc + acc_n) : NULL;
+    /* A Hopper centrifuge backward leaves the accumulator zero (part 2 and
+     * the finish set what they read back to zero): where the last backward
+     * did so in this buffer, this one's prep does not zero it. Unknown
+     * (0) from here until this backward has finished that way. */
+    const bool acc_zero = try_hopper && ctx->attn_acc_zero_p == acc &&
+                          ctx->attn_acc_zero_cap == ctx->scratch[CF_SCR_ATTN_SM90_DQ].cap &&
+                          ctx->attn_acc_zero >= acc_n * sizeof(float);
+    if (try_hopper) ctx->attn_acc_zero = 0;
     /* GQA: fp32 partials of dk, dv per group of hpb query heads (1 on the
      * portable path) and part of the query range (ns, Hopper), summed by
      * the GQA reduction; partials also without GQA when ns > 1 */
@@ -321,9 +329,11 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
         filt = (int *)cf_cuda_scratch(ctx, CF_SCR_ATTN_FILT, (size_t)(nf > 0 ? nf : 1) * sizeof(int));
         fstart = (int *)cf_cuda_scratch(ctx, CF_SCR_ATTN_FSTART, (size_t)(B + 1) * sizeof(int));
         if (!filt || !fstart) return;
-        if (try_hopper &&
-            (prepared = attn_cf_sm90_prep(ctx, a, D, kept, acc, acc_n + nslots, filt, fstart, &p2,
-                                          cf_beside && (cf_pdl_bits(ctx) & 1) ? ctx->ev_fork : NULL)) < 0)
+        /* the per-slot words after the accumulator are zeroed every time */
+        float *zero = acc_zero ? acc + acc_n : acc;
+        const size_t nzero = acc_zero ? nslots : acc_n + nslots;
+        if (try_hopper && (prepared = attn_cf_sm90_prep(ctx, a, D, kept, acc, zero, nzero, filt, fstart, &p2,
+                                                        cf_beside && (cf_pdl_bits(ctx) & 1) ? ctx->ev_fork : NULL)) < 0)
             return;
     }
     if (!prepared) {
@@ -394,10 +404,16 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
         /* the last launch: dq (bf16; fp32 for a portable part 2 to add to)
          * and the GQA reduction in one grid */
         const bool dq_final = !cf || r;
+        const bool cf_hopper = cf && r == 1; /* both parts on Hopper: the accumulator is left zero */
         attn_sm90_bwd_finish(ctx->stream, dq_final ? (bf16 *)dq : NULL, dq_final ? NULL : dq_acc, a.dq_acc,
-                             cf && r == 1 ? direct_words : NULL, a.qstart, B, S, H, D, tps, partials ? &red : NULL,
-                             !cf || join_pdl);
+                             cf_hopper ? direct_words : NULL, cf_hopper, a.qstart, B, S, H, D, tps,
+                             partials ? &red : NULL, !cf || join_pdl);
         if (!CF_CK_LAUNCH(ctx, "attention sm90 backward finish")) return;
+        if (cf_hopper) {
+            ctx->attn_acc_zero = acc_n * sizeof(float);
+            ctx->attn_acc_zero_p = acc;
+            ctx->attn_acc_zero_cap = ctx->scratch[CF_SCR_ATTN_SM90_DQ].cap;
+        }
     } else if (!cf) {
         attn_dq_to_bf16(ctx->stream, (bf16 *)dq, dq_acc, (size_t)n * H * D);
         if (!CF_CK_LAUNCH(ctx, "attention dq to bf16")) return;

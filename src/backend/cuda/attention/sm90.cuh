@@ -284,17 +284,20 @@ __device__ __forceinline__ void bulk_wait_all() { CF_SM90_ASM("cp.async.bulk.wai
  * before its later generic ones, such as a release that publishes them */
 __device__ __forceinline__ void fence_async_global() { CF_SM90_ASM("fence.proxy.async.global;\n" ::: "memory"); }
 
-/* A counter between kernels that run at once: *p += v with release, and a
- * load with acquire (at gpu scope). What a thread wrote before its release
- * is visible to a thread that reads the count after an acquire load saw it. */
+/* A counter between kernels that run at once: *p += v with release (at gpu
+ * scope). What a thread wrote before its release is visible to a thread
+ * that loaded the count it made and then passed an acquire fence. */
 __device__ __forceinline__ void red_release_add(int *p, int v) {
     CF_SM90_ASM("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
 }
-__device__ __forceinline__ int ld_acquire(const int *p) {
+/* a plain (relaxed) load of such a counter, issued early; an acquire fence
+ * after it, once it saw the count, makes it an acquire */
+__device__ __forceinline__ int ld_relaxed(const int *p) {
     int v = 0;
-    CF_SM90_ASM("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    CF_SM90_ASM("ld.relaxed.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
     return v;
 }
+__device__ __forceinline__ void fence_acquire_gpu() { CF_SM90_ASM("fence.acq_rel.gpu;\n" ::: "memory"); }
 
 /* --------------------------------------------- clusters of two blocks */
 
