@@ -508,20 +508,19 @@ for part in "$@"; do
           echo "$v (rep $rep), S H Hkv D = $sh"; BENCH_ATTN_PATHS=auto "$b" $sh 2>&1 | grep -E "forward|backward"
         done; done; done 2>&1 | tee "$OUT/attn_ab.txt" ;;
     cf-flow)
-      # issue 17 (run 33): how centrifuge's parts run, the switches of launch.cu in one binary: CF_ATTN_CF_PDL
-      # (the streams' fork and join as programmatic events: 3, or event records: 0) and CF_ATTN_CF_DIRECT (part
-      # 2 writes dq itself where part 1 has finished: 1), each pair alternated twice per shape, with the
-      # carried bench_attention_old (an earlier build) where there is one
+      # issue 17 (run 33): how centrifuge's parts run, the switches of attention/launch.cu in one binary: each
+      # setting of FLOW_ENVS ('|' between settings; default: CF_ATTN_CF_DIRECT x CF_ATTN_CF_KEEP_ZERO) alternated
+      # twice per shape, with the carried bench_attention_old (an earlier build) where there is one
       IFS='|' read -ra shs <<<"${AB_SHAPES:-4096 32 4 64|4096 32 8 128|2048 12 2 128|2048 24 8 128}"
+      IFS='|' read -ra envs <<<"${FLOW_ENVS:-CF_ATTN_CF_DIRECT=0 CF_ATTN_CF_KEEP_ZERO=0|CF_ATTN_CF_DIRECT=1 CF_ATTN_CF_KEEP_ZERO=0|CF_ATTN_CF_DIRECT=0 CF_ATTN_CF_KEEP_ZERO=1|CF_ATTN_CF_DIRECT=1 CF_ATTN_CF_KEEP_ZERO=1}"
       for sh in "${shs[@]}"; do for rep in 1 2; do
         if [ -x "$G/bench_attention_old" ]; then
           echo "old (rep $rep), S H Hkv D = $sh"
           BENCH_ATTN_PATHS=auto "$G/bench_attention_old" $sh 2>&1 | grep -E "backward (full|centrifuge)"
         fi
-        for v in "0 0" "3 0" "0 1" "3 1"; do read -r pdl dir <<<"$v"
-          echo "pdl=$pdl direct=$dir (rep $rep), S H Hkv D = $sh"
-          CF_ATTN_CF_PDL=$pdl CF_ATTN_CF_DIRECT=$dir BENCH_ATTN_PATHS=auto "$G/bench_attention" $sh 2>&1 |
-            grep -E "backward (full|centrifuge)"
+        for e in "${envs[@]}"; do
+          echo "$e (rep $rep), S H Hkv D = $sh"
+          env $e BENCH_ATTN_PATHS=auto "$G/bench_attention" $sh 2>&1 | grep -E "backward (full|centrifuge)"
         done; done; done 2>&1 | tee "$OUT/cf_flow.txt" ;;
     attn-parts)
       # attention alone: the carried bench_attention_old (an earlier build), this build with one part per key

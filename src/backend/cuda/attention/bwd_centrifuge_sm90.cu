@@ -44,7 +44,9 @@ template <int D> struct DqSm90 {
     /* 128 keys per tile at D = 64 (fewer steps); 64 at D = 128 (registers) */
     static constexpr int NC = 2, BM = 64 * NC, BN = D == 64 ? 128 : 64, KST = 2, THREADS = 128 * (NC + 1);
     static constexpr int QB = 2; /* work items in flight: Q/dO buffers, query vectors, slots */
-    static constexpr uint32_t Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2, SMALL_BYTES = 2 * BN * 4;
+    /* a K/V stage's small area: its keys' rows and documents, and for an
+     * item's last tile whether the item writes dq itself (direct) */
+    static constexpr uint32_t Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2, SMALL_BYTES = 2 * BN * 4 + 16;
     static constexpr uint32_t QVEC_BYTES = 4 * BM * 4; /* row, document, lse, D_i of an item's queries */
     /* D = 64: part 1's sum of the item's dq rows, copied in during its last
      * tile where part 2 writes dq itself (a thread's own float4s); no room
@@ -166,7 +168,8 @@ template <int D, bool PINGPONG>
 __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
     attn_bwd_dq_sm90_kernel(const __grid_constant__ CUtensorMap tmQ, const __grid_constant__ CUtensorMap tmO,
                             const __grid_constant__ CUtensorMap tmK, const __grid_constant__ CUtensorMap tmV,
-                            const AttnArgs a, int tps, int attn_nw, int nitems, int qtiles, int p1_blocks) {
+                            const AttnArgs a, int tps, int attn_nw, int nitems, int qtiles, int p1_blocks,
+                            int zero_read) {
 #if CF_SM90A_PATH
     using C = DqSm90<D>;
     constexpr int BM = C::BM, BN = C::BN, KST = C::KST, QB = C::QB, DB = D / 64;
@@ -285,6 +288,15 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
                     for (int e = 0; e < PER; e++) {
                         sm[lane + 32 * e] = row_r[e];
                         sm[BN + lane + 32 * e] = doc_r[e];
+                    }
+                    /* the item's last tile: direct where every block of part
+                     * 1 had counted itself finished; the acquire fence makes
+                     * part 1's sums visible to this thread, and the stage's
+                     * mbarrier passes them on to the consumers */
+                    if (t == cur.nt - 1 && lane == 0) {
+                        const bool dir = p1_blocks >= 0 && ld_relaxed(a.cf_sync + CF_CF_SYNC_PART1_DONE) == p1_blocks;
+                        if (dir) fence_acquire_gpu();
+                        sm[2 * BN] = dir;
                     }
                     mbar_arrive(full_k(s));
                     if (t + 1 < cur.nt) load(t + 1);
@@ -410,23 +422,8 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
         const int rr = 16 * v + g;
         auto acc_at = [&](int j) { return dq_slot_index(rr, 8 * j + 2 * t4, attn_nw); };
         float4 *stage = reinterpret_cast<float4 *>(sbase + C::OFF_STAGE + w * (C::STAGE_BYTES / C::NC)) + tid;
-        /* direct (see the epilogue): part 1's count of finished blocks is
-         * loaded one tile before the item's last, and read at its start */
-        int seen = 0;
-        bool direct = false;
+        bool direct = false; /* decided by the claimer at the item's last tile (see the epilogue) */
         for (int t = 0; t < m.nt; t++, u++) {
-            if (p1_blocks >= 0 && t == max(m.nt - 2, 0)) seen = ld_relaxed(a.cf_sync + CF_CF_SYNC_PART1_DONE);
-            if (p1_blocks >= 0 && t == m.nt - 1) {
-                direct = __all_sync(0xffffffffu, seen == p1_blocks);
-                if (direct) {
-                    fence_acquire_gpu(); /* this lane saw the count: part 1's terms are visible to it */
-                    if constexpr (C::STAGE) {
-#pragma unroll
-                        for (int j = 0; j < D / 8; j++) cp_async16(stage + 128 * j, acc + acc_at(j), 16);
-                        cp_async_commit();
-                    }
-                }
-            }
             const int st = u % KST, par = (u / KST) & 1;
             const uint32_t sKs = sK + st * C::KV_BYTES, sVs = sV + st * C::KV_BYTES;
             float s[BN / 2], dp[BN / 2];
@@ -445,6 +442,14 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
             wgmma_commit();
             turn.pass();
             const int *krow_s = small(st), *kdoc_s = krow_s + BN;
+            if (t == m.nt - 1 && krow_s[2 * BN]) {
+                direct = true;
+                if constexpr (C::STAGE) {
+#pragma unroll
+                    for (int j = 0; j < D / 8; j++) cp_async16(stage + 128 * j, acc + acc_at(j), 16);
+                    cp_async_commit();
+                }
+            }
             /* Every key of the tile precedes the warp's first query (its
              * last row, INT_MAX past the sequence, is at most that row) and
              * no document mask: no mask. Most tiles of an item are such. */
@@ -505,9 +510,10 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
          * c), (r, c + 1), (r + 8, c), (r + 8, c + 1): this thread's pairs of
          * both rows in one vector reduction, or of the first row alone
          * where the second is past the sequence) and the finish converts
-         * them. Every lane saw the count before its acquire fence, so its
-         * reads of the accumulator see part 1's terms. The next item's Q,
-         * dO and first tiles load meanwhile. */
+         * them. The claimer saw the count before its acquire fence and
+         * passed it on through the last tile's mbarrier, so the reads of
+         * the accumulator see part 1's terms. The next item's Q, dO and
+         * first tiles load meanwhile. */
         const bool both = qi[1] < m.qlen;
         if (direct) {
             /* every lane, rows past the sequence too: what it read is set
@@ -522,9 +528,10 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
 #pragma unroll
                 for (int j = 0; j < D / 8; j++) x[j] = __ldcg(reinterpret_cast<const float4 *>(acc + acc_at(j)));
             }
+            if (zero_read)
 #pragma unroll
-            for (int j = 0; j < D / 8; j++)
-                __stcg(reinterpret_cast<float4 *>(acc + acc_at(j)), make_float4(0.f, 0.f, 0.f, 0.f));
+                for (int j = 0; j < D / 8; j++)
+                    __stcg(reinterpret_cast<float4 *>(acc + acc_at(j)), make_float4(0.f, 0.f, 0.f, 0.f));
             if (qi[0] < m.qlen) {
                 bf16 *d0 = a.dq + ((size_t)(m.qs + qi[0]) * a.H + h) * D + 2 * t4,
                      *d1 = a.dq + ((size_t)(m.qs + qi[1]) * a.H + h) * D + 2 * t4;
@@ -599,7 +606,7 @@ template <int D, bool PP> static constexpr int dq_variant_bit() {
 
 template <int D, bool PP>
 static int dq_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, const CUtensorMap *maps, int maxlen, int tps,
-                          int p1_blocks, cudaStream_t st, cudaEvent_t done) {
+                          int p1_blocks, int zero_read, cudaStream_t st, cudaEvent_t done) {
     using C = DqSm90<D>;
     const void *fn = (const void *)attn_bwd_dq_sm90_kernel<D, PP>;
     if (!attn_sm90_prepare(ctx, fn, C::SMEM, dq_variant_bit<D, PP>())) return -1;
@@ -620,13 +627,14 @@ static int dq_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, const CUtensorMap
     cfg.attrs = at;
     cfg.numAttrs = done ? 1 : 0;
     void *args[] = {(void *)&maps[0], (void *)&maps[1], (void *)&maps[2], (void *)&maps[3], (void *)&a,
-                    (void *)&tps,     (void *)&nw,      (void *)&nitems,  (void *)&qtiles,  (void *)&p1_blocks};
+                    (void *)&tps,     (void *)&nw,      (void *)&nitems,  (void *)&qtiles,  (void *)&p1_blocks,
+                    (void *)&zero_read};
     return CF_CK(ctx, cudaLaunchKernelExC(&cfg, fn, args)) ? 1 : -1;
 }
 
 template <int D>
 static int dq_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int nk_rows, int maxlen, int tps, int p1_blocks,
-                   cudaStream_t st, cudaEvent_t done) {
+                   int zero_read, cudaStream_t st, cudaEvent_t done) {
     using C = DqSm90<D>;
     CUtensorMap m[4];
     if (!attn_sm90_map_rows(&m[0], a.q, nq_rows, a.H, D, C::BM) ||
@@ -634,8 +642,8 @@ static int dq_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int nk_rows
         !attn_sm90_map_rows(&m[2], a.k, nk_rows, a.Hkv, D, C::BN) ||
         !attn_sm90_map_rows(&m[3], a.v, nk_rows, a.Hkv, D, C::BN))
         return 0;
-    return dq_pingpong(ctx) ? dq_sm90_launch<D, true>(ctx, a, m, maxlen, tps, p1_blocks, st, done)
-                            : dq_sm90_launch<D, false>(ctx, a, m, maxlen, tps, p1_blocks, st, done);
+    return dq_pingpong(ctx) ? dq_sm90_launch<D, true>(ctx, a, m, maxlen, tps, p1_blocks, zero_read, st, done)
+                            : dq_sm90_launch<D, false>(ctx, a, m, maxlen, tps, p1_blocks, zero_read, st, done);
 }
 
 int attn_cf_sm90_prep(cf_cuda_ctx *ctx, const AttnArgs &a, int D, const cf_rows *kept, float *acc, float *zero,
@@ -704,9 +712,9 @@ int attn_cf_sm90_prep(cf_cuda_ctx *ctx, const AttnArgs &a, int D, const cf_rows 
 }
 
 int attn_bwd_dq_sm90(cf_cuda_ctx *ctx, const AttnArgs &p, int D, int nq_rows, int nf, int maxlen, int tps,
-                     int p1_blocks, cudaStream_t st, cudaEvent_t done) {
+                     int p1_blocks, bool zero_read, cudaStream_t st, cudaEvent_t done) {
     if (D != 64 && D != 128) return 0;
     if (nf <= 0) return 1; /* no filtered key anywhere: nothing to add */
-    return D == 64 ? dq_sm90<64>(ctx, p, nq_rows, nf, maxlen, tps, p1_blocks, st, done)
-                   : dq_sm90<128>(ctx, p, nq_rows, nf, maxlen, tps, p1_blocks, st, done);
+    return D == 64 ? dq_sm90<64>(ctx, p, nq_rows, nf, maxlen, tps, p1_blocks, zero_read, st, done)
+                   : dq_sm90<128>(ctx, p, nq_rows, nf, maxlen, tps, p1_blocks, zero_read, st, done);
 }

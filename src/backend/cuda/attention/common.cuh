@@ -473,13 +473,14 @@ void attn_sm90_bwd_plan(cf_cuda_ctx *ctx, int D, int H, int Hkv, int B, int qmax
  * on another stream. attn_bwd_dq_sm90: part 2 on stream st, adding the
  * filtered keys' dq terms to the slot-order accumulator p.dq_acc, or,
  * where all p1_blocks blocks of part 1 have finished (-1: never), writing
- * the final rows into p.dq and marking them in p.dq_direct; done: recorded
+ * the final rows into p.dq and marking them in p.dq_direct (zero_read: and
+ * setting what it read of the accumulator back to zero); done: recorded
  * as its programmatic event (or NULL) (1; 0: the driver refused a tensor
  * map, nothing launched; -1 on an error) */
 int attn_cf_sm90_prep(cf_cuda_ctx *ctx, const AttnArgs &a, int D, const cf_rows *kept, float *acc, float *zero,
                       size_t nzero, int *filt, int *fstart, AttnArgs *p2, cudaEvent_t fork);
 int attn_bwd_dq_sm90(cf_cuda_ctx *ctx, const AttnArgs &p, int D, int nq_rows, int nf, int maxlen, int tps,
-                     int p1_blocks, cudaStream_t st, cudaEvent_t done);
+                     int p1_blocks, bool zero_read, cudaStream_t st, cudaEvent_t done);
 /* bwd_sm90.cu: the width of the dQ products at head dim D (slot order) */
 int attn_sm90_bwd_nw(int D);
 /* bwd_sm90.cu: the main backward kernel's blocks for a plan (hpb heads per
