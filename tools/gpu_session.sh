@@ -509,10 +509,10 @@ for part in "$@"; do
         done; done; done 2>&1 | tee "$OUT/attn_ab.txt" ;;
     cf-flow)
       # issue 17 (run 33): how centrifuge's parts run, the switches of attention/launch.cu in one binary: each
-      # setting of FLOW_ENVS ('|' between settings; default: CF_ATTN_CF_DIRECT x CF_ATTN_CF_KEEP_ZERO) alternated
+      # setting of FLOW_ENVS ('|' between settings; default: CF_ATTN_CF_DIRECT x CF_ATTN_CF_PDL) alternated
       # twice per shape, with the carried bench_attention_old (an earlier build) where there is one
       IFS='|' read -ra shs <<<"${AB_SHAPES:-4096 32 4 64|4096 32 8 128|2048 12 2 128|2048 24 8 128}"
-      IFS='|' read -ra envs <<<"${FLOW_ENVS:-CF_ATTN_CF_DIRECT=0 CF_ATTN_CF_KEEP_ZERO=0|CF_ATTN_CF_DIRECT=1 CF_ATTN_CF_KEEP_ZERO=0|CF_ATTN_CF_DIRECT=0 CF_ATTN_CF_KEEP_ZERO=1|CF_ATTN_CF_DIRECT=1 CF_ATTN_CF_KEEP_ZERO=1}"
+      IFS='|' read -ra envs <<<"${FLOW_ENVS:-CF_ATTN_CF_DIRECT=0 CF_ATTN_CF_PDL=0|CF_ATTN_CF_DIRECT=0 CF_ATTN_CF_PDL=3|CF_ATTN_CF_DIRECT=1 CF_ATTN_CF_PDL=0|CF_ATTN_CF_DIRECT=1 CF_ATTN_CF_PDL=3}"
       for sh in "${shs[@]}"; do for rep in 1 2; do
         if [ -x "$G/bench_attention_old" ]; then
           echo "old (rep $rep), S H Hkv D = $sh"

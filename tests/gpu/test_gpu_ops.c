@@ -1959,20 +1959,6 @@ static int cf_sync_word(cf_cuda_ctx *ctx, int which) {
     return w[which];
 }
 
-/* Whether the bytes of the Hopper dq accumulator that the context holds to
- * be zero (ctx->attn_acc_zero: a centrifuge backward leaves them so, and
- * the next one skips their zeroing) are; 0 when it holds none. */
-static int acc_zero_claim_holds(cf_cuda_ctx *ctx) {
-    const size_t n = ctx->attn_acc_zero;
-    if (n == 0) return 0;
-    unsigned char *h = malloc(n);
-    CHECK(h != NULL && cudaMemcpy(h, ctx->scratch[CF_SCR_ATTN_SM90_DQ].p, n, cudaMemcpyDeviceToHost) == cudaSuccess);
-    size_t bad = 0;
-    for (size_t i = 0; h && i < n; i++) bad += h[i] != 0;
-    free(h);
-    return h != NULL && bad == 0;
-}
-
 /* How centrifuge's parts run on Hopper (launch.cu): part 2 beside part 1 or
  * after it; the streams' fork and join as programmatic events or as event
  * records; and part 2 writing its rows of dq itself where part 1 has
@@ -1982,9 +1968,7 @@ static int acc_zero_claim_holds(cf_cuda_ctx *ctx) {
  * of such warps > 0), without the switch none does (0); beside, it depends
  * on the timing. Each against the CPU; dq against the first (the order of
  * the fp32 additions differs), dk and dv bit for bit where part 1 ran the
- * same plan (beside or not: bwd_plan gives each its own). Each
- * leaves the dq accumulator zero, which the next one relies on (it skips
- * the zeroing): checked by reading it back. */
+ * same plan (beside or not: bwd_plan gives each its own). */
 TEST(attention_hopper_centrifuge_part2_writes_dq_itself_where_part1_has_finished) {
     cf_cuda_ctx *ctx = hopper_ctx_or_skip();
     if (!ctx) return;
@@ -2015,8 +1999,6 @@ TEST(attention_hopper_centrifuge_part2_writes_dq_itself_where_part1_has_finished
             printf("    %s: %d warps wrote dq directly\n", what, warps);
             if (var[k].expect == 1) CHECK_MSG(warps > 0, "%s: no warp wrote dq directly", what);
             if (var[k].expect == 0) CHECK_MSG(warps == 0, "%s: %d warps wrote dq directly", what, warps);
-            CHECK_MSG(acc_zero_claim_holds(ctx), "%s: the dq accumulator is not left zero (%zu bytes claimed)", what,
-                      ctx->attn_acc_zero);
         }
         ctx->attn_cf_beside = ctx->attn_cf_pdl = ctx->attn_cf_direct = 0;
         for (int k = 1; k < NV; k++) {

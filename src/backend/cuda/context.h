@@ -164,13 +164,6 @@ typedef struct cf_cuda_ctx {
      * and join of the two streams as programmatic dependencies; part 2
      * writing dq directly where part 1 has finished */
     int attn_cf_beside, attn_cf_pdl, attn_cf_direct;
-    /* bytes at the start of scratch CF_SCR_ATTN_SM90_DQ (the Hopper dq
-     * accumulator) known to be zero, and the buffer they were at: a Hopper
-     * centrifuge backward leaves what it used zero again (part 2 and the
-     * finish clear what they read), so the next one need not zero it
-     * (attention/launch.cu) */
-    size_t attn_acc_zero, attn_acc_zero_cap;
-    const void *attn_acc_zero_p;
     /* 1: no pairs of blocks for the dk, dv partials (attention/bwd_sm90.cu:
      * attn_sm90_bwd_pair; tests); and per Hopper backward kernel, whether
      * its clusters of two were asked about and fit */

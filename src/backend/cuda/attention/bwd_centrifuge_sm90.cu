@@ -168,8 +168,7 @@ template <int D, bool PINGPONG>
 __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
     attn_bwd_dq_sm90_kernel(const __grid_constant__ CUtensorMap tmQ, const __grid_constant__ CUtensorMap tmO,
                             const __grid_constant__ CUtensorMap tmK, const __grid_constant__ CUtensorMap tmV,
-                            const AttnArgs a, int tps, int attn_nw, int nitems, int qtiles, int p1_blocks,
-                            int zero_read) {
+                            const AttnArgs a, int tps, int attn_nw, int nitems, int qtiles, int p1_blocks) {
 #if CF_SM90A_PATH
     using C = DqSm90<D>;
     constexpr int BM = C::BM, BN = C::BN, KST = C::KST, QB = C::QB, DB = D / 64;
@@ -289,11 +288,12 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
                         sm[lane + 32 * e] = row_r[e];
                         sm[BN + lane + 32 * e] = doc_r[e];
                     }
-                    /* the item's last tile: direct where every block of part
-                     * 1 had counted itself finished; the acquire fence makes
-                     * part 1's sums visible to this thread, and the stage's
+                    /* the tile before the item's last (its only one where it
+                     * has one): direct where every block of part 1 had
+                     * counted itself finished; the acquire fence makes part
+                     * 1's sums visible to this thread, and the stage's
                      * mbarrier passes them on to the consumers */
-                    if (t == cur.nt - 1 && lane == 0) {
+                    if (t == max(cur.nt - 2, 0) && lane == 0) {
                         const bool dir = p1_blocks >= 0 && ld_relaxed(a.cf_sync + CF_CF_SYNC_PART1_DONE) == p1_blocks;
                         if (dir) fence_acquire_gpu();
                         sm[2 * BN] = dir;
@@ -415,14 +415,16 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
         float dq[D / 2];
 #pragma unroll
         for (int e = 0; e < D / 2; e++) dq[e] = 0.f;
-        /* this warp's slot of the accumulator, its 16 rows and this thread's
-         * float4 in it for column block j (slot order: dq_slot_index) */
-        const size_t sid = ((size_t)b * a.H + h) * tps + (q0 >> 6) + w; /* dq_slot_base / (64 D) */
-        float *const acc = a.dq_acc + sid * (64 * D);
-        const int rr = 16 * v + g;
-        auto acc_at = [&](int j) { return dq_slot_index(rr, 8 * j + 2 * t4, attn_nw); };
-        float4 *stage = reinterpret_cast<float4 *>(sbase + C::OFF_STAGE + w * (C::STAGE_BYTES / C::NC)) + tid;
-        bool direct = false; /* decided by the claimer at the item's last tile (see the epilogue) */
+        /* this warpgroup's slot of the accumulator, and this thread's float4
+         * in it for column block j (slot order: dq_slot_index); computed
+         * where used, not held through the tiles */
+        const int dec = max(m.nt - 2, 0); /* the tile whose stage says direct */
+        auto acc_of = [&]() { return a.dq_acc + (((size_t)b * a.H + h) * tps + (q0 >> 6) + w) * (64 * D); };
+        auto acc_at = [&](int j) { return dq_slot_index(16 * v + g, 8 * j + 2 * t4, attn_nw); };
+        auto stage_of = [&]() {
+            return reinterpret_cast<float4 *>(sbase + C::OFF_STAGE + w * (C::STAGE_BYTES / C::NC)) + tid;
+        };
+        bool direct = false; /* decided by the claimer (see the epilogue) */
         for (int t = 0; t < m.nt; t++, u++) {
             const int st = u % KST, par = (u / KST) & 1;
             const uint32_t sKs = sK + st * C::KV_BYTES, sVs = sV + st * C::KV_BYTES;
@@ -442,14 +444,7 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
             wgmma_commit();
             turn.pass();
             const int *krow_s = small(st), *kdoc_s = krow_s + BN;
-            if (t == m.nt - 1 && krow_s[2 * BN]) {
-                direct = true;
-                if constexpr (C::STAGE) {
-#pragma unroll
-                    for (int j = 0; j < D / 8; j++) cp_async16(stage + 128 * j, acc + acc_at(j), 16);
-                    cp_async_commit();
-                }
-            }
+            if (t == dec) direct = krow_s[2 * BN] != 0;
             /* Every key of the tile precedes the warp's first query (its
              * last row, INT_MAX past the sequence, is at most that row) and
              * no document mask: no mask. Most tiles of an item are such. */
@@ -493,6 +488,17 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
             for (int kk = 0; kk < BN / 16; kk++) wgmma_rs<1>(dq, da[kk], desc_mn(sKs, BN, 0, kk), 1);
             wgmma_commit();
             turn.pass();
+            if constexpr (C::STAGE) {
+                /* direct: part 1's sums copied in while this tile and the
+                 * last one run */
+                if (direct && t == dec) {
+                    const float *acc = acc_of();
+                    float4 *stage = stage_of();
+#pragma unroll
+                    for (int j = 0; j < D / 8; j++) cp_async16(stage + 128 * j, acc + acc_at(j), 16);
+                    cp_async_commit();
+                }
+            }
             wgmma_wait<0>();
             fence_regs(dq);
             fence_regs(da);
@@ -501,26 +507,25 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
         }
         tiles += m.nt;
         /* Where every block of part 1 had counted itself finished at the
-         * item's last tile (bwd_sm90.cu: after its reductions completed),
-         * this warp's 16 rows of dq are final once its own terms are added:
-         * it reads part 1's sum (copied in during that tile at D = 64), adds
-         * scale dQ and writes the rows as bf16 itself (direct), and marks
-         * them in the slot's word so the finish leaves them. Else it adds
-         * scale dQ to the accumulator (slot order, where float4 k holds (r,
-         * c), (r, c + 1), (r + 8, c), (r + 8, c + 1): this thread's pairs of
-         * both rows in one vector reduction, or of the first row alone
-         * where the second is past the sequence) and the finish converts
-         * them. The claimer saw the count before its acquire fence and
-         * passed it on through the last tile's mbarrier, so the reads of
-         * the accumulator see part 1's terms. The next item's Q, dO and
-         * first tiles load meanwhile. */
+         * tile before the item's last (bwd_sm90.cu: after its reductions
+         * completed), this warp's 16 rows of dq are final once its own terms
+         * are added: it reads part 1's sum (copied in from that tile on at
+         * D = 64), adds scale dQ and writes the rows as bf16 itself
+         * (direct), and marks them in the slot's word so the finish leaves
+         * them. Else it adds scale dQ to the accumulator (slot order, where
+         * float4 k holds (r, c), (r, c + 1), (r + 8, c), (r + 8, c + 1):
+         * this thread's pairs of both rows in one vector reduction, or of
+         * the first row alone where the second is past the sequence) and
+         * the finish converts them. The claimer saw the count before its
+         * acquire fence and passed it on through that tile's mbarrier, so
+         * the reads of the accumulator see part 1's terms. The next item's
+         * Q, dO and first tiles load meanwhile. */
         const bool both = qi[1] < m.qlen;
+        float *const acc = acc_of();
         if (direct) {
-            /* every lane, rows past the sequence too: what it read is set
-             * back to zero (the accumulator is left zero for the next
-             * backward, launch.cu) */
             float4 x[D / 8];
             if constexpr (C::STAGE) {
+                const float4 *stage = stage_of();
                 cp_async_wait<0>();
 #pragma unroll
                 for (int j = 0; j < D / 8; j++) x[j] = stage[128 * j];
@@ -528,10 +533,6 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
 #pragma unroll
                 for (int j = 0; j < D / 8; j++) x[j] = __ldcg(reinterpret_cast<const float4 *>(acc + acc_at(j)));
             }
-            if (zero_read)
-#pragma unroll
-                for (int j = 0; j < D / 8; j++)
-                    __stcg(reinterpret_cast<float4 *>(acc + acc_at(j)), make_float4(0.f, 0.f, 0.f, 0.f));
             if (qi[0] < m.qlen) {
                 bf16 *d0 = a.dq + ((size_t)(m.qs + qi[0]) * a.H + h) * D + 2 * t4,
                      *d1 = a.dq + ((size_t)(m.qs + qi[1]) * a.H + h) * D + 2 * t4;
@@ -544,7 +545,7 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
                             fmaf(a.scale, dq[4 * j + 2], x[j].z), fmaf(a.scale, dq[4 * j + 3], x[j].w));
                 }
                 if (lane == 0) {
-                    atomicOr(a.dq_direct + sid, 1u << v);
+                    atomicOr(a.dq_direct + (((size_t)b * a.H + h) * tps + (q0 >> 6) + w), 1u << v);
                     atomicAdd(a.cf_sync + CF_CF_SYNC_DIRECT, 1);
                 }
             }
@@ -606,7 +607,7 @@ template <int D, bool PP> static constexpr int dq_variant_bit() {
 
 template <int D, bool PP>
 static int dq_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, const CUtensorMap *maps, int maxlen, int tps,
-                          int p1_blocks, int zero_read, cudaStream_t st, cudaEvent_t done) {
+                          int p1_blocks, cudaStream_t st, cudaEvent_t done) {
     using C = DqSm90<D>;
     const void *fn = (const void *)attn_bwd_dq_sm90_kernel<D, PP>;
     if (!attn_sm90_prepare(ctx, fn, C::SMEM, dq_variant_bit<D, PP>())) return -1;
@@ -627,14 +628,13 @@ static int dq_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, const CUtensorMap
     cfg.attrs = at;
     cfg.numAttrs = done ? 1 : 0;
     void *args[] = {(void *)&maps[0], (void *)&maps[1], (void *)&maps[2], (void *)&maps[3], (void *)&a,
-                    (void *)&tps,     (void *)&nw,      (void *)&nitems,  (void *)&qtiles,  (void *)&p1_blocks,
-                    (void *)&zero_read};
+                    (void *)&tps,     (void *)&nw,      (void *)&nitems,  (void *)&qtiles,  (void *)&p1_blocks};
     return CF_CK(ctx, cudaLaunchKernelExC(&cfg, fn, args)) ? 1 : -1;
 }
 
 template <int D>
 static int dq_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int nk_rows, int maxlen, int tps, int p1_blocks,
-                   int zero_read, cudaStream_t st, cudaEvent_t done) {
+                   cudaStream_t st, cudaEvent_t done) {
     using C = DqSm90<D>;
     CUtensorMap m[4];
     if (!attn_sm90_map_rows(&m[0], a.q, nq_rows, a.H, D, C::BM) ||
@@ -642,12 +642,12 @@ static int dq_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int nk_rows
         !attn_sm90_map_rows(&m[2], a.k, nk_rows, a.Hkv, D, C::BN) ||
         !attn_sm90_map_rows(&m[3], a.v, nk_rows, a.Hkv, D, C::BN))
         return 0;
-    return dq_pingpong(ctx) ? dq_sm90_launch<D, true>(ctx, a, m, maxlen, tps, p1_blocks, zero_read, st, done)
-                            : dq_sm90_launch<D, false>(ctx, a, m, maxlen, tps, p1_blocks, zero_read, st, done);
+    return dq_pingpong(ctx) ? dq_sm90_launch<D, true>(ctx, a, m, maxlen, tps, p1_blocks, st, done)
+                            : dq_sm90_launch<D, false>(ctx, a, m, maxlen, tps, p1_blocks, st, done);
 }
 
-int attn_cf_sm90_prep(cf_cuda_ctx *ctx, const AttnArgs &a, int D, const cf_rows *kept, float *acc, float *zero,
-                      size_t nzero, int *filt, int *fstart, AttnArgs *p2, cudaEvent_t fork) {
+int attn_cf_sm90_prep(cf_cuda_ctx *ctx, const AttnArgs &a, int D, const cf_rows *kept, float *acc, size_t acc_n,
+                      int *filt, int *fstart, AttnArgs *p2, cudaEvent_t fork) {
     if (D != 64 && D != 128) return 0;
     const int n = kept->n, T = a.B * a.S, nf = T - n;
     const size_t rowlen = (size_t)a.Hkv * D;
@@ -663,8 +663,8 @@ int attn_cf_sm90_prep(cf_cuda_ctx *ctx, const AttnArgs &a, int D, const cf_rows 
     p.dout = a.dout;
     p.o = a.o;
     p.Dvec = (float *)a.Dvec;
-    p.zero = zero;
-    p.nzero = nzero;
+    p.zero = acc;
+    p.nzero = acc_n;
     p.nrows = n * a.H;
     p.D = D;
     p.nr = (int)(((size_t)(nf > 0 ? nf : 1) * 32 + 255) / 256); /* a warp per filtered row; one block at least (fstart) */
@@ -712,9 +712,9 @@ int attn_cf_sm90_prep(cf_cuda_ctx *ctx, const AttnArgs &a, int D, const cf_rows 
 }
 
 int attn_bwd_dq_sm90(cf_cuda_ctx *ctx, const AttnArgs &p, int D, int nq_rows, int nf, int maxlen, int tps,
-                     int p1_blocks, bool zero_read, cudaStream_t st, cudaEvent_t done) {
+                     int p1_blocks, cudaStream_t st, cudaEvent_t done) {
     if (D != 64 && D != 128) return 0;
     if (nf <= 0) return 1; /* no filtered key anywhere: nothing to add */
-    return D == 64 ? dq_sm90<64>(ctx, p, nq_rows, nf, maxlen, tps, p1_blocks, zero_read, st, done)
-                   : dq_sm90<128>(ctx, p, nq_rows, nf, maxlen, tps, p1_blocks, zero_read, st, done);
+    return D == 64 ? dq_sm90<64>(ctx, p, nq_rows, nf, maxlen, tps, p1_blocks, st, done)
+                   : dq_sm90<128>(ctx, p, nq_rows, nf, maxlen, tps, p1_blocks, st, done);
 }

@@ -505,36 +505,24 @@ __global__ void __launch_bounds__(384, 1)
 constexpr int FINISH_THREADS = 256; /* the finish launch's block */
 
 template <int D>
-__device__ __forceinline__ void dq_convert_slot(bf16 *dq, float *dqf, float *acc, const unsigned *direct,
-                                                bool zero_after, const int *qstart, int S, int H, int tps, int nw,
-                                                int q64, int h, int b) {
+__device__ __forceinline__ void dq_convert_slot(bf16 *dq, float *dqf, const float *acc, const unsigned *direct,
+                                                const int *qstart, int S, int H, int tps, int nw, int q64, int h,
+                                                int b) {
     constexpr int LD = D + 8;
     constexpr int PER = 16 * D / FINISH_THREADS;
     __shared__ float tile[64 * LD];
     const int start = qstart ? qstart[b] : b * S, len = qstart ? qstart[b + 1] - start : S;
-    float4 *src = reinterpret_cast<float4 *>(acc + dq_slot_base(b, h, q64, H, D, tps));
-    if (q64 * 64 >= len) {
-        /* zero_after: the accumulator is left zero. A slot past the
-         * sequence holds terms only where the main kernel's last 128-query
-         * step covered it: the second of the last step's two slots. */
-        if (zero_after && (q64 & 1) && (q64 - 1) * 64 < len)
-#pragma unroll
-            for (int i = 0; i < PER; i++) src[threadIdx.x + i * FINISH_THREADS] = make_float4(0.f, 0.f, 0.f, 0.f);
-        return;
-    }
+    if (q64 * 64 >= len) return;
     /* centrifuge: bit v set where part 2's warp v wrote rows 16v .. 16v+15
-     * of the slot itself, and set them back to zero (bwd_centrifuge_sm90.cu);
-     * this leaves them */
+     * of the slot itself (bwd_centrifuge_sm90.cu); this leaves them */
     const unsigned done = direct ? direct[((size_t)b * H + h) * tps + q64] : 0u;
     if (done == 0xFu) return;
+    const float4 *src = reinterpret_cast<const float4 *>(acc + dq_slot_base(b, h, q64, H, D, tps));
     /* every load of the slot in flight before the first shared store (one
      * at a time, the launch waited on each load's latency) */
     float4 x[PER];
 #pragma unroll
     for (int i = 0; i < PER; i++) x[i] = src[threadIdx.x + i * FINISH_THREADS];
-    if (zero_after)
-#pragma unroll
-        for (int i = 0; i < PER; i++) src[threadIdx.x + i * FINISH_THREADS] = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
     for (int i = 0; i < PER; i++) {
         int r, c;
@@ -568,15 +556,14 @@ __device__ __forceinline__ void dq_convert_slot(bf16 *dq, float *dqf, float *acc
  * independent jobs in one grid: one launch and one tail instead of two. */
 template <int D>
 __global__ void __launch_bounds__(FINISH_THREADS)
-    bwd_finish_kernel(bf16 *dq, float *dqf, float *acc, const unsigned *direct, int zero_after, const int *qstart,
-                      int S, int H, int tps, int nw, int nconv, GqaReduce red) {
+    bwd_finish_kernel(bf16 *dq, float *dqf, const float *acc, const unsigned *direct, const int *qstart, int S, int H,
+                      int tps, int nw, int nconv, GqaReduce red) {
     if (threadIdx.x == 0) trace_mark(0);
     griddep_wait(); /* the main kernel's dq and partials (launched as its dependent) */
     if (threadIdx.x == 0) trace_mark(1);
     const int x = blockIdx.x;
     if (x < nconv)
-        dq_convert_slot<D>(dq, dqf, acc, direct, zero_after != 0, qstart, S, H, tps, nw, x % tps, x / tps % H,
-                           x / (tps * H));
+        dq_convert_slot<D>(dq, dqf, acc, direct, qstart, S, H, tps, nw, x % tps, x / tps % H, x / (tps * H));
     else
         gqa_reduce_body<4>(red.dk, red.dv, red.dkx, red.dvx, red.nk, red.Hkv, red.G, D, x - nconv, gridDim.x - nconv);
     if (threadIdx.x == 0) trace_finish(TRACE_FINISH, 0); /* thread 0's end (trace.cuh) */
@@ -759,15 +746,16 @@ int attn_bwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D, int nq_rows, int k
     return 0;
 }
 
-void attn_sm90_bwd_finish(cudaStream_t st, bf16 *dq, float *dqf, float *acc, const unsigned *direct, bool zero_after,
-                          const int *qstart, int B, int S, int H, int D, int tps, const GqaReduce *red, bool after_main) {
+void attn_sm90_bwd_finish(cudaStream_t st, bf16 *dq, float *dqf, const float *acc, const unsigned *direct,
+                          const int *qstart, int B, int S, int H, int D, int tps, const GqaReduce *red,
+                          bool after_main) {
     if (B <= 0 || tps <= 0 || (D != 64 && D != 128)) return;
     const long long nconv = (long long)tps * H * B;
     /* the reduction: 4 columns per thread, grid-stride past 65536 blocks */
     const int nred = red ? attn_grid_for(red->nk * red->Hkv * D / 4) : 0;
     const GqaReduce r = red ? *red : GqaReduce{};
     const unsigned grid = (unsigned)(nconv + nred);
-    int nw = attn_sm90_bwd_nw(D), nc = (int)nconv, za = zero_after;
+    int nw = attn_sm90_bwd_nw(D), nc = (int)nconv;
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(grid);
     cfg.blockDim = dim3(FINISH_THREADS);
@@ -777,8 +765,8 @@ void attn_sm90_bwd_finish(cudaStream_t st, bf16 *dq, float *dqf, float *acc, con
     at[0].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = at;
     cfg.numAttrs = after_main && bwd_pdl() ? 1 : 0;
-    void *args[] = {(void *)&dq, (void *)&dqf, (void *)&acc, (void *)&direct, (void *)&za, (void *)&qstart,
-                    (void *)&S,  (void *)&H,   (void *)&tps, (void *)&nw,     (void *)&nc, (void *)&r};
+    void *args[] = {(void *)&dq, (void *)&dqf, (void *)&acc, (void *)&direct, (void *)&qstart, (void *)&S,
+                    (void *)&H,  (void *)&tps, (void *)&nw,  (void *)&nc,     (void *)&r};
     const void *fn = D == 64 ? (const void *)bwd_finish_kernel<64> : (const void *)bwd_finish_kernel<128>;
     cudaLaunchKernelExC(&cfg, fn, args); /* an error shows in the caller's launch check */
 }

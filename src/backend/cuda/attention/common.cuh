@@ -464,7 +464,7 @@ void attn_sm90_bwd_plan(cf_cuda_ctx *ctx, int D, int H, int Hkv, int B, int qmax
                         int *hpb, int *ns);
 /* bwd_centrifuge_sm90.cu: centrifuge on Hopper. attn_cf_sm90_prep, one
  * launch on ctx->stream: what attn_bwd_prep does for the n = kept->n query
- * rows (a.Dvec, and zero[0 .. nzero) set to 0), what attn_filtered_rows does
+ * rows (a.Dvec, and acc[0 .. acc_n) zeroed), what attn_filtered_rows does
  * (filt, fstart), the filtered rows' K and V compacted for part 2, and the
  * counters CF_CF_SYNC_* zeroed; *p2 = a with the filtered rows as its k
  * side, reading the compact copies, acc as its dq accumulator and the
@@ -473,14 +473,13 @@ void attn_sm90_bwd_plan(cf_cuda_ctx *ctx, int D, int H, int Hkv, int B, int qmax
  * on another stream. attn_bwd_dq_sm90: part 2 on stream st, adding the
  * filtered keys' dq terms to the slot-order accumulator p.dq_acc, or,
  * where all p1_blocks blocks of part 1 have finished (-1: never), writing
- * the final rows into p.dq and marking them in p.dq_direct (zero_read: and
- * setting what it read of the accumulator back to zero); done: recorded
+ * the final rows into p.dq and marking them in p.dq_direct; done: recorded
  * as its programmatic event (or NULL) (1; 0: the driver refused a tensor
  * map, nothing launched; -1 on an error) */
-int attn_cf_sm90_prep(cf_cuda_ctx *ctx, const AttnArgs &a, int D, const cf_rows *kept, float *acc, float *zero,
-                      size_t nzero, int *filt, int *fstart, AttnArgs *p2, cudaEvent_t fork);
+int attn_cf_sm90_prep(cf_cuda_ctx *ctx, const AttnArgs &a, int D, const cf_rows *kept, float *acc, size_t acc_n,
+                      int *filt, int *fstart, AttnArgs *p2, cudaEvent_t fork);
 int attn_bwd_dq_sm90(cf_cuda_ctx *ctx, const AttnArgs &p, int D, int nq_rows, int nf, int maxlen, int tps,
-                     int p1_blocks, bool zero_read, cudaStream_t st, cudaEvent_t done);
+                     int p1_blocks, cudaStream_t st, cudaEvent_t done);
 /* bwd_sm90.cu: the width of the dQ products at head dim D (slot order) */
 int attn_sm90_bwd_nw(int D);
 /* bwd_sm90.cu: the main backward kernel's blocks for a plan (hpb heads per
@@ -499,11 +498,9 @@ struct GqaReduce {
  * slot-ordered accumulator, bf16 into dq or fp32 into dqf, except the rows
  * centrifuge's part 2 wrote itself (direct: a word per slot, bit v for rows
  * 16v.., or NULL), and, in the same grid, the GQA reduction red (none when
- * NULL); D = 64 or 128. zero_after: the slots it reads are set back to zero
- * (with part 2's, the whole accumulator). after_main: a programmatic
- * dependent launch (it follows the main kernel directly in the stream, or a
- * programmatic event) */
-void attn_sm90_bwd_finish(cudaStream_t st, bf16 *dq, float *dqf, float *acc, const unsigned *direct, bool zero_after,
+ * NULL); D = 64 or 128. after_main: a programmatic dependent launch (it
+ * follows the main kernel directly in the stream, or a programmatic event) */
+void attn_sm90_bwd_finish(cudaStream_t st, bf16 *dq, float *dqf, const float *acc, const unsigned *direct,
                           const int *qstart, int B, int S, int H, int D, int tps, const GqaReduce *red,
                           bool after_main);
 

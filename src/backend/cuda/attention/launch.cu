@@ -164,10 +164,7 @@ void cf_cuda_attention_fwd(cf_backend *b, void *out, float *lse, const void *q, 
  *     between two launches ends programmatic dependent launch there: part
  *     1 could not start its prologue while the prep ended (run 32's trace);
  *   CF_ATTN_CF_DIRECT=0: part 2 always adds to the accumulator, never
- *     writes dq itself where part 1 has finished;
- *   CF_ATTN_CF_KEEP_ZERO=0 (environment only): the prep zeroes the dq
- *     accumulator every time, instead of part 2 and the finish setting
- *     what they read back to zero for the next backward. */
+ *     writes dq itself where part 1 has finished. */
 static bool cf_switch(int forced, int env) { return forced == 1 || forced == 2 ? forced == 2 : env != 0; }
 static bool parts_side_by_side(const cf_cuda_ctx *ctx) {
     static const int env = attn_env_int("CF_ATTN_CF_SIDE_BY_SIDE", 1);
@@ -181,10 +178,7 @@ static bool cf_direct(const cf_cuda_ctx *ctx) {
     static const int env = attn_env_int("CF_ATTN_CF_DIRECT", 1);
     return cf_switch(ctx->attn_cf_direct, env);
 }
-static bool cf_keep_zero(void) {
-    static const int env = attn_env_int("CF_ATTN_CF_KEEP_ZERO", 1);
-    return env != 0;
-}
+
 
 static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void *dout, const void *q, const void *k,
                      const void *v, const void *out, const float *lse, const cf_attn_shape *s, const cf_rows *kept,
@@ -289,14 +283,7 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
         try_hopper ? (float *)cf_cuda_scratch(ctx, CF_SCR_ATTN_SM90_DQ, (acc_n + nslots) * sizeof(float)) : NULL;
     if (try_hopper && !acc) return;
     unsigned *direct_words = try_hopper ? (unsigned *)(acc + acc_n) : NULL;
-    /* A Hopper centrifuge backward leaves the accumulator zero (part 2 and
-     * the finish set what they read back to zero): where the last backward
-     * did so in this buffer, this one's prep does not zero it. Unknown
-     * (0) from here until this backward has finished that way. */
-    const bool acc_zero = try_hopper && cf_keep_zero() && ctx->attn_acc_zero_p == acc &&
-                          ctx->attn_acc_zero_cap == ctx->scratch[CF_SCR_ATTN_SM90_DQ].cap &&
-                          ctx->attn_acc_zero >= acc_n * sizeof(float);
-    if (try_hopper) ctx->attn_acc_zero = 0;
+
     /* GQA: fp32 partials of dk, dv per group of hpb query heads (1 on the
      * portable path) and part of the query range (ns, Hopper), summed by
      * the GQA reduction; partials also without GQA when ns > 1 */
@@ -336,10 +323,7 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
         filt = (int *)cf_cuda_scratch(ctx, CF_SCR_ATTN_FILT, (size_t)(nf > 0 ? nf : 1) * sizeof(int));
         fstart = (int *)cf_cuda_scratch(ctx, CF_SCR_ATTN_FSTART, (size_t)(B + 1) * sizeof(int));
         if (!filt || !fstart) return;
-        /* the per-slot words after the accumulator are zeroed every time */
-        float *zero = acc_zero ? acc + acc_n : acc;
-        const size_t nzero = acc_zero ? nslots : acc_n + nslots;
-        if (try_hopper && (prepared = attn_cf_sm90_prep(ctx, a, D, kept, acc, zero, nzero, filt, fstart, &p2,
+        if (try_hopper && (prepared = attn_cf_sm90_prep(ctx, a, D, kept, acc, acc_n + nslots, filt, fstart, &p2,
                                                         cf_beside && (cf_pdl_bits(ctx) & 1) ? ctx->ev_fork : NULL)) < 0)
             return;
     }
@@ -400,8 +384,7 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
         p2.dq = (bf16 *)dq;
         p2.dq_direct = direct_words;
         const bool join_in_launch = side && (cf_pdl_bits(ctx) & 2) && nf > 0; /* nf > 0: part 2 launches */
-        r = attn_bwd_dq_sm90(ctx, p2, D, n, nf, maxlen, tps, p1_blocks, cf_keep_zero(), st,
-                             join_in_launch ? ctx->ev_join : NULL);
+        r = attn_bwd_dq_sm90(ctx, p2, D, n, nf, maxlen, tps, p1_blocks, st, join_in_launch ? ctx->ev_join : NULL);
         join_pdl = join_in_launch && r == 1;
         if (side && ((!join_pdl && !CF_CK(ctx, cudaEventRecord(ctx->ev_join, st))) ||
                      !CF_CK(ctx, cudaStreamWaitEvent(ctx->stream, ctx->ev_join, 0))))
@@ -412,17 +395,10 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
         /* the last launch: dq (bf16; fp32 for a portable part 2 to add to)
          * and the GQA reduction in one grid */
         const bool dq_final = !cf || r;
-        const bool cf_hopper = cf && r == 1;              /* both parts on Hopper */
-        const bool keep_zero = cf_hopper && cf_keep_zero(); /* the accumulator is left zero */
         attn_sm90_bwd_finish(ctx->stream, dq_final ? (bf16 *)dq : NULL, dq_final ? NULL : dq_acc, a.dq_acc,
-                             cf_hopper ? direct_words : NULL, keep_zero, a.qstart, B, S, H, D, tps,
-                             partials ? &red : NULL, !cf || join_pdl);
+                             cf && r == 1 ? direct_words : NULL, a.qstart, B, S, H, D, tps, partials ? &red : NULL,
+                             !cf || join_pdl);
         if (!CF_CK_LAUNCH(ctx, "attention sm90 backward finish")) return;
-        if (keep_zero) {
-            ctx->attn_acc_zero = acc_n * sizeof(float);
-            ctx->attn_acc_zero_p = acc;
-            ctx->attn_acc_zero_cap = ctx->scratch[CF_SCR_ATTN_SM90_DQ].cap;
-        }
     } else if (!cf) {
         attn_dq_to_bf16(ctx->stream, (bf16 *)dq, dq_acc, (size_t)n * H * D);
         if (!CF_CK_LAUNCH(ctx, "attention dq to bf16")) return;
