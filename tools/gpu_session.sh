@@ -522,6 +522,23 @@ for part in "$@"; do
           echo "$e (rep $rep), S H Hkv D = $sh"
           env $e BENCH_ATTN_PATHS=auto "$G/bench_attention" $sh 2>&1 | grep -E "backward (full|centrifuge)"
         done; done; done 2>&1 | tee "$OUT/cf_flow.txt" ;;
+    ncu-cf)
+      # issue 17 (run 33): centrifuge's own kernels (the prep and part 2) alone under ncu (it runs them one at a
+      # time), the carried bench_attention_old against this build at each setting of FLOW_ENVS (default: as
+      # built), S = 4096 at both head dims (or NCU_SHAPES); times per launch summed by tools/ncu_kernels.py
+      IFS='|' read -ra shs <<<"${NCU_SHAPES:-4096 32 4 64|4096 32 8 128}"
+      IFS='|' read -ra envs <<<"${FLOW_ENVS:-CF_ATTN_CF_DIRECT=1}"
+      for sh in "${shs[@]}"; do
+        for e in old "${envs[@]}"; do
+          b="$G/bench_attention"; [ "$e" = old ] && { b="$G/bench_attention_old"; [ -x "$b" ] || continue; }
+          j="$OUT/ncu_cf_${sh// /_}_$(echo "$e" | tr -c 'A-Za-z0-9' _)"
+          env ${e/old/CF_OLD=1} BENCH_ATTN_PATHS=auto timeout 200 ncu --clock-control none --csv --print-units base \
+            --kernel-name regex:"attn_bwd_dq_sm90|cf_prep" --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum \
+            "$b" $sh >"$j.csv" 2>"$j.err"
+          echo "ncu-cf $sh [$e] rc=$?"; python3 tools/ncu_kernels.py "$j.csv" --bw 4.8e12 | tee "$j.txt"
+          gzip -f "$j.csv"
+        done
+      done ;;
     attn-parts)
       # attention alone: the carried bench_attention_old (an earlier build), this build with one part per key
       # tile (CF_ATTN_SM90_BWD_SPLIT=1) and with the planned parts (bwd_plan), alternated twice per shape

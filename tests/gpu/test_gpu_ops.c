@@ -1964,8 +1964,8 @@ static int cf_sync_word(cf_cuda_ctx *ctx, int which) {
  * records; and part 2 writing its rows of dq itself where part 1 has
  * finished (the finish then leaves those rows; gdq starts as NaN, so a row
  * that nobody writes fails) or always adding to the accumulator. After
- * part 1 on one stream every warp with rows writes them itself (the count
- * of such warps > 0), without the switch none does (0); beside, it depends
+ * part 1 on one stream every warpgroup with rows writes them itself (the
+ * count of such warpgroups > 0), without the switch none does (0); beside, it depends
  * on the timing. Each against the CPU; dq against the first (the order of
  * the fp32 additions differs), dk and dv bit for bit where part 1 ran the
  * same plan (beside or not: bwd_plan gives each its own). */
@@ -1995,10 +1995,10 @@ TEST(attention_hopper_centrifuge_part2_writes_dq_itself_where_part1_has_finished
             ctx->attn_cf_direct = var[k].direct;
             snprintf(what, sizeof what, "CENTRIFUGE %s %s", var[k].name, nm);
             g[k] = attn_bwd_both(&p, CF_ATTN_BWD_CENTRIFUGE, rows, ss, n, what, TOL_GRAD, 1);
-            const int warps = cf_sync_word(ctx, CF_CF_SYNC_DIRECT);
-            printf("    %s: %d warps wrote dq directly\n", what, warps);
-            if (var[k].expect == 1) CHECK_MSG(warps > 0, "%s: no warp wrote dq directly", what);
-            if (var[k].expect == 0) CHECK_MSG(warps == 0, "%s: %d warps wrote dq directly", what, warps);
+            const int wgs = cf_sync_word(ctx, CF_CF_SYNC_DIRECT);
+            printf("    %s: %d warpgroups wrote dq directly\n", what, wgs);
+            if (var[k].expect == 1) CHECK_MSG(wgs > 0, "%s: no warpgroup wrote dq directly", what);
+            if (var[k].expect == 0) CHECK_MSG(wgs == 0, "%s: %d warpgroups wrote dq directly", what, wgs);
         }
         ctx->attn_cf_beside = ctx->attn_cf_pdl = ctx->attn_cf_direct = 0;
         for (int k = 1; k < NV; k++) {

@@ -69,8 +69,8 @@ typedef enum {
 
 /* The ints of scratch CF_SCR_ATTN_SM90_QUEUE, set to 0 by every Hopper
  * centrifuge backward's prep (attention/bwd_centrifuge_sm90.cu): part 2's
- * work queue, part 1's finished blocks, and part 2's warps that wrote their
- * rows of dq directly (a count for tests) */
+ * work queue, part 1's finished blocks, and part 2's warpgroups that wrote
+ * their rows of dq directly (a count for tests) */
 enum { CF_CF_SYNC_QUEUE, CF_CF_SYNC_PART1_DONE, CF_CF_SYNC_DIRECT, CF_CF_SYNC_WORDS };
 
 /* A cached cuBLASLt plan: descriptors and the chosen algorithm for one

@@ -44,20 +44,12 @@ template <int D> struct DqSm90 {
     /* 128 keys per tile at D = 64 (fewer steps); 64 at D = 128 (registers) */
     static constexpr int NC = 2, BM = 64 * NC, BN = D == 64 ? 128 : 64, KST = 2, THREADS = 128 * (NC + 1);
     static constexpr int QB = 2; /* work items in flight: Q/dO buffers, query vectors, slots */
-    /* a K/V stage's small area: its keys' rows and documents, and for an
-     * item's last tile whether the item writes dq itself (direct) */
-    static constexpr uint32_t Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2, SMALL_BYTES = 2 * BN * 4 + 16;
+    static constexpr uint32_t Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2, SMALL_BYTES = 2 * BN * 4;
     static constexpr uint32_t QVEC_BYTES = 4 * BM * 4; /* row, document, lse, D_i of an item's queries */
-    /* D = 64: part 1's sum of the item's dq rows, copied in during its last
-     * tile where part 2 writes dq itself (a thread's own float4s); no room
-     * at D = 128, which loads them at the epilogue */
-    static constexpr bool STAGE = D == 64;
-    static constexpr uint32_t STAGE_BYTES = STAGE ? BM * D * 4 : 0;
     /* item i's Q at i * 2 Q_BYTES, its dO Q_BYTES further */
     static constexpr uint32_t OFF_Q = 0, OFF_K = 2 * QB * Q_BYTES, OFF_V = OFF_K + KST * KV_BYTES,
                               OFF_SMALL = OFF_V + KST * KV_BYTES, OFF_QVEC = OFF_SMALL + KST * SMALL_BYTES,
-                              OFF_SLOT = OFF_QVEC + QB * QVEC_BYTES, OFF_STAGE = OFF_SLOT + QB * 32,
-                              OFF_BAR = OFF_STAGE + STAGE_BYTES;
+                              OFF_SLOT = OFF_QVEC + QB * QVEC_BYTES, OFF_BAR = OFF_SLOT + QB * 32;
     /* barriers: posted[QB], full_q[QB], qempty[QB], full_k[KST], full_v[KST], empty[KST] */
     static constexpr uint32_t SMEM = OFF_BAR + 8 * (3 * QB + 3 * KST) + 1024;
     static_assert(SMEM <= 227 * 1024, "part 2 fits an SM's shared memory");
@@ -288,16 +280,6 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
                         sm[lane + 32 * e] = row_r[e];
                         sm[BN + lane + 32 * e] = doc_r[e];
                     }
-                    /* the tile before the item's last (its only one where it
-                     * has one): direct where every block of part 1 had
-                     * counted itself finished; the acquire fence makes part
-                     * 1's sums visible to this thread, and the stage's
-                     * mbarrier passes them on to the consumers */
-                    if (t == max(cur.nt - 2, 0) && lane == 0) {
-                        const bool dir = p1_blocks >= 0 && ld_relaxed(a.cf_sync + CF_CF_SYNC_PART1_DONE) == p1_blocks;
-                        if (dir) fence_acquire_gpu();
-                        sm[2 * BN] = dir;
-                    }
                     mbar_arrive(full_k(s));
                     if (t + 1 < cur.nt) load(t + 1);
                 }
@@ -415,16 +397,6 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
         float dq[D / 2];
 #pragma unroll
         for (int e = 0; e < D / 2; e++) dq[e] = 0.f;
-        /* this warpgroup's slot of the accumulator, and this thread's float4
-         * in it for column block j (slot order: dq_slot_index); computed
-         * where used, not held through the tiles */
-        const int dec = max(m.nt - 2, 0); /* the tile whose stage says direct */
-        auto acc_of = [&]() { return a.dq_acc + (((size_t)b * a.H + h) * tps + (q0 >> 6) + w) * (64 * D); };
-        auto acc_at = [&](int j) { return dq_slot_index(16 * v + g, 8 * j + 2 * t4, attn_nw); };
-        auto stage_of = [&]() {
-            return reinterpret_cast<float4 *>(sbase + C::OFF_STAGE + w * (C::STAGE_BYTES / C::NC)) + tid;
-        };
-        bool direct = false; /* decided by the claimer (see the epilogue) */
         for (int t = 0; t < m.nt; t++, u++) {
             const int st = u % KST, par = (u / KST) & 1;
             const uint32_t sKs = sK + st * C::KV_BYTES, sVs = sV + st * C::KV_BYTES;
@@ -444,7 +416,6 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
             wgmma_commit();
             turn.pass();
             const int *krow_s = small(st), *kdoc_s = krow_s + BN;
-            if (t == dec) direct = krow_s[2 * BN] != 0;
             /* Every key of the tile precedes the warp's first query (its
              * last row, INT_MAX past the sequence, is at most that row) and
              * no document mask: no mask. Most tiles of an item are such. */
@@ -488,17 +459,6 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
             for (int kk = 0; kk < BN / 16; kk++) wgmma_rs<1>(dq, da[kk], desc_mn(sKs, BN, 0, kk), 1);
             wgmma_commit();
             turn.pass();
-            if constexpr (C::STAGE) {
-                /* direct: part 1's sums copied in while this tile and the
-                 * last one run */
-                if (direct && t == dec) {
-                    const float *acc = acc_of();
-                    float4 *stage = stage_of();
-#pragma unroll
-                    for (int j = 0; j < D / 8; j++) cp_async16(stage + 128 * j, acc + acc_at(j), 16);
-                    cp_async_commit();
-                }
-            }
             wgmma_wait<0>();
             fence_regs(dq);
             fence_regs(da);
@@ -506,48 +466,55 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
             if (lane == 0) mbar_arrive(empty(st));
         }
         tiles += m.nt;
-        /* Where every block of part 1 had counted itself finished at the
-         * tile before the item's last (bwd_sm90.cu: after its reductions
-         * completed), this warp's 16 rows of dq are final once its own terms
-         * are added: it reads part 1's sum (copied in from that tile on at
-         * D = 64), adds scale dQ and writes the rows as bf16 itself
-         * (direct), and marks them in the slot's word so the finish leaves
-         * them. Else it adds scale dQ to the accumulator (slot order, where
-         * float4 k holds (r, c), (r, c + 1), (r + 8, c), (r + 8, c + 1):
-         * this thread's pairs of both rows in one vector reduction, or of
-         * the first row alone where the second is past the sequence) and
-         * the finish converts them. The claimer saw the count before its
-         * acquire fence and passed it on through that tile's mbarrier, so
-         * the reads of the accumulator see part 1's terms. The next item's
-         * Q, dO and first tiles load meanwhile. */
+        /* This warpgroup's slot of the accumulator (64 rows), and this
+         * thread's float4 in it for column block j (slot order, where float4
+         * k holds (r, c), (r, c + 1), (r + 8, c), (r + 8, c + 1)).
+         * Where every block of part 1 has counted itself finished
+         * (bwd_sm90.cu: after its reductions completed), the rows are final
+         * once this item's terms are added: the warpgroup reads part 1's
+         * sum, adds scale dQ, and writes the rows as bf16 itself (direct),
+         * through its rows of the item's Q buffer (free after its last S
+         * product) so that the global stores are whole 16-byte pieces of
+         * rows; it marks the slot for the finish to leave. One thread loads
+         * the count with acquire; the barrier passes on its answer and what
+         * it made visible. Else scale dQ is added to the accumulator, both
+         * rows' pairs in one vector reduction (the first row's alone where
+         * the second is past the sequence), and the finish converts it. The
+         * next item's Q, dO and first tiles load meanwhile. */
+        float *const acc = a.dq_acc + (((size_t)b * a.H + h) * tps + (q0 >> 6) + w) * (64 * D);
+        auto acc_at = [&](int j) { return dq_slot_index(16 * v + g, 8 * j + 2 * t4, attn_nw); };
         const bool both = qi[1] < m.qlen;
-        float *const acc = acc_of();
+        bool direct = false;
+        if (m.nt > 0 && p1_blocks >= 0) {
+            const bool done = tid != 0 || ld_acquire(a.cf_sync + CF_CF_SYNC_PART1_DONE) == p1_blocks;
+            direct = named_barrier_and(8 + w, 128, done);
+        }
         if (direct) {
             float4 x[D / 8];
-            if constexpr (C::STAGE) {
-                const float4 *stage = stage_of();
-                cp_async_wait<0>();
 #pragma unroll
-                for (int j = 0; j < D / 8; j++) x[j] = stage[128 * j];
-            } else {
+            for (int j = 0; j < D / 8; j++) x[j] = __ldcg(reinterpret_cast<const float4 *>(acc + acc_at(j)));
+            unsigned char *qb = sbase + C::OFF_Q + i * 2 * C::Q_BYTES; /* the item's Q, TMA's layout */
+            const int r0 = 64 * w + 16 * v + g;
 #pragma unroll
-                for (int j = 0; j < D / 8; j++) x[j] = __ldcg(reinterpret_cast<const float4 *>(acc + acc_at(j)));
+            for (int j = 0; j < D / 8; j++) {
+                const int c = 8 * j + 2 * t4;
+                *reinterpret_cast<__nv_bfloat162 *>(qb + sw128_off(BM, r0, c)) =
+                    __floats2bfloat162_rn(fmaf(a.scale, dq[4 * j], x[j].x), fmaf(a.scale, dq[4 * j + 1], x[j].y));
+                *reinterpret_cast<__nv_bfloat162 *>(qb + sw128_off(BM, r0 + 8, c)) = __floats2bfloat162_rn(
+                    fmaf(a.scale, dq[4 * j + 2], x[j].z), fmaf(a.scale, dq[4 * j + 3], x[j].w));
             }
-            if (qi[0] < m.qlen) {
-                bf16 *d0 = a.dq + ((size_t)(m.qs + qi[0]) * a.H + h) * D + 2 * t4,
-                     *d1 = a.dq + ((size_t)(m.qs + qi[1]) * a.H + h) * D + 2 * t4;
-#pragma unroll
-                for (int j = 0; j < D / 8; j++) {
-                    *reinterpret_cast<__nv_bfloat162 *>(d0 + 8 * j) =
-                        __floats2bfloat162_rn(fmaf(a.scale, dq[4 * j], x[j].x), fmaf(a.scale, dq[4 * j + 1], x[j].y));
-                    if (both)
-                        *reinterpret_cast<__nv_bfloat162 *>(d1 + 8 * j) = __floats2bfloat162_rn(
-                            fmaf(a.scale, dq[4 * j + 2], x[j].z), fmaf(a.scale, dq[4 * j + 3], x[j].w));
-                }
-                if (lane == 0) {
-                    atomicOr(a.dq_direct + (((size_t)b * a.H + h) * tps + (q0 >> 6) + w), 1u << v);
-                    atomicAdd(a.cf_sync + CF_CF_SYNC_DIRECT, 1);
-                }
+            named_barrier(8 + w, 128); /* the warpgroup's 64 rows are in */
+            for (int e = tid; e < 64 * (D / 8); e += 128) {
+                const int r = 64 * w + e / (D / 8), c = 8 * (e % (D / 8));
+                if (q0 + r < m.qlen)
+                    *reinterpret_cast<uint4 *>(a.dq + ((size_t)(m.qs + q0 + r) * a.H + h) * D + c) =
+                        *reinterpret_cast<const uint4 *>(qb + sw128_off(BM, r, c));
+            }
+            /* the buffer's next writer is the copy engine (the next item's Q) */
+            fence_async_smem();
+            if (tid == 0) {
+                a.dq_direct[((size_t)b * a.H + h) * tps + (q0 >> 6) + w] = 1u;
+                atomicAdd(a.cf_sync + CF_CF_SYNC_DIRECT, 1);
             }
         } else if (m.nt > 0 && qi[0] < m.qlen) {
 #pragma unroll

@@ -513,10 +513,9 @@ __device__ __forceinline__ void dq_convert_slot(bf16 *dq, float *dqf, const floa
     __shared__ float tile[64 * LD];
     const int start = qstart ? qstart[b] : b * S, len = qstart ? qstart[b + 1] - start : S;
     if (q64 * 64 >= len) return;
-    /* centrifuge: bit v set where part 2's warp v wrote rows 16v .. 16v+15
-     * of the slot itself (bwd_centrifuge_sm90.cu); this leaves them */
-    const unsigned done = direct ? direct[((size_t)b * H + h) * tps + q64] : 0u;
-    if (done == 0xFu) return;
+    /* centrifuge: set where part 2 wrote the slot's rows itself
+     * (bwd_centrifuge_sm90.cu) */
+    if (direct && direct[((size_t)b * H + h) * tps + q64]) return;
     const float4 *src = reinterpret_cast<const float4 *>(acc + dq_slot_base(b, h, q64, H, D, tps));
     /* every load of the slot in flight before the first shared store (one
      * at a time, the launch waited on each load's latency) */
@@ -535,7 +534,6 @@ __device__ __forceinline__ void dq_convert_slot(bf16 *dq, float *dqf, const floa
     const int rows = min(64, len - q64 * 64);
     for (int e = threadIdx.x; e < rows * (D / 4); e += FINISH_THREADS) {
         const int r = e / (D / 4), c = 4 * (e % (D / 4));
-        if (done >> (r >> 4) & 1u) continue;
         const float4 x = *reinterpret_cast<const float4 *>(tile + r * LD + c);
         const size_t o = ((size_t)(start + q64 * 64 + r) * H + h) * D + c;
         if (dqf) {

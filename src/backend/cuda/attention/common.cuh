@@ -108,7 +108,7 @@ struct AttnArgs {
     const int *doc;       /* by original row, or NULL */
     /* centrifuge on Hopper (bwd_centrifuge_sm90.cu): the counters of
      * CF_CF_SYNC_* (part 1 counts its finished blocks; NULL elsewhere), and
-     * per dq slot the warps of part 2 that wrote their rows of dq directly */
+     * per dq slot whether part 2 wrote its rows of dq itself */
     int *cf_sync;
     unsigned *dq_direct;
     int B, S, H, Hkv;
@@ -496,8 +496,8 @@ struct GqaReduce {
 /* bwd_sm90.cu: the Hopper backward's last launch. dq of the q-side rows
  * (sequence starts qstart, B + 1 of them; NULL = b*S) from the
  * slot-ordered accumulator, bf16 into dq or fp32 into dqf, except the rows
- * centrifuge's part 2 wrote itself (direct: a word per slot, bit v for rows
- * 16v.., or NULL), and, in the same grid, the GQA reduction red (none when
+ * centrifuge's part 2 wrote itself (direct: a word per slot, set for
+ * those; or NULL), and, in the same grid, the GQA reduction red (none when
  * NULL); D = 64 or 128. after_main: a programmatic dependent launch (it
  * follows the main kernel directly in the stream, or a programmatic event) */
 void attn_sm90_bwd_finish(cudaStream_t st, bf16 *dq, float *dqf, const float *acc, const unsigned *direct,
