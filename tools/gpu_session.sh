@@ -10,7 +10,7 @@
 #          pair-full side-attn gemm-survey attn-hpb side-sms pair-head
 #          lmhead-cluster ncu-lmhead sanitize-lmhead parity-bigvocab ab-old-accum pingpong pingpong-model ncu-attn-src ncu-attn-kernels cf-pp64 ncu-ops hpb-model
 #          adamw-ab attn-in-model ncu-lmhead-logits lmhead-logits ncu-attn-pipes fwd-wg ncu-attn-modes attn-trace
-#          cf-flow
+#          ncu-cf
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G=$PWD/.gpucarry
@@ -507,32 +507,19 @@ for part in "$@"; do
           [ -x "$b" ] || continue
           echo "$v (rep $rep), S H Hkv D = $sh"; BENCH_ATTN_PATHS=auto "$b" $sh 2>&1 | grep -E "forward|backward"
         done; done; done 2>&1 | tee "$OUT/attn_ab.txt" ;;
-    cf-flow)
-      # issue 17 (run 33): how centrifuge's parts run, the switches of attention/launch.cu in one binary: each
-      # setting of FLOW_ENVS ('|' between settings; default: CF_ATTN_CF_DIRECT x CF_ATTN_CF_PDL) alternated
-      # twice per shape, with the carried bench_attention_old (an earlier build) where there is one
-      IFS='|' read -ra shs <<<"${AB_SHAPES:-4096 32 4 64|4096 32 8 128|2048 12 2 128|2048 24 8 128}"
-      IFS='|' read -ra envs <<<"${FLOW_ENVS:-CF_ATTN_CF_DIRECT=0 CF_ATTN_CF_PDL=0|CF_ATTN_CF_DIRECT=0 CF_ATTN_CF_PDL=3|CF_ATTN_CF_DIRECT=1 CF_ATTN_CF_PDL=0|CF_ATTN_CF_DIRECT=1 CF_ATTN_CF_PDL=3}"
-      for sh in "${shs[@]}"; do for rep in 1 2; do
-        if [ -x "$G/bench_attention_old" ]; then
-          echo "old (rep $rep), S H Hkv D = $sh"
-          BENCH_ATTN_PATHS=auto "$G/bench_attention_old" $sh 2>&1 | grep -E "backward (full|centrifuge)"
-        fi
-        for e in "${envs[@]}"; do
-          echo "$e (rep $rep), S H Hkv D = $sh"
-          env $e BENCH_ATTN_PATHS=auto "$G/bench_attention" $sh 2>&1 | grep -E "backward (full|centrifuge)"
-        done; done; done 2>&1 | tee "$OUT/cf_flow.txt" ;;
     ncu-cf)
       # issue 17 (run 33): centrifuge's own kernels (the prep and part 2) alone under ncu (it runs them one at a
-      # time), the carried bench_attention_old against this build at each setting of FLOW_ENVS (default: as
-      # built), S = 4096 at both head dims (or NCU_SHAPES); times per launch summed by tools/ncu_kernels.py
+      # time): the carried bench_attention_old (an earlier build) against this build, and this build at each
+      # setting of FLOW_ENVS ('|' between settings of environment switches, if given), S = 4096 at both head
+      # dims (or NCU_SHAPES); times per launch summed by tools/ncu_kernels.py
       IFS='|' read -ra shs <<<"${NCU_SHAPES:-4096 32 4 64|4096 32 8 128}"
-      IFS='|' read -ra envs <<<"${FLOW_ENVS:-CF_ATTN_CF_DIRECT=1}"
+      IFS='|' read -ra envs <<<"${FLOW_ENVS:-}"
       for sh in "${shs[@]}"; do
-        for e in old "${envs[@]}"; do
+        for e in old new "${envs[@]}"; do
           b="$G/bench_attention"; [ "$e" = old ] && { b="$G/bench_attention_old"; [ -x "$b" ] || continue; }
           j="$OUT/ncu_cf_${sh// /_}_$(echo "$e" | tr -c 'A-Za-z0-9' _)"
-          env ${e/old/CF_OLD=1} BENCH_ATTN_PATHS=auto timeout 200 ncu --clock-control none --csv --print-units base \
+          set_env=; case $e in old|new) ;; *) set_env=$e ;; esac
+          env $set_env BENCH_ATTN_PATHS=auto timeout 200 ncu --clock-control none --csv --print-units base \
             --kernel-name regex:"attn_bwd_dq_sm90|cf_prep" --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum \
             "$b" $sh >"$j.csv" 2>"$j.err"
           echo "ncu-cf $sh [$e] rc=$?"; python3 tools/ncu_kernels.py "$j.csv" --bw 4.8e12 | tee "$j.txt"

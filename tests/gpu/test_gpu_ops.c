@@ -1950,74 +1950,6 @@ TEST(attention_hopper_centrifuge_part2_turns_and_grids_match_cpu) {
     }
 }
 
-/* The counters of the last Hopper centrifuge backward (context.h:
- * CF_CF_SYNC_*), read back from the context's scratch. */
-static int cf_sync_word(cf_cuda_ctx *ctx, int which) {
-    int w[CF_CF_SYNC_WORDS] = {0};
-    const void *p = ctx->scratch[CF_SCR_ATTN_SM90_QUEUE].p;
-    CHECK(p != NULL && cudaMemcpy(w, p, sizeof w, cudaMemcpyDeviceToHost) == cudaSuccess);
-    return w[which];
-}
-
-/* How centrifuge's parts run on Hopper (launch.cu): part 2 beside part 1 or
- * after it; the streams' fork and join as programmatic events or as event
- * records; and part 2 writing its rows of dq itself where part 1 has
- * finished (the finish then leaves those rows; gdq starts as NaN, so a row
- * that nobody writes fails) or always adding to the accumulator. After
- * part 1 on one stream every warpgroup with rows writes them itself (the
- * count of such warpgroups > 0), without the switch none does (0); beside, it depends
- * on the timing. Each against the CPU; dq against the first (the order of
- * the fp32 additions differs), dk and dv bit for bit where part 1 ran the
- * same plan (beside or not: bwd_plan gives each its own). */
-TEST(attention_hopper_centrifuge_part2_writes_dq_itself_where_part1_has_finished) {
-    cf_cuda_ctx *ctx = hopper_ctx_or_skip();
-    if (!ctx) return;
-    const attn_case cc[] = {{1, 700, 4, 2, 64, 0},  {3, 1000, 4, 1, 128, 2}, {2, 1100, 4, 2, 64, 0},
-                            {1, 900, 4, 4, 128, 0}, {4, 600, 2, 1, 64, 3},   {1, 1300, 6, 2, 64, 0}};
-    static const struct {
-        int beside, pdl, direct, expect; /* expect: 1 every warp direct (> 0), 0 none, -1 either */
-        const char *name;
-    } var[] = {{2, 2, 2, -1, "beside, programmatic fork and join, direct"},
-               {2, 1, 2, -1, "beside, fork and join by event records, direct"},
-               {1, 0, 2, 1, "after part 1, direct"},
-               {2, 2, 1, 0, "beside, never direct"},
-               {1, 0, 1, 0, "after part 1, never direct"}};
-    enum { NV = sizeof var / sizeof var[0] };
-    char nm[128], what[300];
-    for (int ci = 0; ci < (int)(sizeof cc / sizeof cc[0]); ci++) {
-        attn_problem p;
-        int *rows, n, *ss;
-        attn_setup_kept_half(&p, cc[ci], nm, &rows, &ss, &n);
-        grads g[NV];
-        for (int k = 0; k < NV; k++) {
-            ctx->attn_cf_beside = var[k].beside;
-            ctx->attn_cf_pdl = var[k].pdl;
-            ctx->attn_cf_direct = var[k].direct;
-            snprintf(what, sizeof what, "CENTRIFUGE %s %s", var[k].name, nm);
-            g[k] = attn_bwd_both(&p, CF_ATTN_BWD_CENTRIFUGE, rows, ss, n, what, TOL_GRAD, 1);
-            const int wgs = cf_sync_word(ctx, CF_CF_SYNC_DIRECT);
-            printf("    %s: %d warpgroups wrote dq directly\n", what, wgs);
-            if (var[k].expect == 1) CHECK_MSG(wgs > 0, "%s: no warpgroup wrote dq directly", what);
-            if (var[k].expect == 0) CHECK_MSG(wgs == 0, "%s: %d warpgroups wrote dq directly", what, wgs);
-        }
-        ctx->attn_cf_beside = ctx->attn_cf_pdl = ctx->attn_cf_direct = 0;
-        for (int k = 1; k < NV; k++) {
-            snprintf(what, sizeof what, "CENTRIFUGE dq, %s vs %s %s", var[k].name, var[0].name, nm);
-            cmp(what, g[0].dq, g[k].dq, (size_t)n * p.c.H * p.c.D, TOL_BF16);
-            /* part 1's plan depends on whether part 2 runs beside (bwd_plan):
-             * against the first variant with the same plan, the same bits */
-            int j = 0;
-            while (var[j].beside != var[k].beside) j++;
-            if (j == k) continue;
-            snprintf(what, sizeof what, "CENTRIFUGE dk, dv bitwise, %s vs %s %s", var[k].name, var[j].name, nm);
-            CHECK_MSG(bitwise_equal(g[j].dk, g[k].dk, (size_t)n * p.c.Hkv * p.c.D) &&
-                          bitwise_equal(g[j].dv, g[k].dv, (size_t)n * p.c.Hkv * p.c.D),
-                      "%s: differ", what);
-        }
-        free_all();
-    }
-}
-
 /* attention_bwd_leaves_idle (dwside.c runs weight gradients beside full
  * backwards it says yes to: grids under 1.5 waves): a small shape is, four
  * sequences of TinyLlama's are not; on a 132-SM GPU with the Hopper path,
@@ -2227,7 +2159,6 @@ int main(void) {
     RUN_IF(attention_hopper_bwd_heads_per_block_and_query_parts_match);
     RUN_IF(attention_hopper_bwd_pairs_give_the_partials_bits);
     RUN_IF(attention_hopper_centrifuge_part2_turns_and_grids_match_cpu);
-    RUN_IF(attention_hopper_centrifuge_part2_writes_dq_itself_where_part1_has_finished);
     RUN_IF(attention_bwd_leaves_idle_where_the_plan_is_under_one_and_a_half_waves);
     RUN_IF(errors_are_sticky_and_a_second_context_is_independent);
     RUN_IF(two_contexts_interleaved_give_the_same_results);

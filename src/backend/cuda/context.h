@@ -62,16 +62,10 @@ typedef enum {
     CF_SCR_ATTN_SM90_DQ,   /*   Hopper backward: dq accumulator in slot order          */
     CF_SCR_ATTN_SM90_KF,   /*   Hopper centrifuge: K rows of the filtered keys         */
     CF_SCR_ATTN_SM90_VF,   /*   Hopper centrifuge: V rows of the filtered keys         */
-    CF_SCR_ATTN_SM90_QUEUE, /*  Hopper centrifuge: counters (CF_CF_SYNC_*)               */
+    CF_SCR_ATTN_SM90_QUEUE, /*  Hopper centrifuge part 2: its work queue's counter     */
     CF_SCR_ADAMW_SEGS,     /* adamw_segments: the segment table             adamw.cu   */
     CF_SCR_COUNT
 } cf_cuda_scratch_id;
-
-/* The ints of scratch CF_SCR_ATTN_SM90_QUEUE, set to 0 by every Hopper
- * centrifuge backward's prep (attention/bwd_centrifuge_sm90.cu): part 2's
- * work queue, part 1's finished blocks, and part 2's warpgroups that wrote
- * their rows of dq directly (a count for tests) */
-enum { CF_CF_SYNC_QUEUE, CF_CF_SYNC_PART1_DONE, CF_CF_SYNC_DIRECT, CF_CF_SYNC_WORDS };
 
 /* A cached cuBLASLt plan: descriptors and the chosen algorithm for one
  * problem (shape, dtypes, epilogue, pointer alignment, beta 0 or not);
@@ -158,12 +152,6 @@ typedef struct cf_cuda_ctx {
      * bwd_centrifuge_sm90.cu: dq_grid): 0 = the default, 1 = a block per
      * work item, 2 = a block per SM, 3 = four blocks (tests) */
     int attn_cf_grid;
-    /* how centrifuge's two parts run on Hopper (attention/launch.cu), each
-     * 0 = the default (its environment switch), 1 = off, 2 = on (tests):
-     * part 2 beside part 1 on the second stream (else after it); the fork
-     * and join of the two streams as programmatic dependencies; part 2
-     * writing dq directly where part 1 has finished */
-    int attn_cf_beside, attn_cf_pdl, attn_cf_direct;
     /* 1: no pairs of blocks for the dk, dv partials (attention/bwd_sm90.cu:
      * attn_sm90_bwd_pair; tests); and per Hopper backward kernel, whether
      * its clusters of two were asked about and fit */

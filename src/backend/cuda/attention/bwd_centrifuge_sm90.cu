@@ -25,12 +25,9 @@
  *     P = exp2(x - lse), dS = P (dP - D)     registers (the full-forward lse)
  *     dQ += dS K                             wgmma, A = dS from registers,
  *                                            B = K MN-major
- * and each item's epilogue, while the next item's first tiles load, either
- * writes the final dq rows (bf16) itself, where every block of part 1 has
- * counted itself finished (part 1's sum read from bwd_sm90.cu's slot-order
- * accumulator, plus scale dQ; the rows marked for the finish to leave), or
- * adds scale dQ to the accumulator by float4 atomics for the finish to
- * convert.
+ * and each item's epilogue adds scale dQ to bwd_sm90.cu's dq accumulator
+ * (slot order) by float4 atomics while the next item's first tiles load;
+ * the caller converts it to bf16 once part 1 has added its terms too.
  * A block per item paid the copy engine's latency before each item's
  * first tile (run 32's trace: about 2 us a block, 4-6% of the SMs' time
  * at S = 4096); the persistent blocks load the next item while this one
@@ -76,8 +73,7 @@ __device__ __forceinline__ int kept_before_filtered(const int *rows, int n, int 
  *     filt[j] = r and, when kf is set, copies r's K and V rows (every kv
  *     head) to row j of the compact kf, vf that part 2 reads through the
  *     copy engine; block 0 also writes fstart[b] = b S - seq_start[b]
- *     (filtered rows before sequence b) and sets the counters of
- *     CF_CF_SYNC_* (part 2's queue, ...) to 0.
+ *     (filtered rows before sequence b) and sets part 2's queue to 0.
  *     First in the grid, so the searches' latency passes while the prep
  *     blocks run;
  *   blocks [nr, nr + np): D_i of the n kept query rows x H heads and the
@@ -93,14 +89,14 @@ struct CfPrep {
     const bf16 *k, *v;           /* [T, Hkv, D] */
     bf16 *kf, *vf;               /* [nf, Hkv, D], or NULL: no copy */
     int rowlen;                  /* Hkv D */
-    int *sync;                   /* CF_CF_SYNC_WORDS counters (context.h): set to 0 */
+    int *queue;                  /* part 2's work queue: set to 0 */
 };
 
 /* the first range: this warp's filtered row */
 __device__ __forceinline__ void cf_prep_filtered(const CfPrep &p) {
     if (blockIdx.x == 0) {
         for (int b = threadIdx.x; b <= p.B; b += blockDim.x) p.fstart[b] = b * p.S - p.seq_start[b];
-        if (threadIdx.x < CF_CF_SYNC_WORDS) p.sync[threadIdx.x] = 0;
+        if (threadIdx.x == 0) *p.queue = 0;
     }
     const int j = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
     if (j >= p.nf) return;
@@ -150,17 +146,19 @@ struct DqItem {
     int it, nt, qs, qlen, ks, klen, pad0, pad1; /* it < 0: the queue is empty; 32 bytes (DqSm90::OFF_SLOT) */
 };
 static_assert(sizeof(DqItem) == 32, "a slot is 32 bytes (DqSm90: OFF_BAR)");
+#if CF_SM90A_PATH /* its only callers: the kernel's sm_90a body */
 __device__ __forceinline__ void dq_item_place(int it, int H, int qtiles, int BM, int *h, int *b, int *q0) {
     *h = it % H;
     *q0 = (qtiles - 1 - it / H % qtiles) * BM;
     *b = it / (H * qtiles);
 }
+#endif
 
 template <int D, bool PINGPONG>
 __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
     attn_bwd_dq_sm90_kernel(const __grid_constant__ CUtensorMap tmQ, const __grid_constant__ CUtensorMap tmO,
                             const __grid_constant__ CUtensorMap tmK, const __grid_constant__ CUtensorMap tmV,
-                            const AttnArgs a, int tps, int attn_nw, int nitems, int qtiles, int p1_blocks) {
+                            const AttnArgs a, int tps, int attn_nw, int *queue, int nitems, int qtiles) {
 #if CF_SM90A_PATH
     using C = DqSm90<D>;
     constexpr int BM = C::BM, BN = C::BN, KST = C::KST, QB = C::QB, DB = D / 64;
@@ -197,10 +195,6 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
         mbar_init_fence();
     }
     __syncthreads();
-    /* the prep's outputs (filtered K, V, D_i, the zeros, the counters): with
-     * the streams' fork a programmatic event, this grid may start first */
-    griddep_wait();
-    int *const queue = a.cf_sync + CF_CF_SYNC_QUEUE;
 
     /* Item k of this block uses Q/dO buffer, query vectors and slot k % QB,
      * at mbarrier parity (k / QB) & 1; the K/V ring's tiles are numbered
@@ -466,60 +460,18 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
             if (lane == 0) mbar_arrive(empty(st));
         }
         tiles += m.nt;
-        /* This warpgroup's slot of the accumulator (64 rows), and this
-         * thread's float4 in it for column block j (slot order, where float4
-         * k holds (r, c), (r, c + 1), (r + 8, c), (r + 8, c + 1)).
-         * Where every block of part 1 has counted itself finished
-         * (bwd_sm90.cu: after its reductions completed), the rows are final
-         * once this item's terms are added: the warpgroup reads part 1's
-         * sum, adds scale dQ, and writes the rows as bf16 itself (direct),
-         * through its rows of the item's Q buffer (free after its last S
-         * product) so that the global stores are whole 16-byte pieces of
-         * rows; it marks the slot for the finish to leave. One thread loads
-         * the count with acquire; the barrier passes on its answer and what
-         * it made visible. Else scale dQ is added to the accumulator, both
-         * rows' pairs in one vector reduction (the first row's alone where
-         * the second is past the sequence), and the finish converts it. The
-         * next item's Q, dO and first tiles load meanwhile. */
-        float *const acc = a.dq_acc + (((size_t)b * a.H + h) * tps + (q0 >> 6) + w) * (64 * D);
-        auto acc_at = [&](int j) { return dq_slot_index(16 * v + g, 8 * j + 2 * t4, attn_nw); };
-        const bool both = qi[1] < m.qlen;
-        bool direct = false;
-        if (m.nt > 0 && p1_blocks >= 0) {
-            const bool done = tid != 0 || ld_acquire(a.cf_sync + CF_CF_SYNC_PART1_DONE) == p1_blocks;
-            direct = named_barrier_and(8 + w, 128, done);
-        }
-        if (direct) {
-            float4 x[D / 8];
-#pragma unroll
-            for (int j = 0; j < D / 8; j++) x[j] = __ldcg(reinterpret_cast<const float4 *>(acc + acc_at(j)));
-            unsigned char *qb = sbase + C::OFF_Q + i * 2 * C::Q_BYTES; /* the item's Q, TMA's layout */
-            const int r0 = 64 * w + 16 * v + g;
+        /* acc += scale * dQ in slot order, where float4 k holds (r, c), (r,
+         * c + 1), (r + 8, c), (r + 8, c + 1): this thread's pairs of both
+         * its rows in one vector reduction, or of the first row alone where
+         * the second is past the sequence (none where both are). The next
+         * item's Q, dO and first tiles load meanwhile. */
+        if (m.nt > 0 && qi[0] < m.qlen) {
+            float *acc = a.dq_acc + dq_slot_base(b, h, (q0 >> 6) + w, a.H, D, tps);
+            const int nw = attn_nw, rr = 16 * v + g;
+            const bool both = qi[1] < m.qlen;
 #pragma unroll
             for (int j = 0; j < D / 8; j++) {
-                const int c = 8 * j + 2 * t4;
-                *reinterpret_cast<__nv_bfloat162 *>(qb + sw128_off(BM, r0, c)) =
-                    __floats2bfloat162_rn(fmaf(a.scale, dq[4 * j], x[j].x), fmaf(a.scale, dq[4 * j + 1], x[j].y));
-                *reinterpret_cast<__nv_bfloat162 *>(qb + sw128_off(BM, r0 + 8, c)) = __floats2bfloat162_rn(
-                    fmaf(a.scale, dq[4 * j + 2], x[j].z), fmaf(a.scale, dq[4 * j + 3], x[j].w));
-            }
-            named_barrier(8 + w, 128); /* the warpgroup's 64 rows are in */
-            for (int e = tid; e < 64 * (D / 8); e += 128) {
-                const int r = 64 * w + e / (D / 8), c = 8 * (e % (D / 8));
-                if (q0 + r < m.qlen)
-                    *reinterpret_cast<uint4 *>(a.dq + ((size_t)(m.qs + q0 + r) * a.H + h) * D + c) =
-                        *reinterpret_cast<const uint4 *>(qb + sw128_off(BM, r, c));
-            }
-            /* the buffer's next writer is the copy engine (the next item's Q) */
-            fence_async_smem();
-            if (tid == 0) {
-                a.dq_direct[((size_t)b * a.H + h) * tps + (q0 >> 6) + w] = 1u;
-                atomicAdd(a.cf_sync + CF_CF_SYNC_DIRECT, 1);
-            }
-        } else if (m.nt > 0 && qi[0] < m.qlen) {
-#pragma unroll
-            for (int j = 0; j < D / 8; j++) {
-                float *p = acc + acc_at(j);
+                float *p = acc + dq_slot_index(rr, 8 * j + 2 * t4, nw);
                 const float x0 = a.scale * dq[4 * j], x1 = a.scale * dq[4 * j + 1];
                 if (both)
                     atomic_add_f4(p, make_float4(x0, x1, a.scale * dq[4 * j + 2], a.scale * dq[4 * j + 3]));
@@ -574,34 +526,23 @@ template <int D, bool PP> static constexpr int dq_variant_bit() {
 
 template <int D, bool PP>
 static int dq_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, const CUtensorMap *maps, int maxlen, int tps,
-                          int p1_blocks, cudaStream_t st, cudaEvent_t done) {
+                          cudaStream_t st) {
     using C = DqSm90<D>;
     const void *fn = (const void *)attn_bwd_dq_sm90_kernel<D, PP>;
     if (!attn_sm90_prepare(ctx, fn, C::SMEM, dq_variant_bit<D, PP>())) return -1;
+    int *queue = (int *)cf_cuda_scratch(ctx, CF_SCR_ATTN_SM90_QUEUE, sizeof(int)); /* zeroed by the prep */
+    if (!queue) return -1;
     int qtiles = (maxlen + C::BM - 1) / C::BM, nitems = a.H * qtiles * a.B, nw = attn_sm90_bwd_nw(D);
     if (nitems <= 0) return 1;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(dq_grid(ctx, nitems));
-    cfg.blockDim = dim3(C::THREADS);
-    cfg.dynamicSmemBytes = C::SMEM;
-    cfg.stream = st;
-    cudaLaunchAttribute at[1];
-    if (done) { /* the join: the finish after it waits with griddep_wait */
-        at[0].id = cudaLaunchAttributeProgrammaticEvent;
-        at[0].val.programmaticEvent.event = done;
-        at[0].val.programmaticEvent.flags = 0;
-        at[0].val.programmaticEvent.triggerAtBlockStart = 0;
-    }
-    cfg.attrs = at;
-    cfg.numAttrs = done ? 1 : 0;
+    const dim3 grid(dq_grid(ctx, nitems)), block(C::THREADS);
     void *args[] = {(void *)&maps[0], (void *)&maps[1], (void *)&maps[2], (void *)&maps[3], (void *)&a,
-                    (void *)&tps,     (void *)&nw,      (void *)&nitems,  (void *)&qtiles,  (void *)&p1_blocks};
-    return CF_CK(ctx, cudaLaunchKernelExC(&cfg, fn, args)) ? 1 : -1;
+                    (void *)&tps,     (void *)&nw,      (void *)&queue,   (void *)&nitems,  (void *)&qtiles};
+    return CF_CK(ctx, cudaLaunchKernel(fn, grid, block, args, C::SMEM, st)) ? 1 : -1;
 }
 
 template <int D>
-static int dq_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int nk_rows, int maxlen, int tps, int p1_blocks,
-                   cudaStream_t st, cudaEvent_t done) {
+static int dq_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int nk_rows, int maxlen, int tps,
+                   cudaStream_t st) {
     using C = DqSm90<D>;
     CUtensorMap m[4];
     if (!attn_sm90_map_rows(&m[0], a.q, nq_rows, a.H, D, C::BM) ||
@@ -609,18 +550,18 @@ static int dq_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int nk_rows
         !attn_sm90_map_rows(&m[2], a.k, nk_rows, a.Hkv, D, C::BN) ||
         !attn_sm90_map_rows(&m[3], a.v, nk_rows, a.Hkv, D, C::BN))
         return 0;
-    return dq_pingpong(ctx) ? dq_sm90_launch<D, true>(ctx, a, m, maxlen, tps, p1_blocks, st, done)
-                            : dq_sm90_launch<D, false>(ctx, a, m, maxlen, tps, p1_blocks, st, done);
+    return dq_pingpong(ctx) ? dq_sm90_launch<D, true>(ctx, a, m, maxlen, tps, st)
+                            : dq_sm90_launch<D, false>(ctx, a, m, maxlen, tps, st);
 }
 
 int attn_cf_sm90_prep(cf_cuda_ctx *ctx, const AttnArgs &a, int D, const cf_rows *kept, float *acc, size_t acc_n,
-                      int *filt, int *fstart, AttnArgs *p2, cudaEvent_t fork) {
+                      int *filt, int *fstart, AttnArgs *p2) {
     if (D != 64 && D != 128) return 0;
     const int n = kept->n, T = a.B * a.S, nf = T - n;
     const size_t rowlen = (size_t)a.Hkv * D;
     bf16 *kf = NULL, *vf = NULL;
-    int *sync = (int *)cf_cuda_scratch(ctx, CF_SCR_ATTN_SM90_QUEUE, CF_CF_SYNC_WORDS * sizeof(int)); /* zeroed here */
-    if (!sync) return -1;
+    int *queue = (int *)cf_cuda_scratch(ctx, CF_SCR_ATTN_SM90_QUEUE, sizeof(int)); /* part 2's, zeroed here */
+    if (!queue) return -1;
     if (nf > 0) { /* the filtered keys' K and V rows, compacted for the copy engine */
         kf = (bf16 *)cf_cuda_scratch(ctx, CF_SCR_ATTN_SM90_KF, (size_t)nf * rowlen * sizeof(bf16));
         vf = (bf16 *)cf_cuda_scratch(ctx, CF_SCR_ATTN_SM90_VF, (size_t)nf * rowlen * sizeof(bf16));
@@ -648,26 +589,12 @@ int attn_cf_sm90_prep(cf_cuda_ctx *ctx, const AttnArgs &a, int D, const cf_rows 
     p.kf = kf;
     p.vf = vf;
     p.rowlen = (int)rowlen;
-    p.sync = sync;
+    p.queue = queue;
     p.rpw = attn_prep_rows_per_warp(D, a.dout, a.o);
     const int np = (int)((((size_t)p.nrows + p.rpw - 1) / p.rpw * 32 + 255) / 256);
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(p.nr + np);
-    cfg.blockDim = dim3(256);
-    cfg.stream = ctx->stream;
-    cudaLaunchAttribute at[1];
-    if (fork) { /* the fork: part 2, on the other stream, waits with griddep_wait */
-        at[0].id = cudaLaunchAttributeProgrammaticEvent;
-        at[0].val.programmaticEvent.event = fork;
-        at[0].val.programmaticEvent.flags = 0;
-        at[0].val.programmaticEvent.triggerAtBlockStart = 1;
-    }
-    cfg.attrs = at;
-    cfg.numAttrs = fork ? 1 : 0;
-    cudaLaunchKernelEx(&cfg, cf_prep_kernel, p);
+    cf_prep_kernel<<<p.nr + np, 256, 0, ctx->stream>>>(p);
     if (!CF_CK_LAUNCH(ctx, "attention sm90 centrifuge prep")) return -1;
     *p2 = a;
-    p2->cf_sync = sync;
     p2->kstart = fstart;
     p2->krow = filt;
     p2->dq_acc = acc;
@@ -679,9 +606,9 @@ int attn_cf_sm90_prep(cf_cuda_ctx *ctx, const AttnArgs &a, int D, const cf_rows 
 }
 
 int attn_bwd_dq_sm90(cf_cuda_ctx *ctx, const AttnArgs &p, int D, int nq_rows, int nf, int maxlen, int tps,
-                     int p1_blocks, cudaStream_t st, cudaEvent_t done) {
+                     cudaStream_t st) {
     if (D != 64 && D != 128) return 0;
     if (nf <= 0) return 1; /* no filtered key anywhere: nothing to add */
-    return D == 64 ? dq_sm90<64>(ctx, p, nq_rows, nf, maxlen, tps, p1_blocks, st, done)
-                   : dq_sm90<128>(ctx, p, nq_rows, nf, maxlen, tps, p1_blocks, st, done);
+    return D == 64 ? dq_sm90<64>(ctx, p, nq_rows, nf, maxlen, tps, st)
+                   : dq_sm90<128>(ctx, p, nq_rows, nf, maxlen, tps, st);
 }

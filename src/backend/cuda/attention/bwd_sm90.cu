@@ -102,10 +102,6 @@ __global__ void __launch_bounds__(384, 1)
     const bool tracer = threadIdx.x == 128; /* trace.cuh: the first consumer thread */
     if (tracer) trace_mark(0);
     if (k0 >= klen) {
-        if (a.cf_sync && threadIdx.x == 0) { /* counted once the prep has set the count to 0 */
-            griddep_wait();
-            red_release_add(a.cf_sync + CF_CF_SYNC_PART1_DONE, 1);
-        }
         if (tracer) trace_finish(TRACE_MAIN, 0);
         return;
     }
@@ -221,16 +217,7 @@ __global__ void __launch_bounds__(384, 1)
                 __syncwarp();
                 if (i + 1 < nsteps) named_barrier_arrive(3, 256 + 32); /* the buffer may be rewritten */
             }
-            if (lane == 0) {
-                bulk_wait_all();
-                /* centrifuge part 1: this block's dq terms are all in; part
-                 * 2, running beside, may then write the final dq itself
-                 * (bwd_centrifuge_sm90.cu) */
-                if (a.cf_sync) {
-                    fence_async_global();
-                    red_release_add(a.cf_sync + CF_CF_SYNC_PART1_DONE, 1);
-                }
-            }
+            if (lane == 0) bulk_wait_all();
         }
         return;
     }
@@ -505,20 +492,16 @@ __global__ void __launch_bounds__(384, 1)
 constexpr int FINISH_THREADS = 256; /* the finish launch's block */
 
 template <int D>
-__device__ __forceinline__ void dq_convert_slot(bf16 *dq, float *dqf, const float *acc, const unsigned *direct,
-                                                const int *qstart, int S, int H, int tps, int nw, int q64, int h,
-                                                int b) {
+__device__ __forceinline__ void dq_convert_slot(bf16 *dq, float *dqf, const float *acc, const int *qstart, int S,
+                                                int H, int tps, int nw, int q64, int h, int b) {
     constexpr int LD = D + 8;
-    constexpr int PER = 16 * D / FINISH_THREADS;
     __shared__ float tile[64 * LD];
     const int start = qstart ? qstart[b] : b * S, len = qstart ? qstart[b + 1] - start : S;
     if (q64 * 64 >= len) return;
-    /* centrifuge: set where part 2 wrote the slot's rows itself
-     * (bwd_centrifuge_sm90.cu) */
-    if (direct && direct[((size_t)b * H + h) * tps + q64]) return;
     const float4 *src = reinterpret_cast<const float4 *>(acc + dq_slot_base(b, h, q64, H, D, tps));
     /* every load of the slot in flight before the first shared store (one
      * at a time, the launch waited on each load's latency) */
+    constexpr int PER = 16 * D / FINISH_THREADS;
     float4 x[PER];
 #pragma unroll
     for (int i = 0; i < PER; i++) x[i] = src[threadIdx.x + i * FINISH_THREADS];
@@ -554,14 +537,14 @@ __device__ __forceinline__ void dq_convert_slot(bf16 *dq, float *dqf, const floa
  * independent jobs in one grid: one launch and one tail instead of two. */
 template <int D>
 __global__ void __launch_bounds__(FINISH_THREADS)
-    bwd_finish_kernel(bf16 *dq, float *dqf, const float *acc, const unsigned *direct, const int *qstart, int S, int H,
-                      int tps, int nw, int nconv, GqaReduce red) {
+    bwd_finish_kernel(bf16 *dq, float *dqf, const float *acc, const int *qstart, int S, int H, int tps, int nw,
+                      int nconv, GqaReduce red) {
     if (threadIdx.x == 0) trace_mark(0);
     griddep_wait(); /* the main kernel's dq and partials (launched as its dependent) */
     if (threadIdx.x == 0) trace_mark(1);
     const int x = blockIdx.x;
     if (x < nconv)
-        dq_convert_slot<D>(dq, dqf, acc, direct, qstart, S, H, tps, nw, x % tps, x / tps % H, x / (tps * H));
+        dq_convert_slot<D>(dq, dqf, acc, qstart, S, H, tps, nw, x % tps, x / tps % H, x / (tps * H));
     else
         gqa_reduce_body<4>(red.dk, red.dv, red.dkx, red.dvx, red.nk, red.Hkv, red.G, D, x - nconv, gridDim.x - nconv);
     if (threadIdx.x == 0) trace_finish(TRACE_FINISH, 0); /* thread 0's end (trace.cuh) */
@@ -744,9 +727,8 @@ int attn_bwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D, int nq_rows, int k
     return 0;
 }
 
-void attn_sm90_bwd_finish(cudaStream_t st, bf16 *dq, float *dqf, const float *acc, const unsigned *direct,
-                          const int *qstart, int B, int S, int H, int D, int tps, const GqaReduce *red,
-                          bool after_main) {
+void attn_sm90_bwd_finish(cudaStream_t st, bf16 *dq, float *dqf, const float *acc, const int *qstart, int B, int S,
+                          int H, int D, int tps, const GqaReduce *red, bool after_main) {
     if (B <= 0 || tps <= 0 || (D != 64 && D != 128)) return;
     const long long nconv = (long long)tps * H * B;
     /* the reduction: 4 columns per thread, grid-stride past 65536 blocks */
@@ -763,8 +745,8 @@ void attn_sm90_bwd_finish(cudaStream_t st, bf16 *dq, float *dqf, const float *ac
     at[0].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = at;
     cfg.numAttrs = after_main && bwd_pdl() ? 1 : 0;
-    void *args[] = {(void *)&dq, (void *)&dqf, (void *)&acc, (void *)&direct, (void *)&qstart, (void *)&S,
-                    (void *)&H,  (void *)&tps, (void *)&nw,  (void *)&nc,     (void *)&r};
+    void *args[] = {(void *)&dq, (void *)&dqf, (void *)&acc, (void *)&qstart, (void *)&S, (void *)&H, (void *)&tps,
+                    (void *)&nw, (void *)&nc, (void *)&r};
     const void *fn = D == 64 ? (const void *)bwd_finish_kernel<64> : (const void *)bwd_finish_kernel<128>;
     cudaLaunchKernelExC(&cfg, fn, args); /* an error shows in the caller's launch check */
 }

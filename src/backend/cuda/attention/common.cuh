@@ -106,11 +106,6 @@ struct AttnArgs {
     bf16 *dk, *dv;        /* [nk, Hkv, D] when H == Hkv */
     float *dkx, *dvx;     /* [nk, H, D] fp32, per query head, when H != Hkv */
     const int *doc;       /* by original row, or NULL */
-    /* centrifuge on Hopper (bwd_centrifuge_sm90.cu): the counters of
-     * CF_CF_SYNC_* (part 1 counts its finished blocks; NULL elsewhere), and
-     * per dq slot whether part 2 wrote its rows of dq itself */
-    int *cf_sync;
-    unsigned *dq_direct;
     int B, S, H, Hkv;
     float scale, scale_log2;
 };
@@ -465,21 +460,17 @@ void attn_sm90_bwd_plan(cf_cuda_ctx *ctx, int D, int H, int Hkv, int B, int qmax
 /* bwd_centrifuge_sm90.cu: centrifuge on Hopper. attn_cf_sm90_prep, one
  * launch on ctx->stream: what attn_bwd_prep does for the n = kept->n query
  * rows (a.Dvec, and acc[0 .. acc_n) zeroed), what attn_filtered_rows does
- * (filt, fstart), the filtered rows' K and V compacted for part 2, and the
- * counters CF_CF_SYNC_* zeroed; *p2 = a with the filtered rows as its k
- * side, reading the compact copies, acc as its dq accumulator and the
- * counters as p2->cf_sync (1; 0: no Hopper kernel for D; -1 on an error).
- * fork: recorded as the launch's programmatic event (or NULL), for part 2
- * on another stream. attn_bwd_dq_sm90: part 2 on stream st, adding the
- * filtered keys' dq terms to the slot-order accumulator p.dq_acc, or,
- * where all p1_blocks blocks of part 1 have finished (-1: never), writing
- * the final rows into p.dq and marking them in p.dq_direct; done: recorded
- * as its programmatic event (or NULL) (1; 0: the driver refused a tensor
- * map, nothing launched; -1 on an error) */
+ * (filt, fstart), and the filtered rows' K and V compacted for part 2; *p2
+ * = a with the filtered rows as its k side, reading the compact copies, and
+ * acc as its dq accumulator (1;
+ * 0: no Hopper kernel for D; -1 on an error). attn_bwd_dq_sm90: part 2 on
+ * stream st, adding the filtered keys' dq terms to the slot-order
+ * accumulator p.dq_acc (1; 0: the driver refused a tensor map, nothing
+ * launched; -1 on an error) */
 int attn_cf_sm90_prep(cf_cuda_ctx *ctx, const AttnArgs &a, int D, const cf_rows *kept, float *acc, size_t acc_n,
-                      int *filt, int *fstart, AttnArgs *p2, cudaEvent_t fork);
+                      int *filt, int *fstart, AttnArgs *p2);
 int attn_bwd_dq_sm90(cf_cuda_ctx *ctx, const AttnArgs &p, int D, int nq_rows, int nf, int maxlen, int tps,
-                     int p1_blocks, cudaStream_t st, cudaEvent_t done);
+                     cudaStream_t st);
 /* bwd_sm90.cu: the width of the dQ products at head dim D (slot order) */
 int attn_sm90_bwd_nw(int D);
 /* bwd_sm90.cu: the main backward kernel's blocks for a plan (hpb heads per
@@ -495,14 +486,12 @@ struct GqaReduce {
 };
 /* bwd_sm90.cu: the Hopper backward's last launch. dq of the q-side rows
  * (sequence starts qstart, B + 1 of them; NULL = b*S) from the
- * slot-ordered accumulator, bf16 into dq or fp32 into dqf, except the rows
- * centrifuge's part 2 wrote itself (direct: a word per slot, set for
- * those; or NULL), and, in the same grid, the GQA reduction red (none when
- * NULL); D = 64 or 128. after_main: a programmatic dependent launch (it
- * follows the main kernel directly in the stream, or a programmatic event) */
-void attn_sm90_bwd_finish(cudaStream_t st, bf16 *dq, float *dqf, const float *acc, const unsigned *direct,
-                          const int *qstart, int B, int S, int H, int D, int tps, const GqaReduce *red,
-                          bool after_main);
+ * slot-ordered accumulator, bf16 into dq or fp32 into dqf, and, in the same
+ * grid, the GQA reduction red (none when NULL); D = 64 or 128. after_main:
+ * it follows the main kernel directly in the stream (then a programmatic
+ * dependent launch; not after another stream's event) */
+void attn_sm90_bwd_finish(cudaStream_t st, bf16 *dq, float *dqf, const float *acc, const int *qstart, int B, int S,
+                          int H, int D, int tps, const GqaReduce *red, bool after_main);
 
 /* ----------------------------------------- small kernels, by file */
 

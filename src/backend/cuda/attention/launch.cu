@@ -153,32 +153,16 @@ void cf_cuda_attention_fwd(cf_backend *b, void *out, float *lse, const void *q, 
 
 /* =============================================================== backward */
 
-/* How centrifuge's two parts run on Hopper, each switch on by default;
- * forced = ctx->attn_cf_* (1 off, 2 on: tests), else the environment
- * (timing; read once):
- *   CF_ATTN_CF_SIDE_BY_SIDE=0: part 2 after part 1 on the one stream, not
- *     beside it on the second;
- *   CF_ATTN_CF_PDL=0: the fork is an event recorded after the prep, the
- *     join one recorded after part 2, instead of the launches' own
- *     programmatic events (bits: 1 the fork, 2 the join). An event record
- *     between two launches ends programmatic dependent launch there: part
- *     1 could not start its prologue while the prep ended (run 32's trace);
- *   CF_ATTN_CF_DIRECT=0: part 2 always adds to the accumulator, never
- *     writes dq itself where part 1 has finished. */
-static bool cf_switch(int forced, int env) { return forced == 1 || forced == 2 ? forced == 2 : env != 0; }
-static bool parts_side_by_side(const cf_cuda_ctx *ctx) {
-    static const int env = attn_env_int("CF_ATTN_CF_SIDE_BY_SIDE", 1);
-    return cf_switch(ctx->attn_cf_beside, env);
+/* CF_ATTN_CF_SIDE_BY_SIDE=0 in the environment: centrifuge's Hopper part 2
+ * after part 1 on the one stream (timing; read once) */
+static bool parts_side_by_side(void) {
+    static int on = -1;
+    if (on < 0) {
+        const char *e = getenv("CF_ATTN_CF_SIDE_BY_SIDE");
+        on = !(e && *e == '0');
+    }
+    return on != 0;
 }
-static int cf_pdl_bits(const cf_cuda_ctx *ctx) {
-    static const int env = attn_env_int("CF_ATTN_CF_PDL", 3);
-    return ctx->attn_cf_pdl == 1 || ctx->attn_cf_pdl == 2 ? 3 * (ctx->attn_cf_pdl == 2) : env & 3;
-}
-static bool cf_direct(const cf_cuda_ctx *ctx) {
-    static const int env = attn_env_int("CF_ATTN_CF_DIRECT", 1);
-    return cf_switch(ctx->attn_cf_direct, env);
-}
-
 
 static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void *dout, const void *q, const void *k,
                      const void *v, const void *out, const float *lse, const cf_attn_shape *s, const cf_rows *kept,
@@ -277,17 +261,12 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
      * tps 64-row query tiles per sequence, even (a step may cover two) */
     const int tps = try_hopper ? 2 * ((maxlen + 127) / 128) : 0;
     const size_t acc_n = (size_t)B * tps * 64 * H * D;
-    /* centrifuge: after it a word per slot, the rows part 2 wrote itself */
-    const size_t nslots = mode == CF_ATTN_BWD_CENTRIFUGE ? (size_t)B * tps * H : 0;
-    float *acc =
-        try_hopper ? (float *)cf_cuda_scratch(ctx, CF_SCR_ATTN_SM90_DQ, (acc_n + nslots) * sizeof(float)) : NULL;
+    float *acc = try_hopper ? (float *)cf_cuda_scratch(ctx, CF_SCR_ATTN_SM90_DQ, acc_n * sizeof(float)) : NULL;
     if (try_hopper && !acc) return;
-    unsigned *direct_words = try_hopper ? (unsigned *)(acc + acc_n) : NULL;
-
     /* GQA: fp32 partials of dk, dv per group of hpb query heads (1 on the
      * portable path) and part of the query range (ns, Hopper), summed by
      * the GQA reduction; partials also without GQA when ns > 1 */
-    const bool cf_beside = mode == CF_ATTN_BWD_CENTRIFUGE && T > n && parts_side_by_side(ctx); /* part 2 runs beside */
+    const bool cf_beside = mode == CF_ATTN_BWD_CENTRIFUGE && T > n && parts_side_by_side(); /* part 2 runs beside */
     int hpb = 1, ns = 1, pair = CF_PAIR_NONE;
     if (try_hopper) {
         attn_sm90_bwd_plan(ctx, D, H, Hkv, B, maxlen, kmaxlen, cf_beside, &hpb, &ns);
@@ -323,9 +302,7 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
         filt = (int *)cf_cuda_scratch(ctx, CF_SCR_ATTN_FILT, (size_t)(nf > 0 ? nf : 1) * sizeof(int));
         fstart = (int *)cf_cuda_scratch(ctx, CF_SCR_ATTN_FSTART, (size_t)(B + 1) * sizeof(int));
         if (!filt || !fstart) return;
-        if (try_hopper && (prepared = attn_cf_sm90_prep(ctx, a, D, kept, acc, acc_n + nslots, filt, fstart, &p2,
-                                                        cf_beside && (cf_pdl_bits(ctx) & 1) ? ctx->ev_fork : NULL)) < 0)
-            return;
+        if (try_hopper && (prepared = attn_cf_sm90_prep(ctx, a, D, kept, acc, acc_n, filt, fstart, &p2)) < 0) return;
     }
     if (!prepared) {
         attn_bwd_prep(ctx->stream, a.dout, a.o, Dvec, try_hopper ? acc : dq_acc, try_hopper ? acc_n : (size_t)n * H * D,
@@ -336,16 +313,13 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
             if (!CF_CK_LAUNCH(ctx, "attention filtered rows")) return;
         }
     }
-    /* the fork, where the prep's launch did not record it */
-    if (prepared && cf_beside && !(cf_pdl_bits(ctx) & 1) && !CF_CK(ctx, cudaEventRecord(ctx->ev_fork, ctx->stream)))
-        return;
+    if (prepared && parts_side_by_side() && !CF_CK(ctx, cudaEventRecord(ctx->ev_fork, ctx->stream))) return;
     /* part 1 / the whole backward: dk, dv, and dq over the k side; on
      * Hopper into a dq accumulator of its own layout (bwd_sm90.cu) */
     int hopper = 0;
     if (try_hopper) {
         AttnArgs h = a;
         h.dq_acc = acc;
-        h.cf_sync = prepared ? p2.cf_sync : NULL; /* part 1 counts its finished blocks for part 2 */
         hopper = attn_bwd_sm90(ctx, h, D, n, kmaxlen, tps, hpb, ns, pair);
         if (hopper < 0) return;
         a.dq_acc = acc;
@@ -372,21 +346,12 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
      * are done; else the portable kernel after part 1 (it adds dq_acc
      * [n, H, D] fp32 and writes bf16) */
     int r = 0;
-    bool join_pdl = false; /* the join is part 2's programmatic event */
     if (cf && hopper && prepared) {
-        const bool side = cf_beside;
+        const bool side = parts_side_by_side();
         cudaStream_t st = side ? ctx->aux_stream : ctx->stream;
         if (side && !CF_CK(ctx, cudaStreamWaitEvent(st, ctx->ev_fork, 0))) return;
-        /* where part 1 has finished, part 2 writes dq rows itself (p1_blocks
-         * is the count part 1's blocks reach then) */
-        const dim3 g1 = attn_sm90_bwd_grid(H, hpb, ns, B, kmaxlen);
-        const int p1_blocks = cf_direct(ctx) ? (int)(g1.x * g1.y * g1.z) : -1;
-        p2.dq = (bf16 *)dq;
-        p2.dq_direct = direct_words;
-        const bool join_in_launch = side && (cf_pdl_bits(ctx) & 2) && nf > 0; /* nf > 0: part 2 launches */
-        r = attn_bwd_dq_sm90(ctx, p2, D, n, nf, maxlen, tps, p1_blocks, st, join_in_launch ? ctx->ev_join : NULL);
-        join_pdl = join_in_launch && r == 1;
-        if (side && ((!join_pdl && !CF_CK(ctx, cudaEventRecord(ctx->ev_join, st))) ||
+        r = attn_bwd_dq_sm90(ctx, p2, D, n, nf, maxlen, tps, st);
+        if (side && (!CF_CK(ctx, cudaEventRecord(ctx->ev_join, st)) ||
                      !CF_CK(ctx, cudaStreamWaitEvent(ctx->stream, ctx->ev_join, 0))))
             return;
         if (r < 0) return;
@@ -395,9 +360,8 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
         /* the last launch: dq (bf16; fp32 for a portable part 2 to add to)
          * and the GQA reduction in one grid */
         const bool dq_final = !cf || r;
-        attn_sm90_bwd_finish(ctx->stream, dq_final ? (bf16 *)dq : NULL, dq_final ? NULL : dq_acc, a.dq_acc,
-                             cf && r == 1 ? direct_words : NULL, a.qstart, B, S, H, D, tps, partials ? &red : NULL,
-                             !cf || join_pdl);
+        attn_sm90_bwd_finish(ctx->stream, dq_final ? (bf16 *)dq : NULL, dq_final ? NULL : dq_acc, a.dq_acc, a.qstart,
+                             B, S, H, D, tps, partials ? &red : NULL, !cf);
         if (!CF_CK_LAUNCH(ctx, "attention sm90 backward finish")) return;
     } else if (!cf) {
         attn_dq_to_bf16(ctx->stream, (bf16 *)dq, dq_acc, (size_t)n * H * D);

@@ -280,22 +280,6 @@ __device__ __forceinline__ void bulk_commit() { CF_SM90_ASM("cp.async.bulk.commi
 __device__ __forceinline__ void bulk_wait_read() { CF_SM90_ASM("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 /* waits until they have completed */
 __device__ __forceinline__ void bulk_wait_all() { CF_SM90_ASM("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
-/* orders this thread's completed bulk (async proxy) writes to global memory
- * before its later generic ones, such as a release that publishes them */
-__device__ __forceinline__ void fence_async_global() { CF_SM90_ASM("fence.proxy.async.global;\n" ::: "memory"); }
-
-/* A counter between kernels that run at once: *p += v with release (at gpu
- * scope). What a thread wrote before its release is visible to a thread
- * whose acquire load saw the count it made. */
-__device__ __forceinline__ void red_release_add(int *p, int v) {
-    CF_SM90_ASM("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
-}
-/* the count, loaded with acquire */
-__device__ __forceinline__ int ld_acquire(const int *p) {
-    int v = 0;
-    CF_SM90_ASM("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
 
 /* --------------------------------------------- clusters of two blocks */
 
@@ -340,16 +324,6 @@ __device__ __forceinline__ void named_barrier(int id, int count) {
 /* arrives at barrier `id` without waiting (producer side of a hand-off) */
 __device__ __forceinline__ void named_barrier_arrive(int id, int count) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
-}
-/* named_barrier that also returns whether p held in every thread of it */
-__device__ __forceinline__ bool named_barrier_and(int id, int count, bool p) {
-    uint32_t r;
-    asm volatile("{\n\t.reg .pred p, q;\n\tsetp.ne.u32 p, %1, 0;\n\tbar.red.and.pred q, %2, %3, p;\n\t"
-                 "selp.u32 %0, 1, 0, q;\n}\n"
-                 : "=r"(r)
-                 : "r"((uint32_t)p), "r"(id), "r"(count)
-                 : "memory");
-    return r != 0;
 }
 /* Ping-pong turns among N consumer warpgroups (w = 0..N-1), on named
  * barriers BAR0 .. BAR0+N-1: warpgroup w takes its turn (waits), issues
