@@ -131,10 +131,8 @@ __global__ void __launch_bounds__(384, 1)
             mbar_init(empty(s), 8); /* one arrival per consumer warp */
         }
         if (pair) {
-            /* every consumer thread of the other block(s) of the cluster */
-            const int peers = pair >= CF_QUAD_HEADS ? 3 : 1;
-            mbar_init(xready, 256 * peers);
-            mbar_init(xdone, 256 * peers);
+            mbar_init(xready, 256); /* every consumer thread of the other block */
+            mbar_init(xdone, 256);
         }
         mbar_init_fence();
     }
@@ -403,85 +401,6 @@ __global__ void __launch_bounds__(384, 1)
     }
     if (tracer) trace_mark(2);
 
-    if constexpr (D == 64 && BM == 128) {
-        if (pair >= CF_QUAD_HEADS) {
-            /* Quads: a cluster of four blocks holds the four partial sums of
-             * the same dk, dv rows (four groups of query heads, or two
-             * groups in two parts). Rank q finishes quarter q: dk (q < 2)
-             * or dv, columns D/2 (q & 1).. of D/2. Each block hands every
-             * other rank that rank's quarter of its fp32 terms through its
-             * shared memory, adds the four in the order of the partials'
-             * index (group * ns + part: the finish launch's order, so the
-             * same bits; rank = group + 2 part for two groups in two
-             * parts) and writes bf16. D = 64, 128-query steps: the four
-             * quarters fit the Q/dO ring. */
-            constexpr int NH = D / 16; /* 8-column blocks in a quarter */
-            static_assert(4 * 128 * (D / 2) * 4 <= 2 * QST * C::QT_BYTES, "four quarters fit the Q/dO ring");
-            const uint32_t rank = cluster_rank();
-            named_barrier(1, 256); /* both consumers are past their last products: the ring is free */
-            float2 *give = reinterpret_cast<float2 *>(sbase + C::OFF_Q);
-#pragma unroll
-            for (int q = 0; q < 4; q++) {
-                if (q == (int)rank) continue;
-#pragma unroll
-                for (int nn = 0; nn < NH; nn++)
-#pragma unroll
-                    for (int r = 0; r < 2; r++) {
-                        const int n = (q & 1) * NH + nn;
-                        give[(q * NH * 2 + nn * 2 + r) * 256 + ctid] =
-                            q < 2 ? make_float2(__fmul_rn(dk[4 * n + 2 * r], a.scale),
-                                                __fmul_rn(dk[4 * n + 2 * r + 1], a.scale))
-                                  : make_float2(dv[4 * n + 2 * r], dv[4 * n + 2 * r + 1]);
-                    }
-            }
-            for (uint32_t o = 0; o < 4; o++)
-                if (o != rank) mbar_arrive_peer(peer_smem(xready, o));
-            mbar_wait_cluster(xready, 0);
-            bf16 *out = rank < 2 ? a.dk : a.dv;
-            const int nbase = (rank & 1) * NH;
-#pragma unroll
-            for (int r = 0; r < 2; r++) {
-                const int j = k0 + 64 * w + 16 * v + g + 8 * r;
-                if (j >= klen) continue;
-                bf16 *op = out + (size_t)(ks + j) * kstr + (size_t)hk * D + 2 * t4;
-                /* the terms by rank, the remote ones loaded first */
-                float2 t[4][NH];
-#pragma unroll
-                for (uint32_t o = 0; o < 4; o++) {
-                    if (o == rank) {
-#pragma unroll
-                        for (int nn = 0; nn < NH; nn++) {
-                            const int n = nbase + nn;
-                            t[o][nn] = rank < 2 ? make_float2(__fmul_rn(dk[4 * n + 2 * r], a.scale),
-                                                              __fmul_rn(dk[4 * n + 2 * r + 1], a.scale))
-                                                : make_float2(dv[4 * n + 2 * r], dv[4 * n + 2 * r + 1]);
-                        }
-                    } else {
-                        const uint32_t theirs = peer_smem(base + C::OFF_Q, o);
-#pragma unroll
-                        for (int nn = 0; nn < NH; nn++)
-                            t[o][nn] = ld_peer_f2(theirs + 8u * ((rank * NH * 2 + nn * 2 + r) * 256 + ctid));
-                    }
-                }
-                /* in the partials' order: ranks 0 1 2 3 (four groups), or
-                 * 0 2 1 3 (partial group * 2 + part, rank group + 2 part) */
-                const bool mixed = pair == CF_QUAD_MIXED;
-#pragma unroll
-                for (int nn = 0; nn < NH; nn++) {
-                    const float2 t1 = mixed ? t[2][nn] : t[1][nn], t2 = mixed ? t[1][nn] : t[2][nn];
-                    const float s0 = __fadd_rn(__fadd_rn(__fadd_rn(__fadd_rn(0.f, t[0][nn].x), t1.x), t2.x), t[3][nn].x);
-                    const float s1 = __fadd_rn(__fadd_rn(__fadd_rn(__fadd_rn(0.f, t[0][nn].y), t1.y), t2.y), t[3][nn].y);
-                    *reinterpret_cast<__nv_bfloat162 *>(op + 8 * (nbase + nn)) = __floats2bfloat162_rn(s0, s1);
-                }
-            }
-            /* this block may not exit while the others still read its tiles */
-            for (uint32_t o = 0; o < 4; o++)
-                if (o != rank) mbar_arrive_peer(peer_smem(xdone, o));
-            mbar_wait_cluster(xdone, 0);
-            if (tracer) trace_finish(TRACE_MAIN, nsteps);
-            return;
-        }
-    }
     if (pair) {
         /* The pair's two blocks hold the two partial sums of the same dk, dv
          * rows (two groups of query heads, or two parts of the query range):
@@ -713,13 +632,12 @@ template <int D, int BM> static constexpr int bwd_variant_bit() {
     return D == 128 ? SM90_ATTR_BWD128 : BM == 64 ? SM90_ATTR_BWD64_BM64 : SM90_ATTR_BWD64_BM128;
 }
 
-/* *at = the clusters of `pair`: two along x, the head groups
- * (CF_PAIR_HEADS), or y, the parts of a key tile (CF_PAIR_PARTS); four
- * along x (CF_QUAD_HEADS), or two by two (CF_QUAD_MIXED) */
+/* *at = clusters of two along the axis of `pair` (CF_PAIR_HEADS: x, the
+ * head groups; CF_PAIR_PARTS: y, the parts of a key tile) */
 static void pair_cluster_attr(cudaLaunchAttribute *at, int pair) {
     at->id = cudaLaunchAttributeClusterDimension;
-    at->val.clusterDim.x = pair == CF_PAIR_HEADS || pair == CF_QUAD_MIXED ? 2 : pair == CF_QUAD_HEADS ? 4 : 1;
-    at->val.clusterDim.y = pair == CF_PAIR_PARTS || pair == CF_QUAD_MIXED ? 2 : 1;
+    at->val.clusterDim.x = pair == CF_PAIR_HEADS ? 2 : 1;
+    at->val.clusterDim.y = pair == CF_PAIR_PARTS ? 2 : 1;
     at->val.clusterDim.z = 1;
 }
 
@@ -746,25 +664,26 @@ static int bwd_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int
     }
     cfg.attrs = at;
     cfg.numAttrs = nat;
-    void *args[] = {(void *)&mq, (void *)&mo, (void *)&a, (void *)&tps, (void *)&hpb, (void *)&ns, (void *)&pair};
+    const int on = pair != 0;
+    void *args[] = {(void *)&mq, (void *)&mo, (void *)&a, (void *)&tps, (void *)&hpb, (void *)&ns, (void *)&on};
     return CF_CK(ctx, cudaLaunchKernelExC(&cfg, fn, args)) ? 1 : -1;
 }
 
-/* Whether the kernel of head dim D runs in clusters of two blocks (four:
- * quad) on this device at one block per SM (asked once per variant; a
- * refusal is not an error: the partials path stays). */
-template <int D, int BM> static bool pairs_fit(cf_cuda_ctx *ctx, bool quad = false) {
+/* Whether the kernel of head dim D runs in clusters of two blocks on this
+ * device at one block per SM (asked once per variant; a refusal is not an
+ * error: the partials path stays). */
+template <int D, int BM> static bool pairs_fit(cf_cuda_ctx *ctx) {
     using C = BwdSm90<D, BM>;
-    const int which = bwd_variant_bit<D, BM>() + (quad ? 16 : 0);
+    const int which = bwd_variant_bit<D, BM>();
     if (ctx->attn_pair_checked >> which & 1) return ctx->attn_pair_ok >> which & 1;
     const void *fn = (const void *)attn_bwd_sm90_kernel<D, BM>;
-    if (!attn_sm90_prepare(ctx, fn, C::SMEM, bwd_variant_bit<D, BM>())) return false;
+    if (!attn_sm90_prepare(ctx, fn, C::SMEM, which)) return false;
     cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(quad ? 4 : 2, 1, 1);
+    cfg.gridDim = dim3(2, 1, 1);
     cfg.blockDim = dim3(C::THREADS);
     cfg.dynamicSmemBytes = C::SMEM;
     cudaLaunchAttribute cl[1];
-    pair_cluster_attr(&cl[0], quad ? CF_QUAD_HEADS : CF_PAIR_HEADS);
+    pair_cluster_attr(&cl[0], CF_PAIR_HEADS);
     cfg.attrs = cl;
     cfg.numAttrs = 1;
     int n = 0;
@@ -777,19 +696,12 @@ template <int D, int BM> static bool pairs_fit(cf_cuda_ctx *ctx, bool quad = fal
 
 /* Pairs (see the kernel's epilogue) where a kv head's dk, dv have exactly
  * two partials: two groups of query heads in one part, or one group in
- * two parts; quads where they have four (four groups, or two in two
- * parts), at D = 64 with 128-query steps. CF_ATTN_SM90_BWD_PAIR=0 (read
- * once) or ctx->attn_bwd_nopair keeps the partials, for timing and tests;
- * CF_ATTN_SM90_BWD_QUAD=0 the partials where there are four. */
+ * two parts. CF_ATTN_SM90_BWD_PAIR=0 (read once) or ctx->attn_bwd_nopair
+ * keeps the partials, for timing and tests. */
 int attn_sm90_bwd_pair(cf_cuda_ctx *ctx, int D, int H, int Hkv, int hpb, int ns) {
     static const int env = attn_env_int("CF_ATTN_SM90_BWD_PAIR", 1);
-    static const int env_quad = attn_env_int("CF_ATTN_SM90_BWD_QUAD", 1);
     if (!env || ctx->attn_bwd_nopair || hpb <= 0 || Hkv <= 0 || H % Hkv || (H / Hkv) % hpb) return CF_PAIR_NONE;
     const int groups = H / Hkv / hpb;
-    if (env_quad && D == 64 && bwd_bm_for(64) == 128 && groups * ns == 4 && ns <= 2) {
-        const int kind = ns == 1 ? CF_QUAD_HEADS : CF_QUAD_MIXED;
-        return pairs_fit<64, 128>(ctx, true) ? kind : CF_PAIR_NONE;
-    }
     const int axis = groups == 2 && ns == 1 ? CF_PAIR_HEADS : groups == 1 && ns == 2 ? CF_PAIR_PARTS : CF_PAIR_NONE;
     if (!axis) return CF_PAIR_NONE;
     bool fits = false;

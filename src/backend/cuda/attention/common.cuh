@@ -446,10 +446,8 @@ int attn_bwd_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int D, int nq_rows, int k
                   int pair);
 /* bwd_sm90.cu: pairs of blocks that sum a kv head's two dk, dv partials
  * between them (clusters of two along the heads or the parts: the
- * kernel's epilogue), quads that sum four (clusters of four along the
- * heads, or of two heads by two parts; D = 64 with 128-query steps), or
- * CF_PAIR_NONE: the partials path */
-enum { CF_PAIR_NONE = 0, CF_PAIR_HEADS = 1, CF_PAIR_PARTS = 2, CF_QUAD_HEADS = 3, CF_QUAD_MIXED = 4 };
+ * kernel's epilogue), or CF_PAIR_NONE: the partials path */
+enum { CF_PAIR_NONE = 0, CF_PAIR_HEADS = 1, CF_PAIR_PARTS = 2 };
 int attn_sm90_bwd_pair(cf_cuda_ctx *ctx, int D, int H, int Hkv, int hpb, int ns);
 /* bwd_sm90.cu: the launch plan of attn_bwd_sm90 at head dim D for B
  * sequences of up to qmaxlen q-side and kmaxlen k-side rows: *hpb query
