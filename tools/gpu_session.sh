@@ -43,6 +43,13 @@ env_ab() {
     done; done
   done
 }
+# ncu_bench_attn OUTBASE BIN "S H Hkv D" [NCU_ARGS...]: bench_attention BIN (Hopper path) under ncu, the time and
+# DRAM bytes of every kernel launch (or those NCU_ARGS select) into OUTBASE.csv, ncu's messages into OUTBASE.err
+ncu_bench_attn() {
+  local j=$1 b=$2 sh=$3; shift 3
+  BENCH_ATTN_PATHS=auto timeout 240 ncu --clock-control none --csv --print-units base "$@" \
+    --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum "$b" $sh >"$j.csv" 2>"$j.err"
+}
 for part in "$@"; do
   echo "=== $part $(date +%T)"
   case $part in
@@ -461,9 +468,7 @@ for part in "$@"; do
       # kernel's and the finish's groups [0] [1] [2] are the full, centrifuge and strawman backwards
       IFS='|' read -ra shs <<<"${NCU_SHAPES:-4096 32 4 64|4096 32 8 128}"
       for sh in "${shs[@]}"; do j="$OUT/ncu_attn_modes_${sh// /_}"
-        BENCH_ATTN_PATHS=auto timeout 240 ncu --clock-control none --csv --print-units base \
-          --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum "$G/bench_attention" $sh \
-          >"$j.csv" 2>"$j.err"
+        ncu_bench_attn "$j" "$G/bench_attention" "$sh"
         echo "ncu-attn-modes $sh rc=$?"; python3 tools/ncu_kernels.py "$j.csv" --batch 23 --bw 4.8e12 | tee "$j.txt"
         gzip -f "$j.csv"
       done ;;
@@ -518,10 +523,8 @@ for part in "$@"; do
         for e in old new "${envs[@]}"; do
           b="$G/bench_attention"; [ "$e" = old ] && { b="$G/bench_attention_old"; [ -x "$b" ] || continue; }
           j="$OUT/ncu_cf_${sh// /_}_$(echo "$e" | tr -c 'A-Za-z0-9' _)"
-          set_env=; case $e in old|new) ;; *) set_env=$e ;; esac
-          env $set_env BENCH_ATTN_PATHS=auto timeout 200 ncu --clock-control none --csv --print-units base \
-            --kernel-name regex:"attn_bwd_dq_sm90|cf_prep" --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum \
-            "$b" $sh >"$j.csv" 2>"$j.err"
+          ( case $e in old|new) ;; *) export $e ;; esac
+            ncu_bench_attn "$j" "$b" "$sh" --kernel-name regex:"attn_bwd_dq_sm90|cf_prep" )
           echo "ncu-cf $sh [$e] rc=$?"; python3 tools/ncu_kernels.py "$j.csv" --bw 4.8e12 | tee "$j.txt"
           gzip -f "$j.csv"
         done
