@@ -62,6 +62,9 @@ TEST(grid_cost_plays_the_block_schedule) {
     /* GQA partials with one part: [nk, H/hpb, D] for dk and dv */
     const double gqa = BWD_COST_MB * 256.0 * 2 * 1 * 128 * 8 / 1e6;
     CHECK(fabs(bwd_grid_cost(128, 64, 2, 1, 128, 1, 256, 256, 1, 1, 4) - (4 + blk + gqa)) < 1e-9);
+    /* both heads of the group in one block, one part: it writes dk, dv
+     * itself, no partials (tile 0: 2 heads x 4 steps) */
+    CHECK(fabs(bwd_grid_cost(128, 64, 2, 1, 128, 1, 256, 256, 2, 1, 4) - (8 + blk)) < 1e-9);
     /* more SMs never cost more */
     for (int sms = 1; sms < 200; sms++)
         CHECK(bwd_grid_cost(128, 64, 24, 8, 128, 2, 2048, 2048, 3, 2, sms + 1) <=

@@ -1814,22 +1814,25 @@ static void attn_setup_kept_half(attn_problem *p, attn_case c, char *nm, int **r
     make_kept(p->c, rows, *ss, n, 0.5);
 }
 
-/* The Hopper backward with 1, 2 and 4 query heads per block and 1 and 2
- * parts of each key tile's query range (the grid-size rules pick them by
- * shape; all six forced here through the context; a count that does not
+/* The Hopper backward with 1, 2, 4 and 8 query heads per block and 1 and
+ * 2 parts of each key tile's query range (the grid-size rules pick them by
+ * shape; all eight forced here through the context; a count that does not
  * divide the group falls to the next lower divisor: 4 gives 3 in groups
- * of 3 and 6, 2 gives 1 in a group of 3): each against the CPU, and
- * against hpb = 1 with one part (dk, dv partials of 1 to 4 heads and 1 or
- * 2 parts, reduced over H/hpb x ns of them: a layout error or a lost part
- * shows as O(1)), FULL, CENTRIFUGE and CENTRIFUGE_KV, GQA groups of 3, 4,
- * 6 and 8, and no GQA (parts need the partials there too). */
+ * of 3 and 6, 8 gives the group itself in groups of 3 and 4): each against
+ * the CPU, and against hpb = 1 with one part (dk, dv partials of 1 to 8
+ * heads and 1 or 2 parts, reduced over H/hpb x ns of them; a block with a
+ * kv head's whole group in one part writes dk, dv itself: a layout error
+ * or a lost part shows as O(1)), FULL, CENTRIFUGE and CENTRIFUGE_KV, GQA
+ * groups of 3, 4, 6 and 8, and no GQA (parts need the partials there
+ * too). */
 TEST(attention_hopper_bwd_heads_per_block_and_query_parts_match) {
     cf_cuda_ctx *ctx = hopper_ctx_or_skip();
     if (!ctx) return;
     const attn_case cc[] = {{2, 300, 8, 2, 64, 3},  {3, 200, 8, 1, 128, 2}, {1, 333, 4, 4, 128, 0},
                             {2, 260, 6, 2, 128, 3}, {1, 300, 12, 2, 64, 0}};
     const int ncc = (int)(sizeof cc / sizeof cc[0]);
-    static const int cfg[6][2] = {{1, 1}, {2, 1}, {1, 2}, {2, 2}, {4, 1}, {4, 2}}; /* hpb, parts */
+    static const int cfg[][2] = {{1, 1}, {2, 1}, {1, 2}, {2, 2}, {4, 1}, {4, 2}, {8, 1}, {8, 2}}; /* hpb, parts */
+    const int ncfg = (int)(sizeof cfg / sizeof cfg[0]);
     char nm[128], what[256];
     for (int ci = 0; ci < ncc; ci++) {
         attn_problem p;
@@ -1837,8 +1840,8 @@ TEST(attention_hopper_bwd_heads_per_block_and_query_parts_match) {
         attn_setup_kept_half(&p, cc[ci], nm, &rows, &ss, &n);
         const attn_case c = p.c;
         for (int m = 0; m < 3; m++) {
-            grads g[6];
-            for (int k = 0; k < 6; k++) {
+            grads g[sizeof cfg / sizeof cfg[0]];
+            for (int k = 0; k < ncfg; k++) {
                 ctx->attn_bwd_hpb = cfg[k][0];
                 ctx->attn_bwd_split = cfg[k][1];
                 snprintf(what, sizeof what, "%s hpb=%d parts=%d %s", bwd_mode_names[m], cfg[k][0], cfg[k][1], nm);
@@ -1846,7 +1849,7 @@ TEST(attention_hopper_bwd_heads_per_block_and_query_parts_match) {
             }
             ctx->attn_bwd_hpb = ctx->attn_bwd_split = 0;
             const size_t nq = m == 0 ? p.T : (size_t)n, nkr = m == 1 ? (size_t)n : p.T;
-            for (int k = 1; k < 6; k++) {
+            for (int k = 1; k < ncfg; k++) {
                 snprintf(what, sizeof what, "%s dq hpb=%d parts=%d vs 1/1 %s", bwd_mode_names[m], cfg[k][0], cfg[k][1], nm);
                 cmp(what, g[0].dq, g[k].dq, nq * c.H * c.D, TOL_BF16);
                 snprintf(what, sizeof what, "%s dk hpb=%d parts=%d vs 1/1 %s", bwd_mode_names[m], cfg[k][0], cfg[k][1], nm);

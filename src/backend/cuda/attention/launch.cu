@@ -265,7 +265,9 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
     if (try_hopper && !acc) return;
     /* GQA: fp32 partials of dk, dv per group of hpb query heads (1 on the
      * portable path) and part of the query range (ns, Hopper), summed by
-     * the GQA reduction; partials also without GQA when ns > 1 */
+     * the GQA reduction; partials also without GQA when ns > 1. None where
+     * one block holds a kv head's whole group and range (hpb = H / Hkv,
+     * ns = 1): it writes dk, dv itself */
     const bool cf_beside = mode == CF_ATTN_BWD_CENTRIFUGE && T > n && parts_side_by_side(); /* part 2 runs beside */
     int hpb = 1, ns = 1, pair = CF_PAIR_NONE;
     if (try_hopper) {
@@ -281,7 +283,7 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
         a.dvx = (float *)cf_cuda_scratch(ctx, CF_SCR_ATTN_DVX, np * sizeof(float));
         return a.dkx && a.dvx;
     };
-    bool partials = (H != Hkv || ns > 1) && !pair;
+    bool partials = (H / hpb != Hkv || ns > 1) && !pair;
     if (partials) {
         if (!alloc_partials()) return;
     } else {
@@ -328,7 +330,7 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
     if (!hopper) {
         if (try_hopper) { /* the Hopper kernel declined (tensor maps): the portable one */
             hpb = ns = 1;
-            if (pair && H != Hkv) { /* the portable kernel writes per-head partials */
+            if (!partials && H != Hkv) { /* the portable kernel writes per-head partials */
                 pair = CF_PAIR_NONE;
                 partials = true;
                 a.dk = a.dv = NULL;

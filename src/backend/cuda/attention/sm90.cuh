@@ -436,7 +436,7 @@ struct BwdPlan {
  * block and ns parts: its blocks, in launch order (head groups fastest,
  * then key tiles and their parts, then sequences), each go to the SM that
  * frees first (a min-heap of the SMs' finishing times), as the block
- * scheduler hands them out; plus the partials (when H != Hkv or ns > 1).
+ * scheduler hands them out; plus the partials (unless hpb = H / Hkv, ns = 1).
  * Key tiles of BN rows up to kmaxlen per sequence; tile j sees the query
  * tiles (BM rows) after the fraction j BN / kmaxlen of qmaxlen (exact for
  * the causal full backward, the mean for kept lists). */
@@ -472,7 +472,7 @@ inline double bwd_grid_cost(int BN, int BM, int H, int Hkv, int D, int B, int qm
         }
     double span = 0.0;
     for (int i = 0; i < m; i++) span = heap[i] > span ? heap[i] : span;
-    if (H != Hkv || ns > 1) span += BWD_COST_MB * ((double)B * kmaxlen * (H / hpb) * ns * D * 8) / 1e6;
+    if (H / hpb != Hkv || ns > 1) span += BWD_COST_MB * ((double)B * kmaxlen * (H / hpb) * ns * D * 8) / 1e6;
     return span;
 }
 
