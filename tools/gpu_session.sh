@@ -10,7 +10,7 @@
 #          pair-full side-attn gemm-survey attn-hpb side-sms pair-head
 #          lmhead-cluster ncu-lmhead sanitize-lmhead parity-bigvocab ab-old-accum pingpong pingpong-model ncu-attn-src ncu-attn-kernels cf-pp64 ncu-ops hpb-model
 #          adamw-ab attn-in-model ncu-lmhead-logits lmhead-logits ncu-attn-pipes fwd-wg ncu-attn-modes attn-trace
-#          ncu-cf
+#          ncu-cf cf-plan
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G=$PWD/.gpucarry
@@ -340,6 +340,13 @@ for part in "$@"; do
     side-attn)
       # o's and q/k/v's weight gradients beside the backward (default) against in line (CF_DW_SIDE_ATTN=0)
       env_ab CF_DW_SIDE_ATTN "0 1" regular,centrifuge sattn ;;
+    cf-plan)
+      # issue 17, run 34: centrifuge's part-1 plan by bwd_beside_cost (default, 0) against the earlier rule's
+      # choice forced (Llama3.2-3B and Qwen2.5-1.5B: one part, CF_ATTN_SM90_BWD_SPLIT=1; TinyLlama: two heads
+      # per block, CF_ATTN_SM90_BWD_HPB=2), the centrifuge rows, alternated twice
+      ACCUM_MODELS=llama3.2-3b:2048 env_ab CF_ATTN_SM90_BWD_SPLIT "1 0" centrifuge cfplan
+      ACCUM_MODELS=qwen2.5-1.5b:2048 env_ab CF_ATTN_SM90_BWD_SPLIT "1 0" centrifuge cfplan
+      ACCUM_MODELS=tinyllama-1.1b:4096 env_ab CF_ATTN_SM90_BWD_HPB "2 0" centrifuge cfplan ;;
     hpb-model)
       # the backward's heads-per-block rule (CF_ATTN_SM90_BWD_HPB=0, default) against one head per block (=1,
       # the rule's choice for groups of 3 before run 24), regular and centrifuge

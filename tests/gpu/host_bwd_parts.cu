@@ -36,10 +36,11 @@ TEST(query_parts_cover_each_tile_once_in_order_and_even) {
         }
 }
 
-/* An H100's plan (132 SMs, BN = 128, BM = 128 at D = 64 and 64 at D = 128,
- * as the kernel's), nothing forced */
+/* An H100's or H200's plan (132 SMs, BN = 128, BM = 128 at D = 64 and 64
+ * at D = 128, as the kernel's), nothing forced; beside: centrifuge at keep
+ * 0.5 (as many filtered keys per sequence as kept ones) */
 static BwdPlan plan_of(int D, int H, int Hkv, int B, int q, int k, bool beside) {
-    return bwd_plan(D, 128, D == 64 ? 128 : 64, H, Hkv, B, q, k, 132, beside, 0, 0);
+    return bwd_plan(D, 128, D == 64 ? 128 : 64, H, Hkv, B, q, k, 132, beside ? k : 0, 0, 0);
 }
 
 /* Hand-counted grids, no partials (H == Hkv, one part): 132 equal blocks
@@ -86,10 +87,13 @@ TEST(plan_picks_the_fastest_timed_plan) {
         {"group of 3 at D=64: 3 x 1 0.324, 1 x 1 0.359", 64, 24, 8, 1, 4096, 4096, false, 3, 1},
         {"group of 6 at D=64: 3 x 1 0.637, 2 x 1 0.664", 64, 48, 8, 1, 4096, 4096, false, 3, 1},
         {"no GQA at D=64: 1 x 1", 64, 32, 32, 1, 4096, 4096, false, 1, 1},
-        {"TinyLlama centrifuge part 1: 2 0.220, 4 0.284", 64, 32, 4, 1, 2048, 2048, true, 2, 1},
+        {"TinyLlama centrifuge (run 34): 4 x 2 and 2 x 1 0.191-0.193, 4 x 1 0.210-0.212", 64, 32, 4, 1, 2048, 2048,
+         true, 4, 2},
         {"TinyLlama centrifuge, 2 sequences (256 blocks at 4)", 64, 32, 4, 2, 2048, 2048, true, 4, 1},
-        {"S=4096 D=128 centrifuge part 1: 2 0.373, 1 0.414", 128, 32, 8, 1, 2048, 2048, true, 2, 1},
-        {"Llama3.2-3B centrifuge part 1: 1 0.124, 3 0.156", 128, 24, 8, 1, 1024, 1024, true, 1, 1},
+        {"S=4096 D=128 centrifuge (run 34): 2 x 1 0.307-0.309, 2 x 2 0.338-0.342", 128, 32, 8, 1, 2048, 2048, true, 2,
+         1},
+        {"Llama3.2-3B centrifuge (run 34): 3 x 2 0.087-0.088, 1 x 1 0.098-0.099, 3 x 1 0.141-0.143", 128, 24, 8, 1,
+         1024, 1024, true, 3, 2},
         {"Llama3.2-3B centrifuge, 4 sequences: 3 0.429, 1 0.457", 128, 24, 8, 4, 1024, 1024, true, 3, 1},
         {"Qwen2.5-1.5B centrifuge part 1: 1 x 1 0.068, 1 x 2 0.078 (run 23)", 128, 12, 2, 1, 1024, 1024, true, 1, 1},
     };
@@ -105,7 +109,7 @@ TEST(plan_picks_the_fastest_timed_plan) {
 }
 
 /* Whatever the shape: hpb divides the group, 4 only at D = 64, 1 or 2
- * parts, 1 beside */
+ * parts */
 TEST(plan_divides_the_group_and_keeps_its_limits) {
     for (int D = 64; D <= 128; D += 64)
         for (int Hkv = 1; Hkv <= 8; Hkv++)
@@ -115,7 +119,7 @@ TEST(plan_divides_the_group_and_keeps_its_limits) {
                         for (int beside = 0; beside < 2; beside++) {
                             const BwdPlan p = plan_of(D, G * Hkv, Hkv, B, S, S, beside);
                             CHECK_MSG(p.hpb >= 1 && G % p.hpb == 0 && (p.hpb <= 3 || D == 64) && p.ns >= 1 &&
-                                          p.ns <= 2 && (!beside || p.ns == 1),
+                                          p.ns <= 2,
                                       "D=%d G=%d Hkv=%d S=%d B=%d beside=%d: %d x %d", D, G, Hkv, S, B, beside, p.hpb,
                                       p.ns);
                         }
@@ -125,15 +129,15 @@ TEST(plan_divides_the_group_and_keeps_its_limits) {
  * lower divisor of the group (4 -> 3 in a group of 3, 2 -> 1), 4 is
  * allowed at D = 128 when asked for, parts are capped at 2 */
 TEST(plan_takes_what_is_forced) {
-    BwdPlan p = bwd_plan(128, 128, 64, 24, 8, 1, 2048, 2048, 132, false, 4, 1);
+    BwdPlan p = bwd_plan(128, 128, 64, 24, 8, 1, 2048, 2048, 132, 0, 4, 1);
     CHECK(p.hpb == 3 && p.ns == 1);
-    p = bwd_plan(128, 128, 64, 24, 8, 1, 2048, 2048, 132, false, 2, 2);
+    p = bwd_plan(128, 128, 64, 24, 8, 1, 2048, 2048, 132, 0, 2, 2);
     CHECK(p.hpb == 1 && p.ns == 2);
-    p = bwd_plan(128, 128, 64, 32, 8, 1, 4096, 4096, 132, false, 4, 0);
+    p = bwd_plan(128, 128, 64, 32, 8, 1, 4096, 4096, 132, 0, 4, 0);
     CHECK(p.hpb == 4 && (p.ns == 1 || p.ns == 2));
-    p = bwd_plan(64, 128, 128, 32, 4, 1, 4096, 4096, 132, true, 0, 3);
+    p = bwd_plan(64, 128, 128, 32, 4, 1, 4096, 4096, 132, 4096, 0, 3);
     CHECK(p.ns == 2);
-    p = bwd_plan(64, 128, 128, 32, 4, 1, 4096, 4096, 132, false, 9, 0);
+    p = bwd_plan(64, 128, 128, 32, 4, 1, 4096, 4096, 132, 0, 9, 0);
     CHECK(p.hpb == 8);
 }
 

@@ -158,7 +158,7 @@ typedef struct cf_cuda_ctx {
     int attn_bwd_nopair;
     unsigned attn_pair_checked, attn_pair_ok;
     /* the plans of the last CF_ATTN_PLANS shapes (attn_sm90_bwd_plan):
-     * key = D, H, Hkv, B, q and k max lengths, beside, forced hpb, ns */
+     * key = D, H, Hkv, B, q and k max lengths, filtered keys per sequence beside, forced hpb, ns */
     struct {
         int key[CF_ATTN_PLAN_KEY];
         int hpb, ns; /* hpb 0: empty */

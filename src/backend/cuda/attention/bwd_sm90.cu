@@ -584,22 +584,24 @@ static int bwd_bm_for(int D) {
  * block, the old rule's, took 0.212; 4 sequences 3 x 1 0.671 (0.763
  * before); Qwen2.5-1.5B x 4 sequences 3 x 2 0.360 (0.385 before); the
  * largest miss is Llama3.2-3B at S = 4096, 3 x 1 at 0.59-0.63 (three
- * timings) against 0.577-0.578 for 3 x 2. Beside centrifuge's part 2: one
- * part and the largest hpb that leaves 1.5 blocks per SM (bwd_plan says
- * why): Qwen2.5-1.5B's centrifuge attention backward took 0.078 ms with 2
- * parts, 0.068 with 1 (run 23).
+ * timings) against 0.577-0.578 for 3 x 2. Beside centrifuge's part 2 the
+ * model adds part 2's work, which fills the SMs part 1's blocks leave, and
+ * counts no partials where pairs sum them (bwd_beside_cost): Llama3.2-3B's
+ * centrifuge attention backward 0.087-0.088 ms with 3 x 2 (pairs) where
+ * the earlier rule (the largest hpb leaving 1.5 blocks per SM, one part)
+ * chose 1 x 1 at 0.098-0.099 (run 34 call 1, H200).
  * CF_ATTN_SM90_BWD_HPB=n and CF_ATTN_SM90_BWD_SPLIT=n force them (timing,
  * read once), ctx->attn_bwd_hpb and ctx->attn_bwd_split per context
  * (tests). Plans are kept per context for the last few shapes: a model
  * asks for the same shape in every layer. */
 static_assert(BwdSm90<64, 128>::BN == BwdSm90<128, 64>::BN && BwdSm90<64, 64>::BN == BwdSm90<128, 64>::BN,
               "one key tile for every variant");
-void attn_sm90_bwd_plan(cf_cuda_ctx *ctx, int D, int H, int Hkv, int B, int qmaxlen, int kmaxlen, bool beside,
+void attn_sm90_bwd_plan(cf_cuda_ctx *ctx, int D, int H, int Hkv, int B, int qmaxlen, int kmaxlen, int flen,
                         int *hpb, int *ns) {
     static const int env_hpb = attn_env_int("CF_ATTN_SM90_BWD_HPB", 0), env_ns = attn_env_int("CF_ATTN_SM90_BWD_SPLIT", 0);
     const int fh = ctx->attn_bwd_hpb > 0 ? ctx->attn_bwd_hpb : env_hpb;
     const int fs = ctx->attn_bwd_split > 0 ? ctx->attn_bwd_split : env_ns;
-    const int key[CF_ATTN_PLAN_KEY] = {D, H, Hkv, B, qmaxlen, kmaxlen, beside, fh, fs};
+    const int key[CF_ATTN_PLAN_KEY] = {D, H, Hkv, B, qmaxlen, kmaxlen, flen, fh, fs};
     for (int i = 0; i < CF_ATTN_PLANS; i++)
         if (ctx->attn_plans[i].hpb > 0 && !memcmp(ctx->attn_plans[i].key, key, sizeof key)) {
             *hpb = ctx->attn_plans[i].hpb;
@@ -607,7 +609,7 @@ void attn_sm90_bwd_plan(cf_cuda_ctx *ctx, int D, int H, int Hkv, int B, int qmax
             return;
         }
     const BwdPlan p = bwd_plan(D, BwdSm90<128, 64>::BN, bwd_bm_for(D), H, Hkv, B, qmaxlen, kmaxlen, ctx->sm_count,
-                               beside, fh, fs);
+                               flen, fh, fs);
     const int slot = ctx->attn_plan_next;
     ctx->attn_plan_next = (slot + 1) % CF_ATTN_PLANS;
     memcpy(ctx->attn_plans[slot].key, key, sizeof key);

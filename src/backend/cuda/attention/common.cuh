@@ -452,10 +452,12 @@ int attn_sm90_bwd_pair(cf_cuda_ctx *ctx, int D, int H, int Hkv, int hpb, int ns)
 /* bwd_sm90.cu: the launch plan of attn_bwd_sm90 at head dim D for B
  * sequences of up to qmaxlen q-side and kmaxlen k-side rows: *hpb query
  * heads per block (a divisor of H/Hkv) and *ns parts (1 or 2) of each key
- * tile's query range, each its own block; 1 part where centrifuge's part 2
- * runs beside (`beside`). With GQA or ns > 1 dk, dv go to a.dkx, a.dvx as
- * [nk, H/hpb, ns, D] fp32 partials */
-void attn_sm90_bwd_plan(cf_cuda_ctx *ctx, int D, int H, int Hkv, int B, int qmaxlen, int kmaxlen, bool beside,
+ * tile's query range, each its own block; flen > 0 where centrifuge's
+ * part 2 runs beside over flen filtered keys per sequence (their mean). With
+ * GQA or ns > 1 dk, dv go to a.dkx, a.dvx as [nk, H/hpb, ns, D] fp32
+ * partials, unless a block holds a whole group in one part or pairs sum
+ * them (attn_sm90_bwd_pair) */
+void attn_sm90_bwd_plan(cf_cuda_ctx *ctx, int D, int H, int Hkv, int B, int qmaxlen, int kmaxlen, int flen,
                         int *hpb, int *ns);
 /* bwd_centrifuge_sm90.cu: centrifuge on Hopper. attn_cf_sm90_prep, one
  * launch on ctx->stream: what attn_bwd_prep does for the n = kept->n query

@@ -269,9 +269,10 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
      * one block holds a kv head's whole group and range (hpb = H / Hkv,
      * ns = 1): it writes dk, dv itself */
     const bool cf_beside = mode == CF_ATTN_BWD_CENTRIFUGE && T > n && parts_side_by_side(); /* part 2 runs beside */
+    const int flen = cf_beside ? (T - n + B - 1) / B : 0; /* its filtered keys per sequence, the mean */
     int hpb = 1, ns = 1, pair = CF_PAIR_NONE;
     if (try_hopper) {
-        attn_sm90_bwd_plan(ctx, D, H, Hkv, B, maxlen, kmaxlen, cf_beside, &hpb, &ns);
+        attn_sm90_bwd_plan(ctx, D, H, Hkv, B, maxlen, kmaxlen, flen, &hpb, &ns);
         pair = attn_sm90_bwd_pair(ctx, D, H, Hkv, hpb, ns); /* two partials: summed by pairs of blocks */
         if (ctx->failed) return;
     }
@@ -466,7 +467,7 @@ int cf_cuda_attention_bwd_leaves_idle(cf_backend *b, const cf_attn_shape *s) {
     long long blocks = (long long)s->H * ((s->S + TILE - 1) / TILE) * s->B;
     if ((D == 64 || D == 128) && attn_sm90_enabled(ctx)) {
         int hpb = 1, ns = 1;
-        attn_sm90_bwd_plan(ctx, D, s->H, s->Hkv, s->B, s->S, s->S, false, &hpb, &ns);
+        attn_sm90_bwd_plan(ctx, D, s->H, s->Hkv, s->B, s->S, s->S, 0, &hpb, &ns);
         const dim3 g = attn_sm90_bwd_grid(s->H, hpb, ns, s->B, s->S);
         blocks = (long long)g.x * g.y * g.z;
     }

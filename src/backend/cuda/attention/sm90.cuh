@@ -58,6 +58,7 @@
 #ifndef CF_ATTENTION_SM90_CUH
 #define CF_ATTENTION_SM90_CUH
 
+#include <math.h>
 #include <string.h>
 
 #include <cuda.h> /* CUtensorMap (a type only: nothing of libcuda is linked) */
@@ -432,16 +433,16 @@ struct BwdPlan {
 #define BWD_COST_MB 0.25
 #define BWD_COST_MAX_SMS 1024
 
-/* The estimated time of the main backward kernel's grid with hpb heads per
- * block and ns parts: its blocks, in launch order (head groups fastest,
- * then key tiles and their parts, then sequences), each go to the SM that
- * frees first (a min-heap of the SMs' finishing times), as the block
- * scheduler hands them out; plus the partials (unless hpb = H / Hkv, ns = 1).
- * Key tiles of BN rows up to kmaxlen per sequence; tile j sees the query
- * tiles (BM rows) after the fraction j BN / kmaxlen of qmaxlen (exact for
- * the causal full backward, the mean for kept lists). */
-inline double bwd_grid_cost(int BN, int BM, int H, int Hkv, int D, int B, int qmaxlen, int kmaxlen, int hpb, int ns,
-                            int sms) {
+/* The main backward kernel's grid played as the block scheduler plays it:
+ * its blocks, in launch order (head groups fastest, then key tiles and
+ * their parts, then sequences), each go to the SM that frees first (a
+ * min-heap of the SMs' finishing times). Key tiles of BN rows up to kmaxlen
+ * per sequence; tile j sees the query tiles (BM rows) after the fraction
+ * j BN / kmaxlen of qmaxlen (exact for the causal full backward, the mean
+ * for kept lists). Returns the span (the last SM's finish); *busy the
+ * SMs' busy time summed. */
+inline double bwd_grid_play(int BN, int BM, int H, int B, int qmaxlen, int kmaxlen, int hpb, int ns, int sms,
+                            double *busy) {
     double heap[BWD_COST_MAX_SMS];
     const int m = sms < 1 ? 1 : sms > BWD_COST_MAX_SMS ? BWD_COST_MAX_SMS : sms;
     for (int i = 0; i < m; i++) heap[i] = 0.0;
@@ -470,26 +471,82 @@ inline double bwd_grid_cost(int BN, int BM, int H, int Hkv, int D, int B, int qm
                 }
             }
         }
-    double span = 0.0;
-    for (int i = 0; i < m; i++) span = heap[i] > span ? heap[i] : span;
-    if (H / hpb != Hkv || ns > 1) span += BWD_COST_MB * ((double)B * kmaxlen * (H / hpb) * ns * D * 8) / 1e6;
+    double span = 0.0, sum = 0.0;
+    for (int i = 0; i < m; i++) {
+        span = heap[i] > span ? heap[i] : span;
+        sum += heap[i];
+    }
+    if (busy) *busy = sum;
     return span;
+}
+
+/* The fp32 dk, dv partials' cost: H/hpb x ns of them per key row, written
+ * by the kernel and read by the reduction; none where one block holds a kv
+ * head's whole group in one part (hpb = H / Hkv, ns = 1: it writes dk, dv
+ * itself) */
+inline double bwd_partials_cost(int H, int Hkv, int D, int B, int kmaxlen, int hpb, int ns) {
+    if (H / hpb == Hkv && ns == 1) return 0.0;
+    return BWD_COST_MB * ((double)B * kmaxlen * (H / hpb) * ns * D * 8) / 1e6;
+}
+
+/* The estimated time of the main backward kernel alone: the grid's span
+ * plus the partials (pairs, which sum two partials on chip, are not
+ * modelled: the plans this chooses were fitted without them) */
+inline double bwd_grid_cost(int BN, int BM, int H, int Hkv, int D, int B, int qmaxlen, int kmaxlen, int hpb, int ns,
+                            int sms) {
+    return bwd_grid_play(BN, BM, H, B, qmaxlen, kmaxlen, hpb, ns, sms, NULL) +
+           bwd_partials_cost(H, Hkv, D, B, kmaxlen, hpb, ns);
+}
+
+/* Centrifuge's part 2 (bwd_centrifuge_sm90.cu) in the same units: per
+ * sequence and head, items of 128 kept queries, each over the filtered
+ * keys before its last query in tiles of 128 (D = 64) or 64 keys (D = 128),
+ * one step's area either way; BWD_COST_PART2 of a step each (three
+ * products to part 1's five: 1.57 against 2.77 us at D = 64 in run 32's
+ * timeline). Kept rows spread evenly: item i's last query is at the
+ * fraction (i + 1) 128 / qmaxlen of its sequence. */
+#define BWD_COST_PART2 0.57
+inline double bwd_part2_cost(int D, int H, int B, int qmaxlen, int flen) {
+    const int BN2 = D == 64 ? 128 : 64, items = (qmaxlen + 127) / 128;
+    double tiles = 0.0;
+    for (int i = 0; i < items; i++) {
+        const double before = (double)flen * ((i + 1) * 128.0 < qmaxlen ? (i + 1) * 128.0 / qmaxlen : 1.0);
+        tiles += ceil(before / BN2);
+    }
+    return tiles * H * B * BWD_COST_PART2;
+}
+
+/* The estimated time of centrifuge's two parts side by side: part 2 is a
+ * persistent grid that fills whatever time part 1's blocks leave on the
+ * SMs, so the two end at the later of part 1's span and their summed work
+ * spread over every SM. Partials as bwd_grid_cost's, except where a kv head
+ * has exactly two (two groups in one part, or one group in two parts):
+ * pairs of blocks sum those on chip. Fitted to run 34's plans at the four
+ * model shapes (H200, tests/gpu/host_bwd_parts.cu). */
+inline double bwd_beside_cost(int BN, int BM, int H, int Hkv, int D, int B, int qmaxlen, int kmaxlen, int flen,
+                              int hpb, int ns, int sms) {
+    double busy;
+    const double span = bwd_grid_play(BN, BM, H, B, qmaxlen, kmaxlen, hpb, ns, sms, &busy);
+    const int m = sms < 1 ? 1 : sms > BWD_COST_MAX_SMS ? BWD_COST_MAX_SMS : sms;
+    const double fill = (busy + bwd_part2_cost(D, H, B, qmaxlen, flen)) / m;
+    const int groups = H / Hkv / hpb;
+    const bool pair = (groups == 2 && ns == 1) || (groups == 1 && ns == 2);
+    return (span > fill ? span : fill) + (pair ? 0.0 : bwd_partials_cost(H, Hkv, D, B, kmaxlen, hpb, ns));
 }
 
 /* The plan (bwd_sm90.cu: attn_sm90_bwd_plan). Candidates: hpb of 4 (head
  * dim 64 only: slower at 128 on a full grid), 3, 2 and 1 that divide the
- * GQA group H / Hkv, ns of 1 and 2; the cheapest by bwd_grid_cost, the
- * first of equals (more heads, fewer parts). `beside` (centrifuge's part 2
- * runs beside this kernel and fills the SMs its uneven grid leaves): one
- * part, and the first hpb whose grid has at least 1.5 blocks per SM (the
- * model, which sees this kernel alone, overrates short blocks there).
- * hpb_forced / ns_forced > 0 force them (a forced hpb falls to the next
- * lower divisor of the group; ns at most 2); arguments as bwd_grid_cost's. */
-inline BwdPlan bwd_plan(int D, int BN, int BM, int H, int Hkv, int B, int qmaxlen, int kmaxlen, int sms, bool beside,
+ * GQA group H / Hkv, ns of 1 and 2; the cheapest by bwd_grid_cost, or by
+ * bwd_beside_cost where centrifuge's part 2 runs beside this kernel over
+ * flen > 0 filtered keys per sequence (their mean) (0: it does not); the first
+ * of equals (more heads, fewer parts). hpb_forced / ns_forced > 0 force
+ * them (a forced hpb falls to the next lower divisor of the group; ns at
+ * most 2); arguments as bwd_grid_cost's. */
+inline BwdPlan bwd_plan(int D, int BN, int BM, int H, int Hkv, int B, int qmaxlen, int kmaxlen, int sms, int flen,
                         int hpb_forced, int ns_forced) {
     BwdPlan best = {1, 1};
     if (H <= 0 || Hkv <= 0 || H % Hkv || B <= 0 || qmaxlen <= 0 || kmaxlen <= 0 || BN <= 0 || BM <= 0) return best;
-    const int G = H / Hkv, ktiles = (kmaxlen + BN - 1) / BN;
+    const int G = H / Hkv;
     int hmax = D == 64 ? 4 : 3, hmin = 1;
     if (hpb_forced > 0) {
         hmax = hpb_forced < G ? hpb_forced : G;
@@ -497,18 +554,15 @@ inline BwdPlan bwd_plan(int D, int BN, int BM, int H, int Hkv, int B, int qmaxle
         hmin = hmax;
     }
     const int nmin = ns_forced > 0 ? (ns_forced > 2 ? 2 : ns_forced) : 1;
-    const int nmax = ns_forced > 0 ? nmin : beside ? 1 : 2;
-    if (beside && hpb_forced <= 0) {
-        for (int hpb = hmax; hpb > 1; hpb--)
-            if (G % hpb == 0 && 2LL * (H / hpb) * ktiles * B * nmin >= 3LL * sms) return BwdPlan{hpb, nmin};
-        return BwdPlan{1, nmin};
-    }
+    const int nmax = ns_forced > 0 ? nmin : 2;
     double cost = 0.0;
     bool any = false;
     for (int hpb = hmax; hpb >= hmin; hpb--) {
         if (G % hpb) continue;
         for (int ns = nmin; ns <= nmax; ns++) {
-            const double c = bwd_grid_cost(BN, BM, H, Hkv, D, B, qmaxlen, kmaxlen, hpb, ns, sms);
+            const double c = flen > 0
+                                 ? bwd_beside_cost(BN, BM, H, Hkv, D, B, qmaxlen, kmaxlen, flen, hpb, ns, sms)
+                                 : bwd_grid_cost(BN, BM, H, Hkv, D, B, qmaxlen, kmaxlen, hpb, ns, sms);
             if (!any || c < cost) {
                 best = BwdPlan{hpb, ns};
                 cost = c;
