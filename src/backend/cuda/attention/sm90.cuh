@@ -480,13 +480,13 @@ inline double bwd_grid_play(int BN, int BM, int H, int B, int qmaxlen, int kmaxl
     return span;
 }
 
-/* The fp32 dk, dv partials' cost: H/hpb x ns of them per key row, written
+/* The MB of fp32 dk, dv partials: H/hpb x ns of them per key row, written
  * by the kernel and read by the reduction; none where one block holds a kv
  * head's whole group in one part (hpb = H / Hkv, ns = 1: it writes dk, dv
  * itself) */
-inline double bwd_partials_cost(int H, int Hkv, int D, int B, int kmaxlen, int hpb, int ns) {
+inline double bwd_partials_mb(int H, int Hkv, int D, int B, int kmaxlen, int hpb, int ns) {
     if (H / hpb == Hkv && ns == 1) return 0.0;
-    return BWD_COST_MB * ((double)B * kmaxlen * (H / hpb) * ns * D * 8) / 1e6;
+    return ((double)B * kmaxlen * (H / hpb) * ns * D * 8) / 1e6;
 }
 
 /* The estimated time of the main backward kernel alone: the grid's span
@@ -495,7 +495,7 @@ inline double bwd_partials_cost(int H, int Hkv, int D, int B, int kmaxlen, int h
 inline double bwd_grid_cost(int BN, int BM, int H, int Hkv, int D, int B, int qmaxlen, int kmaxlen, int hpb, int ns,
                             int sms) {
     return bwd_grid_play(BN, BM, H, B, qmaxlen, kmaxlen, hpb, ns, sms, NULL) +
-           bwd_partials_cost(H, Hkv, D, B, kmaxlen, hpb, ns);
+           BWD_COST_MB * bwd_partials_mb(H, Hkv, D, B, kmaxlen, hpb, ns);
 }
 
 /* Centrifuge's part 2 (bwd_centrifuge_sm90.cu) in the same units: per
@@ -519,10 +519,14 @@ inline double bwd_part2_cost(int D, int H, int B, int qmaxlen, int flen) {
 /* The estimated time of centrifuge's two parts side by side: part 2 is a
  * persistent grid that fills whatever time part 1's blocks leave on the
  * SMs, so the two end at the later of part 1's span and their summed work
- * spread over every SM. Partials as bwd_grid_cost's, except where a kv head
- * has exactly two (two groups in one part, or one group in two parts):
- * pairs of blocks sum those on chip. Fitted to run 34's plans at the four
- * model shapes (H200, tests/gpu/host_bwd_parts.cu). */
+ * spread over every SM. Partials at BWD_COST_MB_BESIDE per MB, except where
+ * a kv head has exactly two (two groups in one part, or one group in two
+ * parts): pairs of blocks sum those on chip. Fitted to 42 plans timed at
+ * the three models' shapes with 1, 2 and 4 sequences (run 34, H200): it
+ * picks the fastest at every shape, or one within 1%, for a partials cost
+ * of 0.38 .. 0.7 steps per MB (the plans of Qwen2.5-1.5B's shape and of
+ * TinyLlama's bound it; tests/gpu/host_bwd_parts.cu). */
+#define BWD_COST_MB_BESIDE 0.5
 inline double bwd_beside_cost(int BN, int BM, int H, int Hkv, int D, int B, int qmaxlen, int kmaxlen, int flen,
                               int hpb, int ns, int sms) {
     double busy;
@@ -531,7 +535,7 @@ inline double bwd_beside_cost(int BN, int BM, int H, int Hkv, int D, int B, int 
     const double fill = (busy + bwd_part2_cost(D, H, B, qmaxlen, flen)) / m;
     const int groups = H / Hkv / hpb;
     const bool pair = (groups == 2 && ns == 1) || (groups == 1 && ns == 2);
-    return (span > fill ? span : fill) + (pair ? 0.0 : bwd_partials_cost(H, Hkv, D, B, kmaxlen, hpb, ns));
+    return (span > fill ? span : fill) + (pair ? 0.0 : BWD_COST_MB_BESIDE * bwd_partials_mb(H, Hkv, D, B, kmaxlen, hpb, ns));
 }
 
 /* The plan (bwd_sm90.cu: attn_sm90_bwd_plan). Candidates: hpb of 4 (head
