@@ -373,7 +373,7 @@ TEST(rmsnorm_bwd_matches_finite_differences_and_accumulates) {
     memcpy(dw, dw0, C * sizeof(float));
     be->rmsnorm_fwd(be, out, rstd, x, w, T, C, eps);
     for (int i = 0; i < T * C; i++) dx[i] = 99.0f;
-    be->rmsnorm_bwd(be, dx, dw, R, x, w, rstd, T, C, 0);
+    be->rmsnorm_bwd(be, dx, dw, R, x, w, rstd, NULL, T, C, 0);
     for (int i = 0; i < C; i++) dw[i] -= dw0[i];
 
     rms_ctx c = {T, C, eps, to_double(x, T * C), to_double(w, C), to_double(R, T * C)};
@@ -385,12 +385,46 @@ TEST(rmsnorm_bwd_matches_finite_differences_and_accumulates) {
 
     /* accumulate: dx2 = 1 + dx */
     for (int i = 0; i < T * C; i++) dx2[i] = 1.0f;
-    be->rmsnorm_bwd(be, dx2, dw, R, x, w, rstd, T, C, 1);
+    be->rmsnorm_bwd(be, dx2, dw, R, x, w, rstd, NULL, T, C, 1);
     double err = 0;
     for (int i = 0; i < T * C; i++) err = fmax(err, fabs(dx2[i] - (1.0 + dx[i])));
     CHECK_MSG(err < 1e-5, "accumulate err %g", err);
     free(x); free(w); free(out); free(rstd); free(R); free(dx); free(dx2); free(dw); free(dw0);
     free(c.x); free(c.w); free(c.R); free(gx); free(gw);
+}
+
+/* Through a row map (the centrifuge filter leaves the norms' inputs and
+ * rstd uncompacted): row t reads input row map[t]. Bitwise the backward of
+ * the rows gathered first, written and accumulated, dw included. */
+TEST(rmsnorm_bwd_through_a_row_map_is_the_gathered_rows_backward) {
+    cf_rng r;
+    cf_rng_seed(&r, 203);
+    const int Tx = 11, T = 5, C = 100;
+    const int map[5] = {0, 3, 4, 7, 10};
+    float *x = fnew(Tx * C), *w = fnew(C), *out = fnew(Tx * C), *rstd = fnew(Tx), *R = fnew(T * C);
+    float *xg = fnew(T * C), *rg = fnew(T), *dx[2], *dw[2];
+    fill_normal(x, Tx * C, &r, 2);
+    fill_normal(w, C, &r, 1);
+    fill_normal(R, T * C, &r, 1);
+    be->rmsnorm_fwd(be, out, rstd, x, w, Tx, C, 1e-5f);
+    for (int t = 0; t < T; t++) {
+        memcpy(xg + (size_t)t * C, x + (size_t)map[t] * C, C * sizeof(float));
+        rg[t] = rstd[map[t]];
+    }
+    for (int acc = 0; acc < 2; acc++) {
+        for (int k = 0; k < 2; k++) {
+            dx[k] = fnew(T * C);
+            dw[k] = fnew(C);
+            for (int i = 0; i < T * C; i++) dx[k][i] = 0.5f;
+            for (int i = 0; i < C; i++) dw[k][i] = 0.25f;
+        }
+        be->rmsnorm_bwd(be, dx[0], dw[0], R, x, w, rstd, map, T, C, acc);
+        be->rmsnorm_bwd(be, dx[1], dw[1], R, xg, w, rg, NULL, T, C, acc);
+        CHECK_MSG(!memcmp(dx[0], dx[1], (size_t)T * C * sizeof(float)), "dx through the map differs (acc %d)", acc);
+        CHECK_MSG(!memcmp(dw[0], dw[1], (size_t)C * sizeof(float)), "dw through the map differs (acc %d)", acc);
+        for (int k = 0; k < 2; k++) { free(dx[k]); free(dw[k]); }
+    }
+    free(x); free(w); free(out); free(rstd); free(R); free(xg); free(rg);
 }
 
 /* ------------------------------------------------------------------- rope */
@@ -1798,7 +1832,7 @@ TEST(reductions_are_bitwise_identical_for_one_and_many_threads) {
     for (int pass = 0; pass < 2; pass++) {
         omp_set_num_threads(pass == 0 ? 1 : (nt > 1 ? nt : 4));
         dx[pass] = fnew(T * C); dw[pass] = fnew(C); dwte[pass] = fnew(7 * C);
-        be->rmsnorm_bwd(be, dx[pass], dw[pass], dout, x, w, rstd, T, C, 0);
+        be->rmsnorm_bwd(be, dx[pass], dw[pass], dout, x, w, rstd, NULL, T, C, 0);
         be->embedding_bwd(be, dwte[pass], dout, tok, T, C, 0, 7);
     }
     omp_set_num_threads(nt);
@@ -1886,6 +1920,7 @@ int main(void) {
     RUN(rmsnorm_fwd_matches_double_reference_and_saves_rstd);
     RUN(add_rmsnorm_fwd_writes_the_sum_and_its_norm_also_in_place);
     RUN(rmsnorm_bwd_matches_finite_differences_and_accumulates);
+    RUN(rmsnorm_bwd_through_a_row_map_is_the_gathered_rows_backward);
     RUN(rope_fwd_matches_hf_rotate_half_reference);
     RUN(rope_bwd_inverts_rope_fwd);
     RUN(rope_bwd_matches_finite_differences);

@@ -168,9 +168,11 @@ struct cf_backend {
      * may alias a. (Under TP, where the add cannot go into the GEMM.) */
     void (*add_rmsnorm_fwd)(cf_backend *b, void *sum, void *out, float *rstd, const void *a, const void *c,
                             const void *w, int T, int C, float eps);
-    /* dinp (=, or += if accumulate); dw[C] += */
+    /* dinp (=, or += if accumulate); dw[C] += . Row t's input and rstd are
+     * row rows[t] of inp and rstd (rows NULL: row t): the filter leaves the
+     * norms' inputs where the forward wrote them */
     void (*rmsnorm_bwd)(cf_backend *b, void *dinp, float *dw, const void *dout, const void *inp,
-                        const void *w, const float *rstd, int T, int C, int accumulate);
+                        const void *w, const float *rstd, const int *rows, int T, int C, int accumulate);
     /* In-place rotate-half RoPE on x[T, nh, D] at positions pos[T] with
      * inv_freq[D/2] (llama3 scaling already folded in). bwd applies the
      * transposed rotation (angle -theta) to dx. */

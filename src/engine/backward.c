@@ -3,8 +3,9 @@
  * DESIGN §1, written once against the backend interface.
  *
  * Layer l backward (reverse of model.c's forward; n rows: all T, or the
- * kept rows in the compact modes, where every saved activation but K and V
- * has been gathered to those rows by the filter):
+ * kept rows in the compact modes, where the filter has gathered the saved
+ * activations to those rows; not K, V, gate and up, nor the norms' inputs
+ * and rstd: their readers take the row index):
  *   MLP:  dh = dx' Wd; (dgate, dup) = swiglu'(gate, up) dh; dln2 = dgate Wg + dup Wu
  *         dx_mid = dx' + rmsnorm'(dln2)
  *   attn: datt = dx_mid Wo; (dq, dk, dv) = attention'(...)   (centrifuge: dq of
@@ -390,6 +391,8 @@ static int backward_body(cf_model *m, cf_mode mode, const cf_kept *kept, float t
     int nk = kv_all ? T : n;
     const int *kpos = kv_all ? m->saved[m->s_pos].full : pos;
 #define KSAVED(idx) (kv_all ? m->saved[(idx)].full : SAVED(m, (idx)))
+    /* the norms' inputs and rstd stay uncompacted (model.c): their rows */
+    const int *norm_rows = compact ? m->rows : NULL;
 
     /* LM head and final norm: dresid = d(loss)/d(x_L) */
     /* TP: the rank's vocabulary slice with the whole vocabulary's lse; its
@@ -432,7 +435,7 @@ static int backward_body(cf_model *m, cf_mode mode, const cf_kept *kept, float t
     if (defer_embed && bucket_ready(m, m->params[m->p_embed].layer) != 0) return -1;
     if (tp && cf_tp_allreduce(m, m->d_ln, (size_t)n * C, CF_TP_ACT, CF_TP_BWD) != 0) return -1;
     OP(CF_PROF_NORM, b->rmsnorm_bwd(b, m->d_resid, cf_grad(m, m->p_norm), m->d_ln, SAVED(m, m->resid[L]),
-                   cf_weight(m, m->p_norm), SAVED(m, m->s_rstdf), n, C, 0));
+                   cf_weight(m, m->p_norm), SAVED(m, m->s_rstdf), norm_rows, n, C, 0));
     if (bucket_ready(m, L) != 0) return -1;
     for (int l = L - 1; l >= 0; l--) {
         cf_layer_params *p = &m->lp[l];
@@ -481,7 +484,7 @@ static int backward_body(cf_model *m, cf_mode mode, const cf_kept *kept, float t
             OP(CF_PROF_GEMM, cf_linear_bwd(m, &p->up, m->d_ln, d_up, SAVED(m, a->ln2), n, C, F, 1));
         }
         OP(CF_PROF_NORM, b->rmsnorm_bwd(b, m->d_resid, cf_grad(m, p->ln2), m->d_ln, SAVED(m, a->x_mid),
-                       cf_weight(m, p->ln2), SAVED(m, a->rstd2), n, C, 1));
+                       cf_weight(m, p->ln2), SAVED(m, a->rstd2), norm_rows, n, C, 1));
         /* attention: x_mid = x + o(attn(q, k, v)) */
         if (aside) {
             /* dWo += dY^T att beside, from a copy of dY (the chain updates
@@ -527,9 +530,9 @@ static int backward_body(cf_model *m, cf_mode mode, const cf_kept *kept, float t
             void *dq = m->d_q, *dk = m->d_k;
             if (c->qk_norm) {
                 OP(CF_PROF_NORM, b->rmsnorm_bwd(b, m->d_qn, cf_grad(m, p->qn), m->d_q, SAVED(m, a->qpre),
-                               cf_weight(m, p->qn), SAVED(m, a->rstdq), n * H, D, 0));
+                               cf_weight(m, p->qn), SAVED(m, a->rstdq), NULL, n * H, D, 0));
                 OP(CF_PROF_NORM, b->rmsnorm_bwd(b, m->d_kn, cf_grad(m, p->kn), m->d_k, KSAVED(a->kpre),
-                               cf_weight(m, p->kn), KSAVED(a->rstdk), nk * Hkv, D, 0));
+                               cf_weight(m, p->kn), KSAVED(a->rstdk), NULL, nk * Hkv, D, 0));
                 dq = m->d_qn;
                 dk = m->d_kn;
             }
@@ -554,7 +557,7 @@ static int backward_body(cf_model *m, cf_mode mode, const cf_kept *kept, float t
             }
         }
         OP(CF_PROF_NORM, b->rmsnorm_bwd(b, m->d_resid, cf_grad(m, p->ln1), m->d_ln, SAVED(m, m->resid[l]),
-                       cf_weight(m, p->ln1), SAVED(m, a->rstd1), n, C, 1));
+                       cf_weight(m, p->ln1), SAVED(m, a->rstd1), norm_rows, n, C, 1));
         if (bucket_ready(m, l) != 0) return -1;
         cf_norm_pre_layer(m, l); /* layer l's gradients are final in the step's last backward */
     }

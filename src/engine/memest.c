@@ -123,11 +123,12 @@ static void saved_row_bytes(const cf_config *c, uint64_t A, uint64_t *gathered, 
     uint64_t L = (uint64_t)c->num_hidden_layers, C = (uint64_t)c->hidden_size, F = (uint64_t)c->intermediate_size;
     uint64_t H = (uint64_t)c->num_attention_heads, Hkv = (uint64_t)c->num_key_value_heads;
     uint64_t qd = H * (uint64_t)c->head_dim, kd = Hkv * (uint64_t)c->head_dim;
-    uint64_t layer = C * A /* x_mid */ + C * A /* ln1 */ + 4 /* rstd1 */ + qd * A /* q */ + qd * A /* attn */ +
-                     H * 4 /* lse */ + C * A /* ln2 */ + 4 /* rstd2 */;
+    uint64_t layer = C * A /* ln1 */ + qd * A /* q */ + qd * A /* attn */ + H * 4 /* lse */ + C * A /* ln2 */;
     if (c->qk_norm) layer += qd * A + H * 4 + kd * A + Hkv * 4;
-    *gathered = (L + 1) * C * A /* residual stream */ + L * layer + C * A + 4 /* final norm */ + 3 * 4 /* ids */;
-    *other = L * (2 * F * A /* gate, up */ + 2 * kd * A /* K, V: never compacted */);
+    *gathered = L * layer + C * A /* final norm */ + 3 * 4 /* ids */;
+    *other = L * (2 * F * A /* gate, up */ + 2 * kd * A /* K, V: never compacted */) +
+             (L + 1) * C * A /* residual stream */ + L * (C * A /* x_mid */ + 2 * 4 /* rstd1, rstd2 */) +
+             4 /* final rstd */;
 }
 
 int cf_memory_estimate_config(const cf_config *cfg, cf_backend_kind backend, const cf_memory_opts *o,

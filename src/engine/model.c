@@ -19,8 +19,10 @@
  * by one op) and gate/up one GEMM (plan_fused_proj).
  *
  * Filtering (DESIGN §1-2): after the full forward, cf_filter_backward
- * gathers every saved activation except K and V to the kept rows, and the
- * backward then runs with M = kept rows in every GEMM.
+ * gathers the saved activations the GEMMs and attention read to the kept
+ * rows (not K and V, nor what element-wise ops read through the row index:
+ * gate, up, and the norms' inputs and rstd), and the backward then runs
+ * with M = kept rows in every GEMM.
  */
 #include "engine/model_internal.h"
 
@@ -982,14 +984,16 @@ static int alloc_acts(cf_model *m, int T) {
     m->la = cf_calloc((size_t)L, sizeof(cf_layer_acts));
     if (!m->resid || !m->la) return -1;
     int bad = 0;
-    for (int l = 0; l <= L; l++) bad |= (m->resid[l] = save_slot(m, "residual", C * A)) < 0;
+    /* The norms' inputs and rstd are read through the row index by
+     * rmsnorm_bwd (the only reader in the backward): never gathered */
+    for (int l = 0; l <= L; l++) bad |= (m->resid[l] = save_slot_as(m, "residual", C * A, 0)) < 0;
     for (int l = 0; l < L && !bad; l++) {
         cf_layer_acts *a = &m->la[l];
         memset(a, -1, sizeof *a);
         a->k = a->v = NULL;
-        bad |= (a->x_mid = save_slot(m, "x_mid", C * A)) < 0;
+        bad |= (a->x_mid = save_slot_as(m, "x_mid", C * A, 0)) < 0;
         bad |= (a->ln1 = save_slot(m, "ln1", C * A)) < 0;
-        bad |= (a->rstd1 = save_slot(m, "rstd1", F4)) < 0;
+        bad |= (a->rstd1 = save_slot_as(m, "rstd1", F4, 0)) < 0;
         if (c->qk_norm) {
             bad |= (a->qpre = save_slot(m, "q_pre_norm", qd * A)) < 0;
             bad |= (a->rstdq = save_slot(m, "rstd_q", H * F4)) < 0;
@@ -1000,7 +1004,7 @@ static int alloc_acts(cf_model *m, int T) {
         bad |= (a->att = save_slot(m, "attn_out", qd * A)) < 0;
         bad |= (a->lse = save_slot(m, "lse", H * F4)) < 0;
         bad |= (a->ln2 = save_slot(m, "ln2", C * A)) < 0;
-        bad |= (a->rstd2 = save_slot(m, "rstd2", F4)) < 0;
+        bad |= (a->rstd2 = save_slot_as(m, "rstd2", F4, 0)) < 0;
         /* read through the row index by swiglu_bwd_rows: never gathered.
          * Fused: the gate/up GEMM's [T, 2F] output itself (cf_gate_up). */
         if (m->lp[l].fused_gate_up) {
@@ -1015,7 +1019,7 @@ static int alloc_acts(cf_model *m, int T) {
     }
     if (bad) return -1;
     if ((m->s_lnf = save_slot(m, "lnf", C * A)) < 0) return -1;
-    if ((m->s_rstdf = save_slot(m, "rstdf", F4)) < 0) return -1;
+    if ((m->s_rstdf = save_slot_as(m, "rstdf", F4, 0)) < 0) return -1;
     if ((m->s_tokens = save_slot(m, "tokens", sizeof(int))) < 0) return -1;
     if ((m->s_targets = save_slot(m, "targets", sizeof(int))) < 0) return -1;
     if ((m->s_pos = save_slot(m, "positions", sizeof(int))) < 0) return -1;

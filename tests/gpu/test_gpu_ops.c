@@ -334,10 +334,10 @@ TEST(rmsnorm_fwd_bwd_match_cpu_vector_and_scalar_paths) {
         cmp("rmsnorm_fwd rstd", get_f32(gr, T), rr, T, 1e-5);
         for (int acc = 0; acc < 2; acc++) {
             float *rdx = HOLD(hcopy(dx0, (size_t)T * C)), *rdw = HOLD(hcopy(dw0, C));
-            cpu->rmsnorm_bwd(cpu, rdx, rdw, dy, x, w, rr, T, C, acc);
+            cpu->rmsnorm_bwd(cpu, rdx, rdw, dy, x, w, rr, NULL, T, C, acc);
             void *gdx = acc ? gact(dx0, (size_t)T * C) : gact_nan((size_t)T * C);
             void *gdw = gf32(dw0, C);
-            gpu->rmsnorm_bwd(gpu, gdx, gdw, gdy, gx, gw, gf32(rr, T), T, C, acc);
+            gpu->rmsnorm_bwd(gpu, gdx, gdw, gdy, gx, gw, gf32(rr, T), NULL, T, C, acc);
             cmp(acc ? "rmsnorm_bwd dinp (accumulate)" : "rmsnorm_bwd dinp", get_act(gdx, (size_t)T * C), rdx,
                 (size_t)T * C, TOL_BF16);
             cmp("rmsnorm_bwd dw +=", get_f32(gdw, C), rdw, C, TOL_GRAD);
@@ -396,37 +396,44 @@ TEST(colsum_dbias_matches_cpu_vector_scalar_and_row_chunks) {
  * limit (dw by the separate column sum), T = 1, 7, T not a multiple of the
  * rows per block, T > 4096; dinp written and accumulated; dw NULL (a
  * frozen weight: dinp alone). dinp bf16: 1e-2. dw: the same fp32 products
- * summed in another order: 1e-4, and bitwise the same on a second run. */
-TEST(rmsnorm_bwd_fused_dw_matches_cpu_shapes_chunks_and_null_dw) {
+ * summed in another order: 1e-4, and bitwise the same on a second run.
+ * Each also with the input and rstd read through a row map (the filter
+ * leaves them uncompacted): T scattered rows of 2T + 1, against the CPU
+ * with the same map (every kernel path, the column-sum fallback's gather
+ * included). */
+TEST(rmsnorm_bwd_fused_dw_matches_cpu_shapes_chunks_null_dw_and_row_map) {
     static const struct { int T, C, misalign; } cs[] = {
         {1, 1536, 0}, {7, 3072, 0}, {1000, 1536, 0}, {1000, 3072, 0}, {1023, 1000, 0},
         {333, 1001, 0}, {1025, 264, 1}, {65, 13000, 0}, {4099, 128, 0}, {4500, 3072, 0},
     };
     for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
-        const int T = cs[i].T, C = cs[i].C;
-        float *x = HOLD(hrand((size_t)T * C, 2.f)), *w = HOLD(hrand(C, 1.f)), *dy = HOLD(hrand((size_t)T * C, 1.f));
+        const int T = cs[i].T, C = cs[i].C, Tx = 2 * T + 1; /* rows of the input (and rstd) */
+        float *x = HOLD(hrand((size_t)Tx * C, 2.f)), *w = HOLD(hrand(C, 1.f)), *dy = HOLD(hrand((size_t)T * C, 1.f));
         float *dx0 = HOLD(hrand((size_t)T * C, 1.f)), *dw0 = HOLD(hrand(C, 1.f));
-        float *ry = HOLD(hnew((size_t)T * C)), *rr = HOLD(hnew(T));
-        cpu->rmsnorm_fwd(cpu, ry, rr, x, w, T, C, 1e-5f);
-        void *gx = gact(x, (size_t)T * C), *gw = gact(w, C), *gr = gf32(rr, T);
+        float *ry = HOLD(hnew((size_t)Tx * C)), *rr = HOLD(hnew(Tx));
+        int *map = (int *)HOLD(malloc((size_t)T * sizeof(int)));
+        for (int t = 0; t < T; t++) map[t] = 2 * t + (t % 3 == 0); /* ascending, as kept rows */
+        cpu->rmsnorm_fwd(cpu, ry, rr, x, w, Tx, C, 1e-5f);
+        void *gx = gact(x, (size_t)Tx * C), *gw = gact(w, C), *gr = gf32(rr, Tx), *gmap = gi32(map, T);
         void *gdy = cs[i].misalign ? gact_misaligned(dy, (size_t)T * C) : gact(dy, (size_t)T * C);
         printf("    T=%d C=%d%s\n", T, C, cs[i].misalign ? " (dout misaligned)" : "");
+        for (int mapped = 0; mapped < 2; mapped++)
         for (int acc = 0; acc < 2; acc++)
             for (int with_dw = 0; with_dw < 2; with_dw++) {
                 float *rdx = HOLD(hcopy(dx0, (size_t)T * C)), *rdw = HOLD(hcopy(dw0, C));
-                cpu->rmsnorm_bwd(cpu, rdx, with_dw ? rdw : NULL, dy, x, w, rr, T, C, acc);
+                cpu->rmsnorm_bwd(cpu, rdx, with_dw ? rdw : NULL, dy, x, w, rr, mapped ? map : NULL, T, C, acc);
                 float *gdw1 = NULL;
                 for (int rep = 0; rep < 1 + with_dw; rep++) {
                     void *gdx = acc ? gact(dx0, (size_t)T * C) : gact_nan((size_t)T * C);
                     void *gdw = with_dw ? gf32(dw0, C) : NULL;
-                    gpu->rmsnorm_bwd(gpu, gdx, gdw, gdy, gx, gw, gr, T, C, acc);
+                    gpu->rmsnorm_bwd(gpu, gdx, gdw, gdy, gx, gw, gr, mapped ? (const int *)gmap : NULL, T, C, acc);
                     if (rep) {
                         CHECK_MSG(bitwise_equal(get_f32(gdw, C), gdw1, C), "rmsnorm_bwd dw: not run-to-run identical");
                         continue;
                     }
                     char what[96];
-                    snprintf(what, sizeof what, "rmsnorm_bwd dinp%s%s", acc ? " (accumulate)" : "",
-                             with_dw ? "" : " (dw NULL)");
+                    snprintf(what, sizeof what, "rmsnorm_bwd dinp%s%s%s", acc ? " (accumulate)" : "",
+                             with_dw ? "" : " (dw NULL)", mapped ? " (row map)" : "");
                     cmp(what, get_act(gdx, (size_t)T * C), rdx, (size_t)T * C, TOL_BF16);
                     if (with_dw) cmp("rmsnorm_bwd dw +=", gdw1 = get_f32(gdw, C), rdw, C, 1e-4);
                 }
@@ -2128,7 +2135,7 @@ int main(void) {
     RUN_IF(rmsnorm_fwd_bwd_match_cpu_vector_and_scalar_paths);
     RUN_IF(add_rmsnorm_fwd_matches_cpu_vector_scalar_and_in_place);
     RUN_IF(colsum_dbias_matches_cpu_vector_scalar_and_row_chunks);
-    RUN_IF(rmsnorm_bwd_fused_dw_matches_cpu_shapes_chunks_and_null_dw);
+    RUN_IF(rmsnorm_bwd_fused_dw_matches_cpu_shapes_chunks_null_dw_and_row_map);
     RUN_IF(rope_fwd_bwd_match_cpu);
     RUN_IF(rope_qk_matches_cpu_rope_of_each_part);
     RUN_IF(swiglu_fwd_bwd_match_cpu_vector_and_scalar_paths);

@@ -295,16 +295,17 @@ static void cpu_add_rmsnorm_fwd(cf_backend *b, void *sum_, void *out, float *rst
  * dx rows are independent (parallel over rows); dw is parallel over column
  * blocks with the rows summed in order. */
 static void cpu_rmsnorm_bwd(cf_backend *b, void *dinp_, float *dw, const void *dout_,
-                            const void *inp_, const void *w_, const float *rstd, int T, int C,
-                            int accumulate) {
+                            const void *inp_, const void *w_, const float *rstd, const int *rows, int T,
+                            int C, int accumulate) {
     if (cpu_failed(b)) return;
     float *dinp = dinp_;
     const float *dout = dout_, *inp = inp_, *w = w_;
 #pragma omp parallel for schedule(static)
     for (int t = 0; t < T; t++) {
-        const float *x = inp + (size_t)t * C, *dy = dout + (size_t)t * C;
+        const int xt = rows ? rows[t] : t;
+        const float *x = inp + (size_t)xt * C, *dy = dout + (size_t)t * C;
         float *dx = dinp + (size_t)t * C;
-        const float r = rstd[t];
+        const float r = rstd[xt];
         double dot = 0.0;
         for (int c = 0; c < C; c++) dot += (double)w[c] * dy[c] * (x[c] * r);
         const float mean = (float)(dot / C);
@@ -321,8 +322,9 @@ static void cpu_rmsnorm_bwd(cf_backend *b, void *dinp_, float *dw, const void *d
         float acc[64];
         for (int c = c0; c < c1; c++) acc[c - c0] = 0.0f;
         for (int t = 0; t < T; t++) {
-            const float *x = inp + (size_t)t * C, *dy = dout + (size_t)t * C;
-            const float r = rstd[t];
+            const int xt = rows ? rows[t] : t;
+            const float *x = inp + (size_t)xt * C, *dy = dout + (size_t)t * C;
+            const float r = rstd[xt];
             for (int c = c0; c < c1; c++) acc[c - c0] += dy[c] * (x[c] * r);
         }
         for (int c = c0; c < c1; c++) dw[c] += acc[c - c0];

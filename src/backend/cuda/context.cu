@@ -83,7 +83,7 @@ static const char *const scratch_names[] = {
     "attention padded dout", "attention padded dq", "attention padded dk", "attention padded dv",
     "attention sm90 dq accumulator", "attention sm90 filtered k", "attention sm90 filtered v",
     "attention sm90 part 2 queue",
-    "AdamW segments",
+    "AdamW segments", "rmsnorm_bwd input rows", "rmsnorm_bwd input rstd",
 };
 static_assert(sizeof scratch_names / sizeof scratch_names[0] == CF_SCR_COUNT, "a name per scratch id");
 

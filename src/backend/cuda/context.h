@@ -64,6 +64,8 @@ typedef enum {
     CF_SCR_ATTN_SM90_VF,   /*   Hopper centrifuge: V rows of the filtered keys         */
     CF_SCR_ATTN_SM90_QUEUE, /*  Hopper centrifuge part 2: its work queue's counter     */
     CF_SCR_ADAMW_SEGS,     /* adamw_segments: the segment table             adamw.cu   */
+    CF_SCR_NORM_X,         /* rmsnorm_bwd by a row map: the input's rows    norm.cu    */
+    CF_SCR_NORM_RSTD,      /*   and their rstd, for the column-sum fallback            */
     CF_SCR_COUNT
 } cf_cuda_scratch_id;
 

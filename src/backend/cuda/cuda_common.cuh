@@ -155,7 +155,7 @@ void cf_cuda_add_rmsnorm_fwd(cf_backend *b, void *sum, void *out, float *rstd, c
 void cf_cuda_rmsnorm_fwd(cf_backend *b, void *out, float *rstd, const void *inp, const void *w, int T, int C,
                          float eps);
 void cf_cuda_rmsnorm_bwd(cf_backend *b, void *dinp, float *dw, const void *dout, const void *inp, const void *w,
-                         const float *rstd, int T, int C, int accumulate);
+                         const float *rstd, const int *rows, int T, int C, int accumulate);
 /* rope.cu */
 void cf_cuda_rope_fwd(cf_backend *b, void *x, const int *pos, const float *inv_freq, int T, int nh, int D);
 void cf_cuda_rope_bwd(cf_backend *b, void *dx, const int *pos, const float *inv_freq, int T, int nh, int D);

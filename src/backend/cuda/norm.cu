@@ -231,12 +231,14 @@ void cf_cuda_rmsnorm_fwd(cf_backend *b, void *out, float *rstd, const void *inp,
  * same columns: no races), and the block writes the sum of its warps' rows,
  * in warp order, as partial row b (cf_cuda_colsum_final adds the partial rows
  * to dw in order). Deterministic: no atomics, a chunking that depends on T
- * and C only.
+ * and C only. x and r of row t are the input's row map[t] (map NULL: t):
+ * the centrifuge filter does not compact the norms' inputs.
  */
 struct __align__(16) float8 { float v[8]; };
 template <bool VEC, bool DW>
 static __global__ void rmsnorm_bwd_kernel(bf16 *dinp, float *partial, const bf16 *dout, const bf16 *inp,
-                                          const bf16 *w, const float *rstd, int T, int C, int rows, int accumulate) {
+                                          const bf16 *w, const float *rstd, const int *map, int T, int C, int rows,
+                                          int accumulate) {
     extern __shared__ float4 dw_smem[]; /* [warps][C] floats with DW, 16-byte aligned */
     float *dw_s = (float *)dw_smem;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
@@ -250,9 +252,10 @@ static __global__ void rmsnorm_bwd_kernel(bf16 *dinp, float *partial, const bf16
     }
     const int t0 = blockIdx.x * rows, t1 = min(T, t0 + rows);
     for (int row = t0 + warp; row < t1; row += nw) {
-        const bf16 *x = inp + (size_t)row * C, *g = dout + (size_t)row * C;
+        const int xr = map ? map[row] : row; /* the input's row */
+        const bf16 *x = inp + (size_t)xr * C, *g = dout + (size_t)row * C;
         bf16 *dx = dinp + (size_t)row * C;
-        const float r = rstd[row];
+        const float r = rstd[xr];
         float dot = 0.f;
         if (VEC) {
             for (int c = lane * 8; c < C; c += 256) {
@@ -336,7 +339,7 @@ static int rmsnorm_bwd_blocks(void) {
 template <bool DW>
 static __global__ void __launch_bounds__(1024)
     rmsnorm_bwd_rows_kernel(bf16 *dinp, float *partial, const bf16 *dout, const bf16 *inp, const bf16 *w,
-                            const float *rstd, int T, int C, int rows, int accumulate) {
+                            const float *rstd, const int *map, int T, int C, int rows, int accumulate) {
     __shared__ float red[2][32];
     const int c = 8 * threadIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
     const bool on = c < C;
@@ -347,9 +350,10 @@ static __global__ void __launch_bounds__(1024)
     for (int k = 0; k < 8; k++) dw[k] = 0.f;
     const int t0 = blockIdx.x * rows, t1 = min(T, t0 + rows);
     pack8 xn = zero, gn = zero, dn = zero; /* row t's, loaded during row t - 1 */
-    float rn = t0 < t1 ? rstd[t0] : 0.f;
+    const int x0 = t0 < t1 ? (map ? map[t0] : t0) : 0; /* the input's row */
+    float rn = t0 < t1 ? rstd[x0] : 0.f;
     if (on && t0 < t1) {
-        xn = *(const pack8 *)(inp + (size_t)t0 * C + c);
+        xn = *(const pack8 *)(inp + (size_t)x0 * C + c);
         gn = *(const pack8 *)(dout + (size_t)t0 * C + c);
         if (accumulate) dn = *(const pack8 *)(dinp + (size_t)t0 * C + c);
     }
@@ -359,10 +363,11 @@ static __global__ void __launch_bounds__(1024)
         unpack8(gn, gf);
         unpack8(dn, o);
         const float r = rn;
-        if (t + 1 < t1) rn = rstd[t + 1];
+        const int xnext = t + 1 < t1 ? (map ? map[t + 1] : t + 1) : 0;
+        if (t + 1 < t1) rn = rstd[xnext];
         if (on && t + 1 < t1) {
             const size_t off = (size_t)(t + 1) * C + c;
-            xn = *(const pack8 *)(inp + off);
+            xn = *(const pack8 *)(inp + (size_t)xnext * C + c);
             gn = *(const pack8 *)(dout + off);
             if (accumulate) dn = *(const pack8 *)(dinp + off);
         }
@@ -401,53 +406,73 @@ static __global__ void __launch_bounds__(1024)
  * threads (rounded up to warps), consecutive rows each; the chunking
  * depends on T alone, so dw is run-to-run identical. */
 static void rmsnorm_bwd_rows_launch(cf_cuda_ctx *ctx, bf16 *dinp, float *dw, const bf16 *dout, const bf16 *inp,
-                                    const bf16 *w, const float *rstd, int T, int C, int accumulate) {
+                                    const bf16 *w, const float *rstd, const int *map, int T, int C, int accumulate) {
     const int threads = (C / 8 + 31) / 32 * 32;
     const int bound = rmsnorm_bwd_blocks();
     const int rows = (T + bound - 1) / bound, nblocks = (T + rows - 1) / rows;
     if (!dw) {
-        rmsnorm_bwd_rows_kernel<false><<<nblocks, threads, 0, ctx->stream>>>(dinp, NULL, dout, inp, w, rstd, T, C,
-                                                                             rows, accumulate);
+        rmsnorm_bwd_rows_kernel<false><<<nblocks, threads, 0, ctx->stream>>>(dinp, NULL, dout, inp, w, rstd, map, T,
+                                                                             C, rows, accumulate);
         CF_CK_LAUNCH(ctx, "rmsnorm_bwd");
         return;
     }
     float *partial = (float *)cf_cuda_scratch(ctx, CF_SCR_COLSUM, (size_t)nblocks * C * sizeof(float));
     if (!partial) return;
-    rmsnorm_bwd_rows_kernel<true><<<nblocks, threads, 0, ctx->stream>>>(dinp, partial, dout, inp, w, rstd, T, C,
-                                                                        rows, accumulate);
+    rmsnorm_bwd_rows_kernel<true><<<nblocks, threads, 0, ctx->stream>>>(dinp, partial, dout, inp, w, rstd, map, T,
+                                                                        C, rows, accumulate);
     if (CF_CK_LAUNCH(ctx, "rmsnorm_bwd")) cf_cuda_colsum_final(ctx, dw, partial, nblocks, C);
+}
+
+/* x[i] = inp[map[i]] and r[i] = rstd[map[i]] for i < T, into scratch: the
+ * column sum's fallback (cf_cuda_colsum) reads rows in order */
+static __global__ void rmsnorm_gather_kernel(bf16 *x, float *r, const bf16 *inp, const float *rstd, const int *map,
+                                             int C) {
+    const int i = blockIdx.x;
+    const bf16 *src = inp + (size_t)map[i] * C;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) x[(size_t)i * C + c] = src[c];
+    if (threadIdx.x == 0) r[i] = rstd[map[i]];
 }
 
 template <bool VEC>
 static void rmsnorm_bwd_launch(cf_cuda_ctx *ctx, bf16 *dinp, float *dw, const bf16 *dout, const bf16 *inp,
-                               const bf16 *w, const float *rstd, int T, int C, int accumulate) {
+                               const bf16 *w, const float *rstd, const int *map, int T, int C, int accumulate) {
     if (VEC && C >= 512 && C <= 8192) {
-        rmsnorm_bwd_rows_launch(ctx, dinp, dw, dout, inp, w, rstd, T, C, accumulate);
+        rmsnorm_bwd_rows_launch(ctx, dinp, dw, dout, inp, w, rstd, map, T, C, accumulate);
         return;
     }
     const int nw = min(8, RMSNORM_BWD_SMEM / (C * (int)sizeof(float)));
     if (!dw || nw < 1) { /* one row per warp; dw NULL: a frozen norm weight */
-        rmsnorm_bwd_kernel<VEC, false><<<(T + 7) / 8, 256, 0, ctx->stream>>>(dinp, NULL, dout, inp, w, rstd, T, C, 8,
-                                                                              accumulate);
-        /* dw[c] += sum_t dout[t,c] x[t,c] rstd[t] */
-        if (CF_CK_LAUNCH(ctx, "rmsnorm_bwd") && dw) cf_cuda_colsum(ctx, dw, dout, inp, rstd, T, C);
+        rmsnorm_bwd_kernel<VEC, false><<<(T + 7) / 8, 256, 0, ctx->stream>>>(dinp, NULL, dout, inp, w, rstd, map, T,
+                                                                              C, 8, accumulate);
+        if (!CF_CK_LAUNCH(ctx, "rmsnorm_bwd") || !dw) return;
+        /* dw[c] += sum_t dout[t,c] x[t,c] rstd[t], over the input's rows in order */
+        if (map) {
+            bf16 *x = (bf16 *)cf_cuda_scratch(ctx, CF_SCR_NORM_X, (size_t)T * C * sizeof(bf16));
+            float *r = (float *)cf_cuda_scratch(ctx, CF_SCR_NORM_RSTD, (size_t)T * sizeof(float));
+            if (!x || !r) return;
+            rmsnorm_gather_kernel<<<T, 256, 0, ctx->stream>>>(x, r, inp, rstd, map, C);
+            if (!CF_CK_LAUNCH(ctx, "rmsnorm_bwd gather")) return;
+            inp = x;
+            rstd = r;
+        }
+        cf_cuda_colsum(ctx, dw, dout, inp, rstd, T, C);
         return;
     }
     const int rows = nw * ((T + RMSNORM_BWD_WARPS - 1) / RMSNORM_BWD_WARPS), nblocks = (T + rows - 1) / rows;
     float *partial = (float *)cf_cuda_scratch(ctx, CF_SCR_COLSUM, (size_t)nblocks * C * sizeof(float));
     if (!partial) return;
     rmsnorm_bwd_kernel<VEC, true><<<nblocks, 32 * nw, (size_t)nw * C * sizeof(float), ctx->stream>>>(
-        dinp, partial, dout, inp, w, rstd, T, C, rows, accumulate);
+        dinp, partial, dout, inp, w, rstd, map, T, C, rows, accumulate);
     if (CF_CK_LAUNCH(ctx, "rmsnorm_bwd")) cf_cuda_colsum_final(ctx, dw, partial, nblocks, C);
 }
 void cf_cuda_rmsnorm_bwd(cf_backend *b, void *dinp, float *dw, const void *dout, const void *inp, const void *w,
-                         const float *rstd, int T, int C, int accumulate) {
+                         const float *rstd, const int *rows, int T, int C, int accumulate) {
     cf_cuda_ctx *ctx = cf_cuda_enter(b);
     if (!ctx || T <= 0 || C <= 0) return;
     if (C % 8 == 0 && cf_aligned16(dinp) && cf_aligned16(dout) && cf_aligned16(inp) && cf_aligned16(w))
         rmsnorm_bwd_launch<true>(ctx, (bf16 *)dinp, dw, (const bf16 *)dout, (const bf16 *)inp, (const bf16 *)w, rstd,
-                                 T, C, accumulate);
+                                 rows, T, C, accumulate);
     else
         rmsnorm_bwd_launch<false>(ctx, (bf16 *)dinp, dw, (const bf16 *)dout, (const bf16 *)inp, (const bf16 *)w, rstd,
-                                  T, C, accumulate);
+                                  rows, T, C, accumulate);
 }
