@@ -10,7 +10,7 @@
 #          pair-full side-attn gemm-survey attn-hpb side-sms pair-head
 #          lmhead-cluster ncu-lmhead sanitize-lmhead parity-bigvocab ab-old-accum pingpong pingpong-model ncu-attn-src ncu-attn-kernels cf-pp64 ncu-ops hpb-model
 #          adamw-ab attn-in-model ncu-lmhead-logits lmhead-logits ncu-attn-pipes fwd-wg ncu-attn-modes attn-trace
-#          ncu-cf cf-plan
+#          ncu-cf cf-plan env-ab
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G=$PWD/.gpucarry
@@ -340,6 +340,11 @@ for part in "$@"; do
     side-attn)
       # o's and q/k/v's weight gradients beside the backward (default) against in line (CF_DW_SIDE_ATTN=0)
       env_ab CF_DW_SIDE_ATTN "0 1" regular,centrifuge sattn ;;
+    env-ab)
+      # one environment switch A/B: ENV_AB_VAR over ENV_AB_VALUES, the bench rows of ENV_AB_MODES (default
+      # centrifuge), alternated twice per model in ACCUM_MODELS (default Qwen2.5-1.5B @2048)
+      [ -n "${ENV_AB_VAR:-}" ] && [ -n "${ENV_AB_VALUES:-}" ] || { echo "env-ab: set ENV_AB_VAR and ENV_AB_VALUES"; continue; }
+      env_ab "$ENV_AB_VAR" "$ENV_AB_VALUES" "${ENV_AB_MODES:-centrifuge}" "envab_${ENV_AB_VAR}_" ;;
     cf-plan)
       # issue 17, run 34: centrifuge's part-1 plan by bwd_beside_cost (default, 0) against the earlier rule's
       # choice forced (Llama3.2-3B and Qwen2.5-1.5B: one part, CF_ATTN_SM90_BWD_SPLIT=1; TinyLlama: two heads
