@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """The Hopper attention backward's launch plans from `gpu_session.sh attn-hpb`
-output: per shape, the full backward of every plan the sweep forced (heads
-per block x query parts) and of the plan the engine chose ("auto"), as
-bars relative to the fastest forced plan of that shape. PNG (needs
-matplotlib); --table prints the same as text.
+output: per shape, the full (or, with --backward centrifuge, the centrifuge)
+backward of every plan the sweep forced (heads per block x query parts) and
+of the plan the engine chose ("auto"), as bars relative to the fastest
+forced plan of that shape. PNG (needs matplotlib); --table prints the same
+as text.
 
 A forced head count that does not divide the GQA group runs as the next
 lower divisor (bwd_sm90.cu), so "hpb 4" in a group of 3 is plan 3 x s; the
@@ -12,6 +13,8 @@ bars are per plan actually run, the mean of its timings.
 Example (run 24):
   python3 tools/plot_hpb.py docs/data/gpu-run24/call5_plan_sweep/attn_hpb.txt \\
       --png docs/gpu_run24_plans.png
+  python3 tools/plot_hpb.py --backward centrifuge \
+      docs/data/gpu-run34/call2_h200_hpb_sweep_cfplan_0b6fde5/log.txt --png docs/gpu_run34_cf_plans.png
 """
 import argparse
 import re
@@ -19,7 +22,10 @@ import statistics
 import sys
 
 HEAD = re.compile(r"^(auto|hpb (\d+) split (\d+)), S H Hkv D = ([\d ]+)$")
-TIME = re.compile(r"^\s*backward full\s+([\d.]+) ms")
+
+
+def time_line(backward):
+    return re.compile(r"^\s*backward " + re.escape(backward) + r"\s+([\d.]+) ms")
 
 
 class HpbError(Exception):
@@ -32,9 +38,11 @@ def effective_hpb(hpb, group):
     return hpb
 
 
-def read_sweep(text):
-    """{shape: {plan: [ms, ...]}}, shapes in first-seen order; a shape is
-    "S H Hkv D" or "S H Hkv D B", a plan "auto" or "h x s" as run."""
+def read_sweep(text, backward="full"):
+    """{shape: {plan: [ms, ...]}} of the `backward` line ("full" or
+    "centrifuge"), shapes in first-seen order; a shape is "S H Hkv D" or
+    "S H Hkv D B", a plan "auto" or "h x s" as run."""
+    TIME = time_line(backward)
     data, order = {}, []
     cur = None
     for n, line in enumerate(text.splitlines(), 1):
@@ -59,8 +67,10 @@ def read_sweep(text):
                 raise HpbError(f"line {n}: a time before any shape line")
             data[cur[0]].setdefault(cur[1], []).append(float(t.group(1)))
             cur = None
-    if not data:
-        raise HpbError("no shape with a full-backward time")
+    if not any(data.values()):
+        raise HpbError(f"no shape with a {backward}-backward time")
+    data = {s: p for s, p in data.items() if p}
+    order = [s for s in order if s in data]
     return {s: data[s] for s in order}
 
 
@@ -85,7 +95,7 @@ def table(data):
     return "\n".join(rows)
 
 
-def plot(data, png, title):
+def plot(data, png, title, backward="full"):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -107,7 +117,7 @@ def plot(data, png, title):
     ax.set_xticks(range(len(shapes)))
     ax.set_xticklabels([s.replace(" ", "\n", 0) for s in shapes], fontsize=7)
     ax.set_xlabel("S H Hkv D [B]")
-    ax.set_ylabel("full backward / fastest forced plan")
+    ax.set_ylabel(f"{backward} backward / fastest forced plan")
     ax.axhline(1.0, color="k", lw=0.5)
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7)
@@ -120,15 +130,16 @@ def main(argv):
     ap.add_argument("sweep", help="attn_hpb.txt of gpu_session.sh attn-hpb")
     ap.add_argument("--png", help="write the bars here")
     ap.add_argument("--table", action="store_true", help="print plan, ms and ratio per shape")
+    ap.add_argument("--backward", choices=("full", "centrifuge"), default="full", help="which backward's times")
     ap.add_argument("--title", default="Hopper attention backward: launch plans (heads per block x parts)")
     a = ap.parse_args(argv)
     try:
         with open(a.sweep) as f:
-            data = read_sweep(f.read())
+            data = read_sweep(f.read(), a.backward)
         if a.table or not a.png:
             print(table(data))
         if a.png:
-            plot(data, a.png, a.title)
+            plot(data, a.png, a.title, a.backward)
     except (OSError, HpbError) as e:
         print(f"plot_hpb: {e}", file=sys.stderr)
         return 1

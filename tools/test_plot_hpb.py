@@ -3,6 +3,7 @@
 
 A forced head count runs as the next lower divisor of the group, repeated
 plans are averaged, times are relative to the fastest forced plan, the
+centrifuge backward's times read apart from the full one's, the
 refusals (no shape, a time before any shape, a bad shape, a shape with no
 forced plan), and a PNG written (skipped without matplotlib)."""
 import os
@@ -52,6 +53,17 @@ class PlotHpbTest(unittest.TestCase):
         self.assertAlmostEqual(r["2048 24 8 128"]["auto"], 0.192 / 0.192)
         self.assertAlmostEqual(r["2048 12 2 128 4"]["2 x 1"], 0.4 / 0.3)
         self.assertIn("0.212 ms", plot_hpb.table(plot_hpb.read_sweep(SWEEP)))
+
+    def test_centrifuge_times_are_read_apart_from_the_full_ones(self):
+        text = SWEEP + """hpb 1 split 2, S H Hkv D = 2048 24 8 128
+  backward full             0.230 ms   1 TFLOP/s
+  backward centrifuge       0.110 ms  0.5 x full
+"""
+        d = plot_hpb.read_sweep(text, "centrifuge")
+        self.assertEqual(d, {"2048 24 8 128": {"auto": [0.124], "1 x 2": [0.110]}})
+        self.assertEqual(plot_hpb.read_sweep(text)["2048 24 8 128"]["1 x 2"], [0.230])
+        with self.assertRaises(plot_hpb.HpbError):
+            plot_hpb.read_sweep("auto, S H Hkv D = 2048 12 2 128\n  backward full  0.1 ms\n", "centrifuge")
 
     def test_refusals(self):
         with self.assertRaises(plot_hpb.HpbError):
