@@ -350,10 +350,7 @@ static __global__ void __launch_bounds__(1024)
     for (int k = 0; k < 8; k++) dw[k] = 0.f;
     const int t0 = blockIdx.x * rows, t1 = min(T, t0 + rows);
     pack8 xn = zero, gn = zero, dn = zero; /* row t's, loaded during row t - 1 */
-    /* the input's row of t0, and of t0 + 1: a row's index is loaded two
-     * rows ahead, so the next row's loads need not wait for it */
-    const int x0 = t0 < t1 ? (map ? map[t0] : t0) : 0;
-    int x1 = t0 + 1 < t1 ? (map ? map[t0 + 1] : t0 + 1) : 0;
+    const int x0 = t0 < t1 ? (map ? map[t0] : t0) : 0; /* the input's row */
     float rn = t0 < t1 ? rstd[x0] : 0.f;
     if (on && t0 < t1) {
         xn = *(const pack8 *)(inp + (size_t)x0 * C + c);
@@ -366,14 +363,14 @@ static __global__ void __launch_bounds__(1024)
         unpack8(gn, gf);
         unpack8(dn, o);
         const float r = rn;
-        if (t + 1 < t1) rn = rstd[x1];
+        const int xnext = t + 1 < t1 ? (map ? map[t + 1] : t + 1) : 0;
+        if (t + 1 < t1) rn = rstd[xnext];
         if (on && t + 1 < t1) {
             const size_t off = (size_t)(t + 1) * C + c;
-            xn = *(const pack8 *)(inp + (size_t)x1 * C + c);
+            xn = *(const pack8 *)(inp + (size_t)xnext * C + c);
             gn = *(const pack8 *)(dout + off);
             if (accumulate) dn = *(const pack8 *)(dinp + off);
         }
-        x1 = t + 2 < t1 ? (map ? map[t + 2] : t + 2) : 0;
         float dot = 0.f;
         for (int k = 0; k < 8; k++) dot += gf[k] * wf[k] * xf[k];
         dot = warp_sum(dot);
