@@ -535,7 +535,8 @@ inline double bwd_beside_cost(int BN, int BM, int H, int Hkv, int D, int B, int 
     const double fill = (busy + bwd_part2_cost(D, H, B, qmaxlen, flen)) / m;
     const int groups = H / Hkv / hpb;
     const bool pair = (groups == 2 && ns == 1) || (groups == 1 && ns == 2);
-    return (span > fill ? span : fill) + (pair ? 0.0 : BWD_COST_MB_BESIDE * bwd_partials_mb(H, Hkv, D, B, kmaxlen, hpb, ns));
+    const double partials = pair ? 0.0 : BWD_COST_MB_BESIDE * bwd_partials_mb(H, Hkv, D, B, kmaxlen, hpb, ns);
+    return (span > fill ? span : fill) + partials;
 }
 
 /* The plan (bwd_sm90.cu: attn_sm90_bwd_plan). Candidates: hpb of 4 (head
