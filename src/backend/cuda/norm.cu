@@ -407,45 +407,39 @@ static __global__ void __launch_bounds__(1024)
 /* The block-per-rows kernel: at most RMSNORM_BWD_BLOCKS blocks of C / 8
  * threads (rounded up to warps), consecutive rows each; the chunking
  * depends on T alone, so dw is run-to-run identical. */
+/* rmsnorm_bwd_rows_kernel<DW, map != NULL> on nblocks x threads (partial:
+ * with DW) */
+template <bool DW>
+static void rmsnorm_bwd_rows_run(cf_cuda_ctx *ctx, int nblocks, int threads, bf16 *dinp, float *partial,
+                                 const bf16 *dout, const bf16 *inp, const bf16 *w, const float *rstd, const int *map,
+                                 int T, int C, int rows, int accumulate) {
+    if (map)
+        rmsnorm_bwd_rows_kernel<DW, true><<<nblocks, threads, 0, ctx->stream>>>(dinp, partial, dout, inp, w, rstd, map,
+                                                                                T, C, rows, accumulate);
+    else
+        rmsnorm_bwd_rows_kernel<DW, false><<<nblocks, threads, 0, ctx->stream>>>(dinp, partial, dout, inp, w, rstd,
+                                                                                 NULL, T, C, rows, accumulate);
+}
 static void rmsnorm_bwd_rows_launch(cf_cuda_ctx *ctx, bf16 *dinp, float *dw, const bf16 *dout, const bf16 *inp,
                                     const bf16 *w, const float *rstd, const int *map, int T, int C, int accumulate) {
     const int threads = (C / 8 + 31) / 32 * 32;
     const int bound = rmsnorm_bwd_blocks();
     const int rows = (T + bound - 1) / bound, nblocks = (T + rows - 1) / rows;
     if (!dw) {
-        if (map)
-            rmsnorm_bwd_rows_kernel<false, true><<<nblocks, threads, 0, ctx->stream>>>(dinp, NULL, dout, inp, w, rstd,
-                                                                                       map, T, C, rows, accumulate);
-        else
-            rmsnorm_bwd_rows_kernel<false, false><<<nblocks, threads, 0, ctx->stream>>>(dinp, NULL, dout, inp, w, rstd,
-                                                                                        NULL, T, C, rows, accumulate);
+        rmsnorm_bwd_rows_run<false>(ctx, nblocks, threads, dinp, NULL, dout, inp, w, rstd, map, T, C, rows, accumulate);
         CF_CK_LAUNCH(ctx, "rmsnorm_bwd");
         return;
     }
     float *partial = (float *)cf_cuda_scratch(ctx, CF_SCR_COLSUM, (size_t)nblocks * C * sizeof(float));
     if (!partial) return;
-    if (map)
-        rmsnorm_bwd_rows_kernel<true, true><<<nblocks, threads, 0, ctx->stream>>>(dinp, partial, dout, inp, w, rstd,
-                                                                                  map, T, C, rows, accumulate);
-    else
-        rmsnorm_bwd_rows_kernel<true, false><<<nblocks, threads, 0, ctx->stream>>>(dinp, partial, dout, inp, w, rstd,
-                                                                                   NULL, T, C, rows, accumulate);
+    rmsnorm_bwd_rows_run<true>(ctx, nblocks, threads, dinp, partial, dout, inp, w, rstd, map, T, C, rows, accumulate);
     if (CF_CK_LAUNCH(ctx, "rmsnorm_bwd")) cf_cuda_colsum_final(ctx, dw, partial, nblocks, C);
 }
 
-/* x[i] = inp[map[i]] and r[i] = rstd[map[i]] for i < T, into scratch: the
- * column sum's fallback (cf_cuda_colsum) reads rows in order */
-static __global__ void rmsnorm_gather_kernel(bf16 *x, float *r, const bf16 *inp, const float *rstd, const int *map,
-                                             int C) {
-    const int i = blockIdx.x;
-    const bf16 *src = inp + (size_t)map[i] * C;
-    for (int c = threadIdx.x; c < C; c += blockDim.x) x[(size_t)i * C + c] = src[c];
-    if (threadIdx.x == 0) r[i] = rstd[map[i]];
-}
-
 template <bool VEC>
-static void rmsnorm_bwd_launch(cf_cuda_ctx *ctx, bf16 *dinp, float *dw, const bf16 *dout, const bf16 *inp,
-                               const bf16 *w, const float *rstd, const int *map, int T, int C, int accumulate) {
+static void rmsnorm_bwd_launch(cf_backend *b, cf_cuda_ctx *ctx, bf16 *dinp, float *dw, const bf16 *dout,
+                               const bf16 *inp, const bf16 *w, const float *rstd, const int *map, int T, int C,
+                               int accumulate) {
     if (VEC && C >= 512 && C <= 8192) {
         rmsnorm_bwd_rows_launch(ctx, dinp, dw, dout, inp, w, rstd, map, T, C, accumulate);
         return;
@@ -455,13 +449,15 @@ static void rmsnorm_bwd_launch(cf_cuda_ctx *ctx, bf16 *dinp, float *dw, const bf
         rmsnorm_bwd_kernel<VEC, false><<<(T + 7) / 8, 256, 0, ctx->stream>>>(dinp, NULL, dout, inp, w, rstd, map, T,
                                                                               C, 8, accumulate);
         if (!CF_CK_LAUNCH(ctx, "rmsnorm_bwd") || !dw) return;
-        /* dw[c] += sum_t dout[t,c] x[t,c] rstd[t], over the input's rows in order */
+        /* dw[c] += sum_t dout[t,c] x[t,c] rstd[t], over the input's rows in
+         * order: mapped ones gathered first (the filter's gather) */
         if (map) {
             bf16 *x = (bf16 *)cf_cuda_scratch(ctx, CF_SCR_NORM_X, (size_t)T * C * sizeof(bf16));
             float *r = (float *)cf_cuda_scratch(ctx, CF_SCR_NORM_RSTD, (size_t)T * sizeof(float));
             if (!x || !r) return;
-            rmsnorm_gather_kernel<<<T, 256, 0, ctx->stream>>>(x, r, inp, rstd, map, C);
-            if (!CF_CK_LAUNCH(ctx, "rmsnorm_bwd gather")) return;
+            cf_cuda_gather_rows(b, x, inp, map, T, (size_t)C * sizeof(bf16));
+            cf_cuda_gather_rows(b, r, rstd, map, T, sizeof(float));
+            if (ctx->failed) return;
             inp = x;
             rstd = r;
         }
@@ -480,9 +476,9 @@ void cf_cuda_rmsnorm_bwd(cf_backend *b, void *dinp, float *dw, const void *dout,
     cf_cuda_ctx *ctx = cf_cuda_enter(b);
     if (!ctx || T <= 0 || C <= 0) return;
     if (C % 8 == 0 && cf_aligned16(dinp) && cf_aligned16(dout) && cf_aligned16(inp) && cf_aligned16(w))
-        rmsnorm_bwd_launch<true>(ctx, (bf16 *)dinp, dw, (const bf16 *)dout, (const bf16 *)inp, (const bf16 *)w, rstd,
+        rmsnorm_bwd_launch<true>(b, ctx, (bf16 *)dinp, dw, (const bf16 *)dout, (const bf16 *)inp, (const bf16 *)w, rstd,
                                  rows, T, C, accumulate);
     else
-        rmsnorm_bwd_launch<false>(ctx, (bf16 *)dinp, dw, (const bf16 *)dout, (const bf16 *)inp, (const bf16 *)w, rstd,
+        rmsnorm_bwd_launch<false>(b, ctx, (bf16 *)dinp, dw, (const bf16 *)dout, (const bf16 *)inp, (const bf16 *)w, rstd,
                                   rows, T, C, accumulate);
 }
