@@ -1913,51 +1913,6 @@ TEST(attention_hopper_bwd_pairs_give_the_partials_bits) {
     CHECK_MSG(ctx->attn_pair_ok != 0, "no Hopper backward kernel ran in clusters of two");
 }
 
-/* Where a kv head's dk, dv have more than two partials and no pairs, the
- * Hopper backward's blocks add their terms into one fp32 sum per kv head
- * (atomics; launch.cu: dkv_sum_on) instead of writing partials for the
- * finish to sum in order. Both against the CPU, and against each other:
- * the same terms, summed in another order (fp32), then rounded to bf16. */
-TEST(attention_hopper_bwd_dkv_sums_match_partials) {
-    cf_cuda_ctx *ctx = hopper_ctx_or_skip();
-    if (!ctx) return;
-    /* terms per kv head: 16 (G = 8, a head a block, two parts), 4 (G = 4), 8 (G = 4, two parts), 4 (two
-     * groups of four heads, two parts) */
-    const struct { attn_case c; int hpb, ns; } cc[] = {
-        {{2, 300, 8, 1, 64, 3}, 1, 2}, {{1, 333, 8, 2, 128, 0}, 1, 1}, {{2, 260, 8, 2, 64, 0}, 1, 2},
-        {{1, 520, 8, 1, 128, 0}, 4, 2}};
-    char nm[128], what[256];
-    for (int ci = 0; ci < (int)(sizeof cc / sizeof cc[0]); ci++) {
-        attn_problem p;
-        int *rows, n, *ss;
-        attn_setup_kept_half(&p, cc[ci].c, nm, &rows, &ss, &n);
-        const attn_case c = p.c;
-        for (int m = 0; m < 3; m++) {
-            grads g[2];
-            for (int k = 0; k < 2; k++) {
-                ctx->attn_bwd_hpb = cc[ci].hpb;
-                ctx->attn_bwd_split = cc[ci].ns;
-                ctx->attn_bwd_dkv_partials = k == 0;
-                const unsigned long before = ctx->attn_dkv_sum_calls;
-                snprintf(what, sizeof what, "%s hpb=%d parts=%d %s %s", bwd_mode_names[m], cc[ci].hpb, cc[ci].ns,
-                         k ? "sums" : "partials", nm);
-                g[k] = attn_bwd_both(&p, bwd_modes[m], rows, ss, n, what, TOL_GRAD, 1);
-                CHECK_MSG((ctx->attn_dkv_sum_calls > before) == (k == 1), "%s: the sums %s", what,
-                          k ? "were not used" : "were used with partials asked for");
-            }
-            ctx->attn_bwd_hpb = ctx->attn_bwd_split = ctx->attn_bwd_dkv_partials = 0;
-            const size_t nq = m == 0 ? p.T : (size_t)n, nkr = m == 1 ? (size_t)n : p.T;
-            snprintf(what, sizeof what, "%s sums vs partials dk %s", bwd_mode_names[m], nm);
-            cmp(what, g[0].dk, g[1].dk, nkr * c.Hkv * c.D, TOL_BF16);
-            snprintf(what, sizeof what, "%s sums vs partials dv %s", bwd_mode_names[m], nm);
-            cmp(what, g[0].dv, g[1].dv, nkr * c.Hkv * c.D, TOL_BF16);
-            snprintf(what, sizeof what, "%s sums vs partials dq %s", bwd_mode_names[m], nm);
-            cmp(what, g[0].dq, g[1].dq, nq * c.H * c.D, TOL_BF16);
-        }
-        free_all();
-    }
-}
-
 /* Centrifuge part 2 on Hopper (dq of the kept queries over the filtered
  * keys) with and without its consumers' ping-pong turns (off by default;
  * forced through the context): each against the CPU, and dq of the two
@@ -2213,7 +2168,6 @@ int main(void) {
     RUN_IF(attention_hopper_fwd_three_warpgroups_give_the_two_warpgroup_bits);
     RUN_IF(attention_hopper_bwd_heads_per_block_and_query_parts_match);
     RUN_IF(attention_hopper_bwd_pairs_give_the_partials_bits);
-    RUN_IF(attention_hopper_bwd_dkv_sums_match_partials);
     RUN_IF(attention_hopper_centrifuge_part2_turns_and_grids_match_cpu);
     RUN_IF(attention_bwd_leaves_idle_where_the_plan_is_under_one_and_a_half_waves);
     RUN_IF(errors_are_sticky_and_a_second_context_is_independent);

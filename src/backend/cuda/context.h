@@ -158,11 +158,6 @@ typedef struct cf_cuda_ctx {
      * attn_sm90_bwd_pair; tests); and per Hopper backward kernel, whether
      * its clusters of two were asked about and fit */
     int attn_bwd_nopair;
-    /* 1: the Hopper backward writes GQA partials of dk, dv for the finish
-     * to sum, instead of adding into one fp32 sum (attention/launch.cu:
-     * dkv_sum_on; tests) */
-    int attn_bwd_dkv_partials;
-    unsigned long attn_dkv_sum_calls; /* backwards that added into the sums (tests) */
     unsigned attn_pair_checked, attn_pair_ok;
     /* the plans of the last CF_ATTN_PLANS shapes (attn_sm90_bwd_plan):
      * key = D, H, Hkv, B, q and k max lengths, filtered keys per sequence beside, forced hpb, ns */

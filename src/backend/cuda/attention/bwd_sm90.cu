@@ -456,15 +456,7 @@ __global__ void __launch_bounds__(384, 1)
         const int j = k0 + 64 * w + 16 * v + g + 8 * r;
         if (j >= klen) continue;
         const size_t idx = (size_t)(ks + j);
-        if (a.dkv_sum) { /* this block's terms added into the kv head's fp32 sums [nk, Hkv, D] */
-            float *dkp = a.dkx + (idx * a.Hkv + hk) * D + 2 * t4;
-            float *dvp = a.dvx + (idx * a.Hkv + hk) * D + 2 * t4;
-#pragma unroll
-            for (int n = 0; n < D / 8; n++) {
-                atomic_add_f2(dkp + 8 * n, dk[4 * n + 2 * r] * a.scale, dk[4 * n + 2 * r + 1] * a.scale);
-                atomic_add_f2(dvp + 8 * n, dv[4 * n + 2 * r], dv[4 * n + 2 * r + 1]);
-            }
-        } else if (a.dkx) { /* partial of heads h0.., query part split: [nk, H/hpb, ns, D] */
+        if (a.dkx) { /* partial of heads h0.., query part split: [nk, H/hpb, ns, D] */
             const size_t part = (idx * (a.H / hpb) + blockIdx.x) * ns + split;
             float *dkp = a.dkx + part * D + 2 * t4;
             float *dvp = a.dvx + part * D + 2 * t4;

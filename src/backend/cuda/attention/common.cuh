@@ -105,7 +105,6 @@ struct AttnArgs {
     const int *kstart, *krow;
     bf16 *dk, *dv;        /* [nk, Hkv, D] when H == Hkv */
     float *dkx, *dvx;     /* [nk, H, D] fp32, per query head, when H != Hkv */
-    int dkv_sum;          /* Hopper: dkx, dvx are [nk, Hkv, D] sums blocks add to */
     const int *doc;       /* by original row, or NULL */
     int B, S, H, Hkv;
     float scale, scale_log2;

@@ -164,14 +164,6 @@ static bool parts_side_by_side(void) {
     return on != 0;
 }
 
-/* CF_ATTN_SM90_DKV_SUM=0 in the environment (timing; read once) or
- * ctx->attn_bwd_dkv_partials (tests): the Hopper backward writes GQA
- * partials of dk, dv instead of adding into one sum */
-static bool dkv_sum_on(const cf_cuda_ctx *ctx) {
-    static const int on = attn_env_int("CF_ATTN_SM90_DKV_SUM", 1);
-    return on != 0 && !ctx->attn_bwd_dkv_partials;
-}
-
 static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void *dout, const void *q, const void *k,
                      const void *v, const void *out, const float *lse, const cf_attn_shape *s, const cf_rows *kept,
                      cf_attn_bwd_mode mode) {
@@ -268,7 +260,9 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
     /* the Hopper kernel's dq accumulator (its own layout, bwd_sm90.cu):
      * tps 64-row query tiles per sequence, even (a step may cover two) */
     const int tps = try_hopper ? 2 * ((maxlen + 127) / 128) : 0;
-    size_t acc_n = (size_t)B * tps * 64 * H * D;
+    const size_t acc_n = (size_t)B * tps * 64 * H * D;
+    float *acc = try_hopper ? (float *)cf_cuda_scratch(ctx, CF_SCR_ATTN_SM90_DQ, acc_n * sizeof(float)) : NULL;
+    if (try_hopper && !acc) return;
     /* GQA: fp32 partials of dk, dv per group of hpb query heads (1 on the
      * portable path) and part of the query range (ns, Hopper), summed by
      * the GQA reduction; partials also without GQA when ns > 1. None where
@@ -291,19 +285,7 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
         return a.dkx && a.dvx;
     };
     bool partials = (H / hpb != Hkv || ns > 1) && !pair;
-    /* Hopper with more than two partials per kv head: the blocks add their
-     * terms into one fp32 dk, dv sum each [nk, Hkv, D] placed after the dq
-     * accumulator (zeroed with it), instead of writing partials for the
-     * finish to read back (CF_ATTN_SM90_DKV_SUM=0: the partials) */
-    const size_t dkv_n = (size_t)nk * Hkv * D;
-    a.dkv_sum = try_hopper && partials && dkv_sum_on(ctx);
-    const size_t acc_total = acc_n + (a.dkv_sum ? 2 * dkv_n : 0);
-    float *acc = try_hopper ? (float *)cf_cuda_scratch(ctx, CF_SCR_ATTN_SM90_DQ, acc_total * sizeof(float)) : NULL;
-    if (try_hopper && !acc) return;
-    if (a.dkv_sum) {
-        a.dkx = acc + acc_n;
-        a.dvx = a.dkx + dkv_n;
-    } else if (partials) {
+    if (partials) {
         if (!alloc_partials()) return;
     } else {
         a.dk = (bf16 *)dk;
@@ -323,10 +305,10 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
         filt = (int *)cf_cuda_scratch(ctx, CF_SCR_ATTN_FILT, (size_t)(nf > 0 ? nf : 1) * sizeof(int));
         fstart = (int *)cf_cuda_scratch(ctx, CF_SCR_ATTN_FSTART, (size_t)(B + 1) * sizeof(int));
         if (!filt || !fstart) return;
-        if (try_hopper && (prepared = attn_cf_sm90_prep(ctx, a, D, kept, acc, acc_total, filt, fstart, &p2)) < 0) return;
+        if (try_hopper && (prepared = attn_cf_sm90_prep(ctx, a, D, kept, acc, acc_n, filt, fstart, &p2)) < 0) return;
     }
     if (!prepared) {
-        attn_bwd_prep(ctx->stream, a.dout, a.o, Dvec, try_hopper ? acc : dq_acc, try_hopper ? acc_total : (size_t)n * H * D,
+        attn_bwd_prep(ctx->stream, a.dout, a.o, Dvec, try_hopper ? acc : dq_acc, try_hopper ? acc_n : (size_t)n * H * D,
                       n * H, D);
         if (!CF_CK_LAUNCH(ctx, "attention bwd prep")) return;
         if (cf) {
@@ -343,17 +325,13 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
         h.dq_acc = acc;
         hopper = attn_bwd_sm90(ctx, h, D, n, kmaxlen, tps, hpb, ns, pair);
         if (hopper < 0) return;
-        if (hopper && a.dkv_sum) ctx->attn_dkv_sum_calls++;
         a.dq_acc = acc;
     }
     if (ctx->failed) return;
     if (!hopper) {
         if (try_hopper) { /* the Hopper kernel declined (tensor maps): the portable one */
             hpb = ns = 1;
-            if (a.dkv_sum) { /* per-head partials of the portable kernel's own layout */
-                a.dkv_sum = 0;
-                if (!alloc_partials()) return;
-            } else if (!partials && H != Hkv) { /* the portable kernel writes per-head partials */
+            if (!partials && H != Hkv) { /* the portable kernel writes per-head partials */
                 pair = CF_PAIR_NONE;
                 partials = true;
                 a.dk = a.dv = NULL;
@@ -364,7 +342,7 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
         a.dq_acc = dq_acc;
         if (!launch(ctx, K_BWD, a, D, (kmaxlen + TILE - 1) / TILE)) return;
     }
-    const GqaReduce red = {(bf16 *)dk, (bf16 *)dv, a.dkx, a.dvx, (size_t)nk, Hkv, a.dkv_sum ? 1 : H / Hkv / hpb * ns};
+    const GqaReduce red = {(bf16 *)dk, (bf16 *)dv, a.dkx, a.dvx, (size_t)nk, Hkv, H / Hkv / hpb * ns};
 
     /* part 2 (centrifuge): dq over the filtered keys. Hopper: on the second
      * stream beside part 1, into the same accumulator, converted once both
