@@ -10,7 +10,7 @@
 #          pair-full side-attn gemm-survey attn-hpb side-sms pair-head
 #          lmhead-cluster ncu-lmhead sanitize-lmhead parity-bigvocab ab-old-accum pingpong pingpong-model ncu-attn-src ncu-attn-kernels cf-pp64 ncu-ops hpb-model
 #          adamw-ab attn-in-model ncu-lmhead-logits lmhead-logits ncu-attn-pipes fwd-wg ncu-attn-modes attn-trace
-#          ncu-cf cf-plan env-ab attn-env
+#          ncu-cf cf-plan env-ab
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G=$PWD/.gpucarry
@@ -524,17 +524,6 @@ for part in "$@"; do
           [ -x "$b" ] || continue
           echo "$v (rep $rep), S H Hkv D = $sh"; BENCH_ATTN_PATHS=auto "$b" $sh 2>&1 | grep -E "forward|backward"
         done; done; done 2>&1 | tee "$OUT/attn_ab.txt" ;;
-    attn-env)
-      # attention alone: one environment switch (ATTN_ENV_VAR over ATTN_ENV_VALUES), alternated twice per shape
-      # (AB_SHAPES as attn-ab's), the plans' choice and each forced plan of ATTN_ENV_PLANS ("hpb:parts ...")
-      [ -n "${ATTN_ENV_VAR:-}" ] && [ -n "${ATTN_ENV_VALUES:-}" ] || { echo "attn-env: set ATTN_ENV_VAR and ATTN_ENV_VALUES"; continue; }
-      IFS='|' read -ra shs <<<"${AB_SHAPES:-4096 32 4 64|4096 32 8 128|2048 12 2 128|2048 24 8 128}"
-      for sh in "${shs[@]}"; do for pl in auto ${ATTN_ENV_PLANS:-}; do for rep in 1 2; do for v in $ATTN_ENV_VALUES; do
-        hp=0; sp=0; [ "$pl" != auto ] && { hp=${pl%%:*}; sp=${pl##*:}; }
-        echo "$ATTN_ENV_VAR=$v plan $pl (rep $rep), S H Hkv D = $sh"
-        env "$ATTN_ENV_VAR=$v" CF_ATTN_SM90_BWD_HPB=$hp CF_ATTN_SM90_BWD_SPLIT=$sp BENCH_ATTN_PATHS=auto \
-          "$G/bench_attention" $sh 2>&1 | grep -E "backward (full|centrifuge)"
-      done; done; done; done 2>&1 | tee "$OUT/attn_env_$ATTN_ENV_VAR.txt" ;;
     ncu-cf)
       # issue 17 (run 33): centrifuge's own kernels (the prep and part 2) alone under ncu (it runs them one at a
       # time): the carried bench_attention_old (an earlier build) against this build, and this build at each

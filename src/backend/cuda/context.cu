@@ -287,8 +287,6 @@ cf_cuda_ctx *cf_cuda_ctx_create(int device) {
     ctx->cc_minor = prop.minor;
     ctx->sm_count = prop.multiProcessorCount;
     ctx->smem_optin = prop.sharedMemPerBlockOptin;
-    ctx->l2_persist_max = (size_t)prop.persistingL2CacheMaxSize;
-    ctx->l2_window_max = (size_t)prop.accessPolicyMaxWindowSize;
     ctx->workspace_size = (size_t)32 << 20;
 
     /* CF_COMM_PRIORITY=high: the communication stream at the device's

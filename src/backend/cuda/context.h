@@ -91,9 +91,6 @@ typedef struct cf_cuda_ctx {
     int cc_major, cc_minor;     /* compute capability                      */
     int sm_count;
     size_t smem_optin;          /* max dynamic shared memory per block     */
-    size_t l2_persist_max;      /* L2 a context may set aside for persisting lines */
-    size_t l2_window_max;       /* the largest access policy window        */
-    int l2_persist_set;         /* the set-aside was asked for (attention/launch.cu) */
 
     /* streams and events */
     cudaStream_t stream;        /* compute: every op of the backend        */

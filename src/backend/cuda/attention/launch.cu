@@ -164,63 +164,6 @@ static bool parts_side_by_side(void) {
     return on != 0;
 }
 
-/* The Hopper backward's fp32 dq accumulator kept in L2 from the prep that
- * zeroes it to the finish that reads it: the main kernels stream far more
- * than L2 holds past it, so without a window the zeros were written back
- * to DRAM and the finish read the sums from DRAM. Its launches run with an
- * access policy window over the accumulator (persisting, on both streams);
- * the finish's window is "normal", which returns the lines to normal
- * status, and the streams' windows are cleared after it (the scope's end).
- * CF_ATTN_L2_KEEP=0 in the environment: none (timing; read once). */
-struct L2Keep {
-    cf_cuda_ctx *ctx = nullptr;
-    void *base = nullptr;
-    size_t bytes = 0;
-    static bool on() {
-        static const int v = attn_env_int("CF_ATTN_L2_KEEP", 1);
-        return v != 0;
-    }
-    void set(cudaStream_t st, cudaAccessProperty hit) const {
-        cudaStreamAttrValue v;
-        memset(&v, 0, sizeof v);
-        if (hit != cudaAccessPropertyStreaming) {
-            const size_t n = bytes < ctx->l2_window_max ? bytes : ctx->l2_window_max;
-            v.accessPolicyWindow.base_ptr = base;
-            v.accessPolicyWindow.num_bytes = n;
-            v.accessPolicyWindow.hitRatio = n <= ctx->l2_persist_max ? 1.f : (float)ctx->l2_persist_max / (float)n;
-            v.accessPolicyWindow.hitProp = hit;
-            v.accessPolicyWindow.missProp = cudaAccessPropertyStreaming;
-        }
-        /* a refusal costs only the speed: not an error */
-        if (cudaStreamSetAttribute(st, cudaStreamAttributeAccessPolicyWindow, &v) != cudaSuccess) cudaGetLastError();
-    }
-    /* the window over [p, p + n) on the compute and the side stream */
-    void begin(cf_cuda_ctx *c, void *p, size_t n) {
-        if (!on() || !c->l2_persist_max || !c->l2_window_max || !p || !n) return;
-        if (!c->l2_persist_set) {
-            c->l2_persist_set = 1;
-            if (cudaDeviceSetLimit(cudaLimitPersistingL2CacheSize, c->l2_persist_max) != cudaSuccess) {
-                cudaGetLastError();
-                return;
-            }
-        }
-        ctx = c;
-        base = p;
-        bytes = n;
-        set(ctx->stream, cudaAccessPropertyPersisting);
-        if (ctx->aux_stream) set(ctx->aux_stream, cudaAccessPropertyPersisting);
-    }
-    /* before the last launch that reads the accumulator */
-    void release() const {
-        if (ctx) set(ctx->stream, cudaAccessPropertyNormal);
-    }
-    ~L2Keep() {
-        if (!ctx) return;
-        set(ctx->stream, cudaAccessPropertyStreaming); /* no window */
-        if (ctx->aux_stream) set(ctx->aux_stream, cudaAccessPropertyStreaming);
-    }
-};
-
 static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void *dout, const void *q, const void *k,
                      const void *v, const void *out, const float *lse, const cf_attn_shape *s, const cf_rows *kept,
                      cf_attn_bwd_mode mode) {
@@ -320,8 +263,6 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
     const size_t acc_n = (size_t)B * tps * 64 * H * D;
     float *acc = try_hopper ? (float *)cf_cuda_scratch(ctx, CF_SCR_ATTN_SM90_DQ, acc_n * sizeof(float)) : NULL;
     if (try_hopper && !acc) return;
-    L2Keep l2;
-    if (try_hopper) l2.begin(ctx, acc, acc_n * sizeof(float));
     /* GQA: fp32 partials of dk, dv per group of hpb query heads (1 on the
      * portable path) and part of the query range (ns, Hopper), summed by
      * the GQA reduction; partials also without GQA when ns > 1. None where
@@ -422,7 +363,6 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
         /* the last launch: dq (bf16; fp32 for a portable part 2 to add to)
          * and the GQA reduction in one grid */
         const bool dq_final = !cf || r;
-        l2.release();
         attn_sm90_bwd_finish(ctx->stream, dq_final ? (bf16 *)dq : NULL, dq_final ? NULL : dq_acc, a.dq_acc, a.qstart,
                              B, S, H, D, tps, partials ? &red : NULL, !cf);
         if (!CF_CK_LAUNCH(ctx, "attention sm90 backward finish")) return;
