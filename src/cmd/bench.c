@@ -59,10 +59,14 @@ static cf_trainer *make_trainer(cf_model *m, cf_mode mode, int A, int B, int S, 
 }
 
 /* One extra step of one micro-batch (A only labels the output) with
- * per-op-category timing, after an untimed one: a one-micro-batch step
- * may use GEMM shapes the timed steps never did (the MLP's weight
- * gradients of its own rows, where the timed steps paired them:
- * engine/dwpair.c), and their plans are chosen, by timing, at first use. */
+ * per-op-category timing, after an untimed one in the same configuration:
+ * a profiled step runs every op in line (no side sections: dwside.c,
+ * dwpair.c), so it uses GEMM plans the timed steps never did (the side
+ * sections' are planned for fewer SMs: cuda/gemm.cu side_sms), and plans
+ * are chosen, by timing, at first use. Profiling is on for the untimed
+ * step too (each forward restarts the counts), so that choosing them is
+ * not charged to the profiled step's GEMMs: before, the centrifuge
+ * backward's profile on the GPU summed to 1.4-1.8x its timed backward. */
 static void print_profile(cf_model *m, cf_mode mode, int A, int B, int S, double keep, cf_select_kind sel, uint64_t seed) {
     int V = cf_model_config(m)->vocab_size;
     int32_t *tokens = cf_malloc((size_t)B * (S + 1) * sizeof(int32_t));
@@ -73,8 +77,8 @@ static void print_profile(cf_model *m, cf_mode mode, int A, int B, int S, double
     for (int i = 0; i < B * (S + 1); i++) tokens[i] = (int32_t)cf_rng_below(&rng, (uint32_t)V);
     cf_micro_batch mb = {tokens, NULL};
     cf_step_stats st;
-    int rc = cf_trainer_step(tr, &mb, 0.0f, &st);
     cf_model_set_profile(m, 1);
+    int rc = cf_trainer_step(tr, &mb, 0.0f, &st);
     if (rc == 0 && cf_trainer_step(tr, &mb, 0.0f, &st) == 0) {
         double prof[2][CF_PROF_N];
         cf_model_profile(m, prof);
@@ -172,7 +176,7 @@ int cmd_bench(int argc, char **argv) {
         {"--select", CF_OPT_STR, &select_s, 0, 0, "random (default) or self", 0},
         {"--json", CF_OPT_STR, &json, 0, 0, "write JSON lines here", 0},
         {"--seed", CF_OPT_INT, &seed, 0, 1L << 62, "seed", 0},
-        {"--profile", CF_OPT_FLAG, &profile, 0, 0, "also print time per op category (one synchronised step)", 0},
+        {"--profile", CF_OPT_FLAG, &profile, 0, 0, "also print time per op category (one extra step, every op in line)", 0},
         {"--layers", CF_OPT_INT, &layers, 1, 4096, "with --config: only its first N layers", 0},
         {"--lora-rank", CF_OPT_INT, &lora_rank, 1, 4096, "LoRA adapters of this rank (base frozen)", 0},
         {"--lora-alpha", CF_OPT_FLOAT, &lora_alpha, 1e-6, 1e6, "LoRA alpha (default: the rank)", 0},
