@@ -10,7 +10,7 @@
 #          pair-full side-attn gemm-survey attn-hpb side-sms pair-head
 #          lmhead-cluster ncu-lmhead sanitize-lmhead parity-bigvocab ab-old-accum pingpong pingpong-model ncu-attn-src ncu-attn-kernels cf-pp64 ncu-ops hpb-model
 #          adamw-ab attn-in-model ncu-lmhead-logits lmhead-logits ncu-attn-pipes fwd-wg ncu-attn-modes attn-trace
-#          ncu-cf cf-plan env-ab
+#          ncu-cf cf-plan env-ab attn-env sdpa cpubench utility train-smoke lora-bench kv-bench ddp-baseline dp-8b
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G=$PWD/.gpucarry
@@ -50,8 +50,22 @@ ncu_bench_attn() {
   BENCH_ATTN_PATHS=auto timeout 240 ncu --clock-control none --csv --print-units base "$@" \
     --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum "$b" $sh >"$j.csv" 2>"$j.err"
 }
+# every part named must exist before any runs (a typo would otherwise cost a call's device time)
+known=$(grep -oE '^    [a-z0-9-]+\)' "$0" | tr -d ' )')
 for part in "$@"; do
-  echo "=== $part $(date +%T)"
+  grep -qx -- "$part" <<<"$known" || { echo "gpu_session: unknown part '$part' (see the list at the top)" >&2; exit 2; }
+done
+# a part named again in one invocation writes under $OUT/PART_N/ (N = 2, 3, ...), so its
+# result files do not overwrite the first run's
+OUT0=$OUT
+declare -A part_runs=()
+for part in "$@"; do
+  part_runs[$part]=$(( ${part_runs[$part]:-0} + 1 ))
+  OUT=$OUT0 again=""
+  if [ "${part_runs[$part]}" -gt 1 ]; then
+    OUT="$OUT0/${part}_${part_runs[$part]}"; mkdir -p "$OUT"; again=" (again: files under ${part}_${part_runs[$part]}/)"
+  fi
+  echo "=== $part $(date +%T)$again"
   case $part in
     attn-trace)
       # issue 17: where the attention backward's SM time goes, block by block (attention/trace.cuh; a trace
@@ -524,6 +538,17 @@ for part in "$@"; do
           [ -x "$b" ] || continue
           echo "$v (rep $rep), S H Hkv D = $sh"; BENCH_ATTN_PATHS=auto "$b" $sh 2>&1 | grep -E "forward|backward"
         done; done; done 2>&1 | tee "$OUT/attn_ab.txt" ;;
+    attn-env)
+      # attention alone: one environment switch (ATTN_ENV_VAR over ATTN_ENV_VALUES), alternated twice per shape
+      # (AB_SHAPES as attn-ab's), the plans' choice and each forced plan of ATTN_ENV_PLANS ("hpb:parts ...")
+      [ -n "${ATTN_ENV_VAR:-}" ] && [ -n "${ATTN_ENV_VALUES:-}" ] || { echo "attn-env: set ATTN_ENV_VAR and ATTN_ENV_VALUES"; continue; }
+      IFS='|' read -ra shs <<<"${AB_SHAPES:-4096 32 4 64|4096 32 8 128|2048 12 2 128|2048 24 8 128}"
+      for sh in "${shs[@]}"; do for pl in auto ${ATTN_ENV_PLANS:-}; do for rep in 1 2; do for v in $ATTN_ENV_VALUES; do
+        hp=0; sp=0; [ "$pl" != auto ] && { hp=${pl%%:*}; sp=${pl##*:}; }
+        echo "$ATTN_ENV_VAR=$v plan $pl (rep $rep), S H Hkv D = $sh"
+        env "$ATTN_ENV_VAR=$v" CF_ATTN_SM90_BWD_HPB=$hp CF_ATTN_SM90_BWD_SPLIT=$sp BENCH_ATTN_PATHS=auto \
+          "$G/bench_attention" $sh 2>&1 | grep -E "backward (full|centrifuge)"
+      done; done; done; done 2>&1 | tee "$OUT/attn_env_$ATTN_ENV_VAR.txt" ;;
     ncu-cf)
       # issue 17 (run 33): centrifuge's own kernels (the prep and part 2) alone under ncu (it runs them one at a
       # time): the carried bench_attention_old (an earlier build) against this build, and this build at each
@@ -625,6 +650,7 @@ for part in "$@"; do
       done ;;
   esac
 done
+OUT=$OUT0
 echo "=== done $(date +%T)"
 # everything in one file: the tool brings back at most 8 files
 # (named by the parts, and numbered when the same parts ran before in this call, so every
