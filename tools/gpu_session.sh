@@ -12,6 +12,11 @@
 #          adamw-ab attn-in-model ncu-lmhead-logits lmhead-logits ncu-attn-pipes fwd-wg ncu-attn-modes attn-trace
 #          ncu-cf cf-plan env-ab attn-env sdpa cpubench utility train-smoke lora-bench kv-bench ddp-baseline dp-8b
 set -u
+# every part named must exist before any runs (a typo would otherwise cost a call's device time)
+known=$(grep -oE '^    [a-z0-9-]+\)' "$0" | tr -d ' )')
+for part in "$@"; do
+  grep -qx -- "$part" <<<"$known" || { echo "gpu_session: unknown part '$part' (see the list at the top)" >&2; exit 2; }
+done
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G=$PWD/.gpucarry
 [ -f "$G/carry.tar.xz" ] && [ ! -f "$G/centrifuge-cuda" ] && tar xJf "$G/carry.tar.xz" -C "$G"
@@ -50,11 +55,6 @@ ncu_bench_attn() {
   BENCH_ATTN_PATHS=auto timeout 240 ncu --clock-control none --csv --print-units base "$@" \
     --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum "$b" $sh >"$j.csv" 2>"$j.err"
 }
-# every part named must exist before any runs (a typo would otherwise cost a call's device time)
-known=$(grep -oE '^    [a-z0-9-]+\)' "$0" | tr -d ' )')
-for part in "$@"; do
-  grep -qx -- "$part" <<<"$known" || { echo "gpu_session: unknown part '$part' (see the list at the top)" >&2; exit 2; }
-done
 # a part named again in one invocation writes under $OUT/PART_N/ (N = 2, 3, ...), so its
 # result files do not overwrite the first run's
 OUT0=$OUT
