@@ -65,8 +65,7 @@ static cf_trainer *make_trainer(cf_model *m, cf_mode mode, int A, int B, int S, 
  * sections' are planned for fewer SMs: cuda/gemm.cu side_sms), and plans
  * are chosen, by timing, at first use. Profiling is on for the untimed
  * step too (each forward restarts the counts), so that choosing them is
- * not charged to the profiled step's GEMMs: before, the centrifuge
- * backward's profile on the GPU summed to 1.4-1.8x its timed backward. */
+ * not charged to the profiled step's GEMMs (BENCHMARKS.md run 35). */
 static void print_profile(cf_model *m, cf_mode mode, int A, int B, int S, double keep, cf_select_kind sel, uint64_t seed) {
     int V = cf_model_config(m)->vocab_size;
     int32_t *tokens = cf_malloc((size_t)B * (S + 1) * sizeof(int32_t));
