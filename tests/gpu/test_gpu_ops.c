@@ -390,7 +390,8 @@ TEST(colsum_dbias_matches_cpu_vector_scalar_and_row_chunks) {
 
 /* rmsnorm backward with the weight gradient's partial sums fused in: the
  * model widths (C = 1536, 3072, and 1000: a last warp with idle threads;
- * the block-per-rows kernel, one to 18 rows per block), C < 512 and
+ * the block-per-rows kernel, one to 18 rows per block, in groups of 8, 4
+ * and, at C = 6144, 2 rows, the last group short), C < 512 and
  * C % 256 != 0 (the warp-per-row kernel, lanes with fewer columns),
  * C % 8 != 0 and a misaligned dout (scalar path), C past the shared-memory
  * limit (dw by the separate column sum), T = 1, 7, T not a multiple of the
@@ -404,7 +405,7 @@ TEST(colsum_dbias_matches_cpu_vector_scalar_and_row_chunks) {
 TEST(rmsnorm_bwd_fused_dw_matches_cpu_shapes_chunks_null_dw_and_row_map) {
     static const struct { int T, C, misalign; } cs[] = {
         {1, 1536, 0}, {7, 3072, 0}, {1000, 1536, 0}, {1000, 3072, 0}, {1023, 1000, 0},
-        {333, 1001, 0}, {1025, 264, 1}, {65, 13000, 0}, {4099, 128, 0}, {4500, 3072, 0},
+        {333, 1001, 0}, {1025, 264, 1}, {65, 13000, 0}, {4099, 128, 0}, {4500, 3072, 0}, {301, 6144, 0},
     };
     for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
         const int T = cs[i].T, C = cs[i].C, Tx = 2 * T + 1; /* rows of the input (and rstd) */
@@ -580,13 +581,13 @@ TEST(qkv_join_rope_bwd_matches_cpu) {
 /* swiglu_fwd and swiglu_bwd_rows with gate and up the halves of one
  * [T, 2F] matrix (ld_in = 2F, the fused gate/up GEMM's output): against
  * the CPU (1e-2), and bitwise what the GPU gives for two [T, F] matrices
- * on the same kernel path. 16-byte path (F = 1000), odd F and a misaligned
+ * on the same kernel path. 16-byte path (F = 1000; T = 37 and 301, not
+ * multiples of the kernels' rows per thread), odd F and a misaligned
  * matrix (scalar paths). */
 TEST(swiglu_with_gate_up_rows_2F_apart_matches_cpu_and_separate_matrices) {
-    static const struct { int F, misalign; } cs[] = {{1000, 0}, {1001, 0}, {1000, 1}};
-    const int T = 37;
+    static const struct { int T, F, misalign; } cs[] = {{37, 1000, 0}, {37, 1001, 0}, {37, 1000, 1}, {301, 1536, 0}};
     for (size_t ci = 0; ci < sizeof cs / sizeof cs[0]; ci++) {
-        const int F = cs[ci].F;
+        const int T = cs[ci].T, F = cs[ci].F;
         const size_t nf = (size_t)T * F, n2 = 2 * nf;
         float *gu = HOLD(hrand(n2, 2.f)), *dh = HOLD(hrand(nf, 1.f));
         float *g = HOLD(hnew(nf)), *u = HOLD(hnew(nf));
@@ -594,7 +595,7 @@ TEST(swiglu_with_gate_up_rows_2F_apart_matches_cpu_and_separate_matrices) {
             memcpy(g + (size_t)t * F, gu + (size_t)t * 2 * F, F * sizeof(float));
             memcpy(u + (size_t)t * F, gu + (size_t)t * 2 * F + F, F * sizeof(float));
         }
-        int rows[37], nr = 0;
+        int *rows = (int *)HOLD(malloc((size_t)T * sizeof(int))), nr = 0;
         for (int t = 0; t < T; t++) if (t % 3) rows[nr++] = t;
         float *rh = HOLD(hnew(nf)), *rbh = HOLD(hnew(nf)), *rdg = HOLD(hnew(nf)), *rdu = HOLD(hnew(nf));
         cpu->swiglu_fwd(cpu, rh, gu, gu + F, T, F, 2 * F);
@@ -610,7 +611,7 @@ TEST(swiglu_with_gate_up_rows_2F_apart_matches_cpu_and_separate_matrices) {
         gpu->swiglu_bwd_rows(gpu, gbh, gdg, gdu, gdh, ggu, ggu + half, grows, nr, F, 2 * F, F);
         gpu->swiglu_bwd_rows(gpu, gbh1, gdg1, gdu1, gdh, gg, gup, grows, nr, F, F, F);
         const size_t nb = (size_t)nr * F;
-        printf("    F=%d%s\n", F, cs[ci].misalign ? " misaligned" : "");
+        printf("    T=%d F=%d%s\n", T, F, cs[ci].misalign ? " misaligned" : "");
         cmp("swiglu_fwd ld_in 2F", get_act(gh, nf), rh, nf, TOL_BF16);
         cmp("swiglu_bwd_rows ld_in 2F h", get_act(gbh, nb), rbh, nb, TOL_BF16);
         cmp("swiglu_bwd_rows ld_in 2F dgate", get_act(gdg, nb), rdg, nb, TOL_BF16);
