@@ -390,8 +390,8 @@ TEST(colsum_dbias_matches_cpu_vector_scalar_and_row_chunks) {
 
 /* rmsnorm backward with the weight gradient's partial sums fused in: the
  * model widths (C = 1536, 3072, and 1000: a last warp with idle threads;
- * the block-per-rows kernel, one to 18 rows per block, in groups of 8, 4
- * and, at C = 6144, 2 rows, the last group short), C < 512 and
+ * the block-per-rows kernel, one to 18 rows per block; C = 6144: blocks of
+ * 768 threads), C < 512 and
  * C % 256 != 0 (the warp-per-row kernel, lanes with fewer columns),
  * C % 8 != 0 and a misaligned dout (scalar path), C past the shared-memory
  * limit (dw by the separate column sum), T = 1, 7, T not a multiple of the

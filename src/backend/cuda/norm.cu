@@ -312,19 +312,17 @@ static __global__ void rmsnorm_bwd_kernel(bf16 *dinp, float *partial, const bf16
 /*
  * The same math with a block per group of rows, for widths a block covers
  * in one pass (C % 8 == 0, 512 <= C <= 8192, 16-byte aligned): thread i
- * owns columns 8i..8i+7 of every row. The block walks its rows RG at a
- * time: every load of the RG rows (x, g, and dx when accumulating) is
- * issued before any is used, the RG dot products go through one block sum
- * (warps in order, double-buffered so one barrier per RG rows), and x and g
- * stay in registers from the dot product to dx. The weight gradient's
- * partial g x r stays in registers and the block writes it as partial row
- * b. The sums run in the order of the one-row loop (same bits for any RG).
- * Why RG rows at once: with one row's loads in flight per thread (run 16's
- * kernel, which loaded row t + 1 during row t) each row cost about a DRAM
- * latency; at Qwen2.5-1.5B's shape (T = 2048, C = 1536, 8 rows per block)
- * a call took 10.2 us for 25 MB, 2.5 TB/s (ncu, H200, BENCHMARKS.md run 31).
- * Registers bound RG: RG rows of three 16-byte packs are 12 RG registers,
- * so 8 rows up to 256 threads (C <= 2048), 4 up to 512, 2 past that.
+ * owns columns 8i..8i+7 of every row, so its x and g of a row are loaded
+ * once (16 bytes each) and stay in registers for both the dot product and
+ * dx; the dot product is a block sum (warps in order, double-buffered so
+ * one barrier per row). The next row's x, g (and dx when accumulating) are
+ * loaded before this row's sum: one row's loads in flight while the last
+ * one finishes. The weight gradient's partial g x r stays in registers
+ * and the block writes it as partial row b. Why: the warp-per-row kernel
+ * keeps one row per warp in flight and, with its shared dw rows, few
+ * warps per SM: at Llama3.2-3B's width (C = 3072, 4 warps per block) and
+ * T = 1024 kept rows it took 31 us per call against a floor of about 8
+ * (25 MB at 3 TB/s); this one 19.5 (H100, docs/BENCHMARKS.md run 16).
  */
 #define RMSNORM_BWD_BLOCKS 256
 /* CF_RMSNORM_BWD_BLOCKS=n in the environment replaces the bound (timing
@@ -338,15 +336,13 @@ static int rmsnorm_bwd_blocks(void) {
     }
     return n;
 }
-/* the threads' bound of the RG-row kernel (launch bounds and the choice) */
-#define RMSNORM_BWD_RG_THREADS(RG) ((RG) >= 8 ? 256 : (RG) >= 4 ? 512 : 1024)
 /* MAPPED: x and rstd through map (a template switch, so that the unmapped
- * kernel tests nothing per row: a runtime test cost it 2-4% in run 34) */
-template <bool DW, bool MAPPED, int RG>
-static __global__ void __launch_bounds__(RMSNORM_BWD_RG_THREADS(RG))
+ * kernel is run 16's: a runtime test cost it 2-4% in run 34) */
+template <bool DW, bool MAPPED>
+static __global__ void __launch_bounds__(1024)
     rmsnorm_bwd_rows_kernel(bf16 *dinp, float *partial, const bf16 *dout, const bf16 *inp, const bf16 *w,
                             const float *rstd, const int *map, int T, int C, int rows, int accumulate) {
-    __shared__ float red[2][RG][32];
+    __shared__ float red[2][32];
     const int c = 8 * threadIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
     const bool on = c < C;
     float wf[8], dw[8];
@@ -355,52 +351,41 @@ static __global__ void __launch_bounds__(RMSNORM_BWD_RG_THREADS(RG))
     unpack8(on ? *(const pack8 *)(w + c) : zero, wf);
     for (int k = 0; k < 8; k++) dw[k] = 0.f;
     const int t0 = blockIdx.x * rows, t1 = min(T, t0 + rows);
-    for (int g0 = t0, buf = 0; g0 < t1; g0 += RG, buf ^= 1) {
-        pack8 xv[RG], gv[RG], dv[RG];
-        float r[RG], dot[RG];
-#pragma unroll
-        for (int j = 0; j < RG; j++) { /* every load of the group first */
-            const int t = g0 + j;
-            const bool in = t < t1;
-            const int xr = in ? (MAPPED ? map[t] : t) : 0; /* the input's row */
-            r[j] = in ? rstd[xr] : 0.f;
-            xv[j] = gv[j] = dv[j] = zero;
-            if (on && in) {
-                xv[j] = *(const pack8 *)(inp + (size_t)xr * C + c);
-                gv[j] = *(const pack8 *)(dout + (size_t)t * C + c);
-                if (accumulate) dv[j] = *(const pack8 *)(dinp + (size_t)t * C + c);
-            }
+    pack8 xn = zero, gn = zero, dn = zero; /* row t's, loaded during row t - 1 */
+    const int x0 = t0 < t1 ? (MAPPED ? map[t0] : t0) : 0; /* the input's row */
+    float rn = t0 < t1 ? rstd[x0] : 0.f;
+    if (on && t0 < t1) {
+        xn = *(const pack8 *)(inp + (size_t)x0 * C + c);
+        gn = *(const pack8 *)(dout + (size_t)t0 * C + c);
+        if (accumulate) dn = *(const pack8 *)(dinp + (size_t)t0 * C + c);
+    }
+    for (int t = t0; t < t1; t++) {
+        float xf[8], gf[8], o[8];
+        unpack8(xn, xf);
+        unpack8(gn, gf);
+        unpack8(dn, o);
+        const float r = rn;
+        const int xnext = t + 1 < t1 ? (MAPPED ? map[t + 1] : t + 1) : 0;
+        if (t + 1 < t1) rn = rstd[xnext];
+        if (on && t + 1 < t1) {
+            const size_t off = (size_t)(t + 1) * C + c;
+            xn = *(const pack8 *)(inp + (size_t)xnext * C + c);
+            gn = *(const pack8 *)(dout + off);
+            if (accumulate) dn = *(const pack8 *)(dinp + off);
         }
-#pragma unroll
-        for (int j = 0; j < RG; j++) {
-            float xf[8], gf[8];
-            unpack8(xv[j], xf);
-            unpack8(gv[j], gf);
-            float d = 0.f;
-            for (int k = 0; k < 8; k++) d += gf[k] * wf[k] * xf[k];
-            dot[j] = d;
-        }
-#pragma unroll
-        for (int j = 0; j < RG; j++) dot[j] = warp_sum(dot[j]);
-        if (lane == 0)
-#pragma unroll
-            for (int j = 0; j < RG; j++) red[buf][j][warp] = dot[j];
+        float dot = 0.f;
+        for (int k = 0; k < 8; k++) dot += gf[k] * wf[k] * xf[k];
+        dot = warp_sum(dot);
+        if (lane == 0) red[t & 1][warp] = dot;
         __syncthreads();
-#pragma unroll
-        for (int j = 0; j < RG; j++) {
-            const int t = g0 + j;
-            float sum = 0.f;
-            for (int i = 0; i < nw; i++) sum += red[buf][j][i];
-            if (!on || t >= t1) continue;
-            const float coef = r[j] * r[j] * r[j] * sum / C;
-            float xf[8], gf[8], o[8];
-            unpack8(xv[j], xf);
-            unpack8(gv[j], gf);
-            unpack8(dv[j], o);
+        float sum = 0.f;
+        for (int i = 0; i < nw; i++) sum += red[t & 1][i];
+        const float coef = r * r * r * sum / C;
+        if (on) {
             for (int k = 0; k < 8; k++) {
-                const float v = r[j] * wf[k] * gf[k] - coef * xf[k];
+                const float v = r * wf[k] * gf[k] - coef * xf[k];
                 o[k] = accumulate ? o[k] + v : v;
-                if (DW) dw[k] += gf[k] * xf[k] * r[j];
+                if (DW) dw[k] += gf[k] * xf[k] * r;
             }
             *(pack8 *)(dinp + (size_t)t * C + c) = pack8_from(o);
         }
@@ -422,50 +407,18 @@ static __global__ void __launch_bounds__(RMSNORM_BWD_RG_THREADS(RG))
 /* The block-per-rows kernel: at most RMSNORM_BWD_BLOCKS blocks of C / 8
  * threads (rounded up to warps), consecutive rows each; the chunking
  * depends on T alone, so dw is run-to-run identical. */
-/* rows per group of the block-per-rows kernel for a block of `threads`: the
- * largest RG whose launch bound admits it, or CF_RMSNORM_BWD_GROUP=1|2|4|8
- * from the environment where that bound allows (timing only; read once) */
-static int rmsnorm_bwd_group(int threads) {
-    static int forced = -1;
-    if (forced < 0) {
-        const char *e = getenv("CF_RMSNORM_BWD_GROUP");
-        const int v = e && *e ? atoi(e) : 0;
-        forced = v == 1 || v == 2 || v == 4 || v == 8 ? v : 0;
-    }
-    int rg = threads <= RMSNORM_BWD_RG_THREADS(8) ? 8 : threads <= RMSNORM_BWD_RG_THREADS(4) ? 4 : 2;
-    if (forced && forced <= rg) rg = forced;
-    return rg;
-}
-template <bool DW, bool MAPPED, int RG>
-static void rmsnorm_bwd_rows_run_rg(cf_cuda_ctx *ctx, int nblocks, int threads, bf16 *dinp, float *partial,
-                                    const bf16 *dout, const bf16 *inp, const bf16 *w, const float *rstd,
-                                    const int *map, int T, int C, int rows, int accumulate) {
-    rmsnorm_bwd_rows_kernel<DW, MAPPED, RG><<<nblocks, threads, 0, ctx->stream>>>(dinp, partial, dout, inp, w, rstd,
-                                                                                 map, T, C, rows, accumulate);
-}
-/* rmsnorm_bwd_rows_kernel<DW, map != NULL, RG> on nblocks x threads
- * (partial: with DW) */
-template <bool DW, bool MAPPED>
-static void rmsnorm_bwd_rows_run_m(cf_cuda_ctx *ctx, int nblocks, int threads, bf16 *dinp, float *partial,
-                                   const bf16 *dout, const bf16 *inp, const bf16 *w, const float *rstd,
-                                   const int *map, int T, int C, int rows, int accumulate) {
-    switch (rmsnorm_bwd_group(threads)) {
-    case 8: rmsnorm_bwd_rows_run_rg<DW, MAPPED, 8>(ctx, nblocks, threads, dinp, partial, dout, inp, w, rstd, map, T, C, rows, accumulate); break;
-    case 4: rmsnorm_bwd_rows_run_rg<DW, MAPPED, 4>(ctx, nblocks, threads, dinp, partial, dout, inp, w, rstd, map, T, C, rows, accumulate); break;
-    case 2: rmsnorm_bwd_rows_run_rg<DW, MAPPED, 2>(ctx, nblocks, threads, dinp, partial, dout, inp, w, rstd, map, T, C, rows, accumulate); break;
-    default: rmsnorm_bwd_rows_run_rg<DW, MAPPED, 1>(ctx, nblocks, threads, dinp, partial, dout, inp, w, rstd, map, T, C, rows, accumulate); break;
-    }
-}
+/* rmsnorm_bwd_rows_kernel<DW, map != NULL> on nblocks x threads (partial:
+ * with DW) */
 template <bool DW>
 static void rmsnorm_bwd_rows_run(cf_cuda_ctx *ctx, int nblocks, int threads, bf16 *dinp, float *partial,
                                  const bf16 *dout, const bf16 *inp, const bf16 *w, const float *rstd, const int *map,
                                  int T, int C, int rows, int accumulate) {
     if (map)
-        rmsnorm_bwd_rows_run_m<DW, true>(ctx, nblocks, threads, dinp, partial, dout, inp, w, rstd, map, T, C, rows,
-                                         accumulate);
+        rmsnorm_bwd_rows_kernel<DW, true><<<nblocks, threads, 0, ctx->stream>>>(dinp, partial, dout, inp, w, rstd, map,
+                                                                                T, C, rows, accumulate);
     else
-        rmsnorm_bwd_rows_run_m<DW, false>(ctx, nblocks, threads, dinp, partial, dout, inp, w, rstd, NULL, T, C, rows,
-                                          accumulate);
+        rmsnorm_bwd_rows_kernel<DW, false><<<nblocks, threads, 0, ctx->stream>>>(dinp, partial, dout, inp, w, rstd,
+                                                                                 NULL, T, C, rows, accumulate);
 }
 static void rmsnorm_bwd_rows_launch(cf_cuda_ctx *ctx, bf16 *dinp, float *dw, const bf16 *dout, const bf16 *inp,
                                     const bf16 *w, const float *rstd, const int *map, int T, int C, int accumulate) {
