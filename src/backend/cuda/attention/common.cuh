@@ -287,14 +287,7 @@ __device__ __forceinline__ void attn_prep_body(const bf16 *dout, const bf16 *o, 
 /* dk, dv of kv head hk = the sums of the G fp32 partials of its query-head
  * groups ([nk, Hkv, G, D] -> [nk, Hkv, D]), in partial order (so the result
  * does not depend on the launch); V columns per thread (4 when D allows:
- * float4 loads, the work is reading the partials). The partials are read
- * GQA_LOADS at a time, every load of a round issued before the first add
- * (the adds stay in partial order: the same bits). Why: with a load and an
- * add per partial the loop waited on each load in turn, and the reduction
- * blocks, last in the finish's grid, were its tail: the centrifuge finish
- * at D = 64 took 11.7 us for one sequence and 13.1 for two (trace, H200,
- * docs/BENCHMARKS.md run 36). */
-constexpr int GQA_LOADS = 4;
+ * float4 loads, the work is reading the partials) */
 template <int V>
 __device__ __forceinline__ void gqa_reduce_body(bf16 *dk, bf16 *dv, const float *dkx, const float *dvx, size_t nk,
                                                 int Hkv, int G, int D, int blk, int nblk) {
@@ -307,27 +300,15 @@ __device__ __forceinline__ void gqa_reduce_body(bf16 *dk, bf16 *dv, const float 
         float sk[V], sv[V];
 #pragma unroll
         for (int e = 0; e < V; e++) sk[e] = sv[e] = 0.f;
-        for (int g0 = 0; g0 < G; g0 += GQA_LOADS) {
-            float a[GQA_LOADS][V], c[GQA_LOADS][V];
-#pragma unroll
-            for (int u = 0; u < GQA_LOADS; u++) {
-                if (g0 + u >= G) continue;
-                const size_t o = base + (size_t)(g0 + u) * D;
-                if constexpr (V == 4) {
-                    const float4 x = *reinterpret_cast<const float4 *>(dkx + o);
-                    const float4 y = *reinterpret_cast<const float4 *>(dvx + o);
-                    a[u][0] = x.x, a[u][1] = x.y, a[u][2] = x.z, a[u][3] = x.w;
-                    c[u][0] = y.x, c[u][1] = y.y, c[u][2] = y.z, c[u][3] = y.w;
-                } else {
-                    a[u][0] = dkx[o];
-                    c[u][0] = dvx[o];
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < GQA_LOADS; u++) {
-                if (g0 + u >= G) continue;
-#pragma unroll
-                for (int e = 0; e < V; e++) sk[e] += a[u][e], sv[e] += c[u][e];
+        for (int gi = 0; gi < G; gi++) {
+            if constexpr (V == 4) {
+                const float4 a = *reinterpret_cast<const float4 *>(dkx + base + (size_t)gi * D);
+                const float4 c = *reinterpret_cast<const float4 *>(dvx + base + (size_t)gi * D);
+                sk[0] += a.x, sk[1] += a.y, sk[2] += a.z, sk[3] += a.w;
+                sv[0] += c.x, sv[1] += c.y, sv[2] += c.z, sv[3] += c.w;
+            } else {
+                sk[0] += dkx[base + (size_t)gi * D];
+                sv[0] += dvx[base + (size_t)gi * D];
             }
         }
         if constexpr (V == 4) {
