@@ -1961,6 +1961,48 @@ TEST(attention_hopper_centrifuge_part2_turns_and_grids_match_cpu) {
     }
 }
 
+/* Centrifuge's two Hopper parts after one another, beside (part 2 on the
+ * second stream) and chained (part 2 the programmatic dependent of part 1
+ * on one stream, the finish part 2's), forced through the context: each
+ * against the CPU, dq of each against the first's (the same products; the
+ * order of the fp32 additions into the accumulator may differ), dk and dv
+ * bitwise (part 2 does not touch them). Kept-query tiles of 1 to 5 per
+ * sequence, sequences with one kept row or none, documents, GQA with and
+ * without partials, both head dims; each twice, since a missing wait
+ * between the launches would show as a difference that comes and goes. */
+TEST(attention_hopper_centrifuge_parts_after_beside_and_chained_match_cpu) {
+    cf_cuda_ctx *ctx = hopper_ctx_or_skip();
+    if (!ctx) return;
+    const attn_case cc[] = {{1, 700, 4, 2, 64, 0}, {3, 1000, 4, 1, 128, 2}, {2, 1100, 8, 2, 64, 0},
+                            {1, 2048, 12, 2, 128, 0}, {2, 650, 3, 1, 128, 2}};
+    static const struct {
+        int parts;
+        const char *name;
+    } var[] = {{1, "after"}, {2, "beside"}, {3, "chained"}, {3, "chained again"}};
+    enum { NV = sizeof var / sizeof var[0] };
+    char nm[128], what[256];
+    for (int ci = 0; ci < (int)(sizeof cc / sizeof cc[0]); ci++) {
+        attn_problem p;
+        int *rows, n, *ss;
+        attn_setup_kept_half(&p, cc[ci], nm, &rows, &ss, &n);
+        grads g[NV];
+        for (int k = 0; k < NV; k++) {
+            ctx->attn_cf_parts = var[k].parts;
+            snprintf(what, sizeof what, "CENTRIFUGE parts %s %s", var[k].name, nm);
+            g[k] = attn_bwd_both(&p, CF_ATTN_BWD_CENTRIFUGE, rows, ss, n, what, TOL_GRAD, 1);
+        }
+        ctx->attn_cf_parts = 0;
+        const size_t nkv = (size_t)n * p.c.Hkv * p.c.D; /* dk, dv: the kept rows */
+        for (int k = 1; k < NV; k++) {
+            snprintf(what, sizeof what, "CENTRIFUGE dq, parts %s vs %s %s", var[k].name, var[0].name, nm);
+            cmp(what, g[0].dq, g[k].dq, (size_t)n * p.c.H * p.c.D, TOL_BF16);
+            CHECK_MSG(bitwise_equal(g[0].dk, g[k].dk, nkv) && bitwise_equal(g[0].dv, g[k].dv, nkv),
+                      "CENTRIFUGE dk, dv: parts %s differ from %s %s", var[k].name, var[0].name, nm);
+        }
+        free_all();
+    }
+}
+
 /* attention_bwd_leaves_idle (dwside.c runs weight gradients beside full
  * backwards it says yes to: grids under 1.5 waves): a small shape is, four
  * sequences of TinyLlama's are not; on a 132-SM GPU with the Hopper path,
@@ -2170,6 +2212,7 @@ int main(void) {
     RUN_IF(attention_hopper_bwd_heads_per_block_and_query_parts_match);
     RUN_IF(attention_hopper_bwd_pairs_give_the_partials_bits);
     RUN_IF(attention_hopper_centrifuge_part2_turns_and_grids_match_cpu);
+    RUN_IF(attention_hopper_centrifuge_parts_after_beside_and_chained_match_cpu);
     RUN_IF(attention_bwd_leaves_idle_where_the_plan_is_under_one_and_a_half_waves);
     RUN_IF(errors_are_sticky_and_a_second_context_is_independent);
     RUN_IF(two_contexts_interleaved_give_the_same_results);

@@ -154,6 +154,10 @@ typedef struct cf_cuda_ctx {
      * bwd_centrifuge_sm90.cu: dq_grid): 0 = the default, 1 = a block per
      * work item, 2 = a block per SM, 3 = four blocks (tests) */
     int attn_cf_grid;
+    /* how centrifuge's Hopper parts run (attention/launch.cu: parts_mode):
+     * 0 = the default, 1 = part 2 after part 1, 2 = beside it on the second
+     * stream, 3 = chained on one stream (tests) */
+    int attn_cf_parts;
     /* 1: no pairs of blocks for the dk, dv partials (attention/bwd_sm90.cu:
      * attn_sm90_bwd_pair; tests); and per Hopper backward kernel, whether
      * its clusters of two were asked about and fit */

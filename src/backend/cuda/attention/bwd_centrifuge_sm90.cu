@@ -488,6 +488,10 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
         trace_mark(2);
         trace_finish(TRACE_PART2, tiles);
     }
+    /* chained (launch.cu): part 1 is this launch's prerequisite; the block
+     * ends only after it, so the finish, this launch's dependent, sees
+     * part 1's dq terms and partials too (without the chain: no wait) */
+    if (threadIdx.x == 128) griddep_wait();
 #endif
 }
 
@@ -526,7 +530,7 @@ template <int D, bool PP> static constexpr int dq_variant_bit() {
 
 template <int D, bool PP>
 static int dq_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, const CUtensorMap *maps, int maxlen, int tps,
-                          cudaStream_t st) {
+                          cudaStream_t st, bool chained) {
     using C = DqSm90<D>;
     const void *fn = (const void *)attn_bwd_dq_sm90_kernel<D, PP>;
     if (!attn_sm90_prepare(ctx, fn, C::SMEM, dq_variant_bit<D, PP>())) return -1;
@@ -534,15 +538,24 @@ static int dq_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, const CUtensorMap
     if (!queue) return -1;
     int qtiles = (maxlen + C::BM - 1) / C::BM, nitems = a.H * qtiles * a.B, nw = attn_sm90_bwd_nw(D);
     if (nitems <= 0) return 1;
-    const dim3 grid(dq_grid(ctx, nitems)), block(C::THREADS);
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(dq_grid(ctx, nitems));
+    cfg.blockDim = dim3(C::THREADS);
+    cfg.dynamicSmemBytes = C::SMEM;
+    cfg.stream = st;
+    cudaLaunchAttribute at[1];
+    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    at[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = at;
+    cfg.numAttrs = chained ? 1 : 0;
     void *args[] = {(void *)&maps[0], (void *)&maps[1], (void *)&maps[2], (void *)&maps[3], (void *)&a,
                     (void *)&tps,     (void *)&nw,      (void *)&queue,   (void *)&nitems,  (void *)&qtiles};
-    return CF_CK(ctx, cudaLaunchKernel(fn, grid, block, args, C::SMEM, st)) ? 1 : -1;
+    return CF_CK(ctx, cudaLaunchKernelExC(&cfg, fn, args)) ? 1 : -1;
 }
 
 template <int D>
 static int dq_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int nk_rows, int maxlen, int tps,
-                   cudaStream_t st) {
+                   cudaStream_t st, bool chained) {
     using C = DqSm90<D>;
     CUtensorMap m[4];
     if (!attn_sm90_map_rows(&m[0], a.q, nq_rows, a.H, D, C::BM) ||
@@ -550,8 +563,8 @@ static int dq_sm90(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int nk_rows
         !attn_sm90_map_rows(&m[2], a.k, nk_rows, a.Hkv, D, C::BN) ||
         !attn_sm90_map_rows(&m[3], a.v, nk_rows, a.Hkv, D, C::BN))
         return 0;
-    return dq_pingpong(ctx) ? dq_sm90_launch<D, true>(ctx, a, m, maxlen, tps, st)
-                            : dq_sm90_launch<D, false>(ctx, a, m, maxlen, tps, st);
+    return dq_pingpong(ctx) ? dq_sm90_launch<D, true>(ctx, a, m, maxlen, tps, st, chained)
+                            : dq_sm90_launch<D, false>(ctx, a, m, maxlen, tps, st, chained);
 }
 
 int attn_cf_sm90_prep(cf_cuda_ctx *ctx, const AttnArgs &a, int D, const cf_rows *kept, float *acc, size_t acc_n,
@@ -606,9 +619,9 @@ int attn_cf_sm90_prep(cf_cuda_ctx *ctx, const AttnArgs &a, int D, const cf_rows 
 }
 
 int attn_bwd_dq_sm90(cf_cuda_ctx *ctx, const AttnArgs &p, int D, int nq_rows, int nf, int maxlen, int tps,
-                     cudaStream_t st) {
+                     cudaStream_t st, bool chained) {
     if (D != 64 && D != 128) return 0;
     if (nf <= 0) return 1; /* no filtered key anywhere: nothing to add */
-    return D == 64 ? dq_sm90<64>(ctx, p, nq_rows, nf, maxlen, tps, st)
-                   : dq_sm90<128>(ctx, p, nq_rows, nf, maxlen, tps, st);
+    return D == 64 ? dq_sm90<64>(ctx, p, nq_rows, nf, maxlen, tps, st, chained)
+                   : dq_sm90<128>(ctx, p, nq_rows, nf, maxlen, tps, st, chained);
 }

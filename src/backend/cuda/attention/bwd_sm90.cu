@@ -183,6 +183,9 @@ __global__ void __launch_bounds__(384, 1)
                 }
             };
             griddep_wait(); /* D_i: the prep launch before this one */
+            /* the prep is done: a dependent launch (centrifuge's chained part 2,
+             * or the finish) may start once every block has come this far */
+            griddep_trigger();
             if (nsteps > 0) load(0);
             for (int i = 0; i < nsteps; i++) {
                 const int s = i % QST, n = i / QST;

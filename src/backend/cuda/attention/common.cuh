@@ -468,11 +468,13 @@ void attn_sm90_bwd_plan(cf_cuda_ctx *ctx, int D, int H, int Hkv, int B, int qmax
  * 0: no Hopper kernel for D; -1 on an error). attn_bwd_dq_sm90: part 2 on
  * stream st, adding the filtered keys' dq terms to the slot-order
  * accumulator p.dq_acc (1; 0: the driver refused a tensor map, nothing
- * launched; -1 on an error) */
+ * launched; -1 on an error). chained: st is ctx->stream and part 1 the
+ * launch before it; part 2 is then its programmatic dependent (it starts
+ * once every block of part 1 has started, and ends only after part 1) */
 int attn_cf_sm90_prep(cf_cuda_ctx *ctx, const AttnArgs &a, int D, const cf_rows *kept, float *acc, size_t acc_n,
                       int *filt, int *fstart, AttnArgs *p2);
 int attn_bwd_dq_sm90(cf_cuda_ctx *ctx, const AttnArgs &p, int D, int nq_rows, int nf, int maxlen, int tps,
-                     cudaStream_t st);
+                     cudaStream_t st, bool chained);
 /* bwd_sm90.cu: the width of the dQ products at head dim D (slot order) */
 int attn_sm90_bwd_nw(int D);
 /* bwd_sm90.cu: the main backward kernel's blocks for a plan (hpb heads per
@@ -490,8 +492,9 @@ struct GqaReduce {
  * (sequence starts qstart, B + 1 of them; NULL = b*S) from the
  * slot-ordered accumulator, bf16 into dq or fp32 into dqf, and, in the same
  * grid, the GQA reduction red (none when NULL); D = 64 or 128. after_main:
- * it follows the main kernel directly in the stream (then a programmatic
- * dependent launch; not after another stream's event) */
+ * it follows the main kernel, or centrifuge's chained part 2, directly in
+ * the stream (then a programmatic dependent launch; not after another
+ * stream's event) */
 void attn_sm90_bwd_finish(cudaStream_t st, bf16 *dq, float *dqf, const float *acc, const int *qstart, int B, int S,
                           int H, int D, int tps, const GqaReduce *red, bool after_main);
 

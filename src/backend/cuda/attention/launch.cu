@@ -153,15 +153,27 @@ void cf_cuda_attention_fwd(cf_backend *b, void *out, float *lse, const void *q, 
 
 /* =============================================================== backward */
 
-/* CF_ATTN_CF_SIDE_BY_SIDE=0 in the environment: centrifuge's Hopper part 2
- * after part 1 on the one stream (timing; read once) */
-static bool parts_side_by_side(void) {
-    static int on = -1;
-    if (on < 0) {
+/* How centrifuge's Hopper parts run (CF_ATTN_CF_SIDE_BY_SIDE in the
+ * environment, read once; for timing):
+ *   1 (default): part 2 on the second stream, forked after the prep and
+ *     joined before the finish;
+ *   2: chained on the one stream: part 2 the programmatic dependent of
+ *     part 1 (it may start once every block of part 1 has started, and its
+ *     blocks end only after part 1), the finish part 2's;
+ *   0: part 2 after part 1 on the one stream, plain launches.
+ * In 1 and 2 part 2 fills the SMs part 1's last blocks leave (the beside
+ * plan, sm90.cuh). Run 36's timeline: with the second stream part 2's
+ * first block starts only when part 1's last blocks have been handed out
+ * anyway, so the chain keeps that overlap without the fork and the join. */
+enum { CF_PARTS_AFTER = 0, CF_PARTS_BESIDE = 1, CF_PARTS_CHAINED = 2 };
+static int parts_mode(const cf_cuda_ctx *ctx) {
+    static int mode = -1;
+    if (ctx->attn_cf_parts >= 1 && ctx->attn_cf_parts <= 3) return ctx->attn_cf_parts - 1; /* tests */
+    if (mode < 0) {
         const char *e = getenv("CF_ATTN_CF_SIDE_BY_SIDE");
-        on = !(e && *e == '0');
+        mode = e && *e == '0' ? CF_PARTS_AFTER : e && *e == '2' ? CF_PARTS_CHAINED : CF_PARTS_BESIDE;
     }
-    return on != 0;
+    return mode;
 }
 
 static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void *dout, const void *q, const void *k,
@@ -268,7 +280,7 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
      * the GQA reduction; partials also without GQA when ns > 1. None where
      * one block holds a kv head's whole group and range (hpb = H / Hkv,
      * ns = 1): it writes dk, dv itself */
-    const bool cf_beside = mode == CF_ATTN_BWD_CENTRIFUGE && T > n && parts_side_by_side(); /* part 2 runs beside */
+    const bool cf_beside = mode == CF_ATTN_BWD_CENTRIFUGE && T > n && parts_mode(ctx) != CF_PARTS_AFTER; /* part 2 fills part 1's tail */
     const int flen = cf_beside ? (T - n + B - 1) / B : 0; /* its filtered keys per sequence, the mean */
     int hpb = 1, ns = 1, pair = CF_PAIR_NONE;
     if (try_hopper) {
@@ -316,7 +328,7 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
             if (!CF_CK_LAUNCH(ctx, "attention filtered rows")) return;
         }
     }
-    if (prepared && parts_side_by_side() && !CF_CK(ctx, cudaEventRecord(ctx->ev_fork, ctx->stream))) return;
+    if (prepared && parts_mode(ctx) == CF_PARTS_BESIDE && !CF_CK(ctx, cudaEventRecord(ctx->ev_fork, ctx->stream))) return;
     /* part 1 / the whole backward: dk, dv, and dq over the k side; on
      * Hopper into a dq accumulator of its own layout (bwd_sm90.cu) */
     int hopper = 0;
@@ -349,11 +361,12 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
      * are done; else the portable kernel after part 1 (it adds dq_acc
      * [n, H, D] fp32 and writes bf16) */
     int r = 0;
+    const bool chained = cf && hopper && prepared && parts_mode(ctx) == CF_PARTS_CHAINED;
     if (cf && hopper && prepared) {
-        const bool side = parts_side_by_side();
+        const bool side = parts_mode(ctx) == CF_PARTS_BESIDE;
         cudaStream_t st = side ? ctx->aux_stream : ctx->stream;
         if (side && !CF_CK(ctx, cudaStreamWaitEvent(st, ctx->ev_fork, 0))) return;
-        r = attn_bwd_dq_sm90(ctx, p2, D, n, nf, maxlen, tps, st);
+        r = attn_bwd_dq_sm90(ctx, p2, D, n, nf, maxlen, tps, st, chained);
         if (side && (!CF_CK(ctx, cudaEventRecord(ctx->ev_join, st)) ||
                      !CF_CK(ctx, cudaStreamWaitEvent(ctx->stream, ctx->ev_join, 0))))
             return;
@@ -364,7 +377,7 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
          * and the GQA reduction in one grid */
         const bool dq_final = !cf || r;
         attn_sm90_bwd_finish(ctx->stream, dq_final ? (bf16 *)dq : NULL, dq_final ? NULL : dq_acc, a.dq_acc, a.qstart,
-                             B, S, H, D, tps, partials ? &red : NULL, !cf);
+                             B, S, H, D, tps, partials ? &red : NULL, !cf || chained);
         if (!CF_CK_LAUNCH(ctx, "attention sm90 backward finish")) return;
     } else if (!cf) {
         attn_dq_to_bf16(ctx->stream, (bf16 *)dq, dq_acc, (size_t)n * H * D);
