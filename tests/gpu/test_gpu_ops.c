@@ -1961,15 +1961,17 @@ TEST(attention_hopper_centrifuge_part2_turns_and_grids_match_cpu) {
     }
 }
 
-/* Centrifuge's two Hopper parts after one another, beside (part 2 on the
- * second stream) and chained (part 2 the programmatic dependent of part 1
- * on one stream, the finish part 2's), forced through the context: each
- * against the CPU, dq of each against the first's (the same products; the
- * order of the fp32 additions into the accumulator may differ), dk and dv
- * bitwise (part 2 does not touch them). Kept-query tiles of 1 to 5 per
- * sequence, sequences with one kept row or none, documents, GQA with and
- * without partials, both head dims; each twice, since a missing wait
- * between the launches would show as a difference that comes and goes. */
+/* Centrifuge's two Hopper parts chained (part 2 the programmatic dependent
+ * of part 1 on one stream, the finish part 2's: the default), beside (part
+ * 2 on the second stream) and after one another, forced through the
+ * context: each against the CPU, dq of each against the chained one's (the
+ * same products; the order of the fp32 additions into the accumulator may
+ * differ), dk and dv bitwise where the launch plan is the same (beside:
+ * part 2 does not touch them; after, part 1's plan may differ: against the
+ * CPU only). Kept-query tiles of 1 to 5 per sequence, sequences with one
+ * kept row or none, documents, GQA with and without partials, both head
+ * dims; chained twice, since a missing wait between the launches would
+ * show as a difference that comes and goes. */
 TEST(attention_hopper_centrifuge_parts_after_beside_and_chained_match_cpu) {
     cf_cuda_ctx *ctx = hopper_ctx_or_skip();
     if (!ctx) return;
@@ -1978,7 +1980,8 @@ TEST(attention_hopper_centrifuge_parts_after_beside_and_chained_match_cpu) {
     static const struct {
         int parts;
         const char *name;
-    } var[] = {{1, "after"}, {2, "beside"}, {3, "chained"}, {3, "chained again"}};
+        int same_plan; /* as the chained one's */
+    } var[] = {{3, "chained", 1}, {2, "beside", 1}, {3, "chained again", 1}, {1, "after", 0}};
     enum { NV = sizeof var / sizeof var[0] };
     char nm[128], what[256];
     for (int ci = 0; ci < (int)(sizeof cc / sizeof cc[0]); ci++) {
@@ -1996,8 +1999,9 @@ TEST(attention_hopper_centrifuge_parts_after_beside_and_chained_match_cpu) {
         for (int k = 1; k < NV; k++) {
             snprintf(what, sizeof what, "CENTRIFUGE dq, parts %s vs %s %s", var[k].name, var[0].name, nm);
             cmp(what, g[0].dq, g[k].dq, (size_t)n * p.c.H * p.c.D, TOL_BF16);
-            CHECK_MSG(bitwise_equal(g[0].dk, g[k].dk, nkv) && bitwise_equal(g[0].dv, g[k].dv, nkv),
-                      "CENTRIFUGE dk, dv: parts %s differ from %s %s", var[k].name, var[0].name, nm);
+            if (var[k].same_plan)
+                CHECK_MSG(bitwise_equal(g[0].dk, g[k].dk, nkv) && bitwise_equal(g[0].dv, g[k].dv, nkv),
+                          "CENTRIFUGE dk, dv: parts %s differ from %s %s", var[k].name, var[0].name, nm);
         }
         free_all();
     }

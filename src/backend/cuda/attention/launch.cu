@@ -155,23 +155,26 @@ void cf_cuda_attention_fwd(cf_backend *b, void *out, float *lse, const void *q, 
 
 /* How centrifuge's Hopper parts run (CF_ATTN_CF_SIDE_BY_SIDE in the
  * environment, read once; for timing):
- *   1 (default): part 2 on the second stream, forked after the prep and
- *     joined before the finish;
- *   2: chained on the one stream: part 2 the programmatic dependent of
- *     part 1 (it may start once every block of part 1 has started, and its
- *     blocks end only after part 1), the finish part 2's;
+ *   2 (default): chained on the one stream: part 2 the programmatic
+ *     dependent of part 1 (it may start once every block of part 1 has
+ *     started, and its blocks end only after part 1), the finish part 2's;
+ *   1: part 2 on the second stream, forked after the prep and joined
+ *     before the finish (runs 17-35);
  *   0: part 2 after part 1 on the one stream, plain launches.
- * In 1 and 2 part 2 fills the SMs part 1's last blocks leave (the beside
- * plan, sm90.cuh). Run 36's timeline: with the second stream part 2's
- * first block starts only when part 1's last blocks have been handed out
- * anyway, so the chain keeps that overlap without the fork and the join. */
+ * In 2 and 1 part 2 fills the SMs part 1's last blocks leave (the beside
+ * plan, sm90.cuh). Run 36's timeline: on the second stream part 2's first
+ * block started only when part 1's last blocks had been handed out anyway;
+ * the chain keeps that overlap without the fork and the join: the
+ * centrifuge backward 1-3% faster at every shape timed (H200: S = 4096,
+ * D = 64 0.193 -> 0.188 ms; D = 128 0.307 -> 0.304; Llama3.2-3B's 0.087
+ * -> 0.085; docs/BENCHMARKS.md run 36). */
 enum { CF_PARTS_AFTER = 0, CF_PARTS_BESIDE = 1, CF_PARTS_CHAINED = 2 };
 static int parts_mode(const cf_cuda_ctx *ctx) {
     static int mode = -1;
     if (ctx->attn_cf_parts >= 1 && ctx->attn_cf_parts <= 3) return ctx->attn_cf_parts - 1; /* tests */
     if (mode < 0) {
         const char *e = getenv("CF_ATTN_CF_SIDE_BY_SIDE");
-        mode = e && *e == '0' ? CF_PARTS_AFTER : e && *e == '2' ? CF_PARTS_CHAINED : CF_PARTS_BESIDE;
+        mode = e && *e == '0' ? CF_PARTS_AFTER : e && *e == '1' ? CF_PARTS_BESIDE : CF_PARTS_CHAINED;
     }
     return mode;
 }
