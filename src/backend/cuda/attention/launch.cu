@@ -165,9 +165,10 @@ void cf_cuda_attention_fwd(cf_backend *b, void *out, float *lse, const void *q, 
  * plan, sm90.cuh). Run 36's timeline: on the second stream part 2's first
  * block started only when part 1's last blocks had been handed out anyway;
  * the chain keeps that overlap without the fork and the join: the
- * centrifuge backward 1-3% faster at every shape timed (H200: S = 4096,
+ * centrifuge backward 1-5% faster at every shape timed (H200: S = 4096,
  * D = 64 0.193 -> 0.188 ms; D = 128 0.307 -> 0.304; Llama3.2-3B's 0.087
- * -> 0.085; docs/BENCHMARKS.md run 36). */
+ * -> 0.085; docs/BENCHMARKS.md run 36). CF_ATTN_PDL=0 (bwd_sm90.cu) makes
+ * the main kernel's and the finish's launches plain, not part 2's. */
 enum { CF_PARTS_AFTER = 0, CF_PARTS_BESIDE = 1, CF_PARTS_CHAINED = 2 };
 static int parts_mode(const cf_cuda_ctx *ctx) {
     static int mode = -1;
@@ -359,10 +360,11 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
     }
     const GqaReduce red = {(bf16 *)dk, (bf16 *)dv, a.dkx, a.dvx, (size_t)nk, Hkv, H / Hkv / hpb * ns};
 
-    /* part 2 (centrifuge): dq over the filtered keys. Hopper: on the second
-     * stream beside part 1, into the same accumulator, converted once both
-     * are done; else the portable kernel after part 1 (it adds dq_acc
-     * [n, H, D] fp32 and writes bf16) */
+    /* part 2 (centrifuge): dq over the filtered keys. Hopper: into the
+     * same accumulator, converted once both parts are done; chained after
+     * part 1 (parts_mode), or beside it on the second stream, or after it;
+     * else the portable kernel after part 1 (it adds dq_acc [n, H, D] fp32
+     * and writes bf16) */
     int r = 0;
     const bool chained = cf && hopper && prepared && parts_mode(ctx) == CF_PARTS_CHAINED;
     if (cf && hopper && prepared) {
