@@ -30,5 +30,5 @@ done
 git rev-parse HEAD > "$G/commit.txt"
 git status --porcelain | grep -q . && echo "(uncommitted changes)" >> "$G/commit.txt" || true
 # one compressed archive: the working tree that travels is limited to 64 MiB
-(cd "$G" && strip --strip-debug centrifuge-cuda $(ls centrifuge-cuda-old 2>/dev/null) bench_attention* test_gpu_* 2>/dev/null || true; tar cf - . | xz -9 -T2 > ../carry.tar.xz && rm -rf ./* && mv ../carry.tar.xz .)
+(cd "$G" && strip --strip-debug centrifuge-cuda* bench_attention* test_gpu_* 2>/dev/null || true; tar cf - . | xz -9 -T2 > ../carry.tar.xz && rm -rf ./* && mv ../carry.tar.xz .)
 du -sh "$G"

@@ -284,7 +284,8 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
      * the GQA reduction; partials also without GQA when ns > 1. None where
      * one block holds a kv head's whole group and range (hpb = H / Hkv,
      * ns = 1): it writes dk, dv itself */
-    const bool cf_beside = mode == CF_ATTN_BWD_CENTRIFUGE && T > n && parts_mode(ctx) != CF_PARTS_AFTER; /* part 2 fills part 1's tail */
+    const int parts = parts_mode(ctx);
+    const bool cf_beside = mode == CF_ATTN_BWD_CENTRIFUGE && T > n && parts != CF_PARTS_AFTER; /* part 2 fills part 1's tail */
     const int flen = cf_beside ? (T - n + B - 1) / B : 0; /* its filtered keys per sequence, the mean */
     int hpb = 1, ns = 1, pair = CF_PAIR_NONE;
     if (try_hopper) {
@@ -332,7 +333,7 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
             if (!CF_CK_LAUNCH(ctx, "attention filtered rows")) return;
         }
     }
-    if (prepared && parts_mode(ctx) == CF_PARTS_BESIDE && !CF_CK(ctx, cudaEventRecord(ctx->ev_fork, ctx->stream))) return;
+    if (prepared && parts == CF_PARTS_BESIDE && !CF_CK(ctx, cudaEventRecord(ctx->ev_fork, ctx->stream))) return;
     /* part 1 / the whole backward: dk, dv, and dq over the k side; on
      * Hopper into a dq accumulator of its own layout (bwd_sm90.cu) */
     int hopper = 0;
@@ -366,9 +367,9 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
      * else the portable kernel after part 1 (it adds dq_acc [n, H, D] fp32
      * and writes bf16) */
     int r = 0;
-    const bool chained = cf && hopper && prepared && parts_mode(ctx) == CF_PARTS_CHAINED;
+    const bool chained = cf && hopper && prepared && parts == CF_PARTS_CHAINED;
     if (cf && hopper && prepared) {
-        const bool side = parts_mode(ctx) == CF_PARTS_BESIDE;
+        const bool side = parts == CF_PARTS_BESIDE;
         cudaStream_t st = side ? ctx->aux_stream : ctx->stream;
         if (side && !CF_CK(ctx, cudaStreamWaitEvent(st, ctx->ev_fork, 0))) return;
         r = attn_bwd_dq_sm90(ctx, p2, D, n, nf, maxlen, tps, st, chained);
