@@ -1914,55 +1914,6 @@ TEST(attention_hopper_bwd_pairs_give_the_partials_bits) {
     CHECK_MSG(ctx->attn_pair_ok != 0, "no Hopper backward kernel ran in clusters of two");
 }
 
-/* Where the main kernel writes fp32 partials of dk, dv (GQA groups of
- * several head blocks, or parts of a key tile's query range), the last
- * block of each (key tile, kv head) to finish sums them (bwd_sm90.cu:
- * gqa_sum_if_last) instead of the finish launch. Both add the partials in
- * index order from 0, so dk, dv must be bitwise the finish's whichever
- * block came last; each path is also checked against the CPU. Plans with
- * 2 to 8 partials per kv head (pairs off where there are two), no GQA
- * with two parts, sequences shorter than one key tile, documents, both
- * head dims, every mode. */
-TEST(attention_hopper_bwd_gqa_sums_by_last_block_give_the_finish_bits) {
-    cf_cuda_ctx *ctx = hopper_ctx_or_skip();
-    if (!ctx) return;
-    const struct { attn_case c; int hpb, ns; } cc[] = {
-        {{2, 300, 8, 2, 64, 3}, 1, 1},  /* G = 4 */
-        {{1, 520, 8, 1, 64, 0}, 2, 2},  /* G = 8 */
-        {{3, 200, 8, 1, 128, 2}, 2, 1}, /* G = 4 */
-        {{2, 333, 4, 4, 128, 0}, 1, 2}, /* no GQA, two parts: G = 2 */
-        {{1, 90, 6, 2, 64, 0}, 1, 1},   /* G = 3, one short key tile */
-        {{2, 700, 8, 2, 128, 0}, 2, 1}}; /* G = 2 */
-    char nm[128], what[256];
-    for (int ci = 0; ci < (int)(sizeof cc / sizeof cc[0]); ci++) {
-        attn_problem p;
-        int *rows, n, *ss;
-        attn_setup_kept_half(&p, cc[ci].c, nm, &rows, &ss, &n);
-        const attn_case c = p.c;
-        for (int m = 0; m < 3; m++) {
-            grads g[2];
-            for (int k = 0; k < 2; k++) {
-                ctx->attn_bwd_hpb = cc[ci].hpb;
-                ctx->attn_bwd_split = cc[ci].ns;
-                ctx->attn_bwd_nopair = 1;
-                ctx->attn_gqa_in_finish = k == 0;
-                snprintf(what, sizeof what, "%s hpb=%d parts=%d GQA sums by %s %s", bwd_mode_names[m], cc[ci].hpb,
-                         cc[ci].ns, k ? "the last block" : "the finish", nm);
-                g[k] = attn_bwd_both(&p, bwd_modes[m], rows, ss, n, what, TOL_GRAD, 1);
-            }
-            ctx->attn_bwd_hpb = ctx->attn_bwd_split = ctx->attn_bwd_nopair = ctx->attn_gqa_in_finish = 0;
-            const size_t nq = m == 0 ? p.T : (size_t)n, nkr = m == 1 ? (size_t)n : p.T;
-            snprintf(what, sizeof what, "%s last block vs finish dk, dv bitwise %s", bwd_mode_names[m], nm);
-            CHECK_MSG(bitwise_equal(g[0].dk, g[1].dk, nkr * c.Hkv * c.D) &&
-                          bitwise_equal(g[0].dv, g[1].dv, nkr * c.Hkv * c.D),
-                      "%s: differ", what);
-            snprintf(what, sizeof what, "%s last block vs finish dq %s", bwd_mode_names[m], nm);
-            cmp(what, g[0].dq, g[1].dq, nq * c.H * c.D, TOL_BF16);
-        }
-        free_all();
-    }
-}
-
 /* Centrifuge part 2 on Hopper (dq of the kept queries over the filtered
  * keys) with and without its consumers' ping-pong turns (off by default;
  * forced through the context): each against the CPU, and dq of the two

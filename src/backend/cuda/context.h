@@ -163,10 +163,6 @@ typedef struct cf_cuda_ctx {
      * its clusters of two were asked about and fit */
     int attn_bwd_nopair;
     unsigned attn_pair_checked, attn_pair_ok;
-    /* 1: the Hopper backward's GQA partials summed by the finish launch,
-     * not by the main kernel's last block per kv head (attention/launch.cu:
-     * gqa_in_kernel; tests) */
-    int attn_gqa_in_finish;
     /* the plans of the last CF_ATTN_PLANS shapes (attn_sm90_bwd_plan):
      * key = D, H, Hkv, B, q and k max lengths, filtered keys per sequence beside, forced hpb, ns */
     struct {

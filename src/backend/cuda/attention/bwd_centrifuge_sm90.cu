@@ -244,11 +244,6 @@ __global__ void __launch_bounds__(DqSm90<D>::THREADS, 1)
                     *slot(i) = m;
                     mbar_arrive(posted(i));
                 }
-                /* the queue is empty: this block's last item is under way.
-                 * Once every block has come here the dependent launch (the
-                 * finish, chained) may start on the SMs that free up and
-                 * wait there, so no launch latency after the last block */
-                if (m.it < 0) griddep_trigger();
                 return m;
             };
             constexpr int PER = BN / 32;

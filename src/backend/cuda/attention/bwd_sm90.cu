@@ -78,80 +78,6 @@ template <int D, int BM_> struct BwdSm90 {
 
 namespace {
 
-/* The GQA sum in the main kernel (since run 37): the G blocks that write
- * partials of one (sequence, key tile, kv head) each count themselves
- * done once their partials are stored (a counter in the tail of the dq
- * accumulator, zeroed by the prep); the last of them reads the G partials
- * back from L2 and writes bf16 dk, dv. It adds them in index order from
- * 0, as the finish launch's reduction does (gqa_reduce_body), so the bits
- * are the same whichever block comes last. This takes the partials' 16 MB
- * (D = 64, S = 4096, keep 0.5) off the finish, where they were most of its
- * time, and puts them where part 2 (or other blocks) keeps the SMs busy.
- * Called by the 256 consumer threads (ctid) after their partial stores. */
-template <int D>
-__device__ __forceinline__ void gqa_sum_if_last(const AttnArgs &a, int b, int ks, int k0, int klen, int hk, int G,
-                                                int kt, int nkt, int ctid) {
-    __shared__ int last;
-    __threadfence(); /* this thread's partials, before the count */
-    named_barrier(1, 256);
-    if (ctid == 0) {
-        griddep_wait(); /* the counters' zeros: the prep launch (long done) */
-        last = atomicAdd(a.gqa_cnt + ((size_t)b * nkt + kt) * a.Hkv + hk, 1) == G - 1;
-    }
-    named_barrier(1, 256);
-    if (!last) return;
-    __threadfence(); /* the others' partials, after their counts */
-    /* float4 items (key row, 4 columns), U per thread per round; the G
-     * terms of each fetched 4 at a time, all 8 U loads issued first */
-    constexpr int C4 = D / 4, U = 4;
-    const int items = min(128, klen - k0) * C4;
-    const size_t gstride = (size_t)G * D;
-    for (int e0 = ctid; e0 < items; e0 += 256 * U) {
-        float4 sk[U], sv[U];
-        size_t at[U];
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            const int e = min(e0 + 256 * u, items - 1), row = e / C4;
-            at[u] = ((size_t)(ks + k0 + row) * a.Hkv + hk) * gstride + 4 * (e % C4);
-            sk[u] = sv[u] = make_float4(0.f, 0.f, 0.f, 0.f);
-        }
-        for (int g0 = 0; g0 < G; g0 += 4) {
-            float4 xk[4][U], xv[4][U];
-#pragma unroll
-            for (int q = 0; q < 4; q++)
-#pragma unroll
-                for (int u = 0; u < U; u++)
-                    if (g0 + q < G) {
-                        xk[q][u] = __ldcg(reinterpret_cast<const float4 *>(a.dkx + at[u] + (size_t)(g0 + q) * D));
-                        xv[q][u] = __ldcg(reinterpret_cast<const float4 *>(a.dvx + at[u] + (size_t)(g0 + q) * D));
-                    }
-#pragma unroll
-            for (int q = 0; q < 4; q++)
-#pragma unroll
-                for (int u = 0; u < U; u++)
-                    if (g0 + q < G) {
-                        sk[u].x += xk[q][u].x, sk[u].y += xk[q][u].y, sk[u].z += xk[q][u].z, sk[u].w += xk[q][u].w;
-                        sv[u].x += xv[q][u].x, sv[u].y += xv[q][u].y, sv[u].z += xv[q][u].z, sv[u].w += xv[q][u].w;
-                    }
-        }
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            const int e = e0 + 256 * u;
-            if (e >= items) break;
-            const size_t o = ((size_t)(ks + k0 + e / C4) * a.Hkv + hk) * D + 4 * (e % C4);
-            const __nv_bfloat162 k01 = __floats2bfloat162_rn(sk[u].x, sk[u].y), k23 = __floats2bfloat162_rn(sk[u].z, sk[u].w);
-            const __nv_bfloat162 v01 = __floats2bfloat162_rn(sv[u].x, sv[u].y), v23 = __floats2bfloat162_rn(sv[u].z, sv[u].w);
-            uint2 uk, uv;
-            uk.x = *reinterpret_cast<const uint32_t *>(&k01);
-            uk.y = *reinterpret_cast<const uint32_t *>(&k23);
-            uv.x = *reinterpret_cast<const uint32_t *>(&v01);
-            uv.y = *reinterpret_cast<const uint32_t *>(&v23);
-            *reinterpret_cast<uint2 *>(a.dk + o) = uk;
-            *reinterpret_cast<uint2 *>(a.dv + o) = uv;
-        }
-    }
-}
-
 template <int D, int BM_>
 __global__ void __launch_bounds__(384, 1)
     attn_bwd_sm90_kernel(const __grid_constant__ CUtensorMap tmQ, const __grid_constant__ CUtensorMap tmO,
@@ -555,8 +481,6 @@ __global__ void __launch_bounds__(384, 1)
             }
         }
     }
-    if (a.dkx && a.gqa_cnt) gqa_sum_if_last<D>(a, b, ks, k0, klen, hk, a.H / a.Hkv / hpb * ns, blockIdx.y / ns,
-                                              gridDim.y / ns, ctid);
     if (tracer) trace_finish(TRACE_MAIN, nsteps);
 #endif
 }

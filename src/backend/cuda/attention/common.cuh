@@ -105,7 +105,6 @@ struct AttnArgs {
     const int *kstart, *krow;
     bf16 *dk, *dv;        /* [nk, Hkv, D] when H == Hkv */
     float *dkx, *dvx;     /* [nk, H, D] fp32, per query head, when H != Hkv */
-    int *gqa_cnt;         /* Hopper: partials done per (sequence, key tile, kv head); the last block sums them (bwd_sm90.cu) */
     const int *doc;       /* by original row, or NULL */
     int B, S, H, Hkv;
     float scale, scale_log2;

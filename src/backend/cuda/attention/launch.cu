@@ -180,16 +180,6 @@ static int parts_mode(const cf_cuda_ctx *ctx) {
     return mode;
 }
 
-/* Where the Hopper main kernel writes GQA partials, its last block per
- * (key tile, kv head) sums them (bwd_sm90.cu: gqa_sum_if_last), the same
- * bits as the finish launch's reduction. ctx->attn_gqa_in_finish = 1
- * leaves them to the finish (tests), as CF_ATTN_SM90_GQA_LAST=0 does per
- * process (timing; read once). */
-static bool gqa_in_kernel(const cf_cuda_ctx *ctx) {
-    static const int env = attn_env_int("CF_ATTN_SM90_GQA_LAST", 1);
-    return env != 0 && ctx->attn_gqa_in_finish != 1;
-}
-
 static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void *dout, const void *q, const void *k,
                      const void *v, const void *out, const float *lse, const cf_attn_shape *s, const cf_rows *kept,
                      cf_attn_bwd_mode mode) {
@@ -286,10 +276,7 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
     /* the Hopper kernel's dq accumulator (its own layout, bwd_sm90.cu):
      * tps 64-row query tiles per sequence, even (a step may cover two) */
     const int tps = try_hopper ? 2 * ((maxlen + 127) / 128) : 0;
-    /* its tail: a counter per (sequence, 128-key tile, kv head) for the
-     * main kernel's GQA sums (gqa_in_kernel), zeroed with it by the prep */
-    const size_t acc_slots = (size_t)B * tps * 64 * H * D;
-    const size_t acc_n = acc_slots + (try_hopper ? ((size_t)B * ((kmaxlen + 127) / 128) * Hkv + 3) / 4 * 4 : 0);
+    const size_t acc_n = (size_t)B * tps * 64 * H * D;
     float *acc = try_hopper ? (float *)cf_cuda_scratch(ctx, CF_SCR_ATTN_SM90_DQ, acc_n * sizeof(float)) : NULL;
     if (try_hopper && !acc) return;
     /* GQA: fp32 partials of dk, dv per group of hpb query heads (1 on the
@@ -350,19 +337,12 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
     /* part 1 / the whole backward: dk, dv, and dq over the k side; on
      * Hopper into a dq accumulator of its own layout (bwd_sm90.cu) */
     int hopper = 0;
-    bool summed = false; /* the main kernel summed the GQA partials itself */
     if (try_hopper) {
         AttnArgs h = a;
         h.dq_acc = acc;
-        if (partials && gqa_in_kernel(ctx)) { /* the last block of each kv head's partials sums them */
-            h.gqa_cnt = (int *)(acc + acc_slots);
-            h.dk = (bf16 *)dk;
-            h.dv = (bf16 *)dv;
-        }
         hopper = attn_bwd_sm90(ctx, h, D, n, kmaxlen, tps, hpb, ns, pair);
         if (hopper < 0) return;
         a.dq_acc = acc;
-        summed = hopper && h.gqa_cnt;
     }
     if (ctx->failed) return;
     if (!hopper) {
@@ -403,7 +383,7 @@ static void attn_bwd(cf_cuda_ctx *ctx, void *dq, void *dk, void *dv, const void 
          * and the GQA reduction in one grid */
         const bool dq_final = !cf || r;
         attn_sm90_bwd_finish(ctx->stream, dq_final ? (bf16 *)dq : NULL, dq_final ? NULL : dq_acc, a.dq_acc, a.qstart,
-                             B, S, H, D, tps, partials && !summed ? &red : NULL, !cf || chained);
+                             B, S, H, D, tps, partials ? &red : NULL, !cf || chained);
         if (!CF_CK_LAUNCH(ctx, "attention sm90 backward finish")) return;
     } else if (!cf) {
         attn_dq_to_bf16(ctx->stream, (bf16 *)dq, dq_acc, (size_t)n * H * D);
