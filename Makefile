@@ -77,9 +77,11 @@ $(BIN): $(CMD_OBJ) $(BUILD)/libcentrifuge.a
 
 # tests link the library and the commands' helpers (datagen), not main()
 TEST_LINK := $(filter-out $(BUILD)/obj/cmd/main.o,$(CMD_OBJ)) $(BUILD)/libcentrifuge.a
+# a TEST() that no RUN() calls is an error, not a warning: it would never run
+TEST_CFLAGS := -Werror=unused-function
 $(BUILD)/tests/%: tests/%.c $(wildcard tests/*.h) $(TEST_LINK)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) $< $(TEST_LINK) -o $@ $(LDLIBS)
+	$(CC) $(CFLAGS) $(TEST_CFLAGS) $< $(TEST_LINK) -o $@ $(LDLIBS)
 
 test: test-unit test-cli test-example test-tools
 

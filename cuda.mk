@@ -93,7 +93,7 @@ centrifuge-cuda: $(CUDA_BUILD)/obj/cmd/main.o $(CUDA_LIB)
 
 $(CUDA_BUILD)/tests/%: tests/gpu/%.c $(wildcard tests/*.h) $(CUDA_LIB)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -DCF_WITH_CUDA $(CUDA_INC) -Itests $< $(CUDA_LIB) -o $@ $(LDLIBS) $(CUDA_LDLIBS)
+	$(CC) $(CFLAGS) $(TEST_CFLAGS) -DCF_WITH_CUDA $(CUDA_INC) -Itests $< $(CUDA_LIB) -o $@ $(LDLIBS) $(CUDA_LDLIBS)
 
 test-gpu: $(GPU_TEST_BIN) $(BIN)
 	@set -e; for t in $(GPU_TEST_BIN); do echo "== $$t"; OMP_NUM_THREADS=$${OMP_NUM_THREADS:-8} $$t; done
