@@ -536,7 +536,7 @@ for part in "$@"; do
         for v in old new; do
           b="$G/bench_attention"; [ $v = old ] && b="$G/bench_attention_old"
           [ -x "$b" ] || continue
-          echo "$v (rep $rep), S H Hkv D = $sh"; BENCH_ATTN_PATHS=auto "$b" $sh 2>&1 | grep -E "forward|backward"
+          echo "$v (rep $rep), S H Hkv D = $sh"; BENCH_ATTN_PATHS=auto "$b" $sh 2>&1 | grep -E "^B=|forward|backward"
         done; done; done 2>&1 | tee "$OUT/attn_ab.txt" ;;
     attn-env)
       # attention alone: one environment switch (ATTN_ENV_VAR over ATTN_ENV_VALUES), alternated twice per shape

@@ -163,7 +163,8 @@ static void bench(int B, int S, int H, int Hkv, int D) {
         fprintf(stderr, "%s\n", cf_last_error());
         exit(1);
     }
-    printf("B=%d S=%d H=%d Hkv=%d D=%d (keep %d/%d)\n", B, S, H, Hkv, D, n, (int)T);
+    /* the commit the library was built at, so A/B timings of two builds name both */
+    printf("B=%d S=%d H=%d Hkv=%d D=%d (keep %d/%d), build %s\n", B, S, H, Hkv, D, n, (int)T, cf_build_commit());
     printf("  %-22s %8.3f ms  %6.1f TFLOP/s\n", "forward", t_fwd, fwd_flop / t_fwd / 1e9);
     printf("  %-22s %8.3f ms  %6.1f TFLOP/s\n", "backward full", t_full, 2.5 * fwd_flop / t_full / 1e9);
     printf("  %-22s %8.3f ms  %.3f x full\n", "backward centrifuge", t_cf, t_cf / t_full);
