@@ -5,6 +5,8 @@
 #                    (bf16 kernels, cuBLASLt), objects in build/cuda/
 #   make test-gpu    builds and runs tests/gpu/test_*.c (CPU backend vs CUDA backend)
 #   make bench-gpu   builds and runs tests/gpu/bench_attention
+#   make cuda-tests-build  builds the GPU tests, bench_attention and probe_wgmma without
+#                    running them (CI: no GPU)
 #   make probe-gpu   builds and runs tests/gpu/probe_wgmma (unit checks of the
 #                    Hopper attention building blocks; needs an sm_90 GPU)
 #   make test-cuda-host  builds (nvcc) and runs tests/gpu/host_*.cu on the CPU: the
@@ -87,6 +89,11 @@ $(CUDA_LIB): $(CUDA_C_OBJ) $(CUDA_CU_OBJ)
 	ar rcs $@ $^
 
 cuda: centrifuge-cuda
+
+# the GPU programs (tests, the attention benchmark, the wgmma probe) built, not run: CI has no
+# GPU, but a change that breaks their build must not land
+.PHONY: cuda-tests-build
+cuda-tests-build: $(GPU_TEST_BIN) $(GPU_BENCH_BIN) $(GPU_PROBE_BIN)
 
 centrifuge-cuda: $(CUDA_BUILD)/obj/cmd/main.o $(CUDA_LIB)
 	$(CC) $(CFLAGS) $^ -o $@ $(LDLIBS) $(CUDA_LDLIBS)
