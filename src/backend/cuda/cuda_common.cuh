@@ -59,12 +59,13 @@ static inline cf_cuda_ctx *cf_cuda_enter(cf_backend *b) {
 
 /* ------------------------------------------------------------- launch size */
 
-/* blocks for n items of `threads` threads each, at least 1, at most 4 * 65536
- * (the kernels are grid-stride loops) */
+/* blocks for n items of `threads` threads each, at least 1, at most
+ * CF_GRID_MAX_BLOCKS (the kernels are grid-stride loops) */
+#define CF_GRID_MAX_BLOCKS (65536 * 4)
 static inline int cf_grid_for(size_t n, int threads) {
     size_t blocks = (n + threads - 1) / threads;
     if (blocks == 0) blocks = 1;
-    return (int)(blocks < 65536 * 4 ? blocks : 65536 * 4);
+    return (int)(blocks < CF_GRID_MAX_BLOCKS ? blocks : CF_GRID_MAX_BLOCKS);
 }
 
 /* a grid-stride launch of at most 16 blocks per SM (elementwise passes over

@@ -96,10 +96,11 @@ static __global__ void swiglu_bwd_rows_kernel(bf16 *h, bf16 *dgate, bf16 *dup, c
         dup[dst] = __float2bfloat16_rn(du);
     }
 }
-/* the forward's 32-bit index: row groups x packs, plus a grid's stride,
- * below 2^32 (else the one-element kernel, whose index is 64-bit) */
+/* the forward's 32-bit index: rows x packs (at least its row groups x packs), plus a grid's stride
+ * (cf_grid_for's largest grid of 256 threads), below 2^32 (else the
+ * one-element kernel, whose index is 64-bit) */
 static bool swiglu_index_fits(int rows, int F) {
-    return (size_t)rows * (size_t)(F / 8) + (size_t)65536 * 4 * 256 < ((size_t)1 << 32);
+    return (size_t)rows * (size_t)(F / 8) + (size_t)CF_GRID_MAX_BLOCKS * 256 < ((size_t)1 << 32);
 }
 void cf_cuda_swiglu_bwd_rows(cf_backend *b, void *h, void *dgate, void *dup, const void *dh, const void *gate,
                                const void *up, const int *rows, int n, int F, int ld_in, int ld) {

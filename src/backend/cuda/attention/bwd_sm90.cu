@@ -663,10 +663,7 @@ static int bwd_sm90_launch(cf_cuda_ctx *ctx, const AttnArgs &a, int nq_rows, int
     cudaLaunchAttribute at[2];
     unsigned nat = 0;
     if (pair) pair_cluster_attr(&at[nat++], pair);
-    if (bwd_pdl()) { /* its prologue while the prep launch ends (it waits before reading D_i, zeros) */
-        at[nat].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        at[nat++].val.programmaticStreamSerializationAllowed = 1;
-    }
+    if (bwd_pdl()) at[nat++] = griddep_attr(); /* its prologue while the prep launch ends (it waits before reading D_i, zeros) */
     cfg.attrs = at;
     cfg.numAttrs = nat;
     const int on = pair != 0;
@@ -745,9 +742,7 @@ void attn_sm90_bwd_finish(cudaStream_t st, bf16 *dq, float *dqf, const float *ac
     cfg.gridDim = dim3(grid);
     cfg.blockDim = dim3(FINISH_THREADS);
     cfg.stream = st;
-    cudaLaunchAttribute at[1];
-    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    at[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchAttribute at[1] = {griddep_attr()};
     cfg.attrs = at;
     cfg.numAttrs = after_main && bwd_pdl() ? 1 : 0;
     void *args[] = {(void *)&dq, (void *)&dqf, (void *)&acc, (void *)&qstart, (void *)&S, (void *)&H, (void *)&tps,

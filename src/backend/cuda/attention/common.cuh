@@ -226,6 +226,14 @@ __device__ __forceinline__ void griddep_trigger() {
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
 }
+/* the launch attribute that makes a launch the programmatic dependent of
+ * the launch before it in its stream (host side of the two above) */
+static inline cudaLaunchAttribute griddep_attr(void) {
+    cudaLaunchAttribute at = {};
+    at.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    at.val.programmaticStreamSerializationAllowed = 1;
+    return at;
+}
 
 /* ------------------------------------------- bodies of the small kernels
  * (bwd.cu's own kernels, and the one-launch variants of the Hopper path in
