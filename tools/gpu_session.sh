@@ -26,7 +26,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 cat "$G/commit.txt" 2>/dev/null | tee "$OUT/commit.txt"
 CF="$G/centrifuge-cuda"
 # peft, from a carried wheel where the machine has none (pip download peft --no-deps -d .gpucarry-whl)
-need_peft() { python3 -c 'import peft' 2>/dev/null || pip install -q --no-index --no-deps .gpucarry-whl/peft-*.whl 2>&1 | tail -1; }
+# need_peft: peft (and what it imports that the machine may lack, e.g. accelerate) from the wheels carried in
+# .gpucarry-whl (pip download --no-deps -d .gpucarry-whl peft accelerate): the machine has no network
+need_peft() { python3 -c 'import peft' 2>/dev/null || pip install -q --no-index --no-deps .gpucarry-whl/*.whl 2>&1 | tail -1; }
 # the commit of the carried binaries, for tools/bench_pytorch.py's records (this copy has no .git)
 CF_COMMIT=$(head -c 7 "$G/commit.txt" 2>/dev/null); export CF_COMMIT
 # smi_start FILE: samples the SM clock, power and throttle reasons every 50 ms into FILE in the
