@@ -46,6 +46,11 @@ if "$BIN" convert --model "$T/conv" --out "$T/conv" --dtype bfloat16 >/dev/null 
    "$BIN" eval --model "$T/conv" --data "$T/d.bin" --seq 16 --batch 1 --max-batches 1 >/dev/null 2>&1; then
   ok "convert --model D --out D (single, sharded, re-sharded in place) leaves a model that loads"
 else fail "in-place convert: $(tail -1 "$T/err")"; fi
+# the summary line says whether shards were written: a model under one shard is one file, no index
+"$BIN" convert --model "$M" --out "$T/conv1" --dtype float32 --max-shard-mb 1024 >"$T/out" 2>&1
+if grep -q "one file: the model fits in one shard" "$T/out" && [ ! -e "$T/conv1/model.safetensors.index.json" ]; then
+  ok "convert --max-shard-mb larger than the model says one file was written"
+else fail "convert --max-shard-mb 1024: $(cat "$T/out")"; fi
 
 echo "== special files"
 mkfifo "$T/fifo.bin"

@@ -60,9 +60,16 @@ int cmd_convert(int argc, char **argv) {
     if (rc == 0) rc = cf_model_save(m, out, dtype, (size_t)shard_mb << 20);
     /* the tokenizer files travel with the model */
     if (rc == 0 && cf_copy_tokenizer_files(model_dir, out) < 0) rc = -1;
-    if (rc == 0) printf("convert: wrote %s (%s, %.1fM parameters%s%s)\n", out, dtype,
-                        (cf_model_num_params(m) - (merge ? cf_model_num_trainable(m) : 0)) / 1e6,
-                        shard_mb ? ", sharded" : "", merge ? ", LoRA merged" : "");
+    if (rc == 0) {
+        /* a model smaller than one shard is written as one file, without an index: say which */
+        char index[4096];
+        int sharded = shard_mb && cf_path_join(index, sizeof index, out, "model.safetensors.index.json") == 0 &&
+                      cf_path_exists(index);
+        double params = (double)(cf_model_num_params(m) - (merge ? cf_model_num_trainable(m) : 0));
+        printf("convert: wrote %s (%s, %.*fM parameters%s%s)\n", out, dtype, params < 1e6 ? 3 : 1, params / 1e6,
+               sharded ? ", sharded with an index" : shard_mb ? ", one file: the model fits in one shard" : "",
+               merge ? ", LoRA merged" : "");
+    }
     cf_model_free(m);
     return rc ? cf_cli_error("convert", 1) : 0;
 }
