@@ -63,12 +63,32 @@ static inline size_t toff(const cf_model *m, int i) {
     return o;
 }
 
-/* Every tensor's gradient, packed; frozen tensors are zeros. */
+/* Every tensor's gradient, packed; frozen tensors are zeros. A failed read
+ * is a failed check: left as zeros it would match a zero reference. */
 static inline float *all_grads(cf_model *m) {
     float *g = calloc(cf_model_num_params(m), sizeof(float));
     for (int i = 0; i < cf_model_num_tensors(m); i++)
-        if (cf_model_tensor_trainable(m, i)) cf_model_get_grad(m, i, g + toff(m, i));
+        if (cf_model_tensor_trainable(m, i))
+            CHECK_MSG(cf_model_get_grad(m, i, g + toff(m, i)) == 0, "gradient of %s: %s", cf_model_tensor_name(m, i),
+                      cf_last_error());
     return g;
+}
+
+/* 1 if every trainable tensor's gradient in g (packed) is non-zero, else 0
+ * and *where names the first all-zero one. max_rel passes a tensor that is
+ * all zero on both sides, so the tests check their reference with this. */
+static inline int every_tensor_nonzero(cf_model *m, const float *g, const char **where) {
+    for (int i = 0; i < cf_model_num_tensors(m); i++) {
+        if (!cf_model_tensor_trainable(m, i)) continue;
+        const float *gi = g + toff(m, i);
+        size_t j = 0, n = cf_model_tensor_numel(m, i);
+        while (j < n && gi[j] == 0.0f) j++;
+        if (j == n) {
+            if (where) *where = cf_model_tensor_name(m, i);
+            return 0;
+        }
+    }
+    return 1;
 }
 
 /* Largest per-tensor relative L2 error of a against b, and where. */

@@ -105,6 +105,8 @@ TEST(lora_centrifuge_equals_stopgrad_reference_and_regular_at_keep_1) {
         float *cf = run(m, tok, CF_MODE_CENTRIFUGE, masks[k], 0);
         float *sg = run(m, tok, CF_MODE_LOSS_ONLY, masks[k], 1);
         float *lo = run(m, tok, CF_MODE_LOSS_ONLY, masks[k], 0);
+        const char *zero = "";
+        CHECK_MSG(every_tensor_nonzero(m, sg, &zero), "mask %d: stop-grad reference of %s is all zero", k, zero);
         CHECK_MSG(max_rel(m, cf, sg, NULL) < 1e-5, "mask %d: centrifuge vs stop-grad reference %.3g", k, max_rel(m, cf, sg, NULL));
         CHECK_MSG(max_rel(m, lo, cf, NULL) > 1e-4, "mask %d: loss-only equals centrifuge", k);
         free(cf); free(sg); free(lo);

@@ -324,6 +324,8 @@ TEST(centrifuge_with_dropout_equals_the_stopgrad_reference_and_regular_at_keep_1
             float *sg = run(m, tok, CF_MODE_LOSS_ONLY, masks[k], 1);
             float *lo = run(m, tok, CF_MODE_LOSS_ONLY, masks[k], 0);
             const char *where = "?";
+            CHECK_MSG(every_tensor_nonzero(m, sg, &where), "%s mask %d: stop-grad reference of %s is all zero",
+                      types[ti], k, where);
             double e = max_rel(m, cf, sg, &where);
             CHECK_MSG(e < 1e-5, "%s mask %d: centrifuge vs stop-grad reference %.3g at %s", types[ti], k, e, where);
             CHECK_MSG(max_rel(m, lo, cf, NULL) > 1e-4, "%s mask %d: loss-only equals centrifuge", types[ti], k);

@@ -134,6 +134,17 @@ TEST(centrifuge_kv_equivalences_hold_for_every_model_type_and_mask) {
             float *cf = grads_of(m, tok, CF_MODE_CENTRIFUGE, keep, &l_cf);
             float *lo = grads_of(m, tok, CF_MODE_LOSS_ONLY, keep, &l_lo);
             float *rcf = grads_of(m, tok, REF_CF, keep, NULL);
+            /* (b)-(d) compare per tensor, where zero against zero passes:
+             * the references must carry gradient in every tensor. Not with
+             * row 0 alone kept: its query sees only its own key, so q, k and
+             * the q/k norms get nothing */
+            const char *zero = "";
+            if (kept_sees_filtered(keep) || nkept == T) {
+                CHECK_MSG(every_tensor_nonzero(m, ref, &zero), "%s %s: reference gradient of %s is all zero", ty, lbl,
+                          zero);
+                CHECK_MSG(every_tensor_nonzero(m, lo, &zero), "%s %s: loss-only gradient of %s is all zero", ty, lbl,
+                          zero);
+            }
             /* the differentiated loss is the kept mean in every mode */
             CHECK_CLOSE(l_kv, l_lo, 1e-6);
             CHECK_CLOSE(l_kv, l_cf, 1e-6);
@@ -354,6 +365,8 @@ TEST(centrifuge_kv_refuses_lora_on_k_or_v_and_equals_centrifuge_with_lora_elsewh
             const char *where = "";
             double e = max_rel(m, kv, cf, &where);
             CHECK_MSG(e == 0, "LoRA q,o,up: centrifuge-kv differs from centrifuge by %.3g (%s)", e, where);
+            /* equal as zeros would prove nothing: every adapter has gradient */
+            CHECK_MSG(every_tensor_nonzero(m, cf, &where), "LoRA q,o,up: centrifuge gradient of %s is all zero", where);
             free(kv); free(cf);
         }
         cf_model_free(m);

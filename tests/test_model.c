@@ -160,6 +160,8 @@ TEST(equivalences_of_design_section_1_hold_for_every_model_type) {
         char names[10][48];
         int nm = make_masks(losses, masks, names);
         float *reg = grads_of(m, tok, CF_MODE_REGULAR, NULL, NULL);
+        const char *zero = "";
+        CHECK_MSG(every_tensor_nonzero(m, reg, &zero), "%s: regular gradient of %s is all zero", TYPES[ti], zero);
         for (int k = 0; k < nm; k++) {
             const uint8_t *keep = masks[k];
             int nkept = 0;
@@ -169,6 +171,12 @@ TEST(equivalences_of_design_section_1_hold_for_every_model_type) {
             float *cf = grads_of(m, tok, CF_MODE_CENTRIFUGE, keep, &l_cf);
             float *sg = grads_of(m, tok, (cf_mode)-1, keep, NULL);
             float *sw = grads_of(m, tok, CF_MODE_STRAWMAN, keep, &l_sw);
+            /* the references carry gradient in every tensor, so no tensor can
+             * pass as zero against zero */
+            CHECK_MSG(every_tensor_nonzero(m, sg, &zero), "%s %s: stop-grad reference of %s is all zero", TYPES[ti],
+                      names[k], zero);
+            CHECK_MSG(every_tensor_nonzero(m, lo, &zero), "%s %s: loss-only gradient of %s is all zero", TYPES[ti],
+                      names[k], zero);
             /* the differentiated loss is the same kept mean in all three */
             CHECK_CLOSE(l_cf, l_lo, 1e-6);
             CHECK_CLOSE(l_sw, l_lo, 1e-6);
