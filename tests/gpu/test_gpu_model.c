@@ -141,6 +141,10 @@ static void model_matches_cpu(int Sq, double ltol, int fused, int head_save) {
         for (int mi = 0; mi < 4; mi++) {
             float *gc = run_s(mc, tok, Sq, modes[mi], mi ? keep : NULL, 0, lc);
             float *gg = run_s(mg, tok, Sq, modes[mi], mi ? keep : NULL, 0, lg);
+            /* worst_tensor_err passes a tensor that is zero on both sides */
+            const char *zero = "";
+            CHECK_MSG(every_tensor_nonzero(mc, gc, &zero), "%s %s: CPU gradient of %s is all zero", TYPES[ti],
+                      cf_mode_name(modes[mi]), zero);
             double lerr = 0;
             for (int t = 0; t < B * Sq; t++) lerr = fmax(lerr, fabs(lg[t] - lc[t]) - 1e-2 * fabs(lc[t]));
             CHECK_MSG(lerr <= ltol, "%s %s: loss differs by %.3g", TYPES[ti], cf_mode_name(modes[mi]), lerr);
@@ -183,6 +187,7 @@ TEST(gpu_equivalences_of_design_section_1_hold_with_bf16_tolerances) {
         cf_forward(m, tok, B, S, l);
         const char *which = "";
         float *reg = run(m, tok, CF_MODE_REGULAR, NULL, 0, l);
+        CHECK_MSG(every_tensor_nonzero(m, reg, &which), "%s: regular gradient of %s is all zero", TYPES[ti], which);
         /* 1. keep = 1 */
         uint8_t all[B * S];
         memset(all, 1, sizeof all);
@@ -711,6 +716,8 @@ TEST(gpu_lora_losses_and_adapter_gradients_match_cpu) {
         double lerr = 0;
         for (int t = 0; t < B * S; t++) lerr = fmax(lerr, fabs(lg[t] - lc[t]) - 1e-2 * fabs(lc[t]));
         const char *which = "";
+        CHECK_MSG(every_tensor_nonzero(mc, gc, &which), "lora %s: CPU gradient of %s is all zero",
+                  cf_mode_name(modes[mi]), which);
         double gerr = worst_tensor_err(mc, gg, gc, &which);
         CHECK_MSG(lerr <= 5e-2, "lora %s: loss differs by %.3g", cf_mode_name(modes[mi]), lerr);
         CHECK_MSG(gerr <= 5e-2, "lora %s: gradient of %s differs by %.3g", cf_mode_name(modes[mi]), which, gerr);
