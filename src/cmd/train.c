@@ -291,9 +291,10 @@ static const char *TRAIN_USAGE =
     "[--config NAME|FILE | --model DIR] [--data SHARDS] [--ref auto|SHARDS] [options]\n"
     "\nTrains a Llama-family model with token filtering. Without --data, trains on the\n"
     "built-in synthetic math corpus (clean source). Modes: regular, loss-only, centrifuge,\n"
-    "strawman; the filtering flags (--ref, --keep, --drop-rate, --select, --per-batch)\n"
-    "without --mode mean --mode centrifuge. --data and --val take a shard, a comma list\n"
-    "or a quoted glob ('data/web_*.bin'); --ref auto reads X.ref.bin beside each X.bin.\n"
+    "centrifuge-kv, strawman; the filtering flags (--ref, --keep, --drop-rate, --select,\n"
+    "--per-batch) without --mode mean --mode centrifuge. --data and --val take a shard, a\n"
+    "comma list or a quoted glob ('data/web_*.bin'); --ref auto reads X.ref.bin beside\n"
+    "each X.bin.\n"
     "--model takes a HF directory or a run directory (its latest checkpoint).\n"
     "Checkpoints go to --out (resumable with --resume); without --out nothing is saved.";
 
