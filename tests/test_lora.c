@@ -6,7 +6,9 @@
  *     and equals regular at keep = 1 (DESIGN §1, per tensor);
  *   - fresh adapters (B = 0) leave the base model's losses unchanged;
  *   - PEFT files round trip; merging gives the adapted model's losses;
- *   - bad adapter files are refused with a clear message.
+ *   - bad adapter files are refused with a clear message;
+ *   - adapter gradients equal the merged model's weight gradient through
+ *     the adapter (chain rule), per tensor (regular, loss-only, centrifuge).
  */
 #include <math.h>
 #include <stdint.h>
@@ -213,10 +215,108 @@ TEST(peft_files_round_trip_and_merge_gives_the_adapted_losses) {
     CHECK(system(cmd) == 0);
 }
 
+/* The adapter's gradients by the chain rule through the merged weight:
+ * with W' = W + s B A (s = alpha/r, or alpha/sqrt(r) with rsLoRA),
+ * dL/dA = s B^T dL/dW' and dL/dB = s dL/dW' A^T, where dL/dW' is what the
+ * plain model holding the merged weights gives its base weight. An
+ * elementwise check, independent of the adapter code's backward, in the
+ * modes that take adapters on every projection (centrifuge's backward is
+ * linear in the weight gradient as well; centrifuge-kv refuses k/v adapters). */
+static int tensor_index(cf_model *m, const char *name) {
+    for (int i = 0; i < cf_model_num_tensors(m); i++)
+        if (strcmp(cf_model_tensor_name(m, i), name) == 0) return i;
+    return -1;
+}
+
+TEST(lora_adapter_gradients_equal_the_merged_weight_gradient_through_the_adapter) {
+    const char *types[] = {"tiny-llama", "tiny-qwen2", "tiny-qwen3"};
+    const cf_mode modes[] = {CF_MODE_REGULAR, CF_MODE_LOSS_ONLY, CF_MODE_CENTRIFUGE};
+    char dir[] = "/tmp/cf_test_lora_chain_XXXXXX";
+    CHECK(mkdtemp(dir) != NULL);
+    for (int ti = 0; ti < 3; ti++) {
+        cf_model *m = lora_model(types[ti], 31 + ti, 0x7f, ti == 1);
+        if (!m) { CHECK(0); continue; }
+        randomize_weights(m, 41 + ti, 0.3f, 0.2f);
+        const cf_lora_opts *lo = cf_model_lora(m);
+        double s = lo->rslora ? lo->alpha / sqrt((double)lo->rank) : lo->alpha / (double)lo->rank;
+        int32_t tok[B * (S + 1)];
+        random_tokens(tok, B * (S + 1), cf_model_config(m)->vocab_size, 51 + ti);
+        uint8_t keep[B * S];
+        for (int t = 0; t < B * S; t++) keep[t] = (t % 3) != 1;
+        float *g[3];
+        for (int mi = 0; mi < 3; mi++) g[mi] = run(m, tok, modes[mi], mi ? keep : NULL, 0);
+        /* the plain model with W + s B A, through a saved directory as a user would merge */
+        char merged[300];
+        snprintf(merged, sizeof merged, "%s/%s", dir, types[ti]);
+        float *w = malloc(cf_model_num_params(m) * sizeof(float));
+        for (int i = 0; i < cf_model_num_tensors(m); i++) cf_model_get_param(m, i, w + toff(m, i));
+        CHECK_MSG(cf_model_merge_lora(m) == 0 && cf_model_save(m, merged, "float32", 0) == 0, "%s", cf_last_error());
+        cf_model_opts om = {0};
+        om.model_dir = merged;
+        om.backend = CF_BACKEND_CPU;
+        cf_model *mm = cf_model_open(&om);
+        CHECK_MSG(mm != NULL, "%s", cf_last_error());
+        for (int mi = 0; mi < 3 && mm; mi++) {
+            float *dw = run(mm, tok, modes[mi], mi ? keep : NULL, 0);
+            int pairs = 0;
+            double worst = 0;
+            const char *where = "";
+            for (int ia = 0; ia < cf_model_num_tensors(m); ia++) {
+                const char *an = cf_model_tensor_name(m, ia);
+                const char *tail = strstr(an, ".lora_A.weight");
+                if (!tail) continue;
+                char module[256], bn[300], wn[300];
+                snprintf(module, sizeof module, "%.*s", (int)(tail - an), an);
+                snprintf(bn, sizeof bn, "%s.lora_B.weight", module);
+                snprintf(wn, sizeof wn, "%s.weight", module);
+                int ib = tensor_index(m, bn), iw = tensor_index(mm, wn);
+                CHECK_MSG(ib >= 0 && iw >= 0, "%s: no %s or %s", an, bn, wn);
+                if (ib < 0 || iw < 0) continue;
+                size_t r = (size_t)lo->rank, in = cf_model_tensor_numel(m, ia) / r, out = cf_model_tensor_numel(m, ib) / r;
+                CHECK_MSG(cf_model_tensor_numel(mm, iw) == out * in, "%s: shape", wn);
+                if (cf_model_tensor_numel(mm, iw) != out * in) continue;
+                const float *A = w + toff(m, ia), *Bm = w + toff(m, ib), *G = dw + toff(mm, iw);
+                float *ea = calloc(r * in, sizeof(float)), *eb = calloc(out * r, sizeof(float));
+                for (size_t k = 0; k < r; k++)
+                    for (size_t j = 0; j < in; j++) {
+                        double acc = 0;   /* dA[k][j] = s sum_o B[o][k] G[o][j] */
+                        for (size_t o = 0; o < out; o++) acc += (double)Bm[o * r + k] * G[o * in + j];
+                        ea[k * in + j] = (float)(s * acc);
+                    }
+                for (size_t o = 0; o < out; o++)
+                    for (size_t k = 0; k < r; k++) {
+                        double acc = 0;   /* dB[o][k] = s sum_j G[o][j] A[k][j] */
+                        for (size_t j = 0; j < in; j++) acc += (double)G[o * in + j] * A[k * in + j];
+                        eb[o * r + k] = (float)(s * acc);
+                    }
+                CHECK_MSG(grad_norm(ea, r * in) > 0 && grad_norm(eb, out * r) > 0, "%s: zero expected gradient", module);
+                double e = fmax(rel_l2(g[mi] + toff(m, ia), ea, r * in), rel_l2(g[mi] + toff(m, ib), eb, out * r));
+                if (!(e <= worst)) { worst = e; where = an; }
+                pairs++;
+                free(ea);
+                free(eb);
+            }
+            int L = cf_model_config(m)->num_hidden_layers;
+            CHECK_MSG(pairs == L * 7, "%s %s: %d adapted modules, want %d", types[ti], cf_mode_name(modes[mi]), pairs, L * 7);
+            CHECK_MSG(worst <= 1e-4, "%s %s: %s differs from the chain rule by %.3g", types[ti], cf_mode_name(modes[mi]),
+                      where, worst);
+            free(dw);
+        }
+        if (mm) cf_model_free(mm);
+        for (int mi = 0; mi < 3; mi++) free(g[mi]);
+        free(w);
+        cf_model_free(m);
+    }
+    char cmd[300];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    CHECK(system(cmd) == 0);
+}
+
 int main(void) {
     RUN(lora_adapter_gradients_match_finite_differences_and_base_has_none);
     RUN(lora_centrifuge_equals_stopgrad_reference_and_regular_at_keep_1);
     RUN(fresh_adapters_leave_the_base_losses_unchanged);
     RUN(peft_files_round_trip_and_merge_gives_the_adapted_losses);
+    RUN(lora_adapter_gradients_equal_the_merged_weight_gradient_through_the_adapter);
     return test_summary();
 }
