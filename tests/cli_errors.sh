@@ -72,6 +72,11 @@ expect_error "score without data" "required" -- score --model "$MODEL"
 expect_error "gen-data zero tokens" "tokens" -- gen-data --source clean --tokens 0 --out "$T/x.bin"
 expect_error "gen-data bad source" "source" -- gen-data --source dirty --tokens 10 --out "$T/x.bin"
 expect_error "bench bad keep list" "keep" -- bench --keep 0.5,2 --steps 1
+# a prompt longer than the model's positions (tiny: 1024) is refused, not cut
+# short: generating from a cut prompt answers another prompt
+LONG_IDS=$(printf '5,%.0s' $(seq 1100))5
+expect_error "generate --prompt-ids beyond the positions" "prompt-ids: 1101 tokens, more than the 1024 positions" -- generate --model "$MODEL" --prompt-ids "$LONG_IDS" --max-new 1 --ids
+expect_error "generate --prompt beyond the positions" "prompt: 1201 tokens, more than the 1024 positions" -- generate --model "$MODEL" --prompt "$(printf 'a%.0s' $(seq 1200))" --max-new 1
 
 echo "== files"
 expect_error "missing data file" "missing.bin" -- train --data "$T/missing.bin" --steps 1

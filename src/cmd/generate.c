@@ -121,17 +121,33 @@ int cmd_generate(int argc, char **argv) {
                     model_dir);
             rc = 1;
         } else {
-            seq[len++] = CF_TOK_BOS;
-            len += cf_tok_encode(prompt, seq + len, cap - len);
+            /* one token per byte, after BOS: a longer prompt is refused, not cut */
+            size_t np = strlen(prompt) + 1;
+            if (np > (size_t)cap) {
+                cf_fail("--prompt: %zu tokens, more than the %d positions available", np, cap);
+                rc = 1;
+            } else {
+                seq[len++] = CF_TOK_BOS;
+                len += cf_tok_encode(prompt, seq + len, cap - len);
+            }
         }
     } else {
         char *copy = strdup(ids), *save = NULL;
-        for (char *t = strtok_r(copy, ",", &save); t && rc == 0; t = strtok_r(NULL, ",", &save)) {
+        if (!copy) { cf_fail("out of memory"); rc = 1; }
+        long given = 0;
+        for (char *t = copy ? strtok_r(copy, ",", &save) : NULL; t && rc == 0; t = strtok_r(NULL, ",", &save)) {
             long v;
+            given++;
             if (cf_parse_int(t, 0, c->vocab_size - 1, "--prompt-ids", &v) != 0) rc = 1;
             else if (len < cap) seq[len++] = (uint32_t)v;
         }
         free(copy);
+        /* ids beyond the positions were dropped above: generating from the
+         * cut prompt would answer another prompt than the one given */
+        if (rc == 0 && given > cap) {
+            cf_fail("--prompt-ids: %ld tokens, more than the %d positions available", given, cap);
+            rc = 1;
+        }
         if (rc == 0 && len == 0) { cf_fail("--prompt-ids: empty"); rc = 1; }
     }
     int start = len;
