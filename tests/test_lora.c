@@ -312,11 +312,50 @@ TEST(lora_adapter_gradients_equal_the_merged_weight_gradient_through_the_adapter
     CHECK(system(cmd) == 0);
 }
 
+/* adapter_config.json fields that change what the adapter computes and that
+ * this engine does not apply are refused, naming the file and the field:
+ * ignored, they would load another model than the adapter describes (a
+ * "use_rslora": "true" read as false scales by alpha/r, not alpha/sqrt(r)) */
+TEST(adapter_configs_with_features_the_engine_ignores_are_refused_naming_the_field) {
+    char dir[] = "/tmp/cf_test_lora_cfg_XXXXXX";
+    CHECK(mkdtemp(dir) != NULL);
+    char cfgp[300];
+    snprintf(cfgp, sizeof cfgp, "%s/adapter_config.json", dir);
+    static const struct { const char *extra, *want; } CASES[] = {
+        {"", NULL},   /* the plain config reads */
+        {", \"modules_to_save\": null, \"rank_pattern\": {}, \"alpha_pattern\": {}, \"layers_to_transform\": null", NULL},
+        {", \"use_rslora\": \"true\"", "\"use_rslora\" must be true or false, got a string"},
+        {", \"use_dora\": 1", "\"use_dora\" must be true or false, got a number"},
+        {", \"modules_to_save\": [\"lm_head\"]", "modules_to_save is not supported"},
+        {", \"rank_pattern\": {\"q_proj\": 8}", "rank_pattern is not supported"},
+        {", \"alpha_pattern\": {\"q_proj\": 16}", "alpha_pattern is not supported"},
+        {", \"layers_to_transform\": [0]", "layers_to_transform is not supported"},
+    };
+    for (size_t i = 0; i < sizeof CASES / sizeof *CASES; i++) {
+        FILE *f = fopen(cfgp, "w");
+        if (!f) { CHECK(0); break; }
+        fprintf(f, "{\"peft_type\": \"LORA\", \"r\": 4, \"lora_alpha\": 8, \"target_modules\": [\"q_proj\"]%s}",
+                CASES[i].extra);
+        fclose(f);
+        cf_lora_opts lo;
+        int rc = cf_lora_read_config(dir, &lo);
+        if (!CASES[i].want) {
+            CHECK_MSG(rc == 0 && lo.rank == 4, "case %zu: %s", i, cf_last_error());
+        } else {
+            CHECK_MSG(rc != 0 && strstr(cf_last_error(), CASES[i].want) && strstr(cf_last_error(), cfgp),
+                      "case %zu: rc %d, '%s'", i, rc, rc ? cf_last_error() : "");
+        }
+    }
+    unlink(cfgp);
+    CHECK(rmdir(dir) == 0);
+}
+
 int main(void) {
     RUN(lora_adapter_gradients_match_finite_differences_and_base_has_none);
     RUN(lora_centrifuge_equals_stopgrad_reference_and_regular_at_keep_1);
     RUN(fresh_adapters_leave_the_base_losses_unchanged);
     RUN(peft_files_round_trip_and_merge_gives_the_adapted_losses);
     RUN(lora_adapter_gradients_equal_the_merged_weight_gradient_through_the_adapter);
+    RUN(adapter_configs_with_features_the_engine_ignores_are_refused_naming_the_field);
     return test_summary();
 }

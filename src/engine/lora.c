@@ -19,6 +19,7 @@
 #include "base/common.h"
 #include "engine/model_internal.h"
 #include "formats/io.h"
+#include "formats/json_util.h"
 
 #define PEFT_PREFIX "base_model.model."
 
@@ -112,9 +113,29 @@ int cf_lora_read_config(const char *dir, cf_lora_opts *lo) {
         if (!(v->valuedouble >= 0 && v->valuedouble < 1) || !(lo->dropout < 1))
             rc = cf_fail("%s: \"lora_dropout\" %g is outside [0, 1)", path, v->valuedouble);
     }
+    /* flags that change the adapter's math must be booleans: a string
+     * ("true") read as false would scale or build the adapter wrongly */
+    static const char *const FLAGS[] = {"use_rslora", "use_dora"};
+    for (size_t f = 0; rc == 0 && f < sizeof FLAGS / sizeof *FLAGS; f++)
+        if ((v = cJSON_GetObjectItemCaseSensitive(j, FLAGS[f])) && !cJSON_IsNull(v) && !cJSON_IsBool(v))
+            rc = cf_fail("%s: \"%s\" must be true or false, got %s", path, FLAGS[f], cf_json_kind(v));
     if (rc == 0 && (v = cJSON_GetObjectItemCaseSensitive(j, "use_rslora")) && cJSON_IsBool(v)) lo->rslora = cJSON_IsTrue(v);
     if (rc == 0 && (v = cJSON_GetObjectItemCaseSensitive(j, "use_dora")) && cJSON_IsTrue(v))
         rc = cf_fail("%s: DoRA adapters (use_dora) are not supported", path);
+    /* PEFT features this engine does not apply: ignoring them would load a
+     * different model than the adapter describes (full copies of modules
+     * left out, other ranks or scales per module, adapters on every layer
+     * instead of some), so they are refused */
+    if (rc == 0 && (v = cJSON_GetObjectItemCaseSensitive(j, "modules_to_save")) && !cJSON_IsNull(v) &&
+        !(cJSON_IsArray(v) && cJSON_GetArraySize(v) == 0))
+        rc = cf_fail("%s: modules_to_save is not supported (the adapter holds full copies of modules)", path);
+    static const char *const PATTERNS[] = {"rank_pattern", "alpha_pattern"};
+    for (size_t f = 0; rc == 0 && f < sizeof PATTERNS / sizeof *PATTERNS; f++)
+        if ((v = cJSON_GetObjectItemCaseSensitive(j, PATTERNS[f])) && !cJSON_IsNull(v) &&
+            !(cJSON_IsObject(v) && !v->child))
+            rc = cf_fail("%s: %s is not supported (one r and lora_alpha for every module)", path, PATTERNS[f]);
+    if (rc == 0 && (v = cJSON_GetObjectItemCaseSensitive(j, "layers_to_transform")) && !cJSON_IsNull(v))
+        rc = cf_fail("%s: layers_to_transform is not supported (adapters on every layer only)", path);
     if (rc == 0 && (v = cJSON_GetObjectItemCaseSensitive(j, "bias")) && cJSON_IsString(v) && strcmp(v->valuestring, "none") != 0)
         rc = cf_fail("%s: bias \"%s\" is not supported (only \"none\")", path, v->valuestring);
     if (rc == 0) {
