@@ -92,6 +92,23 @@ if [ $rc -ne 0 ] && grep -q 'error: .*write failed' "$T/err" && [ ! -e "$T/fullr
   ok "a checkpoint the disk cannot take fails the run, and leaves no --out"
 else fail "full checkpoint: rc=$rc, $(ls "$T/fullrun" 2>&1 | tr '\n' ' '): $(tail -1 "$T/err")"; fi
 
+echo "== tokenize: a failed run loses nothing and leaves nothing"
+TK="$(dirname "$0")/data/tokenizer/bytelevel.json"
+for i in 1 2 3 4 5 6; do echo "doc $i hello world"; done >"$T/docs.txt"
+(for i in 1 2 3 4 5 6 7 8; do echo "{\"text\": \"doc $i hello world more\"}"; done; echo '{"text": 5}') >"$T/late_bad.jsonl"
+"$BIN" tokenize --tokenizer "$TK" --input "$T/docs.txt" --text-split line --shard-tokens 10 --out "$T/tok/web" --quiet ||
+  fail "tokenize of good text failed"
+(cd "$T/tok" && md5sum * >"$T/tok.md5")
+# the failing line comes after shards of the new run were written over the old names
+expect_error "tokenize --overwrite with a bad line" "late_bad.jsonl:9" -- tokenize --tokenizer "$TK" \
+  --input "$T/late_bad.jsonl" --shard-tokens 10 --out "$T/tok/web" --overwrite --quiet
+(cd "$T/tok" && md5sum --quiet -c "$T/tok.md5" >/dev/null 2>&1) && [ "$(ls "$T/tok" | wc -l)" -eq "$(wc -l <"$T/tok.md5")" ] &&
+  ok "the earlier run's shards and manifest are back, unchanged, and nothing else is there" ||
+  fail "tokenize --overwrite that failed changed the earlier shards: $(ls "$T/tok" | tr '\n' ' ')"
+expect_error "tokenize into new directories with a bad line" "late_bad.jsonl:9" -- tokenize --tokenizer "$TK" \
+  --input "$T/late_bad.jsonl" --out "$T/newtok/a/web" --quiet
+[ ! -e "$T/newtok" ] && ok "the directories a failed tokenize created are gone" || fail "a failed tokenize left $T/newtok"
+
 echo "== silent acceptance"
 mkdir -p "$T/nulcfg" && cp "$M/model.safetensors" "$T/nulcfg/"
 sed 's/"model_type": *"llama"/"model_type": "llama\\u0000gpt2"/' "$M/config.json" >"$T/nulcfg/config.json"

@@ -21,8 +21,10 @@
  *     uint32 (src/formats/io.h). prepare_data's train/val split is not done
  *     here: give the validation documents as a separate run.
  * Every shard is written atomically; a failed or interrupted run removes the
- * shards it wrote. Shards of an earlier run under the same prefix are an
- * error unless --overwrite.
+ * shards it wrote and the directories it created. Shards of an earlier run
+ * under the same prefix are an error unless --overwrite, which moves them
+ * aside and removes them only once the run has succeeded (a failed run puts
+ * them back).
  */
 #include <dirent.h>
 #include <errno.h>
@@ -581,6 +583,34 @@ static int take_inputs(int *argc, char **argv, char ***inputs, int *ninputs) {
     return 0;
 }
 
+/* The first directory of dir's path that does not exist yet (into top);
+ * 0 if dir exists. What a failed run removes again (remove_made_dirs). */
+static int first_missing_dir(const char *dir, char *top, size_t cap) {
+    char buf[4096];
+    if (snprintf(buf, sizeof buf, "%s", dir) >= (int)sizeof buf) return 0;
+    for (char *p = buf + 1;; p++) {
+        if (*p != '/' && *p) continue;
+        char c = *p;
+        *p = 0;
+        if (!cf_path_exists(buf)) return snprintf(top, cap, "%s", buf) < (int)cap;
+        if (!c) return 0;
+        *p = c;
+    }
+}
+
+/* rmdir from dir up to top, each only if empty: the directories a failed
+ * run created and left nothing in. */
+static void remove_made_dirs(const char *dir, const char *top) {
+    char buf[4096];
+    if (!*dir || !*top || snprintf(buf, sizeof buf, "%s", dir) >= (int)sizeof buf) return;
+    for (;;) {
+        if (rmdir(buf) != 0) return;
+        char *slash = strrchr(buf, '/');
+        if (!strcmp(buf, top) || !slash || slash == buf) return;
+        *slash = 0;
+    }
+}
+
 int cmd_tokenize(int argc, char **argv) {
     const char *tok_path = NULL, *out = NULL, *field = "text", *format = "auto", *text_split = NULL,
                *delimiter = NULL, *eos_token = NULL, *bos_token = NULL, *input_help = NULL;
@@ -605,7 +635,7 @@ int cmd_tokenize(int argc, char **argv) {
         {"--bos-id", CF_OPT_INT, &bos_id, 0, 1e9, "BOS token id", 0},
         {"--shard-tokens", CF_OPT_COUNT, &shard_tokens, 1, 2147483647.0,
          "tokens per shard at most, suffixes k/M/G (default 100M)", 0},
-        {"--overwrite", CF_OPT_FLAG, &overwrite, 0, 0, "first remove shards of an earlier run under PREFIX", 0},
+        {"--overwrite", CF_OPT_FLAG, &overwrite, 0, 0, "replace the shards of an earlier run under PREFIX (put back if this run fails)", 0},
         {"--skip-bad", CF_OPT_FLAG, &skip_bad, 0, 0, "skip JSONL lines that are not JSON or lack --field", 0},
         {"--keep-empty", CF_OPT_FLAG, &keep_empty, 0, 0, "keep empty documents (as a lone EOS/BOS)", 0},
         {"--quiet", CF_OPT_FLAG, &quiet, 0, 0, "no progress or summary lines", 0},
@@ -621,6 +651,11 @@ int cmd_tokenize(int argc, char **argv) {
 
     tk_run r;
     memset(&r, 0, sizeof r);
+    /* what a failed run puts back: the directories it created, and the
+     * shards of an earlier run that --overwrite moved aside */
+    char made_dir[4096] = "", made_top[4096] = "";
+    char **stale = NULL, **aside = NULL;
+    int nstale = 0, naside = 0;
     r.eos = r.bos = -1;
     r.split = SPLIT_FILE;
     int code = 2;
@@ -690,20 +725,30 @@ int cmd_tokenize(int argc, char **argv) {
     if (slash && slash != out) {
         char dir[4096];
         snprintf(dir, sizeof dir, "%.*s", (int)(slash - out), out);
+        if (first_missing_dir(dir, made_top, sizeof made_top)) snprintf(made_dir, sizeof made_dir, "%s", dir);
         if (cf_mkdir_p(dir) != 0) goto fail;
     }
-    char **stale = NULL;
-    int nstale = 0;
     if (find_stale(out, &stale, &nstale) != 0) goto fail;
     if (nstale && !overwrite) {
         cf_fail("%s: shards of an earlier run are there (e.g. %s); use --overwrite or another --out", out, stale[0]);
-        for (int i = 0; i < nstale; i++) free(stale[i]);
-        free(stale);
         code = 2;
         goto fail;
     }
-    for (int i = 0; i < nstale; i++) { unlink(stale[i]); free(stale[i]); }
-    free(stale);
+    /* --overwrite: the earlier run's shards are moved aside, and removed only
+     * once this run has succeeded; a failed run puts them back, so that it
+     * loses nothing (and their manifest still describes them) */
+    aside = nstale ? calloc((size_t)nstale, sizeof *aside) : NULL;
+    if (nstale && !aside) { cf_fail("out of memory"); goto fail; }
+    for (int i = 0; i < nstale; i++) {
+        size_t n = strlen(stale[i]) + 32;
+        if (!(aside[i] = cf_malloc(n))) goto fail;
+        snprintf(aside[i], n, "%s.old.%016llx", stale[i], (unsigned long long)cf_random_u64());
+        if (rename(stale[i], aside[i]) != 0) {
+            cf_fail("%s: cannot move the earlier shard aside: %s", stale[i], strerror(errno));
+            goto fail;
+        }
+        naside++;
+    }
 
     struct sigaction sa, old_int, old_term;
     memset(&sa, 0, sizeof sa);
@@ -721,8 +766,12 @@ int cmd_tokenize(int argc, char **argv) {
     sigaction(SIGTERM, &old_term, NULL);
     if (prc != 0) {
         if (r.tty && !quiet) fputc('\n', stderr);
-        /* no partial output: remove the shards this run wrote */
+        /* no partial output: remove the shards this run wrote (and put back
+         * those of the earlier run) */
         for (int i = 0; i < r.nshards; i++) unlink(r.shards[i]);
+        r.nshards = 0;
+        for (; naside > 0; naside--) rename(aside[naside - 1], stale[naside - 1]);
+        remove_made_dirs(made_dir, made_top);
         if (g_interrupted) {
             fprintf(stderr, "centrifuge %s: interrupted; the %d shard(s) of this run were removed\n", CMD, r.nshards);
             code = 130;
@@ -730,6 +779,8 @@ int cmd_tokenize(int argc, char **argv) {
         }
         goto fail;
     }
+    for (int i = 0; i < naside; i++) unlink(aside[i]);   /* replaced: the new manifest is in place */
+    naside = 0;
     progress(&r, 1);
     code = 0;
     if (quiet) goto cleanup;
@@ -745,8 +796,13 @@ int cmd_tokenize(int argc, char **argv) {
     goto cleanup;
 usage:
 fail:
+    for (; naside > 0; naside--) rename(aside[naside - 1], stale[naside - 1]);
+    remove_made_dirs(made_dir, made_top);
     cf_cli_error(CMD, code);
 cleanup:
+    for (int i = 0; i < nstale; i++) { free(stale[i]); if (aside) free(aside[i]); }
+    free(stale);
+    free(aside);
     for (int i = 0; i < r.nshards; i++) free(r.shards[i]);
     free(r.shards);
     free(r.shard_n);
