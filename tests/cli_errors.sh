@@ -13,13 +13,24 @@ fails=0; n=0
 expect_error() {
   local name=$1 pat=$2; shift 3
   n=$((n+1))
-  "$BIN" "$@" >"$T/out" 2>"$T/err"; local rc=$?
+  "$BIN" "$@" >"$T/out" 2>"$T/err"; local rc=$?; rc_last=$rc
   local lines; lines=$(wc -l <"$T/err")
   if [ $rc -eq 0 ] || [ "$lines" -ne 1 ] || ! grep -q "error: .*$pat" "$T/err"; then
     echo "  FAIL $name (rc=$rc, $lines stderr lines):"; sed 's/^/      /' "$T/err" | head -5
     fails=$((fails+1))
   else
     echo "  ok   $name: $(cat "$T/err")"
+  fi
+}
+
+# expect_status CODE NAME PATTERN -- ARGS...: expect_error, and the exit status
+# is CODE (2: a usage error, 1: a run-time one)
+expect_status() {
+  local code=$1 name=$2; shift
+  local before=$fails
+  expect_error "$@"
+  if [ $fails -eq $before ] && [ "$rc_last" -ne "$code" ]; then
+    echo "  FAIL $name: exit $rc_last, expected $code"; fails=$((fails+1))
   fi
 }
 
@@ -77,6 +88,19 @@ expect_error "bench bad keep list" "keep" -- bench --keep 0.5,2 --steps 1
 LONG_IDS=$(printf '5,%.0s' $(seq 1100))5
 expect_error "generate --prompt-ids beyond the positions" "prompt-ids: 1101 tokens, more than the 1024 positions" -- generate --model "$MODEL" --prompt-ids "$LONG_IDS" --max-new 1 --ids
 expect_error "generate --prompt beyond the positions" "prompt: 1201 tokens, more than the 1024 positions" -- generate --model "$MODEL" --prompt "$(printf 'a%.0s' $(seq 1200))" --max-new 1
+
+# usage errors exit 2 in every command, whatever the model or device flag;
+# a file that is missing or cannot be written exits 1
+for c in "train --steps 1" "eval --model $MODEL --data $T/good.bin" "score --model $MODEL --data $T/good.bin --out $T/u.ref.bin" \
+         "generate --model $MODEL --prompt-ids 1" "math-eval --model $MODEL" "bench --steps 1"; do
+  expect_status 2 "${c%% *} --device tpu exits 2" "unknown device 'tpu'" -- $c --device tpu
+done
+expect_status 2 "train --config and --model exit 2" "not both" -- train --config tiny --model "$MODEL" --steps 1
+expect_status 2 "eval --config and --model exit 2" "not both" -- eval --config tiny --model "$MODEL" --data "$T/good.bin"
+expect_status 2 "bench --config and --model: refused, not one of them ignored" "not both" -- bench --config tiny --model "$MODEL" --steps 1
+expect_status 1 "math-eval --json a directory exits 1" "is a directory" -- math-eval --model "$MODEL" --problems 4 --json "$T"
+expect_status 1 "score --data a pattern that matches nothing exits 1" "no file matches" -- score --model "$MODEL" --data "$T/nomatch_*.bin"
+[ -e "$T/u.ref.bin" ] && { echo "  FAIL score with a bad --device wrote its --out"; fails=$((fails+1)); }
 
 echo "== files"
 expect_error "missing data file" "missing.bin" -- train --data "$T/missing.bin" --steps 1

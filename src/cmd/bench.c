@@ -195,6 +195,9 @@ int cmd_bench(int argc, char **argv) {
                           opts, nopts, argc, argv);
     if (pr == 1) return 0;
     if (pr < 0) return cf_cli_error("bench", 2);
+    /* --config has a default; given with --model, one of them would be ignored */
+    if (cf_cli_check_model_flags(opts[0].seen ? config : NULL, opts[1].seen ? model_dir : NULL, device) != 0)
+        return cf_cli_error("bench", 2);
     if (opts[1].seen) config = NULL;
 
     char mbuf[256], kbuf[256], sbuf[256];

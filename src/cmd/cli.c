@@ -96,6 +96,13 @@ int cf_cli_parse(const char *cmd, const char *usage, cf_opt *opts, int nopts, in
     return 0;
 }
 
+int cf_cli_check_model_flags(const char *config, const char *model_dir, const char *device) {
+    if (config && model_dir) return cf_fail("give --config or --model, not both");
+    cf_backend_kind kind;
+    int dev = 0;
+    return device ? cf_backend_parse(device, &kind, &dev) : 0;
+}
+
 int cf_cli_error(const char *cmd, int code) {
     fprintf(stderr, "centrifuge %s: error: %s\n", cmd, cf_last_error());
     return code;

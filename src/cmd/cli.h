@@ -26,6 +26,11 @@ void cf_cli_print_help(const char *cmd, const char *usage, const cf_opt *opts, i
 /* Parses a count with optional k/M/G suffix (powers of 1000). */
 int cf_parse_count(const char *s, long lo, long hi, const char *what, long *out);
 
+/* The model and device flags, before any work: an unknown --device, or
+ * both --config and --model, is a usage error (exit 2), not a run-time one.
+ * config/device may be NULL (the command has no such flag). 0 or -1. */
+int cf_cli_check_model_flags(const char *config, const char *model_dir, const char *device);
+
 /* Prints "centrifuge <cmd>: error: <last error>" to stderr; returns code. */
 int cf_cli_error(const char *cmd, int code);
 

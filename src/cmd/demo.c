@@ -407,7 +407,9 @@ int cmd_math_eval(int argc, char **argv) {
     if (!model_dir) { cf_fail("--model is required"); return cf_cli_error("math-eval", 2); }
     cf_world w;
     if (cf_world_parse(world, &w) != 0) return cf_cli_error("math-eval", 2);
-    if (json && cf_output_check(json) != 0) return cf_cli_error("math-eval", 2);   /* before the work */
+    if (cf_cli_check_model_flags(NULL, model_dir, device) != 0) return cf_cli_error("math-eval", 2);
+    /* before the work; an output that cannot be written is a run-time error (1), as in every command */
+    if (json && cf_output_check(json) != 0) return cf_cli_error("math-eval", 1);
     cf_datagen_set_world(w);
     cf_problem *probs = cf_malloc((size_t)nprob * sizeof *probs);
     if (!probs) return cf_cli_error("math-eval", 1);

@@ -70,6 +70,7 @@ int cmd_generate(int argc, char **argv) {
     if (pr < 0) return cf_cli_error("generate", 2);
     if (!model_dir) { cf_fail("--model is required"); return cf_cli_error("generate", 2); }
     if (!prompt == !ids) { cf_fail("give exactly one of --prompt and --prompt-ids"); return cf_cli_error("generate", 2); }
+    if (cf_cli_check_model_flags(NULL, model_dir, device) != 0) return cf_cli_error("generate", 2);
     char ckpt[4096];
     if (!(model_dir = cf_resolve_model_dir(model_dir, ckpt, sizeof ckpt))) return cf_cli_error("generate", 1);
     cf_tokenizer *tk = NULL;

@@ -376,6 +376,7 @@ int cmd_train(int argc, char **argv) {
     int pr = cf_cli_parse("train", TRAIN_USAGE, opts, nopts, argc, argv);
     if (pr == 1) return 0;
     if (pr < 0) return cf_cli_error("train", 2);
+    if (cf_cli_check_model_flags(config, model_dir, device) != 0) return cf_cli_error("train", 2);
 
     cf_lora_opts lora = {0};
     if (lora_rank > 0) {
