@@ -35,9 +35,14 @@ static double median(double *v, int n) {
 }
 
 /* Splits "a,b,c" into up to cap items (in place). */
-static int split_list(char *s, char **items, int cap) {
+/* Splits a comma list into at most cap items; -1 (cf_fail) if it holds more:
+ * the rest would be left out of the benchmark without a word. */
+static int split_list(const char *flag, char *s, char **items, int cap) {
     int n = 0;
-    for (char *tok = strtok(s, ","); tok && n < cap; tok = strtok(NULL, ",")) items[n++] = tok;
+    for (char *tok = strtok(s, ","); tok; tok = strtok(NULL, ",")) {
+        if (n == cap) return cf_fail("%s: more than %d values in the list", flag, cap);
+        items[n++] = tok;
+    }
     return n;
 }
 
@@ -202,10 +207,16 @@ int cmd_bench(int argc, char **argv) {
 
     char mbuf[256], kbuf[256], sbuf[256];
     char *mitems[8], *kitems[16], *sitems[16];
+    if (strlen(modes_s) >= sizeof mbuf || strlen(keeps_s) >= sizeof kbuf || strlen(seqs_s) >= sizeof sbuf) {
+        cf_fail("--modes, --keep or --seq: a list of more than %zu characters", sizeof mbuf - 1);
+        return cf_cli_error("bench", 2);
+    }
     snprintf(mbuf, sizeof mbuf, "%s", modes_s);
     snprintf(kbuf, sizeof kbuf, "%s", keeps_s);
     snprintf(sbuf, sizeof sbuf, "%s", seqs_s);
-    int nm = split_list(mbuf, mitems, 8), nk = split_list(kbuf, kitems, 16), ns = split_list(sbuf, sitems, 16);
+    int nm = split_list("--modes", mbuf, mitems, 8), nk = split_list("--keep", kbuf, kitems, 16),
+        ns = split_list("--seq", sbuf, sitems, 16);
+    if (nm < 0 || nk < 0 || ns < 0) return cf_cli_error("bench", 2);
     cf_mode modes[8];
     double keeps[16];
     long seqs[16];
