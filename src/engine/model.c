@@ -155,6 +155,7 @@ int cf_lora_parse_targets(const char *s, unsigned *out) {
         if (!bit) return cf_fail("--lora-targets: unknown module '%s' (q, k, v, o, gate, up, down, all)", t);
         bits |= bit;
     }
+    if (!bits) return cf_fail("--lora-targets: '%s' names no module (q, k, v, o, gate, up, down, all)", s);
     *out = bits;
     return 0;
 }
