@@ -769,7 +769,6 @@ int cmd_tokenize(int argc, char **argv) {
         /* no partial output: remove the shards this run wrote (and put back
          * those of the earlier run) */
         for (int i = 0; i < r.nshards; i++) unlink(r.shards[i]);
-        r.nshards = 0;
         for (; naside > 0; naside--) rename(aside[naside - 1], stale[naside - 1]);
         remove_made_dirs(made_dir, made_top);
         if (g_interrupted) {
