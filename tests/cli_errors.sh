@@ -88,6 +88,10 @@ expect_error "bench bad keep list" "keep" -- bench --keep 0.5,2 --steps 1
 LONG_IDS=$(printf '5,%.0s' $(seq 1100))5
 expect_error "generate --prompt-ids beyond the positions" "prompt-ids: 1101 tokens, more than the 1024 positions" -- generate --model "$MODEL" --prompt-ids "$LONG_IDS" --max-new 1 --ids
 expect_error "generate --prompt beyond the positions" "prompt: 1201 tokens, more than the 1024 positions" -- generate --model "$MODEL" --prompt "$(printf 'a%.0s' $(seq 1200))" --max-new 1
+# an empty item in --prompt-ids is refused, not skipped (5,,6 is not the prompt 5,6)
+for ids in "5,,6" ",5" "5,"; do
+  expect_status 2 "generate --prompt-ids '$ids'" "prompt-ids: '$ids' has an empty item" -- generate --model "$MODEL" --prompt-ids "$ids" --max-new 1
+done
 
 # usage errors exit 2 in every command, whatever the model or device flag;
 # a file that is missing or cannot be written exits 1
