@@ -528,6 +528,10 @@ TEST(frozen_parameters_get_no_gradient_and_do_not_change) {
     o.freeze = "no_such_tensor";
     cf_model *bad = cf_model_open(&o);
     CHECK(bad == NULL && strstr(cf_last_error(), "matches no parameter") != NULL);
+    /* so is an empty item, which would otherwise be skipped without a word */
+    o.freeze = "embed_tokens,,lm_head";
+    bad = cf_model_open(&o);
+    CHECK(bad == NULL && strstr(cf_last_error(), "empty item") != NULL);
     free(e0); free(e1); free(gz); free(gf);
     cf_model_free(fz);
     cf_model_free(full);

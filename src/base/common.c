@@ -578,6 +578,11 @@ int cf_mkdir_p(const char *dir) {
     return 0;
 }
 
+int cf_list_has_empty_item(const char *s) {
+    size_t n = s ? strlen(s) : 0;
+    return n > 0 && (s[0] == ',' || s[n - 1] == ',' || strstr(s, ",,") != NULL);
+}
+
 int cf_path_exists(const char *path) {
     struct stat st;
     return stat(path, &st) == 0;

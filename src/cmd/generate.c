@@ -71,8 +71,7 @@ int cmd_generate(int argc, char **argv) {
     if (!model_dir) { cf_fail("--model is required"); return cf_cli_error("generate", 2); }
     if (!prompt == !ids) { cf_fail("give exactly one of --prompt and --prompt-ids"); return cf_cli_error("generate", 2); }
     /* strtok below skips empty items: "5,,6" would silently be the prompt 5,6 */
-    size_t nid = ids ? strlen(ids) : 0;
-    if (ids && (nid == 0 || ids[0] == ',' || ids[nid - 1] == ',' || strstr(ids, ",,"))) {
+    if (ids && (!*ids || cf_list_has_empty_item(ids))) {
         cf_fail("--prompt-ids: '%s' has an empty item (give ids separated by single commas)", ids);
         return cf_cli_error("generate", 2);
     }

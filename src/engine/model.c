@@ -212,6 +212,9 @@ static int apply_freeze(cf_model *m, const char *spec) {
     if (!spec || !*spec) return 0;
     char buf[1024];
     if (strlen(spec) >= sizeof buf) return cf_fail("--freeze: list too long");
+    /* strtok skips empty items: "," would freeze nothing without a word */
+    if (cf_list_has_empty_item(spec))
+        return cf_fail("--freeze: '%s' has an empty item (give name parts separated by single commas)", spec);
     snprintf(buf, sizeof buf, "%s", spec);
     for (char *save = NULL, *pat = strtok_r(buf, ",", &save); pat; pat = strtok_r(NULL, ",", &save)) {
         int hits = 0;
