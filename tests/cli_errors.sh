@@ -103,8 +103,13 @@ expect_status 2 "train --config and --model exit 2" "not both" -- train --config
 expect_status 2 "eval --config and --model exit 2" "not both" -- eval --config tiny --model "$MODEL" --data "$T/good.bin"
 expect_status 2 "bench --config and --model: refused, not one of them ignored" "not both" -- bench --config tiny --model "$MODEL" --steps 1
 expect_status 2 "bench --seq with more values than it runs" "more than 16 values" -- bench --seq 1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17 --steps 1
-expect_status 2 "train --lora-targets naming no module" "names no module" -- train --lora-rank 2 --lora-targets , --steps 1
+expect_status 2 "train --lora-targets naming no module" "',' has an empty item" -- train --lora-rank 2 --lora-targets , --steps 1
+expect_status 2 "train --lora-targets with an empty item" "'q,,v' has an empty item" -- train --lora-rank 2 --lora-targets q,,v --steps 1
+expect_status 2 "bench --modes with an empty item" "modes: 'regular,,centrifuge' has an empty item" -- bench --config tiny --modes regular,,centrifuge --steps 1
+expect_status 2 "bench --keep with an empty item" "keep: '0.5,' has an empty item" -- bench --config tiny --keep 0.5, --steps 1
 expect_status 2 "train --freeze with an empty item" "freeze: 'embed_tokens,' has an empty item" -- train --freeze embed_tokens, --steps 1
+expect_status 1 "train --data list with an empty item" "an empty item in the list of files" -- train --config tiny --data "$T/good.bin,,$T/good.bin" --steps 1 --batch 1 --seq 16
+expect_status 1 "eval --data list ending in a comma" "an empty item in the list of files" -- eval --model "$T/ckpt" --data "$T/good.bin," --seq 16
 expect_status 1 "math-eval --json a directory exits 1" "is a directory" -- math-eval --model "$MODEL" --problems 4 --json "$T"
 expect_status 1 "score --data a pattern that matches nothing exits 1" "no file matches" -- score --model "$MODEL" --data "$T/nomatch_*.bin"
 [ -e "$T/u.ref.bin" ] && { echo "  FAIL score with a bad --device wrote its --out"; fails=$((fails+1)); }

@@ -34,10 +34,11 @@ static double median(double *v, int n) {
     return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-/* Splits "a,b,c" into up to cap items (in place). */
-/* Splits a comma list into at most cap items; -1 (cf_fail) if it holds more:
- * the rest would be left out of the benchmark without a word. */
+/* Splits a comma list into at most cap items (in place); -1 (cf_fail) if it
+ * holds more, or an empty item: either would change the benchmark without a
+ * word. */
 static int split_list(const char *flag, char *s, char **items, int cap) {
+    if (cf_list_has_empty_item(s)) return cf_fail("%s: '%s' has an empty item (give values separated by single commas)", flag, s);
     int n = 0;
     for (char *tok = strtok(s, ","); tok; tok = strtok(NULL, ",")) {
         if (n == cap) return cf_fail("%s: more than %d values in the list", flag, cap);

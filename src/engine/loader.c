@@ -109,6 +109,7 @@ int cf_expand_paths(const char *spec, int want_ref, char ***out, int *nout) {
     *out = NULL;
     *nout = 0;
     if (!spec || !*spec) return cf_fail("empty list of files");
+    if (cf_list_has_empty_item(spec)) return cf_fail("'%s': an empty item in the list of files (two commas, or one at an end)", spec);
     char *copy = dup_s(spec);
     if (!copy) return -1;
     char **v = NULL;

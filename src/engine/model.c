@@ -143,6 +143,8 @@ int cf_lora_parse_targets(const char *s, unsigned *out) {
         {"gate", CF_LORA_GATE}, {"up", CF_LORA_UP}, {"down", CF_LORA_DOWN}};
     char buf[256];
     if (!s || !*s || strlen(s) >= sizeof buf) return cf_fail("--lora-targets: give a list such as q,k,v,o");
+    if (cf_list_has_empty_item(s))
+        return cf_fail("--lora-targets: '%s' has an empty item (give modules separated by single commas)", s);
     snprintf(buf, sizeof buf, "%s", s);
     unsigned bits = 0;
     for (char *save = NULL, *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
