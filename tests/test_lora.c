@@ -330,6 +330,12 @@ TEST(adapter_configs_with_features_the_engine_ignores_are_refused_naming_the_fie
         {", \"rank_pattern\": {\"q_proj\": 8}", "rank_pattern is not supported"},
         {", \"alpha_pattern\": {\"q_proj\": 16}", "alpha_pattern is not supported"},
         {", \"layers_to_transform\": [0]", "layers_to_transform is not supported"},
+        {", \"lora_bias\": false, \"layer_replication\": null, \"trainable_token_indices\": null, "
+         "\"target_parameters\": []", NULL},
+        {", \"lora_bias\": true", "lora_bias is not supported"},
+        {", \"layer_replication\": [[0, 2]]", "layer_replication is not supported"},
+        {", \"trainable_token_indices\": [5, 7]", "trainable_token_indices is not supported"},
+        {", \"target_parameters\": [\"mlp.experts.down_proj\"]", "target_parameters is not supported"},
     };
     for (size_t i = 0; i < sizeof CASES / sizeof *CASES; i++) {
         FILE *f = fopen(cfgp, "w");

@@ -136,6 +136,16 @@ int cf_lora_read_config(const char *dir, cf_lora_opts *lo) {
             rc = cf_fail("%s: %s is not supported (one r and lora_alpha for every module)", path, PATTERNS[f]);
     if (rc == 0 && (v = cJSON_GetObjectItemCaseSensitive(j, "layers_to_transform")) && !cJSON_IsNull(v))
         rc = cf_fail("%s: layers_to_transform is not supported (adapters on every layer only)", path);
+    /* newer PEFT fields with the same effect when set: a bias in lora_B, layers
+     * stacked by replication, trained rows of the embedding, adapters on raw
+     * parameters; their defaults (false, null, []) read */
+    if (rc == 0 && (v = cJSON_GetObjectItemCaseSensitive(j, "lora_bias")) && !cJSON_IsNull(v) && !cJSON_IsFalse(v))
+        rc = cf_fail("%s: lora_bias is not supported (adapters without a bias only)", path);
+    static const char *const UNSET[] = {"layer_replication", "trainable_token_indices", "target_parameters"};
+    for (size_t f = 0; rc == 0 && f < sizeof UNSET / sizeof *UNSET; f++)
+        if ((v = cJSON_GetObjectItemCaseSensitive(j, UNSET[f])) && !cJSON_IsNull(v) &&
+            !((cJSON_IsArray(v) || cJSON_IsObject(v)) && !v->child))
+            rc = cf_fail("%s: %s is not supported", path, UNSET[f]);
     if (rc == 0 && (v = cJSON_GetObjectItemCaseSensitive(j, "bias")) && cJSON_IsString(v) && strcmp(v->valuestring, "none") != 0)
         rc = cf_fail("%s: bias \"%s\" is not supported (only \"none\")", path, v->valuestring);
     if (rc == 0) {
