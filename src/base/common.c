@@ -583,6 +583,11 @@ int cf_list_has_empty_item(const char *s) {
     return n > 0 && (s[0] == ',' || s[n - 1] == ',' || strstr(s, ",,") != NULL);
 }
 
+int cf_list_check(const char *what, const char *s) {
+    if (!cf_list_has_empty_item(s)) return 0;
+    return cf_fail("%s: '%s' has an empty item (two commas, or one at an end)", what, s);
+}
+
 int cf_path_exists(const char *path) {
     struct stat st;
     return stat(path, &st) == 0;

@@ -102,9 +102,11 @@ char *cf_read_input(const char *path, size_t *len, size_t limit);
 int cf_mkdir_p(const char *dir);
 int cf_path_exists(const char *path);
 
-/* 1 if the comma list s has an empty item (",a", "a,", "a,,b"; "" counts as
- * none): strtok would skip it silently, so lists given by users refuse it. */
+/* 1 if the comma list s has an empty item (",a", "a,", "a,,b"; "" and NULL
+ * count as none): strtok would skip it silently, so lists given by users
+ * refuse it. cf_list_check: 0, or -1 with cf_fail naming the option `what`. */
 int cf_list_has_empty_item(const char *s);
+int cf_list_check(const char *what, const char *s);
 /* snprintf into a fixed buffer, failing (cf_fail) on truncation. */
 int cf_path_join(char *out, size_t cap, const char *dir, const char *name);
 

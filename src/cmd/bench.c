@@ -38,7 +38,7 @@ static double median(double *v, int n) {
  * holds more, or an empty item: either would change the benchmark without a
  * word. */
 static int split_list(const char *flag, char *s, char **items, int cap) {
-    if (cf_list_has_empty_item(s)) return cf_fail("%s: '%s' has an empty item (give values separated by single commas)", flag, s);
+    if (cf_list_check(flag, s) != 0) return -1;
     int n = 0;
     for (char *tok = strtok(s, ","); tok; tok = strtok(NULL, ",")) {
         if (n == cap) return cf_fail("%s: more than %d values in the list", flag, cap);

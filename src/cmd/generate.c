@@ -71,10 +71,8 @@ int cmd_generate(int argc, char **argv) {
     if (!model_dir) { cf_fail("--model is required"); return cf_cli_error("generate", 2); }
     if (!prompt == !ids) { cf_fail("give exactly one of --prompt and --prompt-ids"); return cf_cli_error("generate", 2); }
     /* strtok below skips empty items: "5,,6" would silently be the prompt 5,6 */
-    if (ids && (!*ids || cf_list_has_empty_item(ids))) {
-        cf_fail("--prompt-ids: '%s' has an empty item (give ids separated by single commas)", ids);
-        return cf_cli_error("generate", 2);
-    }
+    if (ids && !*ids) { cf_fail("--prompt-ids: empty"); return cf_cli_error("generate", 2); }
+    if (cf_list_check("--prompt-ids", ids) != 0) return cf_cli_error("generate", 2);
     if (cf_cli_check_model_flags(NULL, model_dir, device) != 0) return cf_cli_error("generate", 2);
     char ckpt[4096];
     if (!(model_dir = cf_resolve_model_dir(model_dir, ckpt, sizeof ckpt))) return cf_cli_error("generate", 1);

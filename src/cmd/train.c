@@ -391,10 +391,8 @@ int cmd_train(int argc, char **argv) {
         cf_fail("LoRA options need --lora-rank");
         return cf_cli_error("train", 2);
     }
-    if (cf_list_has_empty_item(freeze)) {   /* a usage error here; the model would refuse it at run time */
-        cf_fail("--freeze: '%s' has an empty item (give name parts separated by single commas)", freeze);
-        return cf_cli_error("train", 2);
-    }
+    /* a usage error here; the model would refuse it too, at run time */
+    if (cf_list_check("--freeze", freeze) != 0) return cf_cli_error("train", 2);
 
     /* Safe defaults. The filtering flags ask for filtering: without --mode
      * they mean --mode centrifuge (the banner says so); next to an explicit

@@ -143,8 +143,7 @@ int cf_lora_parse_targets(const char *s, unsigned *out) {
         {"gate", CF_LORA_GATE}, {"up", CF_LORA_UP}, {"down", CF_LORA_DOWN}};
     char buf[256];
     if (!s || !*s || strlen(s) >= sizeof buf) return cf_fail("--lora-targets: give a list such as q,k,v,o");
-    if (cf_list_has_empty_item(s))
-        return cf_fail("--lora-targets: '%s' has an empty item (give modules separated by single commas)", s);
+    if (cf_list_check("--lora-targets", s) != 0) return -1;
     snprintf(buf, sizeof buf, "%s", s);
     unsigned bits = 0;
     for (char *save = NULL, *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
@@ -157,7 +156,6 @@ int cf_lora_parse_targets(const char *s, unsigned *out) {
         if (!bit) return cf_fail("--lora-targets: unknown module '%s' (q, k, v, o, gate, up, down, all)", t);
         bits |= bit;
     }
-    if (!bits) return cf_fail("--lora-targets: '%s' names no module (q, k, v, o, gate, up, down, all)", s);
     *out = bits;
     return 0;
 }
@@ -215,8 +213,7 @@ static int apply_freeze(cf_model *m, const char *spec) {
     char buf[1024];
     if (strlen(spec) >= sizeof buf) return cf_fail("--freeze: list too long");
     /* strtok skips empty items: "," would freeze nothing without a word */
-    if (cf_list_has_empty_item(spec))
-        return cf_fail("--freeze: '%s' has an empty item (give name parts separated by single commas)", spec);
+    if (cf_list_check("--freeze", spec) != 0) return -1;
     snprintf(buf, sizeof buf, "%s", spec);
     for (char *save = NULL, *pat = strtok_r(buf, ",", &save); pat; pat = strtok_r(NULL, ",", &save)) {
         int hits = 0;
