@@ -101,21 +101,33 @@ TEST(paired_steps_give_the_unpaired_steps_in_every_mode) {
  * 0.5) pair in a stash of one micro-batch's capacity; regular, loss-only
  * and keep 0.75 take more rows: they pair in a stash of twice that, and not
  * at all with CF_DW_PAIR_FULL=0. A single micro-batch has nothing to pair
- * with; 4096 rows (a centrifuge sequence of 8192, a regular one of 4096)
- * are enough for the GEMM alone (dwpair.c: CF_DWPAIR_MAX_ROWS); 2048 rows
- * (TinyLlama @4096's kept rows, Llama3.2-3B @2048's regular ones) pair. */
+ * with. A backward of max_rows rows or more is left to the GEMM alone
+ * (dwpair.c: CF_DWPAIR_MAX_ROWS, 4096: a centrifuge sequence of 8192 or a
+ * regular one of 4096 stays unpaired, TinyLlama @4096's 2048 kept rows
+ * pair). The bound is scaled down here (CF_DWPAIR_MAX_ROWS=64 at open, a
+ * factor 64) so the sequences at and around it stay short enough for the
+ * CPU attention under ASan; the default bound is checked on its own. */
+enum { MAXR = 64 };
 TEST(pairing_only_where_two_backwards_fit_the_stash_and_have_few_rows) {
     static const struct { cf_mode mode; double keep; int accum, seq, pair, want, cap2; } cs[] = {
-        {CF_MODE_REGULAR, 1.0, 2, S, 1, 1, 1},         {CF_MODE_LOSS_ONLY, 0.5, 2, S, 1, 1, 1},
-        {CF_MODE_CENTRIFUGE, 0.75, 2, S, 1, 1, 1},     {CF_MODE_REGULAR, 1.0, 2, S, 2, 0, 0},
-        {CF_MODE_LOSS_ONLY, 0.5, 2, S, 2, 0, 0},       {CF_MODE_CENTRIFUGE, 0.75, 2, S, 2, 0, 0},
-        {CF_MODE_CENTRIFUGE, 0.5, 1, S, 1, 0, 0},      {CF_MODE_CENTRIFUGE, 0.5, 2, 8192, 1, 0, 0},
-        {CF_MODE_REGULAR, 1.0, 2, 4096, 1, 0, 0},      {CF_MODE_CENTRIFUGE, 0.5, 2, S, 2, 1, 0},
-        {CF_MODE_CENTRIFUGE, 0.5, 2, 4096, 1, 1, 0},   {CF_MODE_REGULAR, 1.0, 2, 2048, 1, 1, 1}};
-    static int32_t tok[2 * (8192 + 1)];
+        {CF_MODE_REGULAR, 1.0, 2, S, 1, 1, 1},            {CF_MODE_LOSS_ONLY, 0.5, 2, S, 1, 1, 1},
+        {CF_MODE_CENTRIFUGE, 0.75, 2, S, 1, 1, 1},        {CF_MODE_REGULAR, 1.0, 2, S, 2, 0, 0},
+        {CF_MODE_LOSS_ONLY, 0.5, 2, S, 2, 0, 0},          {CF_MODE_CENTRIFUGE, 0.75, 2, S, 2, 0, 0},
+        {CF_MODE_CENTRIFUGE, 0.5, 1, S, 1, 0, 0},         {CF_MODE_CENTRIFUGE, 0.5, 2, 2 * MAXR, 1, 0, 0},
+        {CF_MODE_REGULAR, 1.0, 2, MAXR, 1, 0, 0},         {CF_MODE_CENTRIFUGE, 0.5, 2, S, 2, 1, 0},
+        {CF_MODE_CENTRIFUGE, 0.5, 2, MAXR, 1, 1, 0},      {CF_MODE_REGULAR, 1.0, 2, MAXR / 2, 1, 1, 1},
+        {CF_MODE_REGULAR, 1.0, 2, MAXR - 1, 1, 1, 1},     {CF_MODE_CENTRIFUGE, 0.5, 2, 2 * MAXR - 2, 1, 1, 0}};
+    static int32_t tok[2 * (2 * MAXR + 1)];
+    {   /* without the variable, the bound is the measured one */
+        cf_model *m = model("tiny-llama", 1, 21);
+        CHECK_MSG(m && m->dwp.max_rows == 4096, "default bound %d rows, expected 4096", m ? m->dwp.max_rows : -1);
+        cf_model_free(m);
+    }
+    setenv("CF_DWPAIR_MAX_ROWS", "64", 1);
     for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
         cf_model *m = model("tiny-llama", cs[i].pair, 21);
-        if (!m) { CHECK(0); return; }
+        if (!m) { CHECK(0); break; }
+        CHECK(m->dwp.max_rows == MAXR);
         cf_train_opts o = opts(cs[i].mode, cs[i].keep, cs[i].accum);
         o.seq = cs[i].seq;
         cf_trainer *t = cf_trainer_create(m, &o);
@@ -134,6 +146,7 @@ TEST(pairing_only_where_two_backwards_fit_the_stash_and_have_few_rows) {
         cf_trainer_free(t);
         cf_model_free(m);
     }
+    unsetenv("CF_DWPAIR_MAX_ROWS");
 }
 
 /* (model_helpers.h) at this file's S */
