@@ -39,7 +39,7 @@ TEST_SRC := $(wildcard tests/test_*.c)
 TEST_BIN := $(patsubst tests/%.c,$(BUILD)/tests/%,$(TEST_SRC))
 DEPS_STAMP := $(BUILD)/.deps-ok
 
-.PHONY: all test test-unit test-cli test-example test-tools deps clean demo cuda test-gpu test-asan fuzz install lib
+.PHONY: all test test-build test-unit test-cli test-example test-tools deps clean demo cuda test-gpu test-asan fuzz install lib
 
 all: $(BIN) lib
 
@@ -84,6 +84,10 @@ $(BUILD)/tests/%: tests/%.c $(wildcard tests/*.h) $(TEST_LINK)
 	$(CC) $(CFLAGS) $(TEST_CFLAGS) $< $(TEST_LINK) -o $@ $(LDLIBS)
 
 test: test-unit test-cli test-example test-tools
+
+# everything the suite runs, built (make -j2 test-build; then make test runs
+# the suites one after another, their output in order)
+test-build: $(BIN) lib $(TEST_BIN)
 
 test-unit: $(TEST_BIN)
 	@set -e; for t in $(TEST_BIN); do echo "== $$t"; OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-passive} $$t; done

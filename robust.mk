@@ -51,8 +51,12 @@ ASAN_CFLAGS := -O1 -g -march=x86-64-v2 -fsanitize=address,undefined -fno-omit-fr
 ASAN_ENV    := ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:strict_string_checks=1:check_initialization_order=1 \
                UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 
+# The build takes make's -j (make -j2 test-asan); the suites then run one
+# after another, as in make test.
 test-asan:
-	@$(ASAN_ENV) CFLAGS="$(ASAN_CFLAGS)" $(MAKE) --no-print-directory BUILD=$(ASAN_BUILD) \
+	@CFLAGS="$(ASAN_CFLAGS)" $(MAKE) --no-print-directory BUILD=$(ASAN_BUILD) \
+	    BIN=$(ASAN_BUILD)/centrifuge test-build
+	@$(ASAN_ENV) CFLAGS="$(ASAN_CFLAGS)" $(MAKE) --no-print-directory -j1 BUILD=$(ASAN_BUILD) \
 	    BIN=$(ASAN_BUILD)/centrifuge test
 	@echo "test-asan: the whole suite passed under ASan + UBSan ($(ASAN_BUILD)/centrifuge)"
 
