@@ -41,6 +41,9 @@ typedef enum {
     CF_MODEL_QWEN3,       /* per-head RMSNorm on q and k, explicit head_dim   */
 } cf_model_type;
 
+/* The most end-of-sequence ids a config.json may list (eos_token_id as a list). */
+#define CF_MAX_EOS_IDS 16
+
 typedef struct {
     cf_model_type model_type;
     int vocab_size;
@@ -64,8 +67,14 @@ typedef struct {
     float rope_high_freq_factor;
     int rope_original_max_pos;
     int sliding_window;        /* 0 = none; mistral only */
-    int bos_token_id;          /* -1 if absent */
-    int eos_token_id;          /* -1 if absent */
+    int bos_token_id;          /* -1 if absent (a list in config.json: its first id) */
+    int eos_token_id;          /* -1 if absent (a list in config.json: its first id) */
+    /* eos_token_id given as a list (Llama 3.1: [128001, 128008, 128009]):
+     * the ids after the first. Generation stops at any of them, as in
+     * transformers. At most CF_MAX_EOS_IDS ids in all; 0 extras for a plain
+     * id; extras need an eos_token_id. config.json writes them back as a list. */
+    int num_extra_eos;
+    int extra_eos_ids[CF_MAX_EOS_IDS - 1];
 } cf_config;
 
 const char *cf_model_type_name(cf_model_type t);
@@ -623,6 +632,10 @@ int cf_evaluate(cf_model *m, const cf_tokens *tok, int B, int S, int max_batches
  * none). */
 int cf_generate(cf_model *m, uint32_t **seqs, int *lens, int n, int cap, int max_new, float temperature,
                 int top_k, int stop1, int stop2, uint64_t seed);
+/* The same with any number of stop ids: a row stops after emitting any of
+ * stops[0..nstops) (negative entries never match). */
+int cf_generate_stops(cf_model *m, uint32_t **seqs, int *lens, int n, int cap, int max_new, float temperature,
+                      int top_k, const int *stops, int nstops, uint64_t seed);
 
 #ifdef __cplusplus
 }

@@ -71,6 +71,13 @@ check "generate with the model's tokenizer prints text starting with the prompt"
 check "generate into a pipe writes no ANSI codes" bash -c "! grep -q $'\033' gen.txt"
 "$BIN" generate --model export --prompt-ids 5,6,7 --max-new 3 --ids >gen.txt 2>err
 check "generate --ids prints ids" grep -Eq '^[0-9]+(,[0-9]+)*$' gen.txt
+# eos_token_id as a list (Llama 3): generation stops at any of its ids, not
+# only the first (transformers does the same)
+g1=$(cut -d, -f1 gen.txt)
+cp -r export eoslist && sed -i "s/\"eos_token_id\": 1,/\"eos_token_id\": [1, $g1],/" eoslist/config.json
+"$BIN" generate --model eoslist --prompt-ids 5,6,7 --max-new 3 --ids >gen2.txt 2>err
+check "generate stops at a later id of an eos_token_id list ([1, $g1]: $(cat gen2.txt), not $(cat gen.txt))" \
+  [ "$g1" != 1 -a "$(cat gen.txt)" != "$g1" -a "$(cat gen2.txt)" = "$g1" ]
 
 echo "== progress"
 "$BIN" eval --model runs/ref --data 'data/web_*.bin' --seq 32 >out 2>err

@@ -51,6 +51,9 @@ cp "$T/good.bin" "$T/badversion.bin"; python_free_poke "$T/badversion.bin" 4 011
 # a config.json with an unknown model_type
 mkdir -p "$T/badtype"; sed 's/"model_type": *"llama"/"model_type": "gpt2"/' "$MODEL/config.json" >"$T/badtype/config.json"
 cp "$MODEL/model.safetensors" "$T/badtype/"
+# eos_token_id as a list (Llama 3) with an item beyond the vocabulary (320)
+mkdir -p "$T/eoslist"; sed 's/"eos_token_id": *\([0-9]*\)/"eos_token_id": [\1, 999]/' "$MODEL/config.json" >"$T/eoslist/config.json"
+cp "$MODEL/model.safetensors" "$T/eoslist/"
 # a truncated safetensors
 mkdir -p "$T/trunc"; cp "$MODEL/config.json" "$T/trunc/"; head -c 5000 "$MODEL/model.safetensors" >"$T/trunc/model.safetensors"
 # header length beyond the file
@@ -122,6 +125,7 @@ expect_error "token shard bad version" "badversion.bin" -- train --data "$T/badv
 expect_error "token id beyond vocab" "bigid.bin" -- train --data "$T/bigid.bin" --steps 1
 expect_error "ref shard of another shard" "does not belong" -- train --data "$T/good.bin" --ref "$T/other.ref.bin" --mode centrifuge --steps 1
 expect_error "config unknown model_type" "gpt2" -- eval --model "$T/badtype" --data "$T/good.bin"
+expect_status 1 "config eos_token_id list with an item beyond the vocabulary" "eos_token_id\[1\] = 999 is outside the vocabulary (0..319)" -- eval --model "$T/eoslist" --data "$T/good.bin"
 expect_error "safetensors truncated" "model.safetensors" -- eval --model "$T/trunc" --data "$T/good.bin"
 expect_error "safetensors header beyond file" "model.safetensors" -- eval --model "$T/hdr" --data "$T/good.bin"
 expect_error "model dir missing" "config.json" -- eval --model "$T/nowhere" --data "$T/good.bin"

@@ -49,7 +49,9 @@ static int same_config(const cf_config *a, const cf_config *b) {
            a->qk_norm == b->qk_norm && a->rope_llama3 == b->rope_llama3 && a->rope_factor == b->rope_factor &&
            a->rope_low_freq_factor == b->rope_low_freq_factor && a->rope_high_freq_factor == b->rope_high_freq_factor &&
            a->rope_original_max_pos == b->rope_original_max_pos && a->sliding_window == b->sliding_window &&
-           a->bos_token_id == b->bos_token_id && a->eos_token_id == b->eos_token_id;
+           a->bos_token_id == b->bos_token_id && a->eos_token_id == b->eos_token_id &&
+           a->num_extra_eos == b->num_extra_eos &&
+           !memcmp(a->extra_eos_ids, b->extra_eos_ids, (size_t)a->num_extra_eos * sizeof(int));
 }
 
 static int count_temp_files(const char *dir) {
@@ -223,10 +225,15 @@ TEST(config_eos_list_takes_first_and_null_is_minus_one) {
                     " \"intermediate_size\": 96, \"num_hidden_layers\": 2, \"num_attention_heads\": 4,"
                     " \"bos_token_id\": 128000, \"eos_token_id\": [128001, 128008, 128009]}", &c) == 0);
     CHECK(c.bos_token_id == 128000 && c.eos_token_id == 128001);
+    /* the others are kept (generation stops at each) and saved as a list */
+    CHECK(c.num_extra_eos == 2 && c.extra_eos_ids[0] == 128008 && c.extra_eos_ids[1] == 128009);
+    cf_config back;
+    CHECK(cf_config_save(&c, g_path) == 0 && cf_config_load(&back, g_path) == 0 && same_config(&c, &back));
+    CHECK(back.num_extra_eos == 2 && back.extra_eos_ids[1] == 128009);
     CHECK(load_json("{\"model_type\": \"llama\", \"vocab_size\": 200000, \"hidden_size\": 64,"
                     " \"intermediate_size\": 96, \"num_hidden_layers\": 2, \"num_attention_heads\": 4,"
                     " \"bos_token_id\": null, \"eos_token_id\": []}", &c) == 0);
-    CHECK(c.bos_token_id == -1 && c.eos_token_id == -1);
+    CHECK(c.bos_token_id == -1 && c.eos_token_id == -1 && c.num_extra_eos == 0);
 }
 
 /* ------------------------------------------------------------ bad inputs */
@@ -251,7 +258,7 @@ TEST(config_rejects_string_where_number_belongs_naming_the_key) {
     CHECK_LOAD_FAILS(SMALL(", \"rms_norm_eps\": \"1e-5\""), "'rms_norm_eps'", "number");
     CHECK_LOAD_FAILS(SMALL(", \"rope_theta\": true"), "'rope_theta'");
     CHECK_LOAD_FAILS(SMALL(", \"tie_word_embeddings\": 1"), "'tie_word_embeddings'", "true or false");
-    CHECK_LOAD_FAILS(SMALL(", \"eos_token_id\": [1, \"x\"]"), "'eos_token_id'");
+    CHECK_LOAD_FAILS(SMALL(", \"eos_token_id\": [1, \"x\"]"), "'eos_token_id[1]' must be an integer, got a string");
 }
 
 TEST(config_rejects_fractional_negative_and_huge_sizes) {
@@ -347,6 +354,32 @@ TEST(config_rejects_missing_file_naming_it) {
 TEST(config_rejects_token_ids_outside_vocab) {
     CHECK_LOAD_FAILS(SMALL(", \"eos_token_id\": 100"), "eos_token_id");
     CHECK_LOAD_FAILS(SMALL(", \"bos_token_id\": -5"), "bos_token_id");
+}
+
+/* A list (Llama 3: [128001, 128008, 128009]) is checked item by item, not
+ * only its first item; -1 (no id) is not an item. */
+TEST(config_rejects_token_id_lists_with_any_item_outside_vocab) {
+    CHECK_LOAD_FAILS(SMALL(", \"eos_token_id\": [1, 2, 100]"),
+                     "eos_token_id[2] = 100 is outside the vocabulary (0..99)");
+    CHECK_LOAD_FAILS(SMALL(", \"eos_token_id\": [1, -1]"), "eos_token_id[1] = -1 is outside the vocabulary");
+    CHECK_LOAD_FAILS(SMALL(", \"eos_token_id\": [-1]"), "eos_token_id[0] = -1 is outside the vocabulary");
+    CHECK_LOAD_FAILS(SMALL(", \"bos_token_id\": [1, 200000]"),
+                     "bos_token_id[1] = 200000 is outside the vocabulary (0..99)");
+    CHECK_LOAD_FAILS(SMALL(", \"eos_token_id\": [1, 2, 3.5]"), "'eos_token_id[2]' must be an integer, got 3.5");
+    /* up to CF_MAX_EOS_IDS (16) ids are kept; more are refused, not cut */
+    cf_config c;
+    CHECK(load_json(SMALL(", \"eos_token_id\": [1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16]"), &c) == 0);
+    CHECK(c.eos_token_id == 1 && c.num_extra_eos == 15 && c.extra_eos_ids[14] == 16);
+    CHECK_LOAD_FAILS(SMALL(", \"eos_token_id\": [1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17]"),
+                     "eos_token_id lists 17 ids, more than the 16 supported");
+    /* the same rules for a config built in code */
+    CHECK(cf_config_builtin(&c, "tiny") == 0);
+    c.num_extra_eos = 1;
+    c.extra_eos_ids[0] = c.vocab_size;
+    CHECK(cf_config_validate(&c) == -1 && err_has("eos_token_id[1]") && err_has("outside the vocabulary"));
+    c.extra_eos_ids[0] = 3;
+    c.eos_token_id = -1;
+    CHECK(cf_config_validate(&c) == -1 && err_has("no eos_token_id"));
 }
 
 TEST(config_fuzzed_json_never_crashes) {
@@ -618,6 +651,7 @@ int main(void) {
     RUN(config_rejects_duplicate_keys);
     RUN(config_rejects_missing_file_naming_it);
     RUN(config_rejects_token_ids_outside_vocab);
+    RUN(config_rejects_token_id_lists_with_any_item_outside_vocab);
     RUN(config_fuzzed_json_never_crashes);
     RUN(config_every_builtin_validates);
     RUN(config_builtin_names_lists_every_builtin_and_only_those);

@@ -155,9 +155,14 @@ int cmd_generate(int argc, char **argv) {
         if (rc == 0 && len == 0) { cf_fail("--prompt-ids: empty"); rc = 1; }
     }
     int start = len;
-    int stop2 = tk && cf_tokenizer_eos_id(tk) >= 0 && cf_tokenizer_eos_id(tk) != c->eos_token_id ? cf_tokenizer_eos_id(tk) : -2;
-    if (rc == 0 && cf_generate(m, &seq, &len, 1, cap + (int)max_new, (int)max_new, (float)temperature,
-                               (int)top_k, c->eos_token_id, stop2, (uint64_t)seed) != 0)
+    /* stop at every eos id config.json lists (transformers does), and at
+     * the tokenizer's own */
+    int stops[CF_MAX_EOS_IDS + 1], nstops = 0;
+    stops[nstops++] = c->eos_token_id;
+    for (int i = 0; i < c->num_extra_eos && i < CF_MAX_EOS_IDS - 1; i++) stops[nstops++] = c->extra_eos_ids[i];
+    if (tk) stops[nstops++] = cf_tokenizer_eos_id(tk);
+    if (rc == 0 && cf_generate_stops(m, &seq, &len, 1, cap + (int)max_new, (int)max_new, (float)temperature,
+                                     (int)top_k, stops, nstops, (uint64_t)seed) != 0)
         rc = 1;
     /* bold for the new text, and only on a terminal: a pipe gets plain text */
     const char *on = cf_color_ok(1) ? "\033[1m" : "", *off = *on ? "\033[0m" : "";

@@ -75,6 +75,19 @@ static int pick(float *logits, int V, float temperature, int top_k, cf_rng *rng)
 
 int cf_generate(cf_model *m, uint32_t **seqs, int *lens, int n, int cap, int max_new, float temperature,
                 int top_k, int stop1, int stop2, uint64_t seed) {
+    int stops[2] = {stop1, stop2};
+    return cf_generate_stops(m, seqs, lens, n, cap, max_new, temperature, top_k, stops, 2, seed);
+}
+
+static int is_stop(int id, const int *stops, int nstops) {
+    for (int i = 0; i < nstops; i++)
+        if (stops[i] >= 0 && stops[i] == id) return 1;
+    return 0;
+}
+
+int cf_generate_stops(cf_model *m, uint32_t **seqs, int *lens, int n, int cap, int max_new, float temperature,
+                      int top_k, const int *stops, int nstops, uint64_t seed) {
+    if (nstops > 0 && !stops) return cf_fail("cf_generate_stops: stops is NULL");
     const cf_config *c = cf_model_config(m);
     int V = c->vocab_size;
     cf_rng rng;
@@ -108,7 +121,7 @@ int cf_generate(cf_model *m, uint32_t **seqs, int *lens, int n, int cap, int max
             if (cf_model_logits_row(m, a * S + lens[i] - 1, logits) != 0) { rc = -1; break; }
             int next = pick(logits, V, temperature, top_k, &rng);
             seqs[i][lens[i]++] = (uint32_t)next;
-            if (next == stop1 || next == stop2) done[i] = 1;
+            if (is_stop(next, stops, nstops)) done[i] = 1;
         }
         free(idx);
         free(tok);

@@ -153,8 +153,23 @@ int cf_config_builtin(cf_config *cfg, const char *name) {
 
 /* -------------------------------------------------------------- validation */
 
-/* `what` names the source in messages: a file path or "config". */
-static int validate_named(const cf_config *c, const char *what) {
+/* A token-id list of config.json (bos_token_id or eos_token_id given as a
+ * list): every item, not only the first (which is the id), must be an id of
+ * the vocabulary. The items are known integers (get_token_id). */
+static int check_id_list(const char *what, const char *key, const cJSON *list, int vocab) {
+    int i = 0;
+    for (const cJSON *e = list->child; e; e = e->next, i++) {
+        int id = (int)e->valuedouble;
+        if (id < 0 || id >= vocab)
+            return cf_fail("%s: %s[%d] = %d is outside the vocabulary (0..%d)", what, key, i, id, vocab - 1);
+    }
+    return 0;
+}
+
+/* `what` names the source in messages: a file path or "config". bos_list,
+ * eos_list: the lists config.json gave for these ids (NULL: a plain id, or
+ * a config not read from a file). */
+static int validate_named(const cf_config *c, const char *what, const cJSON *bos_list, const cJSON *eos_list) {
     if ((unsigned)c->model_type > (unsigned)CF_MODEL_QWEN3)
         return cf_fail("%s: invalid model_type %d", what, (int)c->model_type);
 
@@ -173,9 +188,24 @@ static int validate_named(const cf_config *c, const char *what) {
     CHECK_RANGE(head_dim, 2, MAX_HEAD_DIM);
     CHECK_RANGE(max_position_embeddings, 1, MAX_POSITIONS);
     CHECK_RANGE(sliding_window, 0, INT_MAX);
-    CHECK_RANGE(bos_token_id, -1, c->vocab_size - 1);
-    CHECK_RANGE(eos_token_id, -1, c->vocab_size - 1);
+    if (bos_list) {
+        if (check_id_list(what, "bos_token_id", bos_list, c->vocab_size) != 0) return -1;
+    } else {
+        CHECK_RANGE(bos_token_id, -1, c->vocab_size - 1);
+    }
+    if (eos_list) {
+        if (check_id_list(what, "eos_token_id", eos_list, c->vocab_size) != 0) return -1;
+    } else {
+        CHECK_RANGE(eos_token_id, -1, c->vocab_size - 1);
+    }
+    CHECK_RANGE(num_extra_eos, 0, CF_MAX_EOS_IDS - 1);
 #undef CHECK_RANGE
+    if (c->num_extra_eos > 0 && c->eos_token_id < 0)
+        return cf_fail("%s: %d further eos ids but no eos_token_id", what, c->num_extra_eos);
+    for (int i = 0; i < c->num_extra_eos; i++)
+        if (c->extra_eos_ids[i] < 0 || c->extra_eos_ids[i] >= c->vocab_size)
+            return cf_fail("%s: eos_token_id[%d] = %d is outside the vocabulary (0..%d)", what, i + 1,
+                           c->extra_eos_ids[i], c->vocab_size - 1);
 
     if (c->num_attention_heads % c->num_key_value_heads != 0)
         return cf_fail("%s: num_attention_heads %d is not a multiple of num_key_value_heads %d",
@@ -257,7 +287,7 @@ static int validate_named(const cf_config *c, const char *what) {
 
 int cf_config_validate(const cf_config *cfg) {
     if (!cfg) return cf_fail("config: NULL");
-    return validate_named(cfg, "config");
+    return validate_named(cfg, "config", NULL, NULL);
 }
 
 size_t cf_config_num_params(const cf_config *c) {
@@ -331,19 +361,26 @@ static int get_bool(const char *path, const cJSON *obj, const char *key, int def
     return 0;
 }
 
-/* bos/eos: an int, a list of ints (the first is used), or null/absent (-1). */
-static int get_token_id(const char *path, const cJSON *obj, const char *key, int *out) {
+/* bos/eos: an int, a list of ints (the first is the id), or null/absent
+ * (-1). Every item of a list must be an integer; *list is set to the list
+ * (NULL for a plain id) so that validation, which knows the vocabulary,
+ * range-checks every item. */
+static int get_token_id(const char *path, const cJSON *obj, const char *key, int *out, const cJSON **list) {
     const cJSON *v = get(obj, key);
     *out = -1;
+    *list = NULL;
     if (!v) return 0;
     if (cJSON_IsArray(v)) {
-        const cJSON *first = cJSON_GetArrayItem(v, 0);
-        if (!first) return 0;
-        for (const cJSON *e = v->child; e; e = e->next) {   /* all must be ints */
-            int tmp;
-            if (as_int(path, key, e, &tmp) != 0) return -1;
+        int i = 0;
+        for (const cJSON *e = v->child; e; e = e->next, i++) {
+            char item[64];
+            int tmp = -1;
+            snprintf(item, sizeof item, "%s[%d]", key, i);
+            if (as_int(path, item, e, &tmp) != 0) return -1;
+            if (i == 0) *out = tmp;
         }
-        return as_int(path, key, first, out);
+        *list = v;
+        return 0;
     }
     return as_int(path, key, v, out);
 }
@@ -564,9 +601,20 @@ static int parse_config(const char *path, const cJSON *root, cf_config *c) {
     if (c->sliding_window < 0)
         return cf_fail("%s: sliding_window = %d must be >= 0 or null", path, c->sliding_window);
 
-    if (get_token_id(path, root, "bos_token_id", &c->bos_token_id) != 0) return -1;
-    if (get_token_id(path, root, "eos_token_id", &c->eos_token_id) != 0) return -1;
-    return validate_named(c, path);
+    const cJSON *bos_list, *eos_list;
+    if (get_token_id(path, root, "bos_token_id", &c->bos_token_id, &bos_list) != 0) return -1;
+    if (get_token_id(path, root, "eos_token_id", &c->eos_token_id, &eos_list) != 0) return -1;
+    /* every listed eos id ends generation: keep them all (bos: the first) */
+    if (eos_list) {
+        int n = cJSON_GetArraySize(eos_list);
+        if (n > CF_MAX_EOS_IDS)
+            return cf_fail("%s: eos_token_id lists %d ids, more than the %d supported", path, n, CF_MAX_EOS_IDS);
+        int i = 0;
+        for (const cJSON *e = eos_list->child; e; e = e->next, i++)
+            if (i > 0) c->extra_eos_ids[i - 1] = (int)e->valuedouble;
+        c->num_extra_eos = n > 0 ? n - 1 : 0;
+    }
+    return validate_named(c, path, bos_list, eos_list);
 }
 
 int cf_config_load(cf_config *cfg, const char *path) {
@@ -630,9 +678,15 @@ static void sb_key_float(cf_sbuf *b, const char *indent, const char *key, float 
     cf_sb_printf(b, "%s\"%s\": %s%s\n", indent, key, num, sep);
 }
 
-static void sb_token_id(cf_sbuf *b, const char *key, int id) {
+/* An id, null for none, or a list: the id and `nextra` further ids. */
+static void sb_token_id(cf_sbuf *b, const char *key, int id, const int *extra, int nextra) {
     if (id < 0) cf_sb_printf(b, "  \"%s\": null,\n", key);
-    else cf_sb_printf(b, "  \"%s\": %d,\n", key, id);
+    else if (nextra <= 0) cf_sb_printf(b, "  \"%s\": %d,\n", key, id);
+    else {
+        cf_sb_printf(b, "  \"%s\": [\n    %d", key, id);
+        for (int i = 0; i < nextra; i++) cf_sb_printf(b, ",\n    %d", extra[i]);
+        cf_sb_printf(b, "\n  ],\n");
+    }
 }
 
 /* The rope dict, in the llama3 layout both transformers 4.4x and 5 read. */
@@ -652,7 +706,7 @@ int cf_config_save_as(const cf_config *cfg, const char *path, const char *dtype)
     if (strcmp(dtype, "float32") != 0 && strcmp(dtype, "bfloat16") != 0)
         return cf_fail("%s: unsupported dtype '%s' (float32 or bfloat16)", path, dtype);
     if (!cfg || !path) return cf_fail("config save: NULL argument");
-    if (validate_named(cfg, path) != 0) return -1;
+    if (validate_named(cfg, path, NULL, NULL) != 0) return -1;
     const cf_config *c = cfg;
     cf_model_type mt = c->model_type;
     cf_sbuf b = {0};
@@ -661,9 +715,9 @@ int cf_config_save_as(const cf_config *cfg, const char *path, const char *dtype)
     if (mt != CF_MODEL_QWEN2)   /* qwen2's biases are fixed by the architecture */
         cf_sb_printf(&b, "  \"attention_bias\": %s,\n", c->qkv_bias ? "true" : "false");
     cf_sb_printf(&b, "  \"attention_dropout\": 0.0,\n");
-    sb_token_id(&b, "bos_token_id", c->bos_token_id);
+    sb_token_id(&b, "bos_token_id", c->bos_token_id, NULL, 0);
     cf_sb_printf(&b, "  \"dtype\": \"%s\",\n", dtype);
-    sb_token_id(&b, "eos_token_id", c->eos_token_id);
+    sb_token_id(&b, "eos_token_id", c->eos_token_id, c->extra_eos_ids, c->num_extra_eos);
     cf_sb_printf(&b, "  \"head_dim\": %d,\n", c->head_dim);
     cf_sb_printf(&b, "  \"hidden_act\": \"silu\",\n");
     cf_sb_printf(&b, "  \"hidden_size\": %d,\n", c->hidden_size);

@@ -167,7 +167,8 @@ static int fz_config_equal(const cf_config *a, const cf_config *b) {
     EQ(num_attention_heads); EQ(num_key_value_heads); EQ(head_dim); EQ(max_position_embeddings);
     EQ(rms_norm_eps); EQ(rope_theta); EQ(tie_word_embeddings); EQ(qkv_bias); EQ(o_bias); EQ(qk_norm);
     EQ(rope_llama3); EQ(rope_factor); EQ(rope_low_freq_factor); EQ(rope_high_freq_factor);
-    EQ(rope_original_max_pos); EQ(sliding_window); EQ(bos_token_id); EQ(eos_token_id);
+    EQ(rope_original_max_pos); EQ(sliding_window); EQ(bos_token_id); EQ(eos_token_id); EQ(num_extra_eos);
+    for (int i = 0; i < a->num_extra_eos; i++) EQ(extra_eos_ids[i]);
 #undef EQ
     return 1;
 }

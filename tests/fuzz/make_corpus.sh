@@ -100,6 +100,7 @@ printf '{"model_type": "llama", "vocab_size": 64, "hidden_size": 16, "intermedia
 printf '{"model_type": "qwen2", "vocab_size": 64, "hidden_size": 16, "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 4, "use_sliding_window": true}' >"$C/bad_qwen2_sliding.json"
 printf '{"model_type": "llama", "vocab_size": 64, "hidden_size": 15, "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 5}' >"$C/bad_odd_head_dim.json"
 printf '{"model_type": "llama", "vocab_size": 64, "hidden_size": 16, "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 4, "bos_token_id": 64}' >"$C/bad_bos_beyond_vocab.json"
+printf '{"model_type": "llama", "vocab_size": 64, "hidden_size": 16, "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 4, "eos_token_id": [2, 63, 64]}' >"$C/bad_eos_list_beyond_vocab.json"
 
 # ------------------------------------------------------------ safetensors
 A='{"__metadata__":{"format":"pt"},"a":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]},"b":{"dtype":"BF16","shape":[3],"data_offsets":[16,22]}}'
