@@ -146,6 +146,51 @@ else
   echo "  FAIL --tp not dividing the world (rc=$rc)"; sed 's/^/      /' "$T/err" | head -3; fails=$((fails+1))
 fi
 
+echo "== launchers: every command but train runs in one process"
+# launch VAR=value...: export these for the cases that follow (launch: none)
+L_VARS=()
+launch() {
+  local v; for v in ${L_VARS[@]+"${L_VARS[@]}"}; do unset "$v"; done; L_VARS=()
+  for v in "$@"; do export "$v"; L_VARS+=("${v%%=*}"); done
+}
+TORCHRUN2=(RANK=1 WORLD_SIZE=2 LOCAL_RANK=1 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500)
+echo "one document" >"$T/l.txt"
+launch "${TORCHRUN2[@]}"
+expect_status 2 "eval under torchrun with 2 processes" "started as rank 1 of 2 by torchrun (WORLD_SIZE=2); eval runs in one process: start it without a launcher, or with one process" -- eval --model "$MODEL" --data "$T/good.bin" --seq 32
+expect_status 2 "bench under torchrun with 2 processes" "rank 1 of 2 by torchrun (WORLD_SIZE=2); bench runs in one process" -- bench --config tiny --steps 1 --warmup 0 --seq 32 --modes regular
+for c in "score --model $MODEL --data $T/good.bin --out $T/l.ref.bin" "generate --model $MODEL --prompt-ids 1 --max-new 1" \
+         "gen-data --source clean --tokens 100 --out $T/l.bin" "convert --model $MODEL --out $T/l.conv" \
+         "tokenize --tokenizer $(dirname "$0")/data/tokenizer/bytelevel.json --input $T/l.txt --out $T/l.tok" \
+         "math-eval --model $MODEL --problems 4" \
+         "demo --out $T/l.demo --steps 1"; do
+  expect_status 2 "${c%% *} under torchrun with 2 processes" "${c%% *} runs in one process" -- $c
+done
+n=$((n+1))
+if ls -d "$T"/l.ref.bin "$T"/l.bin "$T"/l.conv "$T"/l.tok* "$T"/l.demo 2>/dev/null | grep -q .; then
+  echo "  FAIL a refused launch left an output"; fails=$((fails+1))
+else echo "  ok   a refused launch leaves no output"; fi
+launch OMPI_COMM_WORLD_RANK=0 OMPI_COMM_WORLD_SIZE=4 OMPI_COMM_WORLD_LOCAL_RANK=0 OMPI_COMM_WORLD_LOCAL_SIZE=4
+expect_status 2 "eval under mpirun -np 4" "rank 0 of 4 by mpirun (OMPI_COMM_WORLD_SIZE=4); eval runs in one process" -- eval --model "$MODEL" --data "$T/good.bin" --seq 32
+expect_status 2 "bench under mpirun -np 4" "rank 0 of 4 by mpirun (OMPI_COMM_WORLD_SIZE=4); bench runs in one process" -- bench --config tiny --steps 1 --warmup 0 --seq 32 --modes regular
+# several hosts without a local rank: still the one-process line (placement does not matter to it)
+launch SLURM_PROCID=3 SLURM_STEP_NUM_TASKS=4 SLURM_NODEID=1 SLURM_STEP_TASKS_PER_NODE='2(x2)'
+expect_status 2 "eval under srun -n 4" "rank 3 of 4 by srun (SLURM_STEP_NUM_TASKS=4); eval runs in one process" -- eval --model "$MODEL" --data "$T/good.bin" --seq 32
+expect_status 2 "bench under srun -n 4" "rank 3 of 4 by srun (SLURM_STEP_NUM_TASKS=4); bench runs in one process" -- bench --config tiny --steps 1 --warmup 0 --seq 32 --modes regular
+launch WORLD_SIZE=2
+expect_status 2 "eval with WORLD_SIZE but no RANK" "WORLD_SIZE is set but RANK is not" -- eval --model "$MODEL" --data "$T/good.bin" --seq 32
+# one process under a launcher (torchrun --nproc_per_node 1), a Slurm batch
+# script (not a step) and a stray MASTER_PORT: these run
+for e in "RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500" \
+         "SLURM_PROCID=0 SLURM_NTASKS=4 SLURM_JOB_ID=7" "MASTER_PORT=not-a-port"; do
+  launch $e
+  n=$((n+1))
+  if "$BIN" eval --model "$MODEL" --data "$T/good.bin" --seq 32 >"$T/out" 2>"$T/err" && grep -q "eval: " "$T/out" &&
+     "$BIN" bench --config tiny --steps 1 --warmup 0 --seq 32 --modes regular >"$T/out" 2>"$T/err"; then
+    echo "  ok   eval and bench run in one process with $e"
+  else echo "  FAIL eval or bench with $e:"; sed 's/^/      /' "$T/err" | head -3; fails=$((fails+1)); fi
+done
+launch
+
 echo "== no partial output"
 n=$((n+1))
 "$BIN" train --data "$T/bigid.bin" --steps 1 --out "$T/never" >/dev/null 2>&1

@@ -248,6 +248,58 @@ TEST(env_several_hosts_without_master_addr_tell_the_user_to_export_it) {
     PARSE_FAILS(FR("MASTER_ADDR is not set", "maybe on several hosts"), "RANK=0", "WORLD_SIZE=4", "LOCAL_RANK=0");
 }
 
+/* cf_dist_env_world (the commands that run in one process): the launcher,
+ * rank and world size of cf_dist_env_parse, without the local-rank and
+ * rendezvous checks that only several processes need. */
+#define WORLD_IS(l_, r_, w_, ...) do { \
+    env_load((const char *[]){__VA_ARGS__, NULL}); \
+    cf_launcher gl_; int gr_ = -7, gw_ = -7; \
+    int rc_ = cf_dist_env_world(fake_getenv, &gl_, &gr_, &gw_); \
+    CHECK_MSG(rc_ == 0 && gl_ == (l_) && gr_ == (r_) && gw_ == (w_), "{%s}: rc %d (%s), %s rank %d of %d", \
+              #__VA_ARGS__, rc_, rc_ ? cf_last_error() : "", cf_launcher_name(gl_), gr_, gw_); \
+} while (0)
+
+TEST(env_world_alone_reads_rank_and_size_with_the_same_precedence_and_nothing_else) {
+    WORLD_IS(CF_LAUNCH_NONE, 0, 1, "HOME=/root");
+    WORLD_IS(CF_LAUNCH_TORCHRUN, 1, 2, "RANK=1", "WORLD_SIZE=2", "LOCAL_RANK=1", "LOCAL_WORLD_SIZE=2");
+    WORLD_IS(CF_LAUNCH_TORCHRUN, 0, 1, "RANK=0", "WORLD_SIZE=1", "LOCAL_RANK=0", "LOCAL_WORLD_SIZE=1");
+    WORLD_IS(CF_LAUNCH_MPI, 3, 4, "OMPI_COMM_WORLD_RANK=3", "OMPI_COMM_WORLD_SIZE=4", "SLURM_PROCID=0",
+             "SLURM_STEP_NUM_TASKS=1");
+    WORLD_IS(CF_LAUNCH_SLURM, 1, 2, "SLURM_PROCID=1", "SLURM_STEP_NUM_TASKS=2");
+    WORLD_IS(CF_LAUNCH_NONE, 0, 1, "SLURM_PROCID=0", "SLURM_NTASKS=8");   /* a batch script */
+    /* what only several processes need is not read: a missing local rank on
+     * several hosts, MASTER_ADDR, a bad MASTER_PORT or NCCL_COMM_ID, a stray
+     * LOCAL_RANK */
+    WORLD_IS(CF_LAUNCH_MPI, 0, 2, "OMPI_COMM_WORLD_RANK=0", "OMPI_COMM_WORLD_SIZE=2", "MASTER_PORT=zz");
+    WORLD_IS(CF_LAUNCH_SLURM, 1, 4, "SLURM_PROCID=1", "SLURM_STEP_NUM_TASKS=4", "SLURM_STEP_TASKS_PER_NODE=2(x2)");
+    WORLD_IS(CF_LAUNCH_NONE, 0, 1, "LOCAL_RANK=0", "NCCL_COMM_ID=nohostport");
+    /* a contradictory or malformed pair still fails, with the parser's line */
+    cf_launcher l;
+    int r, w;
+    env_load((const char *[]){"WORLD_SIZE=2", NULL});
+    CHECK(cf_dist_env_world(fake_getenv, &l, &r, &w) == -1 && err_has("WORLD_SIZE is set but RANK is not"));
+    env_load((const char *[]){"RANK=2", "WORLD_SIZE=2", NULL});
+    CHECK(cf_dist_env_world(fake_getenv, &l, &r, &w) == -1 && err_has("a rank must be below"));
+    env_load((const char *[]){"OMPI_COMM_WORLD_RANK=0", "OMPI_COMM_WORLD_SIZE= 2", NULL});
+    CHECK(cf_dist_env_world(fake_getenv, &l, &r, &w) == -1 && err_has("OMPI_COMM_WORLD_SIZE: ' 2'"));
+    /* where the full parse succeeds, both agree */
+    const char *envs[][8] = {
+        {"RANK=5", "WORLD_SIZE=8", "LOCAL_RANK=1", "LOCAL_WORLD_SIZE=4", "MASTER_ADDR=a", NULL},
+        {"OMPI_COMM_WORLD_RANK=6", "OMPI_COMM_WORLD_SIZE=8", "OMPI_COMM_WORLD_LOCAL_RANK=2",
+         "OMPI_COMM_WORLD_LOCAL_SIZE=4", "MASTER_ADDR=a", NULL},
+        {"SLURM_PROCID=3", "SLURM_STEP_NUM_TASKS=4", "SLURM_LOCALID=1", "SLURM_NODEID=1",
+         "SLURM_STEP_TASKS_PER_NODE=2(x2)", "MASTER_ADDR=a", NULL},
+        {"SLURM_PROCID=0", "SLURM_NTASKS=8", NULL},
+    };
+    for (size_t i = 0; i < sizeof envs / sizeof envs[0]; i++) {
+        env_load(envs[i]);
+        cf_dist_env e;
+        CHECK(cf_dist_env_parse(&e, fake_getenv) == 0);
+        CHECK(cf_dist_env_world(fake_getenv, &l, &r, &w) == 0);
+        CHECK(l == e.launcher && r == e.rank && w == e.world_size);
+    }
+}
+
 TEST(env_null_getenv_reads_the_process_environment) {
     setenv("RANK", "1", 1);
     setenv("WORLD_SIZE", "2", 1);
@@ -1006,6 +1058,7 @@ int main(void) {
     RUN(env_out_of_range_ranks_and_sizes_fail);
     RUN(env_bad_master_port_and_addr_fail_naming_the_variable);
     RUN(env_several_hosts_without_master_addr_tell_the_user_to_export_it);
+    RUN(env_world_alone_reads_rank_and_size_with_the_same_precedence_and_nothing_else);
     RUN(env_null_getenv_reads_the_process_environment);
     RUN(pick_device_is_the_local_rank_and_fails_when_too_few_gpus_are_visible);
     RUN(plan_properties_hold_for_several_tensor_lists_and_world_sizes);

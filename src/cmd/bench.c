@@ -201,6 +201,7 @@ int cmd_bench(int argc, char **argv) {
                           opts, nopts, argc, argv);
     if (pr == 1) return 0;
     if (pr < 0) return cf_cli_error("bench", 2);
+    if (cf_cli_check_single_process("bench") != 0) return cf_cli_error("bench", 2);
     /* --config has a default; given with --model, one of them would be ignored */
     if (cf_cli_check_model_flags(opts[0].seen ? config : NULL, opts[1].seen ? model_dir : NULL, device) != 0)
         return cf_cli_error("bench", 2);

@@ -7,6 +7,7 @@
 #include "base/common.h"
 #include "centrifuge.h"
 #include "cmd/runfiles.h"
+#include "dist/launch.h"
 
 int cf_parse_count(const char *s, long lo, long hi, const char *what, long *out) {
     char buf[64];
@@ -101,6 +102,20 @@ int cf_cli_check_model_flags(const char *config, const char *model_dir, const ch
     cf_backend_kind kind;
     int dev = 0;
     return device ? cf_backend_parse(device, &kind, &dev) : 0;
+}
+
+int cf_cli_check_single_process(const char *cmd) {
+    cf_launcher l;
+    int rank, world;
+    /* only the rank and world size: a stray rendezvous or local-rank variable
+     * in the shell does not matter to one process */
+    if (cf_dist_env_world(NULL, &l, &rank, &world) != 0) return -1;   /* cannot tell: the parser's line */
+    if (world <= 1) return 0;
+    const char *by = "srun", *size_var = "SLURM_STEP_NUM_TASKS";
+    if (l == CF_LAUNCH_TORCHRUN) by = "torchrun", size_var = "WORLD_SIZE";
+    else if (l == CF_LAUNCH_MPI) by = "mpirun", size_var = "OMPI_COMM_WORLD_SIZE";
+    return cf_fail("started as rank %d of %d by %s (%s=%d); %s runs in one process: start it without a launcher, "
+                   "or with one process", rank, world, by, size_var, world, cmd);
 }
 
 int cf_cli_error(const char *cmd, int code) {

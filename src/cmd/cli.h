@@ -31,6 +31,16 @@ int cf_parse_count(const char *s, long lo, long hi, const char *what, long *out)
  * config/device may be NULL (the command has no such flag). 0 or -1. */
 int cf_cli_check_model_flags(const char *config, const char *model_dir, const char *device);
 
+/* Every command but train runs in one process: started by a launcher
+ * (torchrun, srun, mpirun) with a world size above 1, each rank would do the
+ * whole work and write the same outputs. -1 then ("started as rank 1 of 2 by
+ * torchrun (WORLD_SIZE=2); eval runs in one process: ..."), and -1 with the
+ * launch parser's line when the rank and size variables contradict each
+ * other; 0 for no launcher or a world of one. Local-rank and rendezvous
+ * variables are not read (cf_dist_env_world). Called right after the flags
+ * are parsed; a usage error (exit 2). */
+int cf_cli_check_single_process(const char *cmd);
+
 /* Prints "centrifuge <cmd>: error: <last error>" to stderr; returns code. */
 int cf_cli_error(const char *cmd, int code);
 

@@ -46,6 +46,7 @@ int cmd_gen_data(int argc, char **argv) {
     int rc = cf_cli_parse(CMD, USAGE, opts, nopts, argc, argv);
     if (rc == 1) return 0;   /* --help */
     if (rc != 0) return cf_cli_error(CMD, 2);
+    if (cf_cli_check_single_process(CMD) != 0) return cf_cli_error(CMD, 2);
 
     cf_world w;
     if (cf_world_parse(world, &w) != 0) return cf_cli_error(CMD, 2);

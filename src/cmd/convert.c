@@ -35,6 +35,7 @@ int cmd_convert(int argc, char **argv) {
                           opts, nopts, argc, argv);
     if (pr == 1) return 0;
     if (pr < 0) return cf_cli_error("convert", 2);
+    if (cf_cli_check_single_process("convert") != 0) return cf_cli_error("convert", 2);
     if (!model_dir || !out) { cf_fail("--model and --out are required"); return cf_cli_error("convert", 2); }
     if (merge != (adapter != NULL)) {
         cf_fail(merge ? "--merge-lora needs --adapter DIR" : "--adapter needs --merge-lora (the output is a merged model)");

@@ -273,6 +273,7 @@ int cmd_demo(int argc, char **argv) {
                           opts, nopts, argc, argv);
     if (pr == 1) return 0;
     if (pr < 0) return cf_cli_error("demo", 2);
+    if (cf_cli_check_single_process("demo") != 0) return cf_cli_error("demo", 2);
     if (cf_mkdir_p(out) != 0) return cf_cli_error("demo", 1);
     cf_datagen_set_world(CF_WORLD_SMALL);
     double t0 = cf_now();
@@ -404,6 +405,7 @@ int cmd_math_eval(int argc, char **argv) {
                           "Answer accuracy by greedy decoding on held-out problems, per family.", opts, nopts, argc, argv);
     if (pr == 1) return 0;
     if (pr < 0) return cf_cli_error("math-eval", 2);
+    if (cf_cli_check_single_process("math-eval") != 0) return cf_cli_error("math-eval", 2);
     if (!model_dir) { cf_fail("--model is required"); return cf_cli_error("math-eval", 2); }
     cf_world w;
     if (cf_world_parse(world, &w) != 0) return cf_cli_error("math-eval", 2);

@@ -59,6 +59,7 @@ int cmd_eval(int argc, char **argv) {
                           opts, nopts, argc, argv);
     if (pr == 1) return 0;
     if (pr < 0) return cf_cli_error("eval", 2);
+    if (cf_cli_check_single_process("eval") != 0) return cf_cli_error("eval", 2);
     if (cf_cli_check_model_flags(config, model_dir, device) != 0) return cf_cli_error("eval", 2);
     if (!data) { cf_fail("--data is required"); return cf_cli_error("eval", 2); }
     if (!model_dir && !config) { cf_fail("--model (or --config) is required"); return cf_cli_error("eval", 2); }
@@ -178,6 +179,7 @@ int cmd_score(int argc, char **argv) {
                           opts, nopts, argc, argv);
     if (pr == 1) return 0;
     if (pr < 0) return cf_cli_error("score", 2);
+    if (cf_cli_check_single_process("score") != 0) return cf_cli_error("score", 2);
     if (!model_dir || !data) { cf_fail("--model and --data are required"); return cf_cli_error("score", 2); }
     if (cf_cli_check_model_flags(NULL, model_dir, device) != 0) return cf_cli_error("score", 2);
     char **paths = NULL;

@@ -68,6 +68,7 @@ int cmd_generate(int argc, char **argv) {
                           "is printed after the prompt, in bold on a terminal.", opts, nopts, argc, argv);
     if (pr == 1) return 0;
     if (pr < 0) return cf_cli_error("generate", 2);
+    if (cf_cli_check_single_process("generate") != 0) return cf_cli_error("generate", 2);
     if (!model_dir) { cf_fail("--model is required"); return cf_cli_error("generate", 2); }
     if (!prompt == !ids) { cf_fail("give exactly one of --prompt and --prompt-ids"); return cf_cli_error("generate", 2); }
     /* strtok below skips empty items: "5,,6" would silently be the prompt 5,6 */

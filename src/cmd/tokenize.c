@@ -648,6 +648,7 @@ int cmd_tokenize(int argc, char **argv) {
     int rc = cf_cli_parse(CMD, USAGE, opts, nopts, argc, argv);
     if (rc == 1) { free(inputs); return 0; }
     if (rc != 0) { free(inputs); return cf_cli_error(CMD, 2); }
+    if (cf_cli_check_single_process(CMD) != 0) { free(inputs); return cf_cli_error(CMD, 2); }
 
     tk_run r;
     memset(&r, 0, sizeof r);

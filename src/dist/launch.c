@@ -126,6 +126,46 @@ static int format_comm_id(cf_dist_env *e) {
     return 0;
 }
 
+/* Which launcher started this process, its rank and the world size, by the
+ * precedence torchrun > mpirun > srun (launch.h); no launcher: rank 0 of 1.
+ * *present = 0 then. */
+static int read_world(cf_launcher *launcher, long *rank, long *size, int *present) {
+    *launcher = CF_LAUNCH_NONE;
+    *rank = 0;
+    *size = 1;
+    if (read_pair("RANK", "WORLD_SIZE", CF_DIST_MAX_WORLD, present, rank, size) != 0) return -1;
+    if (*present) { *launcher = CF_LAUNCH_TORCHRUN; return 0; }
+    if (read_pair("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", CF_DIST_MAX_WORLD, present, rank, size) != 0)
+        return -1;
+    if (*present) { *launcher = CF_LAUNCH_MPI; return 0; }
+    /* srun. Only a task of a job step has SLURM_STEP_NUM_TASKS (Slurm's
+     * env_array_for_step); a batch script or salloc shell has SLURM_PROCID=0
+     * and the allocation's SLURM_NTASKS without being one of several
+     * processes, so there SLURM_NTASKS is not read and the process runs alone.
+     * SLURM_NTASKS equals SLURM_STEP_NUM_TASKS in a step, except under
+     * srun --preserve-env, which keeps the allocation's: the step's is the truth. */
+    if (env("SLURM_STEP_NUM_TASKS")) {
+        if (read_pair("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", CF_DIST_MAX_WORLD, present, rank, size) != 0) return -1;
+        *launcher = CF_LAUNCH_SLURM;
+    }
+    return 0;
+}
+
+int cf_dist_env_world(const char *(*getenv_fn)(const char *name), cf_launcher *launcher, int *rank, int *world_size) {
+    g_getenv = getenv_fn ? getenv_fn : sys_getenv;
+    long r, s;
+    int present;
+    cf_launcher l;
+    *launcher = CF_LAUNCH_NONE;
+    *rank = 0;
+    *world_size = 1;
+    if (read_world(&l, &r, &s, &present) != 0) return -1;
+    *launcher = l;
+    *rank = (int)r;
+    *world_size = (int)s;
+    return 0;
+}
+
 int cf_dist_env_parse(cf_dist_env *out, const char *(*getenv_fn)(const char *name)) {
     cf_dist_env e;
     memset(&e, 0, sizeof e);
@@ -136,10 +176,15 @@ int cf_dist_env_parse(cf_dist_env *out, const char *(*getenv_fn)(const char *nam
     long rank = 0, size = 1, lrank = -1, lsize = 0;
     const char *lr_name = "", *ls_name = "";
 
+    /* a torchrun-style local rank without the global pair (when one of the
+     * pair is set, read_world names the other) */
+    if (!env("RANK") && !env("WORLD_SIZE") && (env("LOCAL_RANK") || env("LOCAL_WORLD_SIZE")))
+        return cf_fail("%s is set but RANK and WORLD_SIZE are not: a torchrun-style launch needs all of them",
+                       env("LOCAL_RANK") ? "LOCAL_RANK" : "LOCAL_WORLD_SIZE");
+    if (read_world(&e.launcher, &rank, &size, &present) != 0) return -1;
+
     /* torchrun */
-    if (read_pair("RANK", "WORLD_SIZE", CF_DIST_MAX_WORLD, &present, &rank, &size) != 0) return -1;
-    if (present) {
-        e.launcher = CF_LAUNCH_TORCHRUN;
+    if (e.launcher == CF_LAUNCH_TORCHRUN) {
         lr_name = "LOCAL_RANK";
         ls_name = "LOCAL_WORLD_SIZE";
         const char *lr = env("LOCAL_RANK"), *ls = env("LOCAL_WORLD_SIZE");
@@ -148,34 +193,19 @@ int cf_dist_env_parse(cf_dist_env *out, const char *(*getenv_fn)(const char *nam
         if (ls && parse_count("LOCAL_WORLD_SIZE", ls, CF_DIST_MAX_WORLD, &lsize) != 0) return -1;
         if (ls && lsize < 1) return cf_fail("LOCAL_WORLD_SIZE=%ld: the number of processes must be at least 1", lsize);
         if (!lr) { lrank = rank; lsize = size; }   /* neither: all ranks on this host */
-    } else if (env("LOCAL_RANK") || env("LOCAL_WORLD_SIZE")) {
-        return cf_fail("%s is set but RANK and WORLD_SIZE are not: a torchrun-style launch needs all of them",
-                       env("LOCAL_RANK") ? "LOCAL_RANK" : "LOCAL_WORLD_SIZE");
     }
 
     /* mpirun (Open MPI) */
-    if (!present) {
-        if (read_pair("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", CF_DIST_MAX_WORLD, &present, &rank, &size) != 0)
-            return -1;
-        if (present) {
-            e.launcher = CF_LAUNCH_MPI;
-            lr_name = "OMPI_COMM_WORLD_LOCAL_RANK";
-            ls_name = "OMPI_COMM_WORLD_LOCAL_SIZE";
-            int lp = 0;
-            if (read_pair(lr_name, ls_name, CF_DIST_MAX_WORLD, &lp, &lrank, &lsize) != 0) return -1;
-            if (!lp) { lrank = -1; lsize = 0; }
-        }
+    if (e.launcher == CF_LAUNCH_MPI) {
+        lr_name = "OMPI_COMM_WORLD_LOCAL_RANK";
+        ls_name = "OMPI_COMM_WORLD_LOCAL_SIZE";
+        int lp = 0;
+        if (read_pair(lr_name, ls_name, CF_DIST_MAX_WORLD, &lp, &lrank, &lsize) != 0) return -1;
+        if (!lp) { lrank = -1; lsize = 0; }
     }
 
-    /* srun. Only a task of a job step has SLURM_STEP_NUM_TASKS (Slurm's
-     * env_array_for_step); a batch script or salloc shell has SLURM_PROCID=0
-     * and the allocation's SLURM_NTASKS without being one of several
-     * processes, so there SLURM_NTASKS is not read and the process runs alone.
-     * SLURM_NTASKS equals SLURM_STEP_NUM_TASKS in a step, except under
-     * srun --preserve-env, which keeps the allocation's: the step's is the truth. */
-    if (!present && env("SLURM_STEP_NUM_TASKS")) {
-        if (read_pair("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", CF_DIST_MAX_WORLD, &present, &rank, &size) != 0) return -1;
-        e.launcher = CF_LAUNCH_SLURM;
+    /* srun */
+    if (e.launcher == CF_LAUNCH_SLURM) {
         lr_name = "SLURM_LOCALID";
         ls_name = env("SLURM_STEP_TASKS_PER_NODE") ? "SLURM_STEP_TASKS_PER_NODE"
                   : env("SLURM_TASKS_PER_NODE") ? "SLURM_TASKS_PER_NODE" : "SLURM_NTASKS_PER_NODE";

@@ -80,6 +80,13 @@ const char *cf_launcher_name(cf_launcher l);
  * variable (e.g. "WORLD_SIZE is set but RANK is not ..."). */
 int cf_dist_env_parse(cf_dist_env *out, const char *(*getenv_fn)(const char *name));
 
+/* Only which launcher started this process, its rank and the world size (the
+ * precedence above; no launcher: CF_LAUNCH_NONE, rank 0 of 1), for commands
+ * that run in one process: neither the local placement nor the rendezvous
+ * variables are read, so only a contradictory or malformed rank/size pair
+ * fails (-1, the same line as cf_dist_env_parse gives). */
+int cf_dist_env_world(const char *(*getenv_fn)(const char *name), cf_launcher *launcher, int *rank, int *world_size);
+
 /* The CUDA device of this rank: its local rank. Fails with a line such as
  * "rank 3 needs GPU 3 but only 2 are visible (CUDA_VISIBLE_DEVICES=0,1)". */
 int cf_dist_pick_device(const cf_dist_env *env, int visible_gpus, int *device);
