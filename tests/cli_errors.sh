@@ -72,6 +72,10 @@ expect_error "keep above one" "keep" -- train --keep 1.5 --steps 1
 expect_error "keep not a number" "keep" -- train --keep half
 expect_error "batch zero" "batch" -- train --batch 0
 expect_error "seq not an integer" "seq" -- train --seq 12x
+# strtol/strtod skip leading white space: " 5" was read as 5
+expect_status 2 "steps with a leading space" "steps: ' 5' is not an integer" -- train --steps " 5"
+expect_status 2 "lr with a trailing space" "lr: '1e-3 ' is not a finite number" -- train --lr "1e-3 " --steps 1
+expect_error "prompt-ids item with a space" "prompt-ids: ' 6' is not an integer" -- generate --model "$MODEL" --prompt-ids "5, 6" --max-new 1
 expect_error "missing value" "needs a value" -- train --steps
 expect_error "flag twice" "twice" -- train --steps 1 --steps 2
 expect_error "unknown mode" "unknown mode 'fast'" -- train --mode fast

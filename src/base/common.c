@@ -822,12 +822,21 @@ const char *cf_printable(const char *s, char *buf, size_t cap) {
 
 /* ---------------------------------------------------------------- parsing */
 
+/* strtol and strtod skip leading white space (and stop at trailing): " 5"
+ * and "5\n" are not what a user meant to give as a number. */
+static int edge_space(const char *s) {
+    size_t n = strlen(s);
+    unsigned char a = (unsigned char)s[0], z = (unsigned char)s[n - 1];
+    return a == ' ' || (a >= '\t' && a <= '\r') || z == ' ' || (z >= '\t' && z <= '\r');
+}
+
 int cf_parse_int(const char *s, long lo, long hi, const char *what, long *out) {
     if (!s || !*s) return cf_fail("%s: expected an integer, got an empty value", what);
-    char *end;
+    char *end, shown[64];
     errno = 0;
     long v = strtol(s, &end, 10);
-    if (*end || errno) return cf_fail("%s: '%s' is not an integer", what, s);
+    if (*end || errno || edge_space(s))
+        return cf_fail("%s: '%s' is not an integer", what, cf_printable(s, shown, sizeof shown));
     if (v < lo || v > hi) return cf_fail("%s: %ld is outside [%ld, %ld]", what, v, lo, hi);
     *out = v;
     return 0;
@@ -835,10 +844,11 @@ int cf_parse_int(const char *s, long lo, long hi, const char *what, long *out) {
 
 int cf_parse_float(const char *s, double lo, double hi, const char *what, double *out) {
     if (!s || !*s) return cf_fail("%s: expected a number, got an empty value", what);
-    char *end;
+    char *end, shown[64];
     errno = 0;
     double v = strtod(s, &end);
-    if (*end || errno || !isfinite(v)) return cf_fail("%s: '%s' is not a finite number", what, s);
+    if (*end || errno || !isfinite(v) || edge_space(s))
+        return cf_fail("%s: '%s' is not a finite number", what, cf_printable(s, shown, sizeof shown));
     if (v < lo || v > hi) return cf_fail("%s: %g is outside [%g, %g]", what, v, lo, hi);
     *out = v;
     return 0;

@@ -22,7 +22,7 @@ int cf_parse_count(const char *s, long lo, long hi, const char *what, long *out)
     if (mult > 1) buf[n - 1] = 0;
     long v;
     if (cf_parse_int(buf, 0, hi / mult, what, &v) != 0) {
-        if (mult > 1) return cf_fail("%s: '%s' is not a count (examples: 1000, 50k, 2M)", what, s);
+        if (mult > 1) return cf_fail("%s: '%s' is not a count (examples: 1000, 50k, 2M)", what, cf_printable(s, buf, sizeof buf));
         return -1;
     }
     v *= mult;
