@@ -75,7 +75,7 @@ expect_error "seq not an integer" "seq" -- train --seq 12x
 # strtol/strtod skip leading white space: " 5" was read as 5
 expect_status 2 "steps with a leading space" "steps: ' 5' is not an integer" -- train --steps " 5"
 expect_status 2 "lr with a trailing space" "lr: '1e-3 ' is not a finite number" -- train --lr "1e-3 " --steps 1
-expect_error "prompt-ids item with a space" "prompt-ids: ' 6' is not an integer" -- generate --model "$MODEL" --prompt-ids "5, 6" --max-new 1
+expect_status 2 "prompt-ids item with a space" "prompt-ids: ' 6' is not an integer" -- generate --model "$MODEL" --prompt-ids "5, 6" --max-new 1
 expect_error "missing value" "needs a value" -- train --steps
 expect_error "flag twice" "twice" -- train --steps 1 --steps 2
 expect_error "unknown mode" "unknown mode 'fast'" -- train --mode fast
@@ -109,6 +109,12 @@ done
 expect_status 2 "train --config and --model exit 2" "not both" -- train --config tiny --model "$MODEL" --steps 1
 expect_status 2 "eval --config and --model exit 2" "not both" -- eval --config tiny --model "$MODEL" --data "$T/good.bin"
 expect_status 2 "bench --config and --model: refused, not one of them ignored" "not both" -- bench --config tiny --model "$MODEL" --steps 1
+# usage errors found before the model opens (they exited 1 when the model refused them)
+expect_status 2 "bench --layers with --model exits 2" "--layers cuts a --config's layers" -- bench --model "$MODEL" --layers 1 --steps 1
+expect_status 2 "bench --lora-targets without --lora-rank" "LoRA options need --lora-rank" -- bench --config tiny --lora-targets q,v --steps 1
+expect_status 2 "bench --lora-alpha without --lora-rank" "LoRA options need --lora-rank" -- bench --config tiny --lora-alpha 4 --steps 1
+expect_status 2 "generate --prompt-ids item not an integer exits 2" "prompt-ids: 'x' is not an integer" -- generate --model "$MODEL" --prompt-ids 5,x --max-new 1
+expect_status 2 "generate --prompt-ids item negative exits 2" "prompt-ids: -1 is outside" -- generate --model "$MODEL" --prompt-ids 5,-1 --max-new 1
 expect_status 2 "bench --seq with more values than it runs" "more than 16 values" -- bench --seq 1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17 --steps 1
 expect_status 2 "train --lora-targets naming no module" "',' has an empty item" -- train --lora-rank 2 --lora-targets , --steps 1
 expect_status 2 "train --lora-targets with an empty item" "'q,,v' has an empty item" -- train --lora-rank 2 --lora-targets q,,v --steps 1
@@ -135,7 +141,8 @@ expect_error "safetensors header beyond file" "model.safetensors" -- eval --mode
 expect_error "model dir missing" "config.json" -- eval --model "$T/nowhere" --data "$T/good.bin"
 
 # tensor parallelism: launch mistakes (checked before any GPU is touched)
-expect_error "--tp without a launcher" "needs 2 processes" -- train --config tiny --tp 2 --steps 1
+expect_status 2 "--tp without a launcher" "needs 2 processes" -- train --config tiny --tp 2 --steps 1
+expect_status 2 "--tp with --lora-rank" "--tp with LoRA adapters is not supported" -- train --config tiny --tp 2 --lora-rank 2 --steps 1
 expect_error "--dp-grad-dtype fp16" "--dp-grad-dtype: fp32 or bf16, got 'fp16'" -- train --config tiny --dp-grad-dtype fp16 --steps 1
 n=$((n+1))
 if "$BIN" train --config tiny --dp-grad-dtype bf16 --steps 1 --batch 2 --seq 32 >/dev/null 2>"$T/err" &&
@@ -144,7 +151,7 @@ else echo "  FAIL --dp-grad-dtype bf16 in one process"; fails=$((fails+1)); fi
 expect_error "--tp 0" "tp" -- train --config tiny --tp 0 --steps 1
 n=$((n+1))
 WORLD_SIZE=3 RANK=0 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29555 "$BIN" train --config tiny --tp 2 --steps 1 >"$T/out" 2>"$T/err"; rc=$?
-if [ $rc -ne 0 ] && [ "$(wc -l <"$T/err")" -eq 1 ] && grep -q "error: --tp 2 does not divide the 3 ranks" "$T/err"; then
+if [ $rc -eq 2 ] && [ "$(wc -l <"$T/err")" -eq 1 ] && grep -q "error: --tp 2 does not divide the 3 ranks" "$T/err"; then
   echo "  ok   --tp not dividing the world: $(cat "$T/err")"
 else
   echo "  FAIL --tp not dividing the world (rc=$rc)"; sed 's/^/      /' "$T/err" | head -3; fails=$((fails+1))

@@ -206,6 +206,19 @@ int cmd_bench(int argc, char **argv) {
     if (cf_cli_check_model_flags(opts[0].seen ? config : NULL, opts[1].seen ? model_dir : NULL, device) != 0)
         return cf_cli_error("bench", 2);
     if (opts[1].seen) config = NULL;
+    /* usage errors, as in train (the model would refuse --layers only once
+     * it opens, and LoRA options without a rank were ignored) */
+    if (layers && model_dir) {
+        cf_fail("--layers cuts a --config's layers; a --model directory keeps its own");
+        return cf_cli_error("bench", 2);
+    }
+    int lora_opts_seen = 0;
+    for (int i = 0; i < nopts; i++)
+        if (opts[i].seen && (!strcmp(opts[i].name, "--lora-alpha") || !strcmp(opts[i].name, "--lora-targets")))
+            lora_opts_seen = 1;
+    if (lora_opts_seen && lora_rank == 0) { cf_fail("LoRA options need --lora-rank"); return cf_cli_error("bench", 2); }
+    unsigned lora_mask = 0;
+    if (lora_rank > 0 && cf_lora_parse_targets(lora_targets, &lora_mask) != 0) return cf_cli_error("bench", 2);
 
     char mbuf[256], kbuf[256], sbuf[256];
     char *mitems[8], *kitems[16], *sitems[16];
@@ -256,7 +269,7 @@ int cmd_bench(int argc, char **argv) {
     if (lora_rank > 0) {
         mo.lora.rank = (int)lora_rank;
         mo.lora.alpha = lora_alpha > 0 ? (float)lora_alpha : (float)lora_rank;
-        if (cf_lora_parse_targets(lora_targets, &mo.lora.targets) != 0) return cf_cli_error("bench", 2);
+        mo.lora.targets = lora_mask;
     }
     cf_model *m = cf_model_open(&mo);
     if (!m) return cf_cli_error("bench", 1);

@@ -118,6 +118,14 @@ int cf_cli_check_single_process(const char *cmd) {
                    "or with one process", rank, world, by, size_var, world, cmd);
 }
 
+int cf_cli_check_tp(int tp) {
+    if (tp <= 1) return 0;
+    cf_launcher l;
+    int rank, world;
+    if (cf_dist_env_world(NULL, &l, &rank, &world) != 0) return 0;   /* a bad environment: train reports it */
+    return cf_dist_check_tp(tp, world, l);
+}
+
 int cf_cli_error(const char *cmd, int code) {
     fprintf(stderr, "centrifuge %s: error: %s\n", cmd, cf_last_error());
     return code;

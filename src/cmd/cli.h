@@ -41,6 +41,12 @@ int cf_cli_check_model_flags(const char *config, const char *model_dir, const ch
  * are parsed; a usage error (exit 2). */
 int cf_cli_check_single_process(const char *cmd);
 
+/* train --tp against the launch, before anything is read: tp > 1 needs a
+ * launcher with a world size that tp divides (cf_dist_check_tp's line). A
+ * launch environment that cannot be read passes here (train's data-parallel
+ * setup reports it, a run-time error). 0 or -1; a usage error (exit 2). */
+int cf_cli_check_tp(int tp);
+
 /* Prints "centrifuge <cmd>: error: <last error>" to stderr; returns code. */
 int cf_cli_error(const char *cmd, int code);
 

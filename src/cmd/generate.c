@@ -74,6 +74,17 @@ int cmd_generate(int argc, char **argv) {
     /* strtok below skips empty items: "5,,6" would silently be the prompt 5,6 */
     if (ids && !*ids) { cf_fail("--prompt-ids: empty"); return cf_cli_error("generate", 2); }
     if (cf_list_check("--prompt-ids", ids) != 0) return cf_cli_error("generate", 2);
+    /* every item a token id, before the model is read (whether it is in the
+     * model's vocabulary is known only then) */
+    for (const char *p = ids; p && *p;) {
+        char item[64];
+        size_t k = strcspn(p, ",");
+        snprintf(item, sizeof item, "%.*s", (int)(k < sizeof item ? k : sizeof item - 1), p);
+        long v;
+        if (k >= sizeof item) { cf_fail("--prompt-ids: '%.20s...' is not an integer", p); return cf_cli_error("generate", 2); }
+        if (cf_parse_int(item, 0, INT32_MAX, "--prompt-ids", &v) != 0) return cf_cli_error("generate", 2);
+        p += k + (p[k] == ',');
+    }
     if (cf_cli_check_model_flags(NULL, model_dir, device) != 0) return cf_cli_error("generate", 2);
     char ckpt[4096];
     if (!(model_dir = cf_resolve_model_dir(model_dir, ckpt, sizeof ckpt))) return cf_cli_error("generate", 1);

@@ -428,6 +428,13 @@ int cmd_train(int argc, char **argv) {
         cf_fail("--layers cuts a --config's layers; a --model directory keeps its own");
         return cf_cli_error("train", 2);
     }
+    /* --tp: the launch it needs, and LoRA (the model would refuse them later,
+     * after the data is read) */
+    if (tp > 1 && lora_rank > 0) {
+        cf_fail("--tp with LoRA adapters is not supported yet: use data parallelism (ZeRO-1) for LoRA");
+        return cf_cli_error("train", 2);
+    }
+    if (cf_cli_check_tp((int)tp) != 0) return cf_cli_error("train", 2);
     if ((vocab_size || vocab_from_data) && model_dir) {
         cf_fail("--%s sizes a --config's vocabulary; a --model directory keeps its own",
                 vocab_size ? "vocab-size" : "vocab-from-data");

@@ -286,6 +286,16 @@ int cf_dist_env_parse(cf_dist_env *out, const char *(*getenv_fn)(const char *nam
     return 0;
 }
 
+int cf_dist_check_tp(int tp, int world_size, cf_launcher launcher) {
+    if (world_size <= 1 && tp > 1)
+        return cf_fail("--tp %d needs %d processes, one per GPU: start them with e.g. torchrun --nproc_per_node %d "
+                       "--no-python ./centrifuge-cuda train ... (docs/DISTRIBUTED.md)", tp, tp, tp);
+    if (world_size > 1 && world_size % tp != 0)
+        return cf_fail("--tp %d does not divide the %d ranks %s started (world = tp x data-parallel ranks)", tp,
+                       world_size, cf_launcher_name(launcher));
+    return 0;
+}
+
 int cf_dist_pick_device(const cf_dist_env *e, int visible_gpus, int *device) {
     if (visible_gpus < 1)
         return cf_fail("rank %d needs a GPU but none is visible (CUDA_VISIBLE_DEVICES=%s)", e->rank,

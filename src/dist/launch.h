@@ -87,6 +87,12 @@ int cf_dist_env_parse(cf_dist_env *out, const char *(*getenv_fn)(const char *nam
  * fails (-1, the same line as cf_dist_env_parse gives). */
 int cf_dist_env_world(const char *(*getenv_fn)(const char *name), cf_launcher *launcher, int *rank, int *world_size);
 
+/* --tp against the launch: a world of one holds no tensor-parallel group
+ * ("--tp 2 needs 2 processes, one per GPU: start them with ..."), and tp
+ * must divide the world ("--tp 2 does not divide the 3 ranks torchrun
+ * started ..."). 0, or -1 with that line. */
+int cf_dist_check_tp(int tp, int world_size, cf_launcher launcher);
+
 /* The CUDA device of this rank: its local rank. Fails with a line such as
  * "rank 3 needs GPU 3 but only 2 are visible (CUDA_VISIBLE_DEVICES=0,1)". */
 int cf_dist_pick_device(const cf_dist_env *env, int visible_gpus, int *device);

@@ -128,15 +128,8 @@ int cf_dist_init_tp(cf_dist **out, int tp, double timeout_s) {
     cf_dist_env env;
     if (tp < 1) return cf_fail("--tp %d must be at least 1", tp);
     if (cf_dist_env_parse(&env, NULL) != 0) return -1;
-    if (env.world_size <= 1) {
-        if (tp > 1)
-            return cf_fail("--tp %d needs %d processes, one per GPU: start them with e.g. torchrun --nproc_per_node %d "
-                           "--no-python ./centrifuge-cuda train ... (docs/DISTRIBUTED.md)", tp, tp, tp);
-        return 0;
-    }
-    if (env.world_size % tp != 0)
-        return cf_fail("--tp %d does not divide the %d ranks %s started (world = tp x data-parallel ranks)", tp,
-                       env.world_size, cf_launcher_name(env.launcher));
+    if (cf_dist_check_tp(tp, env.world_size, env.launcher) != 0) return -1;
+    if (env.world_size <= 1) return 0;
 #ifndef CF_WITH_CUDA
     return cf_fail("%s started %d ranks, but this binary was built without CUDA: data parallel training needs "
                    "centrifuge-cuda (make cuda)", cf_launcher_name(env.launcher), env.world_size);
