@@ -80,6 +80,12 @@ typedef struct {
 const char *cf_model_type_name(cf_model_type t);
 /* Reads a HF config.json. Unknown model types and unsupported features fail. */
 int cf_config_load(cf_config *cfg, const char *path);
+/* The eos ids DIR/generation_config.json names (an id or a list; transformers'
+ * generate stops at these rather than config.json's when the file names
+ * any): up to cap into ids, their count in *n. 0 with *n = 0 where the file
+ * is absent or names none; -1 and one line for a file that is not a JSON
+ * object, an id that is not an integer of [0, vocab_size), or more than cap. */
+int cf_generation_config_eos(const char *dir, int vocab_size, int *ids, int cap, int *n);
 /* Writes a HF config.json that transformers can load. Atomic. The _as form
  * names the weights' dtype ("float32" or "bfloat16") for dtype="auto". */
 int cf_config_save(const cf_config *cfg, const char *path);

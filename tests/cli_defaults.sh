@@ -78,6 +78,17 @@ cp -r export eoslist && sed -i "s/\"eos_token_id\": 1,/\"eos_token_id\": [1, $g1
 "$BIN" generate --model eoslist --prompt-ids 5,6,7 --max-new 3 --ids >gen2.txt 2>err
 check "generate stops at a later id of an eos_token_id list ([1, $g1]: $(cat gen2.txt), not $(cat gen.txt))" \
   [ "$g1" != 1 -a "$(cat gen.txt)" != "$g1" -a "$(cat gen2.txt)" = "$g1" ]
+# generation_config.json's eos ids, where it names any, are the ones
+# (transformers' generate reads them there): an instruct model's end of turn
+# is often named only in that file
+cp -r export genconf && printf '{"bos_token_id": 0, "eos_token_id": [1, %s]}\n' "$g1" >genconf/generation_config.json
+"$BIN" generate --model genconf --prompt-ids 5,6,7 --max-new 3 --ids >gen3.txt 2>err
+check "generate stops at an eos id named only by generation_config.json ($(cat gen3.txt))" [ "$(cat gen3.txt)" = "$g1" ]
+printf '{"eos_token_id": 1}\n' >genconf/generation_config.json
+cp eoslist/config.json genconf/config.json
+"$BIN" generate --model genconf --prompt-ids 5,6,7 --max-new 3 --ids >gen4.txt 2>err
+check "generation_config.json's ids replace config.json's ([1] there, [1, $g1] in config.json: $(cat gen4.txt))" \
+  [ "$(cat gen4.txt)" = "$(cat gen.txt)" ]
 
 echo "== progress"
 "$BIN" eval --model runs/ref --data 'data/web_*.bin' --seq 32 >out 2>err

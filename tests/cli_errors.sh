@@ -54,6 +54,9 @@ cp "$MODEL/model.safetensors" "$T/badtype/"
 # eos_token_id as a list (Llama 3) with an item beyond the vocabulary (320)
 mkdir -p "$T/eoslist"; sed 's/"eos_token_id": *\([0-9]*\)/"eos_token_id": [\1, 999]/' "$MODEL/config.json" >"$T/eoslist/config.json"
 cp "$MODEL/model.safetensors" "$T/eoslist/"
+for g in genjson genbig; do mkdir -p "$T/$g"; cp "$MODEL/config.json" "$MODEL/model.safetensors" "$T/$g/"; done
+printf '{"eos_token_id": [257, \n' >"$T/genjson/generation_config.json"
+printf '{"eos_token_id": [257, 320]}\n' >"$T/genbig/generation_config.json"
 # a truncated safetensors
 mkdir -p "$T/trunc"; cp "$MODEL/config.json" "$T/trunc/"; head -c 5000 "$MODEL/model.safetensors" >"$T/trunc/model.safetensors"
 # header length beyond the file
@@ -135,6 +138,8 @@ expect_error "token shard bad version" "badversion.bin" -- train --data "$T/badv
 expect_error "token id beyond vocab" "bigid.bin" -- train --data "$T/bigid.bin" --steps 1
 expect_error "ref shard of another shard" "does not belong" -- train --data "$T/good.bin" --ref "$T/other.ref.bin" --mode centrifuge --steps 1
 expect_error "config unknown model_type" "gpt2" -- eval --model "$T/badtype" --data "$T/good.bin"
+expect_status 1 "generation_config.json that is not JSON" "generation_config.json: not valid JSON" -- generate --model "$T/genjson" --prompt-ids 5,6
+expect_status 1 "generation_config.json eos id beyond the vocabulary" "generation_config.json: eos_token_id\[1\] = 320 is outside the vocabulary (0..319)" -- generate --model "$T/genbig" --prompt-ids 5,6
 expect_status 1 "config eos_token_id list with an item beyond the vocabulary" "eos_token_id\[1\] = 999 is outside the vocabulary (0..319)" -- eval --model "$T/eoslist" --data "$T/good.bin"
 expect_error "safetensors truncated" "model.safetensors" -- eval --model "$T/trunc" --data "$T/good.bin"
 expect_error "safetensors header beyond file" "model.safetensors" -- eval --model "$T/hdr" --data "$T/good.bin"

@@ -622,6 +622,49 @@ TEST(model_opts_layers_cut_a_config_and_are_refused_elsewhere) {
     CHECK(cf_model_opts_config(&o, &cut) == 0 && cut.num_hidden_layers == 2);
 }
 
+/* generation_config.json (transformers' generate reads its eos ids there
+ * first): absent, no eos or null give none; an id or a list gives them all;
+ * a bad file, an id outside the vocabulary or too many ids are refused
+ * naming the file. */
+TEST(generation_config_eos_ids_are_read_and_checked) {
+    char gpath[600];
+    snprintf(gpath, sizeof gpath, "%s/generation_config.json", g_dir);
+    int ids[4], n = -1;
+    remove(gpath);
+    CHECK(cf_generation_config_eos(g_dir, 100, ids, 4, &n) == 0 && n == 0);
+    static const struct { const char *json; int n, id0, id1; } ok[] = {
+        {"{\"bos_token_id\": 1}", 0, 0, 0},
+        {"{\"eos_token_id\": null}", 0, 0, 0},
+        {"{\"eos_token_id\": 7}", 1, 7, 0},
+        {"{\"eos_token_id\": [7, 99], \"do_sample\": true}", 2, 7, 99},
+        {"{\"eos_token_id\": [0, 1, 2, 3]}", 4, 0, 1},
+    };
+    for (size_t i = 0; i < sizeof ok / sizeof ok[0]; i++) {
+        write_text(gpath, ok[i].json);
+        n = -1;
+        const int rc = cf_generation_config_eos(g_dir, 100, ids, 4, &n);
+        CHECK_MSG(rc == 0 && n == ok[i].n && (n < 1 || ids[0] == ok[i].id0) && (n < 2 || ids[1] == ok[i].id1),
+                  "%s: rc %d, %d ids (%d, %d)", ok[i].json, rc, n, n > 0 ? ids[0] : -1, n > 1 ? ids[1] : -1);
+    }
+    static const struct { const char *json, *err; } bad[] = {
+        {"{\"eos_token_id\": [7, ", "not valid JSON"},
+        {"[7]", "JSON object"},
+        {"{\"eos_token_id\": 100}", "eos_token_id = 100 is outside the vocabulary (0..99)"},
+        {"{\"eos_token_id\": -3}", "eos_token_id = -3 is outside"},
+        {"{\"eos_token_id\": [7, 100]}", "eos_token_id[1] = 100 is outside the vocabulary"},
+        {"{\"eos_token_id\": [7, \"x\"]}", "eos_token_id[1]"},
+        {"{\"eos_token_id\": [0, 1, 2, 3, 4]}", "more than the 4 ids supported"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        write_text(gpath, bad[i].json);
+        n = -1;
+        const int rc = cf_generation_config_eos(g_dir, 100, ids, 4, &n);
+        CHECK_MSG(rc == -1 && n == 0 && err_has(bad[i].err) && err_has("generation_config.json"),
+                  "%s: rc %d, %d ids, error '%s'", bad[i].json, rc, n, cf_last_error());
+    }
+    remove(gpath);
+}
+
 int main(void) {
     snprintf(g_dir, sizeof g_dir, "/tmp/cf_test_config_XXXXXX");
     if (!mkdtemp(g_dir)) { perror("mkdtemp"); return 2; }
@@ -665,6 +708,7 @@ int main(void) {
     RUN(config_save_refuses_invalid_config_and_writes_nothing);
     RUN(config_save_is_atomic_and_leaves_no_temp_files);
     RUN(model_opts_layers_cut_a_config_and_are_refused_elsewhere);
+    RUN(generation_config_eos_ids_are_read_and_checked);
 
     nftw(g_dir, rm_entry, 8, FTW_DEPTH | FTW_PHYS);
     return test_summary();

@@ -14,9 +14,17 @@ For each model type this tool
   6. (unless --no-roundtrip) saves the loaded model again with transformers'
      save_pretrained and checks that `centrifuge eval` of that directory gives
      the same losses: the config.json transformers writes loads in centrifuge.
+  7. (unless --no-generate) greedy decoding: `centrifuge generate --ids` from a
+     prompt of the data against transformers' generate(do_sample=False), token
+     by token, then again from a copy whose config.json lists two eos ids (one
+     never produced, the other the 4th greedy token) and from a copy whose
+     generation_config.json alone names that id: both sides must stop after it.
+     A difference is accepted only where transformers' two best logits at that
+     step are within --gen-tie of each other (a tie the two sums may break
+     either way); the sequences are then compared up to that step.
 
 A type passes when max |diff| < --tol (default 1e-4) in every dtype checked
-(and in the round trip).
+(and in the round trip), and the greedy tokens agree.
 The exit status is 0 when every type passes, 1 otherwise, 2 on bad usage.
 
 Windows follow centrifuge's batch loader (src/train.c, cf_loader): batch i
@@ -374,11 +382,120 @@ def run_case(name, args, work, torch, transformers, given_ckpt=None):
             mx, mean, _ = stats(cf, rt)
             res["hf_saved"] = {"max_abs_diff": mx, "mean_abs_diff": mean}
             ok = ok and mx < args.tol
+        # 7. greedy generation and where it stops
+        if args.generate:
+            del model
+            model = None
+            gok, res["generate"] = check_generation(args, ckpt, case_dir, windows[0][:args.gen_prompt], vocab,
+                                                    torch, transformers)
+            ok = ok and gok
         res["status"] = "PASS" if ok else "FAIL"
-        del model
     except ParityError as e:
         res["error"] = str(e)
     return res
+
+
+# ------------------------------------------------------------- generation
+
+def cf_generate(args, ckpt, prompt, n):
+    """New token ids of `centrifuge generate --ids` (greedy), the stop token included."""
+    out = run_cmd([args.bin, "generate", "--model", ckpt, "--prompt-ids", ",".join(str(t) for t in prompt),
+                   "--ids", "--max-new", str(n), "--device", args.device], args.timeout, "centrifuge generate")
+    lines = [l for l in out.strip().splitlines() if l.strip()]
+    try:
+        return [int(v) for v in lines[-1].split(",")] if lines else []
+    except ValueError:
+        raise ParityError("centrifuge generate --ids printed %r, not a list of ids" % lines[-1][:200])
+
+
+def hf_generate(model, prompt, n, torch, hf_device):
+    """transformers' greedy continuation (float32, its generation config: eos ids from generation_config.json,
+    else config.json), the stop token included, and the gap between the two best logits at each step."""
+    model = model.to(torch.float32)
+    x = torch.tensor([prompt], dtype=torch.long, device=hf_device)
+    gc = model.generation_config
+    eos = gc.eos_token_id
+    pad = gc.pad_token_id if gc.pad_token_id is not None else (eos[0] if isinstance(eos, list) and eos else eos)
+    with torch.no_grad():
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=0,
+                             do_sample=False, num_beams=1, pad_token_id=pad if pad is not None else 0,
+                             output_scores=True, return_dict_in_generate=True)
+    ids = out.sequences[0, len(prompt):].tolist()
+    gaps = []
+    for sc in out.scores:
+        top = torch.topk(sc[0].double(), 2).values
+        gaps.append(float(top[0] - top[1]))
+    return ids[:len(gaps)], gaps
+
+
+def compare_tokens(cf, hf, gaps, tie):
+    """(ok, where): equal sequences, or equal up to a step where transformers' best two logits were within tie."""
+    for i in range(min(len(cf), len(hf))):
+        if cf[i] != hf[i]:
+            if gaps[i] < tie:
+                return True, "tie at new token %d (gap %.2e): compared up to it" % (i, gaps[i])
+            return False, "new token %d: centrifuge %d, transformers %d (their best two logits %.3g apart)" % (
+                i, cf[i], hf[i], gaps[i])
+    if len(cf) != len(hf):
+        return False, "centrifuge made %d new tokens, transformers %d (the shorter stopped, the other did not)" % (
+            len(cf), len(hf))
+    return True, None
+
+
+def eos_copy(ckpt, dst, cfg_eos, gen_eos):
+    """A copy of the checkpoint whose config.json says eos_token_id = cfg_eos and whose generation_config.json
+    (written only where gen_eos is not None) says gen_eos."""
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(ckpt, dst)
+    path = os.path.join(dst, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg["eos_token_id"] = cfg_eos
+    with open(path, "w") as f:
+        json.dump(cfg, f, indent=2)
+    gpath = os.path.join(dst, "generation_config.json")
+    if os.path.exists(gpath):
+        os.remove(gpath)
+    if gen_eos is not None:
+        with open(gpath, "w") as f:
+            json.dump({"eos_token_id": gen_eos, "bos_token_id": cfg.get("bos_token_id")}, f, indent=2)
+    return dst
+
+
+GEN_STOPS = ("config.json eos list", "generation_config.json eos")
+
+
+def check_generation(args, ckpt, case_dir, prompt, vocab, torch, transformers):
+    """Step 7. Returns (ok, a dict for the results)."""
+    n = args.gen_new
+    model, _ = load_hf(ckpt, torch, transformers, args.hf_device)
+    hf, gaps = hf_generate(model, prompt, n, torch, args.hf_device)
+    del model
+    cf = cf_generate(args, ckpt, prompt, n)
+    ok, why = compare_tokens(cf, hf, gaps, args.gen_tie)
+    res = {"prompt": prompt, "centrifuge": cf, "transformers": hf, "min_gap": min(gaps) if gaps else None,
+           "ok": ok, "note": why}
+    if not ok or why or len(hf) < 4:
+        if ok and len(hf) < 4:
+            res["eos"] = "skipped: the free run stopped after %d tokens" % len(hf)
+        return ok, res
+    # the stop: the 4th greedy token listed as the second of two eos ids (the first never produced), in
+    # config.json; then named by generation_config.json alone (config.json's eos kept at the unused id)
+    stop = hf[3]
+    unused = next(t for t in range(vocab - 1, -1, -1) if t not in hf and t not in prompt)
+    for label, cfg_eos, gen_eos in ((GEN_STOPS[0], [unused, stop], None), (GEN_STOPS[1], unused, [unused, stop])):
+        d = eos_copy(ckpt, os.path.join(case_dir, "eos_" + label.split()[0].replace(".", "_")), cfg_eos, gen_eos)
+        model, _ = load_hf(d, torch, transformers, args.hf_device)
+        hf2, gaps2 = hf_generate(model, prompt, n, torch, args.hf_device)
+        del model
+        cf2 = cf_generate(args, d, prompt, n)
+        want = hf[:hf.index(stop) + 1]
+        ok2, why2 = compare_tokens(cf2, hf2, gaps2, args.gen_tie)
+        if ok2 and not why2 and hf2 != want:
+            ok2, why2 = False, "transformers did not stop at %d: %s" % (stop, hf2)
+        res[label] = {"stop": stop, "centrifuge": cf2, "transformers": hf2, "ok": ok2, "note": why2}
+        ok = ok and ok2
+    return ok, res
 
 
 def sharded_copy(results, args, work):
@@ -421,6 +538,8 @@ def print_table(results, dtypes, tol):
         cols += ["%s max|d|" % short, "%s mean|d|" % short]
     if any("hf_saved" in r for r in results):
         cols += ["HF-saved max|d|"]
+    if any("generate" in r for r in results):
+        cols += ["greedy"]
     cols += ["cf loss", "status"]
     rows = []
     for r in results:
@@ -431,6 +550,8 @@ def print_table(results, dtypes, tol):
             row += [fmt(d.get("max_abs_diff")), fmt(d.get("mean_abs_diff"))]
         if "HF-saved max|d|" in cols:
             row.append(fmt((r.get("hf_saved") or {}).get("max_abs_diff")))
+        if "greedy" in cols:
+            row.append(gen_cell(r.get("generate")))
         cl = r.get("centrifuge_mean_loss")
         row += ["%.5f" % cl if isinstance(cl, float) else "-", r["status"]]
         rows.append(row)
@@ -443,10 +564,29 @@ def print_table(results, dtypes, tol):
     for r in results:
         if r.get("error"):
             print("%s: %s: %s" % (r["type"], r["status"], r["error"]))
+        g = r.get("generate") or {}
+        for what, d in [("greedy", g)] + [(k, g[k]) for k in GEN_STOPS if k in g]:
+            if isinstance(d, dict) and d.get("note"):
+                print("%s: %s: %s" % (r["type"], what, d["note"]))
+        if g.get("eos"):
+            print("%s: eos: %s" % (r["type"], g["eos"]))
         for n in r.get("notes") or []:
             print("%s: transformers said: %s" % (r["type"], n))
-    print("pass criterion: max |diff| < %g in %s%s" % (tol, " and ".join(dtypes),
-          " and for the transformers-saved copy" if "HF-saved max|d|" in cols else ""))
+    print("pass criterion: max |diff| < %g in %s%s%s" % (tol, " and ".join(dtypes),
+          " and for the transformers-saved copy" if "HF-saved max|d|" in cols else "",
+          "; greedy tokens equal (n/n new tokens, then the stop at an eos id of config.json's list and of "
+          "generation_config.json: +2 stops)" if "greedy" in cols else ""))
+
+
+def gen_cell(g):
+    """The table's greedy column: new tokens that agree, and the two stop checks passed."""
+    if not g:
+        return "-"
+    if not g.get("ok"):
+        return "FAIL"
+    n = len(g.get("transformers") or [])
+    stops = sum(1 for k in GEN_STOPS if (g.get(k) or {}).get("ok"))
+    return "%d/%d +%d stops%s" % (n, n, stops, " (tie)" if g.get("note") else "")
 
 
 def main(argv=None):
@@ -455,8 +595,8 @@ def main(argv=None):
                     "per-token losses as `centrifuge eval`.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="types: %s, or a path to a config.json (centrifuge --config FILE).\n"
-               "Sharded checkpoints (model.safetensors.index.json) are reported in the JSON when\n"
-               "centrifuge writes one; its CLI cannot be asked to shard yet." % ", ".join(
+               "The largest passing checkpoint is also rewritten as 1 MB shards with an index\n"
+               "(centrifuge convert --max-shard-mb 1) and checked as a sharded checkpoint." % ", ".join(
                    "%s (%s)" % (k, v[0]) for k, v in CASES.items()))
     ap.add_argument("--bin", default="./centrifuge", help="centrifuge binary (default ./centrifuge)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
@@ -487,6 +627,13 @@ def main(argv=None):
     ap.add_argument("--no-roundtrip", dest="roundtrip", action="store_false",
                     help="skip the reverse check (transformers save_pretrained, then centrifuge eval "
                          "of that directory, compared with the first eval)")
+    ap.add_argument("--no-generate", dest="generate", action="store_false",
+                    help="skip the greedy generation check (centrifuge generate against transformers' generate)")
+    ap.add_argument("--gen-new", type=int, default=16, help="new tokens in the generation check (default 16)")
+    ap.add_argument("--gen-prompt", type=int, default=8, help="prompt tokens, from the data (default 8)")
+    ap.add_argument("--gen-tie", type=float, default=1e-3,
+                    help="a differing greedy token is accepted where transformers' best two logits are closer "
+                         "than this (default 1e-3; raise it for the bf16 CUDA backend)")
     ap.add_argument("--seed", type=int, default=1, help="seed for data and training (default 1)")
     ap.add_argument("--timeout", type=int, default=600, help="seconds per centrifuge command (default 600)")
     ap.add_argument("--workdir", help="keep all files here (default: a temp dir, removed afterwards)")
@@ -505,6 +652,8 @@ def main(argv=None):
             ap.error("%s must be >= 1" % name)
     if args.tokens < args.batch * args.seq + 1:
         ap.error("--tokens must be at least batch*seq+1")
+    if args.gen_new < 1 or not 1 <= args.gen_prompt <= args.batch * (args.seq + 1):
+        ap.error("--gen-new must be >= 1 and --gen-prompt between 1 and batch*(seq+1)")
     if not (shutil.which(args.bin) or os.path.isfile(args.bin)):
         ap.error("--bin: %s not found (build it with `make centrifuge`)" % args.bin)
     args.bin = os.path.abspath(args.bin) if os.path.isfile(args.bin) else shutil.which(args.bin)

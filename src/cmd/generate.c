@@ -167,11 +167,15 @@ int cmd_generate(int argc, char **argv) {
         if (rc == 0 && len == 0) { cf_fail("--prompt-ids: empty"); rc = 1; }
     }
     int start = len;
-    /* stop at every eos id config.json lists (transformers does), and at
-     * the tokenizer's own */
+    /* stop at every eos id generation_config.json names, else at every one
+     * config.json lists (as transformers' generate), and at the tokenizer's
+     * own: an instruct model's end of turn is often named only there */
     int stops[CF_MAX_EOS_IDS + 1], nstops = 0;
-    stops[nstops++] = c->eos_token_id;
-    for (int i = 0; i < c->num_extra_eos && i < CF_MAX_EOS_IDS - 1; i++) stops[nstops++] = c->extra_eos_ids[i];
+    if (rc == 0 && cf_generation_config_eos(model_dir, c->vocab_size, stops, CF_MAX_EOS_IDS, &nstops) != 0) rc = 1;
+    if (nstops == 0) {
+        stops[nstops++] = c->eos_token_id;
+        for (int i = 0; i < c->num_extra_eos && i < CF_MAX_EOS_IDS - 1; i++) stops[nstops++] = c->extra_eos_ids[i];
+    }
     if (tk) stops[nstops++] = cf_tokenizer_eos_id(tk);
     if (rc == 0 && cf_generate_stops(m, &seq, &len, 1, cap + (int)max_new, (int)max_new, (float)temperature,
                                      (int)top_k, stops, nstops, (uint64_t)seed) != 0)

@@ -617,13 +617,15 @@ static int parse_config(const char *path, const cJSON *root, cf_config *c) {
     return validate_named(c, path, bos_list, eos_list);
 }
 
-int cf_config_load(cf_config *cfg, const char *path) {
+/* path as one JSON object (only white space after it, no NUL inside a
+ * string): the parsed object, or NULL and one line naming the file. */
+static cJSON *read_json_object(const char *path, const char *what) {
     size_t len = 0;
     char *buf = cf_read_input(path, &len, CONFIG_MAX_BYTES);   /* a regular file, registered as an input */
-    if (!buf) return -1;
+    if (!buf) return NULL;
     const char *end = NULL;
     cJSON *root = cJSON_ParseWithLengthOpts(buf, len, &end, 0);
-    int rc = -1;
+    int ok = 0;
     if (!root) {
         const char *at = end ? end : cJSON_GetErrorPtr();
         long off = (at && at >= buf && at <= buf + len) ? (long)(at - buf) : -1;
@@ -641,14 +643,56 @@ int cf_config_load(cf_config *cfg, const char *path) {
         goto done;
     }
     /* cJSON cuts a string at a NUL: "llama\u0000x" would read as "llama" */
-    if (cf_json_check_nul(path, "config", buf, len) != 0) goto done;
-    cf_config c;
-    if (parse_config(path, root, &c) != 0) goto done;
-    *cfg = c;
-    rc = 0;
+    if (cf_json_check_nul(path, what, buf, len) != 0) goto done;
+    ok = 1;
 done:
-    cJSON_Delete(root);
     free(buf);
+    if (!ok) cJSON_Delete(root);
+    return ok ? root : NULL;
+}
+
+int cf_config_load(cf_config *cfg, const char *path) {
+    cJSON *root = read_json_object(path, "config");
+    if (!root) return -1;
+    cf_config c;
+    int rc = parse_config(path, root, &c);
+    if (rc == 0) *cfg = c;
+    cJSON_Delete(root);
+    return rc;
+}
+
+int cf_generation_config_eos(const char *dir, int vocab_size, int *ids, int cap, int *n) {
+    char path[4096];
+    *n = 0;
+    if (cf_path_join(path, sizeof path, dir, "generation_config.json") != 0) return -1;
+    if (!cf_path_exists(path)) return 0;
+    cJSON *root = read_json_object(path, "generation config");
+    if (!root) return -1;
+    int first, rc = 0;
+    const cJSON *list;
+    if (get_token_id(path, root, "eos_token_id", &first, &list) != 0) rc = -1;
+    else if (list) {
+        int i = 0;
+        for (const cJSON *e = list->child; e && rc == 0; e = e->next, i++) {
+            const int id = (int)e->valuedouble;   /* an integer: get_token_id checked */
+            if (id < 0 || id >= vocab_size)
+                rc = cf_fail("%s: eos_token_id[%d] = %d is outside the vocabulary (0..%d)", path, i, id,
+                             vocab_size - 1);
+            else if (i >= cap)
+                rc = cf_fail("%s: eos_token_id lists more than the %d ids supported", path, cap);
+            else
+                ids[(*n)++] = id;
+        }
+    } else if (first != -1) {   /* -1: none, as in config.json */
+        if (first < 0 || first >= vocab_size)
+            rc = cf_fail("%s: eos_token_id = %d is outside the vocabulary (0..%d)", path, first, vocab_size - 1);
+        else if (cap < 1)
+            rc = cf_fail("%s: no room for an eos id", path);
+        else
+            ids[(*n)++] = first;
+    }
+    if (rc != 0) *n = 0;
+    cJSON_Delete(root);
     return rc;
 }
 
