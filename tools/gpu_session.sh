@@ -4,7 +4,7 @@
 # .gpucarry/ by tools/gpu_carry.sh, then tests and benchmarks.
 # Usage on the GPU machine: tools/gpu_session.sh PART...  (logs under $OUT)
 #   parts: tests sanitize sanitize-attn bench-main bench-old bench-sweeps bench-3b pytorch
-#          parity peft-parity dp-check dp-bench dp-ctas tp-check tp-bench rows-x4 rows-x8
+#          parity parity-cuda peft-parity dp-check dp-bench dp-ctas tp-check tp-bench rows-x4 rows-x8
 #          rows-x8-dry bench-accum profile dp-bf16 ab-profile ab-fused ab-head attn-shapes attn-ab attn-parts dp-prio
 #          bench-pair pair-ab norm-blocks cf-side ab-old grad-keep side-ab ncu-step norm-ab side-prio pair-rows
 #          pair-full side-attn gemm-survey attn-hpb side-sms pair-head
@@ -643,11 +643,14 @@ for part in "$@"; do
       python3 tools/peft_parity.py --bin "$CF" --device cuda --tol 2e-2 2>&1 | grep -v -i warn | tee "$OUT/peft_parity.txt" | tail -20 ;;
     parity)
       python3 tools/hf_parity.py --bin .gpucarry/centrifuge 2>&1 | tee "$OUT/hf_parity.txt" | tail -20 ;;
+    parity-cuda)
+      # the GPU binary (bf16) against transformers: losses, greedy tokens (ties within bf16's error accepted) and stops
+      python3 tools/hf_parity.py --bin "$CF" --device cuda --tol 5e-2 --gen-tie 5e-2 2>&1 | tee "$OUT/hf_parity_cuda.txt" | tail -20 ;;
     parity-bigvocab)
       # the GPU binary against transformers with real vocabularies (Qwen2.5's 151936, Llama 3's 128256) on
       # the tiny layers: the LM head's cluster rows kernel in training and in eval
       for v in 151936 128256; do
-        python3 tools/hf_parity.py --bin "$CF" --device cuda --tol 5e-2 --types qwen2,llama \
+        python3 tools/hf_parity.py --bin "$CF" --device cuda --tol 5e-2 --gen-tie 5e-2 --types qwen2,llama \
           --train-args "--vocab-size $v" 2>&1 | tee "$OUT/hf_parity_v$v.txt" | tail -6
       done ;;
   esac
