@@ -147,6 +147,14 @@ expect_error "model dir missing" "config.json" -- eval --model "$T/nowhere" --da
 
 # tensor parallelism: launch mistakes (checked before any GPU is touched)
 expect_status 2 "--tp without a launcher" "needs 2 processes" -- train --config tiny --tp 2 --steps 1
+# flags that do nothing without another are refused, not ignored
+expect_status 2 "--save-every without --out" "--save-every needs --out" -- train --config tiny --data "$T/good.bin" --save-every 2 --steps 1
+expect_status 2 "--keep-checkpoints without --out" "--keep-checkpoints needs --out" -- train --config tiny --data "$T/good.bin" --keep-checkpoints 3 --steps 1
+expect_status 2 "--eval-every without --val" "--eval-every needs --val" -- train --config tiny --data "$T/good.bin" --eval-every 2 --steps 1
+expect_status 2 "--eval-batches without --val" "--eval-batches needs --val" -- train --config tiny --data "$T/good.bin" --eval-batches 2 --steps 1
+expect_status 2 "--data-seed without --shuffle" "--data-seed needs --shuffle" -- train --config tiny --data "$T/good.bin" --data-seed 7 --steps 1
+expect_status 2 "generate --top-k when greedy" "--top-k samples, and --temperature 0 (the default) is greedy" -- generate --model "$MODEL" --prompt-ids 5,6 --top-k 5
+expect_status 2 "generate --seed when greedy" "--seed samples" -- generate --model "$MODEL" --prompt-ids 5,6 --seed 3 --temperature 0
 expect_status 2 "--tp with --lora-rank" "--tp with LoRA adapters is not supported" -- train --config tiny --tp 2 --lora-rank 2 --steps 1
 expect_error "--dp-grad-dtype fp16" "--dp-grad-dtype: fp32 or bf16, got 'fp16'" -- train --config tiny --dp-grad-dtype fp16 --steps 1
 n=$((n+1))

@@ -171,7 +171,7 @@ if "$BIN" $Y --layers 2 --steps 4 --out "$T/y" --resume >/dev/null 2>&1 &&
 else fail "--layers 2 did not resume"; fi
 expect_error "resume with another --layers" "with --config/--model 'config:tiny, layers 2'; this command has 'config:tiny, layers 3'" -- \
   $Y --layers 3 --steps 6 --out "$T/y" --resume
-expect_error "--layers beyond the config" "--layers 9: tiny has 4 layers" -- $Y --layers 9 --steps 2
+expect_error "--layers beyond the config" "--layers 9: tiny has 4 layers" -- $Y --layers 9 --steps 2 --out "$T/y9"
 expect_error "--layers with --model" "--layers cuts a --config" -- train --model "$T/y/step_00000002" --layers 1 --steps 1
 expect_error "bench --layers 0" "layers" -- bench --config tiny --layers 0
 

@@ -104,6 +104,12 @@ int cf_cli_check_model_flags(const char *config, const char *model_dir, const ch
     return device ? cf_backend_parse(device, &kind, &dev) : 0;
 }
 
+int cf_opt_seen(const cf_opt *opts, int n, const char *name) {
+    for (int i = 0; i < n; i++)
+        if (!strcmp(opts[i].name, name)) return opts[i].seen;
+    return 0;
+}
+
 int cf_cli_check_single_process(const char *cmd) {
     cf_launcher l;
     int rank, world;

@@ -31,6 +31,9 @@ int cf_parse_count(const char *s, long lo, long hi, const char *what, long *out)
  * config/device may be NULL (the command has no such flag). 0 or -1. */
 int cf_cli_check_model_flags(const char *config, const char *model_dir, const char *device);
 
+/* Whether the option called name was given on the command line. */
+int cf_opt_seen(const cf_opt *opts, int n, const char *name);
+
 /* Every command but train runs in one process: started by a launcher
  * (torchrun, srun, mpirun) with a world size above 1, each rank would do the
  * whole work and write the same outputs. -1 then ("started as rank 1 of 2 by

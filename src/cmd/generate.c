@@ -70,6 +70,12 @@ int cmd_generate(int argc, char **argv) {
     if (pr < 0) return cf_cli_error("generate", 2);
     if (cf_cli_check_single_process("generate") != 0) return cf_cli_error("generate", 2);
     if (!model_dir) { cf_fail("--model is required"); return cf_cli_error("generate", 2); }
+    /* greedy decoding draws nothing: a sampling flag with it would be ignored */
+    if (temperature == 0 && (cf_opt_seen(opts, nopts, "--top-k") || cf_opt_seen(opts, nopts, "--seed"))) {
+        cf_fail("%s samples, and --temperature 0 (the default) is greedy: give --temperature > 0",
+                cf_opt_seen(opts, nopts, "--top-k") ? "--top-k" : "--seed");
+        return cf_cli_error("generate", 2);
+    }
     if (!prompt == !ids) { cf_fail("give exactly one of --prompt and --prompt-ids"); return cf_cli_error("generate", 2); }
     /* strtok below skips empty items: "5,,6" would silently be the prompt 5,6 */
     if (ids && !*ids) { cf_fail("--prompt-ids: empty"); return cf_cli_error("generate", 2); }

@@ -185,12 +185,6 @@ static void fmt_eta(char *buf, size_t n, double s) {
     else snprintf(buf, n, "%dm%02ds", mi, se);
 }
 
-static int opt_seen(const cf_opt *opts, int n, const char *name) {
-    for (int i = 0; i < n; i++)
-        if (!strcmp(opts[i].name, name)) return opts[i].seen;
-    return 0;
-}
-
 /* The largest token id of the training and validation data, and where. */
 static uint32_t data_max_id(const cf_dataset *ds, const cf_dataset *vds, const char **path, int *is_val) {
     int sh = 0, vsh = 0;
@@ -386,8 +380,8 @@ int cmd_train(int argc, char **argv) {
         lora.rslora = rslora;
         if (cf_lora_parse_targets(lora_targets, &lora.targets) != 0) return cf_cli_error("train", 2);
         if (freeze) { cf_fail("--freeze and --lora-rank: with LoRA every base tensor is frozen already"); return cf_cli_error("train", 2); }
-    } else if (opt_seen(opts, nopts, "--lora-alpha") || opt_seen(opts, nopts, "--lora-targets") ||
-               opt_seen(opts, nopts, "--lora-dropout") || rslora) {
+    } else if (cf_opt_seen(opts, nopts, "--lora-alpha") || cf_opt_seen(opts, nopts, "--lora-targets") ||
+               cf_opt_seen(opts, nopts, "--lora-dropout") || rslora) {
         cf_fail("LoRA options need --lora-rank");
         return cf_cli_error("train", 2);
     }
@@ -400,7 +394,7 @@ int cmd_train(int argc, char **argv) {
     static const char *const FILTER_FLAGS[] = {"--ref", "--keep", "--drop-rate", "--select", "--per-batch"};
     char filter_given[80] = "";
     for (size_t f = 0; f < sizeof FILTER_FLAGS / sizeof *FILTER_FLAGS; f++)
-        if (opt_seen(opts, nopts, FILTER_FLAGS[f]))
+        if (cf_opt_seen(opts, nopts, FILTER_FLAGS[f]))
             snprintf(filter_given + strlen(filter_given), sizeof filter_given - strlen(filter_given), "%s%s",
                      filter_given[0] ? ", " : "", FILTER_FLAGS[f]);
     int mode_implied = !mode_s && filter_given[0];
@@ -410,7 +404,7 @@ int cmd_train(int argc, char **argv) {
     if (cf_mode_parse(mode_s, &mode) != 0) return cf_cli_error("train", 2);
     if (!select_s) select_s = ref_path ? "ref" : "self";
     if (cf_select_parse(select_s, &select) != 0) return cf_cli_error("train", 2);
-    if (opt_seen(opts, nopts, "--keep") && opt_seen(opts, nopts, "--drop-rate")) { cf_fail("give --keep or --drop-rate, not both"); return cf_cli_error("train", 2); }
+    if (cf_opt_seen(opts, nopts, "--keep") && cf_opt_seen(opts, nopts, "--drop-rate")) { cf_fail("give --keep or --drop-rate, not both"); return cf_cli_error("train", 2); }
     if (drop >= 0) keep = 1.0 - drop;
     if (!(keep > 0)) { cf_fail("--keep: must be in (0, 1], got %g", keep); return cf_cli_error("train", 2); }
     if (select == CF_SELECT_REF && !ref_path && mode != CF_MODE_REGULAR) {
@@ -419,6 +413,19 @@ int cmd_train(int argc, char **argv) {
     }
     if (ref_path && !data) { cf_fail("--ref needs --data (the token shard it was scored on)"); return cf_cli_error("train", 2); }
     if (resume && !out) { cf_fail("--resume needs --out"); return cf_cli_error("train", 2); }
+    /* flags that would do nothing without another: said, not ignored */
+    static const char *const NEEDS[][3] = {
+        {"--save-every", "--out", "the directory checkpoints go to"},
+        {"--keep-checkpoints", "--out", "the directory checkpoints go to"},
+        {"--eval-every", "--val", "the shards evaluated"},
+        {"--eval-batches", "--val", "the shards evaluated"},
+        {"--data-seed", "--shuffle", "the seeded order it sets; without it rows are read in order"},
+    };
+    for (size_t k = 0; k < sizeof NEEDS / sizeof NEEDS[0]; k++)
+        if (cf_opt_seen(opts, nopts, NEEDS[k][0]) && !cf_opt_seen(opts, nopts, NEEDS[k][1])) {
+            cf_fail("%s needs %s (%s)", NEEDS[k][0], NEEDS[k][1], NEEDS[k][2]);
+            return cf_cli_error("train", 2);
+        }
     if (vocab_size && vocab_from_data) { cf_fail("give --vocab-size or --vocab-from-data, not both"); return cf_cli_error("train", 2); }
     if (strcmp(dp_grad, "fp32") != 0 && strcmp(dp_grad, "bf16") != 0) {
         cf_fail("--dp-grad-dtype: fp32 or bf16, got '%s'", dp_grad);
@@ -442,7 +449,7 @@ int cmd_train(int argc, char **argv) {
     }
     if (warmup < 0) warmup = steps / 10;
     if (min_lr < 0) min_lr = lr / 10;
-    if (val && !opt_seen(opts, nopts, "--eval-every")) eval_every = steps >= 10 ? steps / 10 : 1;
+    if (val && !cf_opt_seen(opts, nopts, "--eval-every")) eval_every = steps >= 10 ? steps / 10 : 1;
     if (data_seed < 0) data_seed = seed;
 
     /* Before any work (docs/ROBUSTNESS.md §6): sizes, the inputs (so that no
