@@ -429,17 +429,18 @@ def hf_generate(model, prompt, n, torch, hf_device):
 
 
 def compare_tokens(cf, hf, gaps, tie):
-    """(ok, where): equal sequences, or equal up to a step where transformers' best two logits were within tie."""
+    """(ok, agreed, where): equal sequences (agreed = their length), or equal for the first `agreed` tokens up
+    to a step where transformers' best two logits were within tie (where says so)."""
     for i in range(min(len(cf), len(hf))):
         if cf[i] != hf[i]:
             if gaps[i] < tie:
-                return True, "tie at new token %d (gap %.2e): compared up to it" % (i, gaps[i])
-            return False, "new token %d: centrifuge %d, transformers %d (their best two logits %.3g apart)" % (
+                return True, i, "tie at new token %d (gap %.2e): compared up to it" % (i, gaps[i])
+            return False, i, "new token %d: centrifuge %d, transformers %d (their best two logits %.3g apart)" % (
                 i, cf[i], hf[i], gaps[i])
     if len(cf) != len(hf):
-        return False, "centrifuge made %d new tokens, transformers %d (the shorter stopped, the other did not)" % (
-            len(cf), len(hf))
-    return True, None
+        return False, min(len(cf), len(hf)), ("centrifuge made %d new tokens, transformers %d (the shorter "
+                                              "stopped, the other did not)" % (len(cf), len(hf)))
+    return True, len(hf), None
 
 
 def eos_copy(ckpt, dst, cfg_eos, gen_eos):
@@ -472,12 +473,12 @@ def check_generation(args, ckpt, case_dir, prompt, vocab, torch, transformers):
     hf, gaps = hf_generate(model, prompt, n, torch, args.hf_device)
     del model
     cf = cf_generate(args, ckpt, prompt, n)
-    ok, why = compare_tokens(cf, hf, gaps, args.gen_tie)
+    ok, agreed, why = compare_tokens(cf, hf, gaps, args.gen_tie)
     res = {"prompt": prompt, "centrifuge": cf, "transformers": hf, "min_gap": min(gaps) if gaps else None,
-           "ok": ok, "note": why}
-    if not ok or why or len(hf) < 4:
-        if ok and len(hf) < 4:
-            res["eos"] = "skipped: the free run stopped after %d tokens" % len(hf)
+           "ok": ok, "agreed": agreed, "note": why}
+    if not ok or agreed < 4:
+        if ok:
+            res["eos"] = "skipped: %d tokens agree before %s" % (agreed, "a tie" if why else "the free run's stop")
         return ok, res
     # the stop: the 4th greedy token listed as the second of two eos ids (the first never produced), in
     # config.json; then named by generation_config.json alone (config.json's eos kept at the unused id)
@@ -490,7 +491,7 @@ def check_generation(args, ckpt, case_dir, prompt, vocab, torch, transformers):
         del model
         cf2 = cf_generate(args, d, prompt, n)
         want = hf[:hf.index(stop) + 1]
-        ok2, why2 = compare_tokens(cf2, hf2, gaps2, args.gen_tie)
+        ok2, _, why2 = compare_tokens(cf2, hf2, gaps2, args.gen_tie)
         if ok2 and not why2 and hf2 != want:
             ok2, why2 = False, "transformers did not stop at %d: %s" % (stop, hf2)
         res[label] = {"stop": stop, "centrifuge": cf2, "transformers": hf2, "ok": ok2, "note": why2}
@@ -586,7 +587,7 @@ def gen_cell(g):
         return "FAIL"
     n = len(g.get("transformers") or [])
     stops = sum(1 for k in GEN_STOPS if (g.get(k) or {}).get("ok"))
-    return "%d/%d +%d stops%s" % (n, n, stops, " (tie)" if g.get("note") else "")
+    return "%d/%d +%d stops%s" % (g.get("agreed", n), n, stops, " (tie)" if g.get("note") else "")
 
 
 def main(argv=None):
