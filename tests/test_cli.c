@@ -76,10 +76,25 @@ TEST(the_option_table_refuses_white_space_around_numbers) {
     }
 }
 
+/* Every error is one line: the user's text it quotes (an unknown option, an
+ * argument, a value) has its control bytes shown as '?', and UTF-8 is kept. */
+TEST(errors_quoting_the_users_text_stay_one_line) {
+    long steps = 0;
+    cf_opt opts[] = {{"--steps", CF_OPT_INT, &steps, 1, 1000, "steps", 0}};
+    char *bad_opt[] = {"x", "--st\neps", "5"};
+    CHECK(cf_cli_parse("x", "", opts, 1, 3, bad_opt) == -1 && err_one_line() && err_has("--st?eps"));
+    char *bad_arg[] = {"x", "da\rta\033[31m"};
+    CHECK(cf_cli_parse("x", "", opts, 1, 2, bad_arg) == -1 && err_one_line() && !strchr(cf_last_error(), '\r') &&
+          !strchr(cf_last_error(), '\033') && err_has("da?ta?[31m"));
+    cf_fail("file '%s' %s", "caf\xc3\xa9\tx\n", "\x7f");
+    CHECK_MSG(strcmp(cf_last_error(), "file 'caf\xc3\xa9?x?' ?") == 0, "%s", cf_last_error());
+}
+
 int main(void) {
     RUN(integers_are_the_whole_string_without_white_space_at_either_end);
     RUN(floats_are_the_whole_string_without_white_space_at_either_end);
     RUN(counts_with_suffixes_refuse_white_space_too);
     RUN(the_option_table_refuses_white_space_around_numbers);
+    RUN(errors_quoting_the_users_text_stay_one_line);
     return test_summary();
 }

@@ -29,6 +29,10 @@ int cf_fail(const char *fmt, ...) {
     va_start(ap, fmt);
     vsnprintf(tmp, sizeof tmp, fmt, ap);   /* fmt may reference g_err itself */
     va_end(ap);
+    /* one line, whatever text of the user's it quotes: a newline or an
+     * escape sequence in a flag's value or a file name becomes '?' */
+    for (char *p = tmp; *p; p++)
+        if ((unsigned char)*p < 0x20 || *p == 0x7f) *p = '?';
     memcpy(g_err, tmp, sizeof g_err);
     return -1;
 }
