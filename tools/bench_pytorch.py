@@ -426,10 +426,11 @@ def bench_attention(args, torch):
     import contextlib
 
     rows = []
+    queued = cuda and args.timing == "queued"
     print("bench_pytorch sdpa: B=%d H=%d Hkv=%d D=%d causal, bf16, layout %s, GQA by %s, backend %s, %s, "
-          "median of %d after %d warm-up" % (B, H, Hkv, D, args.layout, args.gqa, args.sdpa_backend,
-                                             torch.cuda.get_device_name() if cuda else args.device, args.steps,
-                                             args.warmup))
+          "median of %d after %d warm-up, timing %s" % (B, H, Hkv, D, args.layout, args.gqa, args.sdpa_backend,
+                                                       torch.cuda.get_device_name() if cuda else args.device,
+                                                       args.steps, args.warmup, "queued" if queued else "sync"))
     print("%6s %9s %9s %10s %10s" % ("seq", "fwd ms", "bwd ms", "fwd TF/s", "bwd TF/s"))
     g = torch.Generator(device="cpu").manual_seed(args.seed)
     for S in args.seq:
@@ -451,22 +452,27 @@ def bench_attention(args, torch):
             if Hkv != H:
                 kw["enable_gqa"] = True
         dout = torch.randn(B, H, S, D, generator=g, dtype=torch.float32).to(args.device, dtype)
-        fwd_t, bwd_t = [], []
+        fwd_t, bwd_t, marks = [], [], []
         ctx = backend_ctx() if backend_ctx else contextlib.nullcontext()
         try:
             with ctx:
                 for it in range(args.warmup + args.steps):
-                    timer.sync()
+                    if not queued or it == args.warmup:
+                        timer.sync()
                     t0 = timer.mark()
                     out = F.scaled_dot_product_attention(q, k, v, **kw)
                     t1 = timer.mark()
                     torch.autograd.grad(out, (q, k, v), dout)
                     t2 = timer.mark()
-                    timer.sync()
+                    if not queued:
+                        timer.sync()
                     if it >= args.warmup:
-                        fwd_t.append(timer.ms(t0, t1))
-                        bwd_t.append(timer.ms(t1, t2))
+                        marks.append((t0, t1, t2))
                     del out
+                timer.sync()
+                for t0, t1, t2 in marks:
+                    fwd_t.append(timer.ms(t0, t1))
+                    bwd_t.append(timer.ms(t1, t2))
         except RuntimeError as e:
             print("%6d  failed: %s" % (S, str(e).splitlines()[0][:200]))
             rows.append({"engine": "pytorch", "kind": "sdpa_attention", "seq": S, "error": str(e).splitlines()[0]})
@@ -602,6 +608,11 @@ def main(argv=None):
                         "centrifuge; default) or contiguous bhsd")
     g.add_argument("--sdpa-backend", choices=["flash", "efficient", "cudnn", "math", "auto"], default="flash",
                    help="SDPA backend forced with sdpa_kernel (default flash)")
+    g.add_argument("--timing", choices=["queued", "sync"], default="queued",
+                   help="queued (default): every iteration enqueued without waiting, one CUDA event pair per "
+                        "pass, so the GPU runs them back to back and no host launch latency is timed (as "
+                        "triton's do_bench, and as in a training step); sync: the device synchronized before "
+                        "each iteration (the launch latency of the first kernel is inside the forward's time)")
     args = ap.parse_args(argv)
 
     try:

@@ -4,7 +4,7 @@
 # .gpucarry/ by tools/gpu_carry.sh, then tests and benchmarks.
 # Usage on the GPU machine: tools/gpu_session.sh PART...  (logs under $OUT)
 #   parts: tests sanitize sanitize-attn bench-main bench-old bench-sweeps bench-3b pytorch
-#          parity parity-cuda peft-parity dp-check dp-bench dp-ctas tp-check tp-bench rows-x4 rows-x8
+#          parity parity-cuda attn-timing peft-parity dp-check dp-bench dp-ctas tp-check tp-bench rows-x4 rows-x8
 #          rows-x8-dry bench-accum profile dp-bf16 ab-profile ab-fused ab-head attn-shapes attn-ab attn-parts dp-prio
 #          bench-pair pair-ab norm-blocks cf-side ab-old grad-keep side-ab ncu-step norm-ab side-prio pair-rows
 #          pair-full side-attn gemm-survey attn-hpb side-sms pair-head
@@ -643,6 +643,21 @@ for part in "$@"; do
       python3 tools/peft_parity.py --bin "$CF" --device cuda --tol 2e-2 2>&1 | grep -v -i warn | tee "$OUT/peft_parity.txt" | tail -20 ;;
     parity)
       python3 tools/hf_parity.py --bin .gpucarry/centrifuge 2>&1 | tee "$OUT/hf_parity.txt" | tail -20 ;;
+    attn-timing)
+      # the attention alone timed both ways, alternated: queued (every run enqueued without waiting: GPU time
+      # only, as in a training step) and sync (the device idle before each run: its launch latency timed too);
+      # ours (bench_attention, BENCH_ATTN_TIMING) and SDPA's cuDNN and flash back ends (bench_pytorch --timing)
+      for rep in 1 2; do
+        for t in queued sync; do
+          BENCH_ATTN_PATHS=auto BENCH_ATTN_TIMING=$t "$G/bench_attention" 2>&1 | tee "$OUT/bench_attention_${t}_$rep.txt" | grep -E "B=|backward|forward"
+        done
+      done
+      for t in queued sync; do
+        for be in cudnn flash; do
+          python3 tools/bench_pytorch.py --sdpa-attention --sdpa-backend $be --heads 32 --kv-heads 4 --head-dim 64 --seq 4096 --timing $t 2>&1 | tee "$OUT/sdpa_${be}_d64_$t.txt" | tail -1
+          python3 tools/bench_pytorch.py --sdpa-attention --sdpa-backend $be --heads 32 --kv-heads 8 --head-dim 128 --seq 4096 --timing $t 2>&1 | tee "$OUT/sdpa_${be}_d128_$t.txt" | tail -1
+        done
+      done ;;
     parity-cuda)
       # the GPU binary (bf16) against transformers: losses, greedy tokens (ties within bf16's error accepted) and stops
       python3 tools/hf_parity.py --bin "$CF" --device cuda --tol 5e-2 --gen-tie 5e-2 2>&1 | tee "$OUT/hf_parity_cuda.txt" | tail -20 ;;

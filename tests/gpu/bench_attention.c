@@ -11,7 +11,13 @@
  * Default shapes: TinyLlama (H=32, Hkv=4, D=64) and a D=128 GQA shape
  * (H=32, Hkv=8), S=4096, B=1 (B sequences of S when given). Each figure is the median of 20 runs after 3
  * warm-ups, timed with cudaEvents on the backend's compute stream (its
- * device context, backend/cuda/context.h). FLOPs count the causal half only:
+ * device context, backend/cuda/context.h). BENCH_ATTN_TIMING=queued (the
+ * default) enqueues the 20 runs without waiting, an event pair around each,
+ * so the GPU runs them back to back and no host launch latency is timed, as
+ * in a training step and in triton's do_bench; =sync waits for the device
+ * before each run, so the time of each also holds the latency of its first
+ * launch (and of any launch the GPU overtakes). tools/bench_pytorch.py
+ * --timing times SDPA either way. FLOPs count the causal half only:
  *   forward  = 4 B H D S(S+1)/2      (QK^T and PV)
  *   backward = 2.5 x forward         (QK^T, dO V^T, P^T dO, dS^T Q, dS K)
  * Filtered modes keep exactly half of each sequence's positions, chosen at
@@ -28,6 +34,7 @@
 #include "base/common.h"
 
 static cf_backend *gpu;
+static int g_sync_each;   /* BENCH_ATTN_TIMING=sync */
 
 #define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { \
     fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e_)); exit(1); } } while (0)
@@ -92,12 +99,25 @@ static float time_op(bench_ctx *c, int op) {
         exit(1);
     }
     float ms[REPS];
-    for (int i = 0; i < REPS; i++) {
-        CK(cudaEventRecord(e0, st));
-        run_op(c, op);
-        CK(cudaEventRecord(e1, st));
-        CK(cudaEventSynchronize(e1));
-        CK(cudaEventElapsedTime(&ms[i], e0, e1));
+    if (g_sync_each) {
+        for (int i = 0; i < REPS; i++) {
+            CK(cudaEventRecord(e0, st));
+            run_op(c, op);
+            CK(cudaEventRecord(e1, st));
+            CK(cudaEventSynchronize(e1));
+            CK(cudaEventElapsedTime(&ms[i], e0, e1));
+        }
+    } else {
+        cudaEvent_t ev[2 * REPS];
+        for (int i = 0; i < 2 * REPS; i++) CK(cudaEventCreate(&ev[i]));
+        for (int i = 0; i < REPS; i++) {
+            CK(cudaEventRecord(ev[2 * i], st));
+            run_op(c, op);
+            CK(cudaEventRecord(ev[2 * i + 1], st));
+        }
+        CK(cudaEventSynchronize(ev[2 * REPS - 1]));
+        for (int i = 0; i < REPS; i++) CK(cudaEventElapsedTime(&ms[i], ev[2 * i], ev[2 * i + 1]));
+        for (int i = 0; i < 2 * REPS; i++) CK(cudaEventDestroy(ev[i]));
     }
     CK(cudaEventDestroy(e0));
     CK(cudaEventDestroy(e1));
@@ -164,7 +184,8 @@ static void bench(int B, int S, int H, int Hkv, int D) {
         exit(1);
     }
     /* the commit the library was built at, so A/B timings of two builds name both */
-    printf("B=%d S=%d H=%d Hkv=%d D=%d (keep %d/%d), build %s\n", B, S, H, Hkv, D, n, (int)T, cf_build_commit());
+    printf("B=%d S=%d H=%d Hkv=%d D=%d (keep %d/%d), build %s, timing %s\n", B, S, H, Hkv, D, n, (int)T,
+           cf_build_commit(), g_sync_each ? "sync" : "queued");
     printf("  %-22s %8.3f ms  %6.1f TFLOP/s\n", "forward", t_fwd, fwd_flop / t_fwd / 1e9);
     printf("  %-22s %8.3f ms  %6.1f TFLOP/s\n", "backward full", t_full, 2.5 * fwd_flop / t_full / 1e9);
     printf("  %-22s %8.3f ms  %.3f x full\n", "backward centrifuge", t_cf, t_cf / t_full);
@@ -180,7 +201,12 @@ static void bench(int B, int S, int H, int Hkv, int D) {
 }
 
 int main(int argc, char **argv) {
-    const char *paths_env = getenv("BENCH_ATTN_PATHS");
+    const char *paths_env = getenv("BENCH_ATTN_PATHS"), *timing = getenv("BENCH_ATTN_TIMING");
+    if (timing && strcmp(timing, "sync") != 0 && strcmp(timing, "queued") != 0) {
+        fprintf(stderr, "bench_attention: BENCH_ATTN_TIMING is queued or sync, got '%s'\n", timing);
+        return 2;
+    }
+    g_sync_each = timing && !strcmp(timing, "sync");
     char paths[256];
     snprintf(paths, sizeof paths, "%s", paths_env ? paths_env : "auto portable");
     int S = argc > 1 ? atoi(argv[1]) : 4096;
