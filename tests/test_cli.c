@@ -35,7 +35,7 @@ TEST(floats_are_the_whole_string_without_white_space_at_either_end) {
     double d = -1;
     CHECK(cf_parse_float("0.5", 0, 1, "--keep", &d) == 0 && d == 0.5);
     CHECK(cf_parse_float("1e-3", 0, 1, "--lr", &d) == 0 && d == 1e-3);
-    const char *bad[] = {" 0.5", "0.5 ", "\t1e-3", "1e-3\n", "half", "nan", "inf", "0.5x"};
+    const char *bad[] = {" 0.5", "0.5 ", "\t1e-3", "1e-3\n", "half", "nan", "inf", "0.5x", "0x1p-3", "0X.8"};
     for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
         d = 77;
         CHECK_MSG(cf_parse_float(bad[i], 0, 1, "--keep", &d) == -1 && d == 77, "'%s' was accepted", bad[i]);

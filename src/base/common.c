@@ -851,7 +851,9 @@ int cf_parse_float(const char *s, double lo, double hi, const char *what, double
     char *end, shown[64];
     errno = 0;
     double v = strtod(s, &end);
-    if (*end || errno || !isfinite(v) || edge_space(s))
+    /* strtod also reads hexadecimal floats ("0x1p-3"): not a number anyone
+     * means on a command line or in a text field */
+    if (*end || errno || !isfinite(v) || edge_space(s) || strpbrk(s, "xX"))
         return cf_fail("%s: '%s' is not a finite number", what, cf_printable(s, shown, sizeof shown));
     if (v < lo || v > hi) return cf_fail("%s: %g is outside [%g, %g]", what, v, lo, hi);
     *out = v;
