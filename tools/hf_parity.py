@@ -384,10 +384,8 @@ def run_case(name, args, work, torch, transformers, given_ckpt=None):
             ok = ok and mx < args.tol
         # 7. greedy generation and where it stops
         if args.generate:
-            del model
-            model = None
-            gok, res["generate"] = check_generation(args, ckpt, case_dir, windows[0][:args.gen_prompt], vocab,
-                                                    torch, transformers)
+            gok, res["generate"] = check_generation(args, model, ckpt, case_dir, windows[0][:args.gen_prompt],
+                                                    vocab, torch, transformers)
             ok = ok and gok
         res["status"] = "PASS" if ok else "FAIL"
     except ParityError as e:
@@ -466,12 +464,10 @@ def eos_copy(ckpt, dst, cfg_eos, gen_eos):
 GEN_STOPS = ("config.json eos list", "generation_config.json eos")
 
 
-def check_generation(args, ckpt, case_dir, prompt, vocab, torch, transformers):
-    """Step 7. Returns (ok, a dict for the results)."""
+def check_generation(args, model, ckpt, case_dir, prompt, vocab, torch, transformers):
+    """Step 7, with the checkpoint's model already loaded. Returns (ok, a dict for the results)."""
     n = args.gen_new
-    model, _ = load_hf(ckpt, torch, transformers, args.hf_device)
     hf, gaps = hf_generate(model, prompt, n, torch, args.hf_device)
-    del model
     cf = cf_generate(args, ckpt, prompt, n)
     ok, agreed, why = compare_tokens(cf, hf, gaps, args.gen_tie)
     res = {"prompt": prompt, "centrifuge": cf, "transformers": hf, "min_gap": min(gaps) if gaps else None,

@@ -155,13 +155,8 @@ int cf_dist_env_world(const char *(*getenv_fn)(const char *name), cf_launcher *l
     g_getenv = getenv_fn ? getenv_fn : sys_getenv;
     long r, s;
     int present;
-    cf_launcher l;
-    *launcher = CF_LAUNCH_NONE;
-    *rank = 0;
-    *world_size = 1;
-    if (read_world(&l, &r, &s, &present) != 0) return -1;
-    *launcher = l;
-    *rank = (int)r;
+    if (read_world(launcher, &r, &s, &present) != 0) return -1;
+    *rank = (int)r;   /* read_pair bounds both by CF_DIST_MAX_WORLD */
     *world_size = (int)s;
     return 0;
 }

@@ -90,37 +90,24 @@ static void run_op(bench_ctx *c, int op) {
 static float time_op(bench_ctx *c, int op) {
     enum { WARM = 3, REPS = 20 };
     cudaStream_t st = ((cf_cuda_ctx *)gpu->device_context(gpu))->stream;
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
     for (int i = 0; i < WARM; i++) run_op(c, op);
     if (gpu->synchronize(gpu) != 0) {
         fprintf(stderr, "%s\n", cf_last_error());
         exit(1);
     }
+    /* an event pair per run; sync: each run waited for before the next one */
     float ms[REPS];
-    if (g_sync_each) {
-        for (int i = 0; i < REPS; i++) {
-            CK(cudaEventRecord(e0, st));
-            run_op(c, op);
-            CK(cudaEventRecord(e1, st));
-            CK(cudaEventSynchronize(e1));
-            CK(cudaEventElapsedTime(&ms[i], e0, e1));
-        }
-    } else {
-        cudaEvent_t ev[2 * REPS];
-        for (int i = 0; i < 2 * REPS; i++) CK(cudaEventCreate(&ev[i]));
-        for (int i = 0; i < REPS; i++) {
-            CK(cudaEventRecord(ev[2 * i], st));
-            run_op(c, op);
-            CK(cudaEventRecord(ev[2 * i + 1], st));
-        }
-        CK(cudaEventSynchronize(ev[2 * REPS - 1]));
-        for (int i = 0; i < REPS; i++) CK(cudaEventElapsedTime(&ms[i], ev[2 * i], ev[2 * i + 1]));
-        for (int i = 0; i < 2 * REPS; i++) CK(cudaEventDestroy(ev[i]));
+    cudaEvent_t ev[2 * REPS];
+    for (int i = 0; i < 2 * REPS; i++) CK(cudaEventCreate(&ev[i]));
+    for (int i = 0; i < REPS; i++) {
+        CK(cudaEventRecord(ev[2 * i], st));
+        run_op(c, op);
+        CK(cudaEventRecord(ev[2 * i + 1], st));
+        if (g_sync_each) CK(cudaEventSynchronize(ev[2 * i + 1]));
     }
-    CK(cudaEventDestroy(e0));
-    CK(cudaEventDestroy(e1));
+    CK(cudaEventSynchronize(ev[2 * REPS - 1]));
+    for (int i = 0; i < REPS; i++) CK(cudaEventElapsedTime(&ms[i], ev[2 * i], ev[2 * i + 1]));
+    for (int i = 0; i < 2 * REPS; i++) CK(cudaEventDestroy(ev[i]));
     qsort(ms, REPS, sizeof(float), cmp_float);
     return ms[REPS / 2];
 }
